@@ -1,0 +1,56 @@
+"""Shared fixtures: one hub device for the whole session, validation layer on.
+
+Any message from the Khronos validation layer during a test fails that test (tools/test.sh
+sets VKXSPLIT_VALIDATION=1; the fixture turns it on when unset, too).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VKXSPLIT_VALIDATION", "1")
+
+
+@pytest.fixture(scope="session")
+def device():
+    from vkxsplit.vk.device import Device
+
+    dev = Device.open()
+    yield dev
+    msgs = list(dev.instance.messages)
+    dev.close()
+    assert not msgs, "validation messages at teardown:\n" + "\n".join(msgs)
+
+
+@pytest.fixture(autouse=True)
+def _fail_on_validation_messages(request):
+    yield
+    if "device" not in request.fixturenames:
+        return
+    dev = request.getfixturevalue("device")
+    msgs = list(dev.instance.messages)
+    dev.instance.messages.clear()
+    if msgs:
+        pytest.fail("Vulkan validation layer reported:\n" + "\n".join(msgs), pytrace=False)
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test, seeded from the test's name (reproducible, not shared)."""
+    import zlib
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def seq(device):
+    """A new command sequence, closed after the test."""
+    from vkxsplit.vk.command import Sequence
+
+    s = Sequence(device, "test")
+    yield s
+    s.wait()
+    s.close()

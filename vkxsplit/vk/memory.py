@@ -1,0 +1,386 @@
+"""Device memory: large blocks, sub-allocated into buffers.
+
+Drivers cap the number of VkDeviceMemory allocations (and each is slow to make), so the
+allocator takes blocks of ``VKXSPLIT_BLOCK_MB`` (default 256 MiB) per pool and hands out
+aligned ranges of them. Each block carries one VkBuffer that spans it; a :class:`Buffer`
+is (block, offset, size), bound to descriptors by offset. Pools:
+
+- ``device``: device-local; written through a staging copy when not host-visible
+- ``host``: host-visible, coherent, cached where possible (readback, small per-step values)
+- ``upload``: host-visible, device-local where the device has such memory (BAR / UMA)
+- ``export``: device-local and exportable (opaque fd, or dma-buf where offered): memory that
+  attached backends import; the fd names the whole block, a buffer is (fd, offset, size)
+
+A buffer's numpy view (:meth:`Buffer.numpy`) aliases the mapped memory: no copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import OutOfDeviceMemory, VkxError
+from .api import NULL, check, ffi, lib, new, next_serial, vk
+
+if TYPE_CHECKING:
+    from .device import Device
+
+log = logging.getLogger("vkxsplit.vk")
+
+MiB = 1 << 20
+BUFFER_USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+                | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+
+DEVICE_LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+HOST_VISIBLE = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT
+HOST_COHERENT = vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+HOST_CACHED = vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT
+
+HANDLE_OPAQUE_FD = vk.VK_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD_BIT
+HANDLE_DMA_BUF = vk.VK_EXTERNAL_MEMORY_HANDLE_TYPE_DMA_BUF_BIT_EXT
+HANDLE_HOST_ALLOCATION = vk.VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_ALLOCATION_BIT_EXT
+
+# pool name -> (required flags, preferred flags, (avoided flags))
+POOLS: dict[str, tuple[int, int, int]] = {
+    "device": (DEVICE_LOCAL, 0, HOST_VISIBLE),
+    "host": (HOST_VISIBLE | HOST_COHERENT, HOST_CACHED, 0),
+    "upload": (HOST_VISIBLE | HOST_COHERENT, DEVICE_LOCAL, 0),
+    "export": (DEVICE_LOCAL, 0, HOST_VISIBLE),
+}
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass
+class _Range:
+    offset: int
+    size: int
+
+
+class Block:
+    """One VkDeviceMemory with a VkBuffer spanning it, optionally mapped and/or exportable."""
+
+    def __init__(self, alloc: Allocator, pool: str, size: int, type_index: int,
+                 export_types: int = 0, import_info: Any = None, dedicated: bool = False) -> None:
+        dev = alloc.device
+        self.alloc = alloc
+        self.pool = pool
+        self.size = size
+        self.type_index = type_index
+        self.export_types = export_types
+        self.imported = import_info is not None
+        self.dedicated = dedicated
+        self.memory: Any = None
+        self.buffer: Any = None
+        self.ptr: Any = None
+        self._serial = next_serial()
+        flags = alloc.device.physical.memory_types[type_index].flags
+        self.host_visible = bool(flags & HOST_VISIBLE)
+        self.device_local = bool(flags & DEVICE_LOCAL)
+
+        handle_types = export_types or (import_info.handleType if import_info is not None else 0)
+        ext_bci = new("VkExternalMemoryBufferCreateInfo", handleTypes=handle_types) if handle_types else None
+        bci = new("VkBufferCreateInfo", size=size, usage=BUFFER_USAGE,
+                  sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE,
+                  pNext=ext_bci if ext_bci is not None else NULL)
+        out = ffi.new("VkBuffer*")
+        check(lib.vkCreateBuffer(dev.handle, bci, NULL, out), "vkCreateBuffer")
+        self.buffer = out[0]
+        req = new("VkMemoryRequirements")
+        lib.vkGetBufferMemoryRequirements(dev.handle, self.buffer, req)
+        if not (req.memoryTypeBits >> type_index) & 1:
+            lib.vkDestroyBuffer(dev.handle, self.buffer, NULL)
+            raise VkxError(f"memory type {type_index} cannot back storage buffers on {dev.name}")
+
+        chain: Any = NULL
+        keep = []
+        if export_types:
+            exp = new("VkExportMemoryAllocateInfo", handleTypes=export_types)
+            keep.append(exp)
+            chain = exp
+        if import_info is not None:
+            import_info.pNext = chain
+            chain = import_info
+        if dedicated or export_types or import_info is not None:
+            ded = new("VkMemoryDedicatedAllocateInfo", buffer=self.buffer, pNext=chain)
+            keep.append(ded)
+            chain = ded
+        mai = new("VkMemoryAllocateInfo", allocationSize=max(size, req.size), memoryTypeIndex=type_index,
+                  pNext=chain)
+        mem = ffi.new("VkDeviceMemory*")
+        res = lib.vkAllocateMemory(dev.handle, mai, NULL, mem)
+        if res < 0:
+            lib.vkDestroyBuffer(dev.handle, self.buffer, NULL)
+            self.buffer = None
+            if res in (vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, vk.VK_ERROR_OUT_OF_HOST_MEMORY):
+                raise OutOfDeviceMemory(
+                    f"vkAllocateMemory({size / MiB:.1f} MiB, pool {pool})", res,
+                    f"the device is out of memory ({alloc.allocated_bytes / MiB:.0f} MiB already "
+                    "allocated by vkxsplit): use a smaller model, context or batch")
+            check(res, f"vkAllocateMemory({size / MiB:.1f} MiB, pool {pool})")
+        self.memory = mem[0]
+        check(lib.vkBindBufferMemory(dev.handle, self.buffer, self.memory, 0), "vkBindBufferMemory")
+        if self.host_visible:
+            pp = ffi.new("void**")
+            check(lib.vkMapMemory(dev.handle, self.memory, 0, size, 0, pp), "vkMapMemory")
+            self.ptr = pp[0]
+        self.free: list[_Range] = [_Range(0, size)]
+        self.used = 0
+
+    def try_alloc(self, size: int, align: int) -> int | None:
+        for i, r in enumerate(self.free):
+            start = _align(r.offset, align)
+            end = start + size
+            if end <= r.offset + r.size:
+                pieces = []
+                if start > r.offset:
+                    pieces.append(_Range(r.offset, start - r.offset))
+                if end < r.offset + r.size:
+                    pieces.append(_Range(end, r.offset + r.size - end))
+                self.free[i:i + 1] = pieces
+                self.used += end - start
+                return start
+        return None
+
+    def release(self, offset: int, size: int) -> None:
+        self.used -= size
+        self.free.append(_Range(offset, size))
+        self.free.sort(key=lambda r: r.offset)
+        merged: list[_Range] = []
+        for r in self.free:
+            if merged and merged[-1].offset + merged[-1].size == r.offset:
+                merged[-1].size += r.size
+            else:
+                merged.append(r)
+        self.free = merged
+
+    def export_fd(self, handle_type: int = HANDLE_OPAQUE_FD) -> int:
+        """A new fd for this block's memory (the caller owns and closes it)."""
+        if not self.export_types & handle_type:
+            raise VkxError(f"block of pool '{self.pool}' was not allocated exportable as handle type "
+                           f"{handle_type:#x}")
+        dev = self.alloc.device
+        gi = new("VkMemoryGetFdInfoKHR", memory=self.memory, handleType=handle_type)
+        fd = ffi.new("int*")
+        check(dev.fn("vkGetMemoryFdKHR")(dev.handle, gi, fd), "vkGetMemoryFdKHR")
+        return fd[0]
+
+    def close(self) -> None:
+        dev = self.alloc.device
+        if self.memory is not None:
+            if self.ptr is not None:
+                lib.vkUnmapMemory(dev.handle, self.memory)
+                self.ptr = None
+            lib.vkFreeMemory(dev.handle, self.memory, NULL)
+            self.memory = None
+        if self.buffer is not None:
+            lib.vkDestroyBuffer(dev.handle, self.buffer, NULL)
+            self.buffer = None
+
+
+class Buffer:
+    """A sub-allocated range of a :class:`Block`. Owned by whoever allocated it; ``close()``
+    returns the range (idempotent)."""
+
+    def __init__(self, block: Block, offset: int, size: int, name: str = "") -> None:
+        self.block = block
+        self.offset = offset
+        self.size = size
+        self.name = name
+        self._closed = False
+        self._serial = next_serial()
+
+    @property
+    def handle(self) -> Any:
+        return self.block.buffer
+
+    @property
+    def host_visible(self) -> bool:
+        return self.block.host_visible
+
+    @property
+    def device(self) -> Device:
+        return self.block.alloc.device
+
+    def numpy(self, dtype: Any = np.uint8, shape: Any = None, offset: int = 0) -> np.ndarray:
+        """A numpy array aliasing this buffer's mapped memory (no copy)."""
+        if not self.block.host_visible:
+            raise VkxError(f"buffer '{self.name}' lives in device-only memory and has no host view",
+                           "allocate it from the 'host' or 'upload' pool, or use read()/write()")
+        dt = np.dtype(dtype)
+        nbytes = self.size - offset
+        count = nbytes // dt.itemsize if shape is None else int(np.prod(shape))
+        if count * dt.itemsize > nbytes:
+            raise VkxError(f"view of {count} x {dt} does not fit buffer '{self.name}' ({self.size} bytes)")
+        raw = ffi.buffer(self.block.ptr + self.offset + offset, count * dt.itemsize)
+        arr = np.frombuffer(raw, dtype=dt, count=count)
+        return arr.reshape(shape) if shape is not None else arr
+
+    def write(self, data: Any, offset: int = 0) -> None:
+        """Copy ``data`` (bytes-like / numpy) into the buffer at ``offset``."""
+        src = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if offset + src.nbytes > self.size:
+            raise VkxError(f"write of {src.nbytes} bytes at {offset} overflows buffer '{self.name}' "
+                           f"({self.size} bytes)")
+        if self.block.host_visible:
+            self.numpy(np.uint8, (src.nbytes,), offset)[:] = src
+        else:
+            from .command import staged_upload
+
+            staged_upload(self, src, offset)
+
+    def read(self, dtype: Any = np.uint8, shape: Any = None, offset: int = 0) -> np.ndarray:
+        """A copy of the buffer's contents (through a staging buffer when device-only)."""
+        dt = np.dtype(dtype)
+        count = (self.size - offset) // dt.itemsize if shape is None else int(np.prod(shape))
+        if self.block.host_visible:
+            return self.numpy(dt, (count,), offset).copy().reshape(shape if shape is not None else (count,))
+        from .command import staged_download
+
+        raw = staged_download(self, offset, count * dt.itemsize)
+        return raw.view(dt).reshape(shape if shape is not None else (count,))
+
+    def export_fd(self, handle_type: int = HANDLE_OPAQUE_FD) -> tuple[int, int, int]:
+        """``(fd, block_size, offset)``: the fd names the whole block (caller closes it)."""
+        return self.block.export_fd(handle_type), self.block.size, self.offset
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.block.alloc._release(self)
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.name!r}, pool={self.block.pool}, offset={self.offset}, size={self.size})"
+
+
+class Allocator:
+    """Pools of blocks on one device; see the module docstring."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.block_size = int(os.environ.get("VKXSPLIT_BLOCK_MB", "256")) * MiB
+        lim = device.physical.limits
+        self.alignment = max(256, int(lim["minStorageBufferOffsetAlignment"]),
+                             int(lim["nonCoherentAtomSize"]))
+        self.blocks: dict[str, list[Block]] = {}
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0
+        self.live_buffers = 0
+        self.type_for_pool = {p: self._choose_type(p) for p in POOLS}
+        self.export_handle_types = self._export_types()
+
+    def _choose_type(self, pool: str) -> int:
+        req, pref, avoid = POOLS[pool]
+        types = self.device.physical.memory_types
+        best, best_score = -1, -1
+        for t in types:
+            if t.flags & req != req:
+                continue
+            score = 4 * bool(t.flags & pref == pref and pref) + 2 * (not (t.flags & avoid)) + 1
+            if score > best_score:
+                best, best_score = t.index, score
+        if best < 0:
+            if pool in ("device", "export"):
+                return self._choose_type("host") if any(
+                    t.flags & HOST_VISIBLE for t in types) else types[0].index
+            raise VkxError(f"device '{self.device.name}' has no memory type for pool '{pool}' "
+                           f"(needs flags {req:#x})")
+        return best
+
+    def _export_types(self) -> int:
+        """Handle types that exportable blocks are made with: opaque fd (and dma-buf where the
+        driver both offers the extension and reports storage buffers exportable as dma-buf)."""
+        ext = self.device.extensions
+        t = 0
+        if "VK_KHR_external_memory_fd" in ext:
+            t |= HANDLE_OPAQUE_FD
+        if "VK_EXT_external_memory_dma_buf" in ext:
+            from .interop import buffer_handle_support
+
+            if buffer_handle_support(self.device.physical, HANDLE_DMA_BUF)["exportable"]:
+                t |= HANDLE_DMA_BUF
+        if t and "VK_KHR_external_memory_fd" in ext:
+            from .interop import buffer_handle_support
+
+            if not buffer_handle_support(self.device.physical, HANDLE_OPAQUE_FD)["exportable"]:
+                t &= ~HANDLE_OPAQUE_FD
+        return t
+
+    def alloc(self, size: int, pool: str = "device", name: str = "") -> Buffer:
+        """A buffer of ``size`` bytes (rounded up to the alignment) from ``pool``."""
+        if pool not in POOLS:
+            raise VkxError(f"unknown memory pool {pool!r} (pools: {', '.join(POOLS)})")
+        size = max(int(size), 4)
+        asize = _align(size, self.alignment)
+        with self._lock:
+            blocks = self.blocks.setdefault(pool, [])
+            if asize <= self.block_size // 2:
+                for b in blocks:
+                    if b.dedicated:
+                        continue
+                    off = b.try_alloc(asize, self.alignment)
+                    if off is not None:
+                        self.live_buffers += 1
+                        return Buffer(b, off, size, name)
+                b = self._new_block(pool, self.block_size, dedicated=False)
+            else:
+                b = self._new_block(pool, asize, dedicated=True)
+            off = b.try_alloc(asize, self.alignment)
+            assert off is not None
+            self.live_buffers += 1
+            return Buffer(b, off, size, name)
+
+    def _new_block(self, pool: str, size: int, dedicated: bool) -> Block:
+        export = 0
+        if pool == "export":
+            export = self.export_handle_types
+            if not export:
+                raise VkxError(f"device '{self.device.name}' cannot export memory (no "
+                               "VK_KHR_external_memory_fd)", "attach through host-allocation import")
+        b = Block(self, pool, size, self.type_for_pool[pool], export_types=export, dedicated=dedicated)
+        self.blocks.setdefault(pool, []).append(b)
+        self.allocated_bytes += size
+        log.debug("new %s block of %.1f MiB (type %d)", pool, size / MiB, b.type_index)
+        return b
+
+    def adopt_block(self, block: Block) -> None:
+        """Take ownership of a block made elsewhere (an imported allocation)."""
+        with self._lock:
+            self.blocks.setdefault(block.pool, []).append(block)
+            self.allocated_bytes += block.size
+
+    def _release(self, buf: Buffer) -> None:
+        with self._lock:
+            b = buf.block
+            if b.memory is None:
+                return
+            b.release(buf.offset, _align(buf.size, self.alignment))
+            self.live_buffers -= 1
+            if b.used == 0:
+                # Blocks are returned to the driver once empty: shared/imported memory must not
+                # linger, and a process's footprint should shrink after a model is closed.
+                self.blocks[b.pool].remove(b)
+                self.allocated_bytes -= b.size
+                b.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for blocks in self.blocks.values():
+                for b in blocks:
+                    b.close()
+            self.blocks.clear()
+            self.allocated_bytes = 0
