@@ -2,7 +2,7 @@
 
 Used by setup.py as ``cffi_modules=["native/build_native.py:ffibuilder"]``, so
 ``pip install -e .`` (or any wheel build) compiles the extension with the system C compiler.
-Run directly (``python native/build_native.py``) to build ``vkxsplit/_native*.so`` in place
+Run directly (``python native/build_native.py``) to build ``vkxsplit/_native.abi3.so`` in place
 without pip.
 """
 
@@ -52,39 +52,41 @@ int vkx_uapi_system_headers(void);
 """
 
 
-def make_builder(absolute_paths: bool = False) -> cffi.FFI:
-    """The FFI builder; setuptools gets relative source paths, a direct build absolute ones."""
-    fix = (lambda p: p) if absolute_paths else _rel
-    builder = cffi.FFI()
-    builder.cdef(CDEF)
-    builder.set_source(
-        "vkxsplit._native",
-        '#include "vkx_native.h"\n',
-        sources=[fix(os.path.join(_HERE, "vkx_native.c"))],
-        include_dirs=[fix(_HERE)],
-        depends=[fix(os.path.join(_HERE, "vkx_native.h"))],
-        extra_compile_args=["-O2", "-Wall"],
-    )
-    return builder
+ffibuilder = cffi.FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "vkxsplit._native",
+    '#include "vkx_native.h"\n',
+    sources=[_rel(os.path.join(_HERE, "vkx_native.c"))],
+    include_dirs=[_rel(_HERE)],
+    depends=[_rel(os.path.join(_HERE, "vkx_native.h"))],
+    extra_compile_args=["-O2", "-Wall"],
+)
 
 
-ffibuilder = make_builder()
+def build_in_place() -> None:
+    """``setup.py build_ext --inplace`` with its scratch files under native/_build/.
 
+    Goes through setuptools (as pip does) so the module gets the same name, vkxsplit/_native.abi3.so,
+    and a later ``pip install -e .`` replaces it instead of leaving a stale copy that wins the import.
+    """
+    import subprocess
+    import sys
 
-def build_in_place() -> str:
-    """Compile into native/_build/ and copy the module next to the package: vkxsplit/_native*.so."""
-    import glob
-    import shutil
-
-    tmpdir = os.path.join(_HERE, "_build")
-    so_path = make_builder(absolute_paths=True).compile(tmpdir=tmpdir, verbose=True)
-    pkg = os.path.join(os.path.dirname(_HERE), "vkxsplit")
-    for stale in glob.glob(os.path.join(pkg, "_native*.so")):  # e.g. an _native.abi3.so from pip
-        os.remove(stale)
-    dest = os.path.join(pkg, os.path.basename(so_path))
-    shutil.copyfile(so_path, dest)
-    return dest
+    root = os.path.dirname(_HERE)
+    scratch = os.path.join("native", "_build")  # relative to root, where setup.py runs
+    cmd = [
+        sys.executable,
+        "setup.py",
+        "build_ext",
+        "--inplace",
+        "--build-temp",
+        scratch,
+        "--build-lib",
+        scratch,
+    ]
+    subprocess.run(cmd, cwd=root, check=True)
 
 
 if __name__ == "__main__":
-    print(build_in_place())
+    build_in_place()

@@ -60,7 +60,8 @@ def make_parser() -> argparse.ArgumentParser:
             if exc.name == mod_name:
                 continue
             raise
-        mod.register(sub)
+        if hasattr(mod, "register"):
+            mod.register(sub)
     return ap
 
 

@@ -15,6 +15,7 @@ The installed package reads only the manifest and the .spv files: it needs no co
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import json
@@ -26,7 +27,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,7 @@ def _tool(name: str) -> str | None:
     return shutil.which(name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def tool_version(name: str) -> str:
     exe = _tool(name)
     if exe is None:
@@ -174,14 +175,21 @@ def load_manifest(path: Path = MANIFEST) -> dict[str, Any]:
 
 def build(only: str | None = None, force: bool = False, jobs: int | None = None,
           log: Any = print) -> dict[str, Any]:
-    """Compile changed variants, validate them, and rewrite the manifest. Returns it."""
+    """Compile changed variants (those matching ``only``, when given), validate them, and
+    rewrite the manifest. Variants outside ``only`` keep their previous entry. Returns it."""
     src_dir = source_dir()
     if not src_dir.is_dir():
         raise EnvironmentProblem(f"shader sources not found at {src_dir}",
                                  "run the build from a source checkout, or set VKXSPLIT_SHADER_SRC")
+    SPV_DIR.mkdir(parents=True, exist_ok=True)
+    with open(SPV_DIR / ".build.lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)  # several builders may share a checkout
+        return _build_locked(src_dir, only, force, jobs, log)
+
+
+def _build_locked(src_dir: Path, only: str | None, force: bool, jobs: int | None, log: Any) -> dict[str, Any]:
     variants = all_variants()
     old = load_manifest().get("variants", {})
-    SPV_DIR.mkdir(parents=True, exist_ok=True)
     pat = re.compile(only) if only else None
     todo: list[Variant] = []
     entries: dict[str, Any] = {}
@@ -191,9 +199,12 @@ def build(only: str | None = None, force: bool = False, jobs: int | None = None,
         prev = old.get(name)
         fresh = (prev is not None and prev.get("source_sha256") == h and spv.exists()
                  and hashlib.sha256(spv.read_bytes()).hexdigest() == prev.get("spv_sha256"))
+        if pat is not None and not pat.search(name):
+            if prev is not None:
+                entries[name] = prev
+            continue
         if force or not fresh:
-            if pat is None or pat.search(name) or prev is None:
-                todo.append(v)
+            todo.append(v)
         entries[name] = dict(v.meta(), source_sha256=h)
 
     def work(v: Variant) -> None:
@@ -211,15 +222,20 @@ def build(only: str | None = None, force: bool = False, jobs: int | None = None,
         spv = SPV_DIR / f"{name}.spv"
         if not spv.exists():
             raise ShaderBuildError(f"{spv} is missing after the build")
-        e["spv_sha256"] = hashlib.sha256(spv.read_bytes()).hexdigest()
-    for stale in SPV_DIR.glob("*.spv"):
-        if stale.stem not in entries:
-            stale.unlink()
+        if pat is None or pat.search(name):
+            e["spv_sha256"] = hashlib.sha256(spv.read_bytes()).hexdigest()
+    if pat is None:
+        for stale in SPV_DIR.glob("*.spv"):
+            if stale.stem not in entries:
+                stale.unlink()
     manifest = {
         "compilers": {"glslc": tool_version("glslc"), "glslang": tool_version("glslang")},
         "variants": entries,
     }
-    MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    tmpm = MANIFEST.with_suffix(".json.tmp")
+    tmpm.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    tmpm.replace(MANIFEST)
+    shipped.cache_clear()
     log(f"manifest: {len(entries)} variants in {MANIFEST}")
     return manifest
 
@@ -248,7 +264,7 @@ def check_manifest() -> list[str]:
     return problems
 
 
-@lru_cache(maxsize=None)
+@cache
 def shipped() -> dict[str, Any]:
     """The manifest of the installed package (variant name -> metadata)."""
     man = load_manifest()

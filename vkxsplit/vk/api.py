@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from ..errors import EnvironmentProblem, OutOfDeviceMemory, VulkanError
@@ -35,7 +35,7 @@ NULL = ffi.NULL
 UINT64_MAX = 0xFFFFFFFFFFFFFFFF
 
 
-@lru_cache(maxsize=None)
+@cache
 def _stype(ctype: str) -> int | None:
     ctor = getattr(vk, ctype, None)
     if ctor is None:

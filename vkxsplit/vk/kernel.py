@@ -36,7 +36,7 @@ class View:
         return self.buffer.offset + self.offset
 
 
-Bindable = Union[Buffer, View]
+Bindable = Union[Buffer, View]  # noqa: UP007 (a runtime alias: py3.10 needs Union here)
 
 
 def as_range(b: Bindable) -> tuple[Any, int, int, int]:
@@ -143,7 +143,7 @@ class Kernel:
         if ds is not None:
             return ds
         maxr = int(self.device.physical.limits["maxStorageBufferRange"])
-        for i, (_h, o, s, _) in enumerate(ranges):
+        for i, (_h, _o, s, _) in enumerate(ranges):
             if s > maxr:
                 raise KernelError(f"kernel {self.name}: binding {i} is {s} bytes, over the device's "
                                   f"maxStorageBufferRange ({maxr})")

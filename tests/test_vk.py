@@ -1,0 +1,190 @@
+"""The Vulkan layer: allocator, zero-copy views, replayed sequences, timelines, selection."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from vkxsplit.errors import EnvironmentProblem, VkxError, WaitTimeout
+from vkxsplit.ops.convert import record_convert
+from vkxsplit.vk.command import Sequence
+from vkxsplit.vk.event import Timeline
+from vkxsplit.vk.kernel import View
+
+
+def test_suballocation_shares_blocks_and_frees(device):
+    mem = device.memory
+    before_bytes, before_live = mem.allocated_bytes, mem.live_buffers
+    bufs = [mem.alloc(1000 + i, "host", f"b{i}") for i in range(200)]
+    blocks = {id(b.block) for b in bufs}
+    assert len(blocks) == 1, "small buffers must come from one block"
+    offs = sorted((b.offset, b.offset + b.size) for b in bufs)
+    assert all(e <= s2 for (_, e), (s2, _) in zip(offs, offs[1:])), "ranges overlap"
+    assert all(b.offset % mem.alignment == 0 for b in bufs)
+    for b in bufs:
+        b.close()
+        b.close()  # idempotent
+    assert mem.allocated_bytes == before_bytes and mem.live_buffers == before_live
+
+
+def test_large_buffer_gets_dedicated_block(device):
+    mem = device.memory
+    big = mem.alloc(mem.block_size, "host", "big")
+    try:
+        assert big.block.dedicated and big.block.size >= mem.block_size
+    finally:
+        big.close()
+
+
+def test_numpy_view_is_zero_copy(device, seq):
+    buf = device.memory.alloc(64 * 4, "host", "v")
+    out = device.memory.alloc(64 * 2, "host", "o")
+    try:
+        view = buf.numpy(np.float32)
+        view[:] = np.arange(64, dtype=np.float32)  # written through the view, read by the GPU
+        record_convert(seq, buf, out, 64, "f32", "bf16")
+        seq.run()
+        assert np.array_equal(out.numpy(np.uint16, (64,)),
+                              np.arange(64, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+        assert np.shares_memory(view, buf.numpy(np.float32))
+    finally:
+        buf.close()
+        out.close()
+
+
+def test_device_pool_roundtrip_through_staging(device, rng):
+    data = rng.integers(0, 255, 10_000, dtype=np.uint8)
+    buf = device.memory.alloc(data.nbytes, "device", "dev")
+    try:
+        buf.write(data)
+        assert np.array_equal(buf.read(np.uint8), data)
+    finally:
+        buf.close()
+
+
+def test_replayed_sequence_gives_same_results(device, rng):
+    n = 5000
+    src = device.memory.alloc(n * 4, "host", "src")
+    mid = device.memory.alloc(n * 2, "host", "mid")
+    dst = device.memory.alloc(n * 4, "host", "dst")
+    seq = Sequence(device, "replay")
+    try:
+        record_convert(seq, src, mid, n, "f32", "bf16")
+        record_convert(seq, mid, dst, n, "bf16", "f32")  # reads what the first wrote: needs a barrier
+        seq.end()
+        assert seq.barriers >= 2  # the opening barrier plus the read-after-write one
+        for _ in range(50):
+            x = rng.standard_normal(n).astype(np.float32)
+            src.numpy(np.float32)[:] = x
+            dst.numpy(np.float32)[:] = np.nan
+            seq.run()
+            want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+            assert np.array_equal(dst.numpy(np.float32), want)
+        assert seq.submits == 50 and seq.dispatches == 2  # replayed, never re-recorded
+    finally:
+        seq.close()
+        for b in (src, mid, dst):
+            b.close()
+
+
+def test_view_binds_a_subrange(device, seq):
+    buf = device.memory.alloc(4096, "host", "whole")
+    out = device.memory.alloc(4096, "host", "out")
+    try:
+        buf.numpy(np.float32)[:] = np.arange(1024, dtype=np.float32)
+        out.numpy(np.float32)[:] = -1
+        record_convert(seq, View(buf, 1024, 1024), View(out, 2048, 1024), 256, "f32", "f32")
+        seq.run()
+        o = out.numpy(np.float32)
+        assert np.array_equal(o[512:768], np.arange(256, 512, dtype=np.float32))
+        assert (o[:512] == -1).all() and (o[768:] == -1).all()
+    finally:
+        buf.close()
+        out.close()
+
+
+def test_timeline_host_signal_and_wait(device):
+    t = Timeline(device, name="t")
+    try:
+        v = t.next()
+        threading.Timer(0.05, t.signal, args=(v,)).start()
+        t.wait(v, timeout=5)
+        assert t.value == v
+    finally:
+        t.close()
+
+
+def test_timeline_wait_times_out_with_clear_error(device):
+    t = Timeline(device, name="never")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WaitTimeout, match="never.*reach 1"):
+            t.wait(1, timeout=0.2)
+        assert time.monotonic() - t0 < 5
+    finally:
+        t.close()
+
+
+def test_gpu_waits_on_host_signalled_point(device, rng):
+    """A submit may wait on a value the host signals later (wait-before-signal)."""
+    gate = Timeline(device, name="gate")
+    n = 1000
+    src = device.memory.alloc(n * 4, "host")
+    dst = device.memory.alloc(n * 2, "host")
+    seq = Sequence(device, "gated")
+    try:
+        x = rng.standard_normal(n).astype(np.float32)
+        src.numpy(np.float32)[:] = x
+        dst.numpy(np.uint16)[:] = 0
+        record_convert(seq, src, dst, n, "f32", "bf16")
+        done = seq.submit(waits=[(gate, 1)])
+        time.sleep(0.05)
+        assert seq.timeline.value < done, "ran before its wait was satisfied"
+        gate.signal(1)
+        seq.wait(timeout=10)
+        assert np.array_equal(dst.numpy(np.uint16), x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    finally:
+        seq.close()
+        gate.close()
+        src.close()
+        dst.close()
+
+
+def test_exportable_memory_gives_fd(device):
+    import os
+
+    if not device.memory.export_handle_types:
+        pytest.skip("device cannot export memory")
+    buf = device.memory.alloc(1 << 16, "export", "shared")
+    try:
+        fd, size, off = buf.export_fd()
+        assert fd >= 0 and size >= buf.size and off == buf.offset
+        assert os.fstat(fd).st_size in (0, size) or os.fstat(fd).st_size >= size
+        os.close(fd)
+    finally:
+        buf.close()
+
+
+def test_unknown_pool_and_bad_selector(device):
+    with pytest.raises(VkxError, match="unknown memory pool"):
+        device.memory.alloc(16, "vram")
+    with pytest.raises(EnvironmentProblem, match="does not exist"):
+        device.instance.select(99)
+    with pytest.raises(EnvironmentProblem, match="no device name contains"):
+        device.instance.select("no-such-gpu")
+    assert device.instance.select(device.physical.name[:6]).name == device.physical.name
+
+
+def test_missing_required_feature_is_named(device):
+    import copy
+
+    from vkxsplit.vk.device import Device
+
+    phys = copy.copy(device.physical)
+    phys.features = dict(phys.features, timelineSemaphore=False)
+    with pytest.raises(EnvironmentProblem, match="timelineSemaphore"):
+        Device(device.instance, phys)
