@@ -380,6 +380,11 @@ def _open_reader(path: Path) -> tuple[GGUFReader, int]:
     size = path.stat().st_size
     with path.open("rb") as fh:
         head = fh.read(_HEADER_BYTES)
+    if size == 0:
+        raise ModelError(
+            f"{_describe(path)} is empty (0 bytes)",
+            hint="the download or copy failed; fetch the file again",
+        )
     if head[:4] != GGUF_MAGIC_BYTES:
         raise ModelError(
             f"{_describe(path)} is not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC_BYTES!r})",
@@ -406,7 +411,12 @@ def _open_reader(path: Path) -> tuple[GGUFReader, int]:
         raise ModelError(
             f"{_describe(path)} {cause}", hint="the download or copy may be cut short or damaged; fetch it again"
         ) from e
-    except (IndexError, KeyError, UnicodeDecodeError, OverflowError, TypeError, MemoryError) as e:
+    except IndexError as e:  # a read past the end of the memory map
+        raise ModelError(
+            f"{_describe(path)} is truncated: its header runs past the end of the file ({size} bytes)",
+            hint="the download or copy was cut short; fetch the file again",
+        ) from e
+    except (KeyError, UnicodeDecodeError, OverflowError, TypeError, MemoryError) as e:
         raise ModelError(
             f"{_describe(path)} is truncated or corrupt: its header could not be parsed "
             f"({type(e).__name__}: {e})",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,7 +164,26 @@ _FEATURE_STRUCTS = {
 }
 
 
-def _query_device(index: int, handle: Any) -> PhysicalDeviceInfo:
+def _query_coopmat_shapes(instance_handle: Any, handle: Any) -> list[CoopMatShape]:
+    """vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR (an instance-level extension function)."""
+    p = lib.vkGetInstanceProcAddr(instance_handle, b"vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    if p == NULL:
+        return []
+    fn = ffi.cast("PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", p)
+    n = ffi.new("uint32_t*")
+    if fn(handle, n, NULL) < 0 or n[0] == 0:
+        return []
+    arr = ffi.new(f"VkCooperativeMatrixPropertiesKHR[{n[0]}]")
+    for i in range(n[0]):
+        arr[i].sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+    if fn(handle, n, arr) < 0:
+        return []
+    return [CoopMatShape(m=c.MSize, n=c.NSize, k=c.KSize, a_type=c.AType, b_type=c.BType, c_type=c.CType,
+                         result_type=c.ResultType, saturating=bool(c.saturatingAccumulation), scope=c.scope)
+            for c in arr[0:n[0]]]
+
+
+def _query_device(index: int, handle: Any, instance_handle: Any = None) -> PhysicalDeviceInfo:
     props = new("VkPhysicalDeviceProperties")
     lib.vkGetPhysicalDeviceProperties(handle, props)
     api = props.apiVersion
@@ -247,6 +267,8 @@ def _query_device(index: int, handle: Any) -> PhysicalDeviceInfo:
     info.features["shaderBFloat16Type"] = bool(bf16 is not None and bf16.shaderBFloat16Type)
     info.features["shaderBFloat16CooperativeMatrix"] = bool(
         bf16 is not None and bf16.shaderBFloat16CooperativeMatrix)
+    if instance_handle is not None and info.has("VK_KHR_cooperative_matrix"):
+        info.coopmat_shapes = _query_coopmat_shapes(instance_handle, handle)
 
     mem = new("VkPhysicalDeviceMemoryProperties")
     lib.vkGetPhysicalDeviceMemoryProperties(handle, mem)
@@ -271,7 +293,8 @@ class Instance:
     from the validation layer are appended to ``self.messages`` (and logged).
     """
 
-    def __init__(self, validation: bool | None = None, app_name: str = "vkxsplit") -> None:
+    def __init__(self, validation: bool | None = None, app_name: str = "vkxsplit",
+                 extra_extensions: Sequence[str] = ()) -> None:
         if validation is None:
             validation = env_flag("VKXSPLIT_VALIDATION")
         self.validation = validation
@@ -310,6 +333,13 @@ class Instance:
                 exts.append(e)
         if "VK_KHR_portability_enumeration" in exts_avail:
             exts.append("VK_KHR_portability_enumeration")
+        # Extra instance extensions a caller needs (e.g. the surface extensions GLFW asks for).
+        missing_extra = [e for e in extra_extensions if e not in exts_avail]
+        if missing_extra:
+            raise EnvironmentProblem(
+                "the Vulkan loader lacks instance extension(s) " + ", ".join(missing_extra),
+                "install a loader/driver that offers them (`vulkaninfo --summary` lists what is there)")
+        exts += [e for e in extra_extensions if e not in exts]
         self.enabled_extensions = exts
         self.enabled_layers = layers
 
@@ -379,7 +409,7 @@ class Instance:
     def physical_devices(self) -> list[PhysicalDeviceInfo]:
         if self._devices is None:
             handles = enumerate_(lib.vkEnumeratePhysicalDevices, "VkPhysicalDevice", self.handle)
-            self._devices = [_query_device(i, h) for i, h in enumerate(handles)]
+            self._devices = [_query_device(i, h, self.handle) for i, h in enumerate(handles)]
         return self._devices
 
     def select(self, selector: str | int | None = None) -> PhysicalDeviceInfo:

@@ -1,0 +1,59 @@
+#version 450
+// argmax_f32: index (int32) of the largest element of each row of a 2-D f32 tensor. Ties go
+// to the lowest index; NaN never wins (a row of NaN gives 0, as ggml). One workgroup per row.
+
+layout(local_size_x = 256) in;
+#define WG 256u
+#define NONE 0xffffffffu
+
+layout(std430, binding = 0) readonly buffer X { float x[]; };
+layout(std430, binding = 1) writeonly buffer Dst { int d[]; };
+
+layout(push_constant) uniform Push {
+    uint ncols;
+    uint nrows;
+    uint x_off;
+    uint x_stride;
+    uint d_off;
+} p;
+
+shared float red_v[WG];
+shared uint red_i[WG];
+
+void main() {
+    uint tid = gl_LocalInvocationID.x;
+    const float NEG_INF = uintBitsToFloat(0xff800000u);
+    for (uint row = gl_WorkGroupID.x; row < p.nrows; row += gl_NumWorkGroups.x) {
+        uint xb = p.x_off + row * p.x_stride;
+        float best = NEG_INF;
+        uint bi = NONE;
+        for (uint c = tid; c < p.ncols; c += WG) {  // increasing c: strict > keeps the lowest
+            float v = x[xb + c];
+            if (v > best || (v == best && bi == NONE)) {
+                best = v;
+                bi = c;
+            }
+        }
+        red_v[tid] = best;
+        red_i[tid] = bi;
+        barrier();
+        for (uint k = WG / 2u; k > 0u; k >>= 1) {
+            if (tid < k) {
+                float v2 = red_v[tid + k];
+                uint i2 = red_i[tid + k];
+                float v1 = red_v[tid];
+                uint i1 = red_i[tid];
+                if (i2 != NONE && (i1 == NONE || v2 > v1 || (v2 == v1 && i2 < i1))) {
+                    red_v[tid] = v2;
+                    red_i[tid] = i2;
+                }
+            }
+            barrier();
+        }
+        if (tid == 0u) {
+            uint r = red_i[0];
+            d[p.d_off + row] = int(r == NONE ? 0u : r);
+        }
+        barrier();
+    }
+}

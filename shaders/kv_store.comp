@@ -1,0 +1,49 @@
+#version 450
+// kv_store_f32_f16: write the current tokens' K and V (f32 rows [n_tokens, row_len], row_len =
+// n_kv_heads * head_dim, token stride in elements) into f16 caches [n_ctx, row_len] at the
+// positions read from an int32 buffer (one per token), so one recorded command buffer serves
+// every step. Rounding is round-to-nearest-even in integer bit math (bit-exact with numpy).
+// Positions outside [0, n_ctx) are skipped. gl_WorkGroupID.z: 0 = K, 1 = V.
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int16 : require
+#include "common.glsl"
+
+layout(local_size_x = 256) in;
+
+layout(std430, binding = 0) readonly buffer K { uint k[]; };
+layout(std430, binding = 1) readonly buffer V { uint v[]; };
+layout(std430, binding = 2) readonly buffer Pos { int pos[]; };
+layout(std430, binding = 3) writeonly buffer KC { uint16_t kc[]; };
+layout(std430, binding = 4) writeonly buffer VC { uint16_t vc[]; };
+
+layout(push_constant) uniform Push {
+    uint n_tokens;
+    uint row_len;
+    uint n_ctx;
+    uint k_off;
+    uint k_stride;
+    uint v_off;
+    uint v_stride;
+    uint pos_off;
+    uint kc_off;
+    uint vc_off;
+} p;
+
+void main() {
+    bool is_v = gl_WorkGroupID.z == 1u;
+    uint cstep = gl_NumWorkGroups.x * 256u;
+    for (uint t = gl_WorkGroupID.y; t < p.n_tokens; t += gl_NumWorkGroups.y) {
+        int ps = pos[p.pos_off + t];
+        if (ps < 0 || uint(ps) >= p.n_ctx) {
+            continue;
+        }
+        uint dst = uint(ps) * p.row_len;
+        for (uint c = gl_GlobalInvocationID.x; c < p.row_len; c += cstep) {
+            if (is_v) {
+                vc[p.vc_off + dst + c] = uint16_t(f32_to_f16_bits(v[p.v_off + t * p.v_stride + c]));
+            } else {
+                kc[p.kc_off + dst + c] = uint16_t(f32_to_f16_bits(k[p.k_off + t * p.k_stride + c]));
+            }
+        }
+    }
+}

@@ -1,0 +1,59 @@
+#version 450
+// rms_norm_f32 / rms_norm_mul_f32: y = x / sqrt(mean(x^2) + eps) over each row of a 2-D f32
+// tensor, optionally times a weight row vector w (FUSE_MUL = 1: what llama does). One
+// workgroup per row (looping when rows exceed the dispatch); f32 accumulation with a
+// shared-memory tree reduction. In-place use (dst == x) is allowed.
+
+layout(local_size_x = 256) in;
+#define WG 256u
+
+layout(std430, binding = 0) readonly buffer X { float x[]; };
+#if FUSE_MUL
+layout(std430, binding = 1) readonly buffer W { float w[]; };
+layout(std430, binding = 2) writeonly buffer Dst { float d[]; };
+#else
+layout(std430, binding = 1) writeonly buffer Dst { float d[]; };
+#endif
+
+layout(push_constant) uniform Push {
+    uint ncols;
+    uint nrows;
+    uint x_off;
+    uint x_stride;
+    uint w_off;
+    uint d_off;
+    uint d_stride;
+    float eps;
+} p;
+
+shared float red[WG];
+
+void main() {
+    uint tid = gl_LocalInvocationID.x;
+    for (uint row = gl_WorkGroupID.x; row < p.nrows; row += gl_NumWorkGroups.x) {
+        uint xb = p.x_off + row * p.x_stride;
+        uint db = p.d_off + row * p.d_stride;
+        float s = 0.0;
+        for (uint c = tid; c < p.ncols; c += WG) {
+            float v = x[xb + c];
+            s += v * v;
+        }
+        red[tid] = s;
+        barrier();
+        for (uint k = WG / 2u; k > 0u; k >>= 1) {
+            if (tid < k) {
+                red[tid] += red[tid + k];
+            }
+            barrier();
+        }
+        float scale = 1.0 / sqrt(red[0] / float(p.ncols) + p.eps);
+        barrier();  // red[] is reused by the next row
+        for (uint c = tid; c < p.ncols; c += WG) {
+#if FUSE_MUL
+            d[db + c] = (x[xb + c] * scale) * w[p.w_off + c];
+#else
+            d[db + c] = x[xb + c] * scale;
+#endif
+        }
+    }
+}

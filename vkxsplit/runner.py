@@ -1,0 +1,163 @@
+"""``vkxsplit run`` and ``vkxsplit bench``: the main jobs a user runs on a GGUF model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+class Progress:
+    """A one-line progress bar on a terminal (silent when stderr is not a tty)."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: float, total: float) -> None:
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac * 100:5.1f}%")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(train, 4096))")
+    p.add_argument("-ub", "--ubatch", type=int, default=512, help="tokens per prefill step")
+    p.add_argument("--device", default=None, help="hub device index or name part (VKXSPLIT_DEVICE)")
+    p.add_argument("--split", default=None, help="split mode: none (others: see `vkxsplit plan`)")
+    p.add_argument("--backends", default=None, help="comma-separated backends to attach")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from .model import load_model
+    from .vk.device import Device
+
+    dev = Device.open(args.device) if args.device is not None else None
+    model = load_model(args.model, split=args.split, backends=args.backends, device=dev, n_ctx=args.ctx_size,
+                       ubatch=args.ubatch, progress=Progress("loading"))
+    if dev is not None:
+        model._own_device = True
+    return model
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    model = _load(args)
+    try:
+        out = sys.stdout
+        if not args.chat:
+            out.write(args.prompt)
+        out.flush()
+        for piece in model.generate(args.prompt, args.n_predict, temperature=args.temp, seed=args.seed,
+                                    chat=args.chat, top_k=args.top_k, top_p=args.top_p):
+            out.write(piece)
+            out.flush()
+        out.write("\n")
+        t = model.timings
+        pp = t["prompt_tokens"] / t["prompt_s"] if t.get("prompt_s") else 0.0
+        tg = t["gen_tokens"] / t["gen_s"] if t.get("gen_s") else 0.0
+        print(f"\nprompt: {t['prompt_tokens']} tokens, {pp:.1f} tok/s | generation: {t['gen_tokens']} "
+              f"tokens, {tg:.1f} tok/s | device: {model.device.name}", file=sys.stderr)
+    finally:
+        model.close()
+    return 0
+
+
+def bench_model(model: Any, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> list[dict[str, Any]]:
+    """pp (prefill of n_prompt random ids) and tg (n_gen decode steps) tok/s over ``reps`` runs."""
+    rng = np.random.default_rng(seed)
+    results = []
+    if n_prompt:
+        ids = rng.integers(0, model.hp.n_vocab, n_prompt).tolist()
+        model.prefill(ids)  # warm-up: records the sequences
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model.prefill(ids)
+            ts.append(n_prompt / (time.perf_counter() - t0))
+        results.append({"test": f"pp{n_prompt}", "tps": ts})
+    if n_gen:
+        ts = []
+        for r in range(reps + 1):
+            model.prefill([int(rng.integers(0, model.hp.n_vocab))])
+            tok = model.last_argmax()
+            t0 = time.perf_counter()
+            for _ in range(n_gen):
+                model._run([tok], all_logits=False)
+                tok = model.last_argmax()
+            if r:  # the first run is the warm-up
+                ts.append(n_gen / (time.perf_counter() - t0))
+        results.append({"test": f"tg{n_gen}", "tps": ts})
+    return results
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    splits = (args.split or "none").split(";")
+    rows = []
+    for split in splits:
+        a = argparse.Namespace(**vars(args))
+        a.split = split
+        model = _load(a)
+        try:
+            for r in bench_model(model, args.n_prompt, args.n_gen, args.repetitions):
+                tps = r["tps"]
+                rows.append({
+                    "model": model.file.name, "size_gib": model.weight_bytes / 2**30,
+                    "backends": "vulkan" + (f",{args.backends}" if args.backends else ""),
+                    "split": split, "test": r["test"], "tps_mean": statistics.fmean(tps),
+                    "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0, "device": model.device.name,
+                })
+        finally:
+            model.close()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print("| model | size | backends | split | test | t/s |")
+    print("| --- | ---: | --- | --- | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['model']} | {r['size_gib']:.2f} GiB | {r['backends']} | {r['split']} | {r['test']} | "
+              f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f} |")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("run", help="generate text with a GGUF model (default: SmolLM2-135M-Instruct)")
+    _add_model_args(p)
+    p.add_argument("-p", "--prompt", default="Explain in two sentences why the sky is blue.",
+                   help="prompt text")
+    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k (0 = off)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the model's chat template (default: on when the model has one)")
+    p.set_defaults(func=_run_entry)
+    b = sub.add_parser("bench", help="llama-bench-style prompt (pp) and generation (tg) throughput")
+    _add_model_args(b)
+    b.add_argument("-p", "--n-prompt", type=int, default=512)
+    b.add_argument("-n", "--n-gen", type=int, default=128)
+    b.add_argument("-r", "--repetitions", type=int, default=3)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_bench)
+
+
+def _run_entry(args: argparse.Namespace) -> int:
+    if args.chat is None:
+        args.chat = True  # the default model is an instruct model; --no-chat for raw completion
+    return cmd_run(args)
