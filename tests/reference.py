@@ -38,6 +38,7 @@ __all__ = [
     "RefLayer",
     "RefWeights",
     "clear_cache",
+    "dequant64",
     "reference_forward",
     "reference_greedy",
     "reference_logits",
@@ -270,9 +271,23 @@ def reference_forward(
             k = k + L.bk
         if L.bv is not None:
             v = v + L.bv
-        q = rope(q.reshape(t_new, h_q, d), pos, rw.n_rot, rw.rope_base, rw.rope_scale, rw.neox, rw.rope_freq_factors)
+        q = rope(
+            q.reshape(t_new, h_q, d),
+            pos,
+            rw.n_rot,
+            rw.rope_base,
+            rw.rope_scale,
+            rw.neox,
+            rw.rope_freq_factors,
+        )
         k = rope(
-            k.reshape(t_new, h_kv, d), pos, rw.n_rot, rw.rope_base, rw.rope_scale, rw.neox, rw.rope_freq_factors
+            k.reshape(t_new, h_kv, d),
+            pos,
+            rw.n_rot,
+            rw.rope_base,
+            rw.rope_scale,
+            rw.neox,
+            rw.rope_freq_factors,
         )
         v = v.reshape(t_new, h_kv, dv)
         ck, cv = cache.k[li], cache.v[li]

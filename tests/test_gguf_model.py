@@ -19,7 +19,19 @@ Q = GGMLQuantizationType
 
 # ---- an independent, minimal GGUF parser (struct only) ---------------------------------------
 
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 # ggml type id -> (elements per block, bytes per block), from ggml's block layouts
 _BLOCKS = {
     0: (1, 4),
@@ -119,6 +131,7 @@ def write_tiny(
     raw_types: dict[str, GGMLQuantizationType] | None = None,
     reshape: dict[str, tuple[int, ...]] | None = None,
     extra_kv: Callable[[GGUFWriter], None] | None = None,
+    scale: float = 0.02,
 ) -> Path:
     """A small float32 model written with GGUFWriter (no vkxsplit code involved)."""
     rng = np.random.default_rng(0)
@@ -140,7 +153,10 @@ def write_tiny(
     if extra_kv is not None:
         extra_kv(w)
     hd = n_embd // n_head
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (n_vocab, n_embd), "output_norm.weight": (n_embd,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (n_vocab, n_embd),
+        "output_norm.weight": (n_embd,),
+    }
     if not tied:
         shapes["output.weight"] = (n_vocab, n_embd)
     for i in range(n_layer):
@@ -168,7 +184,7 @@ def write_tiny(
             continue
         qt = (raw_types or {}).get(name)
         if qt is None:
-            w.add_tensor(name, (rng.standard_normal(shp) * 0.02).astype(np.float32))
+            w.add_tensor(name, (rng.standard_normal(shp) * scale).astype(np.float32))
         else:
             block, size = _BLOCKS.get(int(qt), (256, 84))  # Q2_K: 256 elements in 84 bytes
             raw = rng.integers(0, 256, size=(*shp[:-1], shp[-1] // block * size), dtype=np.uint8)

@@ -143,7 +143,10 @@ def naive_logits(mf: ModelFile, ids: list[int]) -> np.ndarray:
     for layer in range(hp.n_layer):
         p = f"blk.{layer}."
         wq, wk, wv, wo = (w(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v", "attn_output"))
-        bias = {n: (w(p + n + ".bias") if p + n + ".bias" in mf.tensors else 0.0) for n in ("attn_q", "attn_k", "attn_v")}
+        bias = {
+            n: (w(p + n + ".bias") if p + n + ".bias" in mf.tensors else 0.0)
+            for n in ("attn_q", "attn_k", "attn_v")
+        }
         hs = [norm(x, w(p + "attn_norm.weight")) for x in xs]
         qs = [wq @ h + bias["attn_q"] for h in hs]
         ks = [wk @ h + bias["attn_k"] for h in hs]
@@ -177,7 +180,9 @@ def test_reference_matches_loop_implementation_llama(tmp_path: Path) -> None:
 
 
 def test_reference_matches_loop_implementation_qwen2_bias_neox(tmp_path: Path) -> None:
-    mf = load_model(write_tiny(tmp_path / "q.gguf", arch="qwen2", bias=True, tied=False, n_vocab=50))
+    mf = load_model(
+        write_tiny(tmp_path / "q.gguf", arch="qwen2", bias=True, tied=False, n_vocab=50, scale=0.3)
+    )
     assert mf.hparams.rope_type == "neox"
     ids = [1, 7, 3, 49, 0, 7]
     np.testing.assert_allclose(reference_logits(mf, ids), naive_logits(mf, ids), rtol=1e-9, atol=1e-9)

@@ -31,7 +31,12 @@ def test_tiny_smol_loads_and_dequantizes_sanely(tmp_path: Path, qtype: str) -> N
     mf = load_model(path)
     hp = mf.hparams
     shape = SHAPES["smol135m"]
-    assert (hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_ff) == (shape.n_embd, shape.n_head, shape.n_head_kv, shape.n_ff)
+    assert (hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_ff) == (
+        shape.n_embd,
+        shape.n_head,
+        shape.n_head_kv,
+        shape.n_ff,
+    )
     assert hp.n_layer == 2 and hp.n_vocab == 512 and mf.tied_embeddings
     assert mf.metadata["vkxsplit.synthetic"] is True
 
@@ -56,7 +61,7 @@ def test_tiny_smol_loads_and_dequantizes_sanely(tmp_path: Path, qtype: str) -> N
         assert float(np.abs(values).max()) < 5 * WEIGHT_STD
 
 
-def test_k_quants_with_aligned_rows(tmp_path: Path) -> None:
+def test_k_quants_with_aligned_rows() -> None:
     # llama-shaped rows (2048, 8192) hold K blocks, so every matrix keeps the requested type
     types = synthetic_tensor_types("llama1b", "q6_k", n_layer=1)
     assert {t for n, t in types.items() if not n.endswith("norm.weight")} == {Q.Q6_K}

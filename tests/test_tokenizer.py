@@ -217,14 +217,18 @@ def _tiny_tok(template: str) -> Tokenizer:
 
 
 def test_template_variables_and_helpers() -> None:
-    tok = _tiny_tok("{{ bos_token }}{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ eos_token }}")
+    tok = _tiny_tok(
+        "{{ bos_token }}{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ eos_token }}"
+    )
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<s>[user:x]</s>"
     tok = _tiny_tok("{{ messages | tojson }}")
     assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == '[{"role": "user", "content": "é"}]'
 
 
 def test_template_raise_exception() -> None:
-    tok = _tiny_tok("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok")
+    tok = _tiny_tok(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok"
+    )
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
     with pytest.raises(ModelError, match="first must be user"):
         tok.apply_chat_template([{"role": "assistant", "content": "x"}])
@@ -314,7 +318,9 @@ SPM_TEXTS = [
 @pytest.fixture(scope="module")
 def spm() -> Tokenizer:
     tokens, types, scores = spm_vocab()
-    return Tokenizer(model="llama", tokens=tokens, token_types=types, scores=scores, bos_id=1, eos_id=2, unk_id=0)
+    return Tokenizer(
+        model="llama", tokens=tokens, token_types=types, scores=scores, bos_id=1, eos_id=2, unk_id=0
+    )
 
 
 @pytest.mark.parametrize("text", SPM_TEXTS)

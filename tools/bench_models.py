@@ -99,10 +99,10 @@ def main() -> int:
           f"llama.cpp tg{args.n} | ratio |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        def f(k: str) -> str:
+        def f(k: str, r: dict = r) -> str:
             return f"{r[k]:.1f}" if k in r else "-"
 
-        def ratio(a: str, b: str) -> str:
+        def ratio(a: str, b: str, r: dict = r) -> str:
             return f"{r[a] / r[b]:.2f}x" if a in r and b in r and r[b] else "-"
 
         print(f"| {r['shape']} | {r['type']} | {f('vk_pp')} | {f('peer_pp')} | {ratio('vk_pp', 'peer_pp')} | "

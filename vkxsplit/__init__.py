@@ -9,12 +9,25 @@ Where to find each concept (one module each):
 - ``vkxsplit.vk.command``: command buffers recorded once and replayed
 - ``vkxsplit.shaders``: the shader build step, variant grammar and manifest
 - ``vkxsplit.ops``: one Python entry per op that records its kernel into a command buffer
+- ``vkxsplit.graph`` / ``vkxsplit.executor``: the step as a graph, recorded into a sequence
+- ``vkxsplit.gguf_model`` / ``vkxsplit.tokenizer`` / ``vkxsplit.model``: GGUF file to logits
+- ``vkxsplit.backend`` / ``vkxsplit.attach``: attached backends and shared memory
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from .errors import VkxError
 
 __version__ = "0.1.0"
 
-__all__ = ["VkxError", "__version__"]
+__all__ = ["VkxError", "__version__", "load_model"]
+
+
+def load_model(path: Any = None, split: Any = None, backends: Any = None, **kw: Any) -> Any:
+    """Load a GGUF model onto the hub (default: SmolLM2-135M-Instruct Q4_1); see
+    :class:`vkxsplit.model.Model` for the API (tokenize, detokenize, logits, generate, close)."""
+    from .model import load_model as _load
+
+    return _load(path, split=split, backends=backends, **kw)

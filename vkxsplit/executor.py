@@ -35,7 +35,7 @@ def _rms_norm(seq: Sequence, n: Node) -> None:
     from .ops.norm import record_rms_norm
 
     x, w = n.inputs
-    record_rms_norm(seq, x.buffer, n.output.buffer, x.rows, x.cols, n.params["eps"], weight=w.buffer)
+    record_rms_norm(seq, x.buffer, n.output.buffer, x.rows, x.cols, n.params["eps"], w.buffer)
 
 
 def _add(seq: Sequence, n: Node) -> None:
@@ -57,28 +57,29 @@ def _rope(seq: Sequence, n: Node) -> None:
 
     x, pos = n.inputs
     p = n.params
-    record_rope(seq, x.buffer, pos.buffer, n.output.buffer, n_tokens=x.rows, n_heads=p["n_heads"],
-                head_dim=p["head_dim"], n_dims=p["n_dims"], freq_base=p["freq_base"],
-                freq_scale=p["freq_scale"], neox=p["mode"] == "neox")
+    record_rope(seq, x.buffer, pos.buffer, n.output.buffer, x.rows, p["n_heads"], p["head_dim"],
+                n_dims=p["n_dims"], mode="neox" if p["mode"] == "neox" else "normal",
+                freq_base=p["freq_base"], freq_scale=p["freq_scale"])
 
 
 def _kv_store(seq: Sequence, n: Node) -> None:
     from .ops.attention import record_kv_store
 
-    k, v, params = n.inputs
+    k, v, pos = n.inputs
     p = n.params
-    record_kv_store(seq, k.buffer, v.buffer, n.output.buffer, p["cache_v"].buffer, params.buffer,
-                    n_tokens=k.rows, n_kv_heads=p["n_kv_heads"], head_dim=p["head_dim"],
-                    n_ctx=n.output.shape[0])
+    record_kv_store(seq, k.buffer, v.buffer, pos.buffer, n.output.buffer, p["cache_v"].buffer, k.rows,
+                    p["n_kv_heads"], p["head_dim"], n.output.shape[0])
 
 
 def _attention(seq: Sequence, n: Node) -> None:
     from .ops.attention import record_attention
 
-    q, ck, cv, params = n.inputs
+    q, ck, cv, pos = n.inputs
     p = n.params
-    record_attention(seq, q.buffer, ck.buffer, cv.buffer, n.output.buffer, params.buffer, n_tokens=q.rows,
-                     n_heads=p["n_heads"], n_kv_heads=p["n_kv_heads"], head_dim=p["head_dim"], n_ctx=p["n_ctx"])
+    scratch = p.get("scratch")
+    record_attention(seq, q.buffer, ck.buffer, cv.buffer, pos.buffer, n.output.buffer, q.rows, p["n_heads"],
+                     p["n_kv_heads"], p["head_dim"], p["n_ctx"], n_splits=p.get("n_splits", 1),
+                     scratch=scratch.buffer if scratch is not None else None)
 
 
 def _argmax(seq: Sequence, n: Node) -> None:

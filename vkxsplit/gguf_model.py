@@ -409,7 +409,8 @@ def _open_reader(path: Path) -> tuple[GGUFReader, int]:
         else:
             cause = f"is corrupt or truncated ({msg})"
         raise ModelError(
-            f"{_describe(path)} {cause}", hint="the download or copy may be cut short or damaged; fetch it again"
+            f"{_describe(path)} {cause}",
+            hint="the download or copy may be cut short or damaged; fetch it again",
         ) from e
     except IndexError as e:  # a read past the end of the memory map
         raise ModelError(

@@ -26,7 +26,8 @@ import numpy as np
 
 from .errors import ModelError, VkxError
 from .executor import record_graph
-from .gguf_model import ModelFile, default_model_path, load_model as load_gguf
+from .gguf_model import ModelFile, default_model_path
+from .gguf_model import load_model as load_gguf
 from .graph import Graph, Tensor
 from .tokenizer import Tokenizer
 from .vk.command import Sequence
@@ -101,7 +102,6 @@ class Model:
         # per-step inputs, written by the host before each submit
         self.ids_buf = self._alloc(T * 4, "host", "ids")
         self.pos_buf = self._alloc(T * 4, "host", "positions")
-        self.params_buf = self._alloc(16, "host", "step_params")  # pos0, n_kv, T, 0
         # activations (shared by every graph: steps run one after another on one queue)
         E, F = hp.n_embd, hp.n_ff
         self.act = {
@@ -115,6 +115,12 @@ class Model:
             "gate": self._alloc(T * F * f32, "device", "gate"),
             "up": self._alloc(T * F * f32, "device", "up"),
         }
+        from .ops.attention import attention_scratch_bytes
+
+        # decode attention splits the KV length over workgroups (flash-decoding)
+        self.decode_splits = 8
+        self.attn_scratch = self._alloc(
+            attention_scratch_bytes(1, hp.n_head, hp.head_dim_v, self.decode_splits), "device", "attn_scratch")
         self.logits_buf = self._alloc(T * hp.n_vocab * f32, "host", "logits")
         self.argmax_buf = self._alloc(T * 4, "host", "argmax")
 
@@ -131,7 +137,10 @@ class Model:
 
         ids = Tensor("ids", (T,), "i32", View(self.ids_buf, 0, T * 4))
         pos = Tensor("positions", (T,), "i32", View(self.pos_buf, 0, T * 4))
-        params = Tensor("step_params", (4,), "u32", self.params_buf)
+        split_kv: dict[str, Any] = {}
+        if T == 1:
+            split_kv = {"n_splits": self.decode_splits,
+                        "scratch": Tensor("attn_scratch", (1,), "f32", self.attn_scratch)}
         x = act("x", hp.n_embd)
         g.add("get_rows", "embd", [W["token_embd.weight"], ids], x)
         for il in range(hp.n_layer):
@@ -152,10 +161,11 @@ class Model:
             ck, cv = self.kv[il]
             cache_k = Tensor(f"cache_k.{il}", (self.n_ctx, hp.n_embd_k_gqa), "f16", ck)
             cache_v = Tensor(f"cache_v.{il}", (self.n_ctx, hp.n_embd_v_gqa), "f16", cv)
-            g.add("kv_store", p + "kv_store", [k, v, params], cache_k, cache_v=cache_v,
+            g.add("kv_store", p + "kv_store", [k, v, pos], cache_k, cache_v=cache_v,
                   n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim)
-            a = g.add("attention", p + "attn", [q, cache_k, cache_v, params], act("attn", hp.n_head * hp.head_dim_v),
-                      n_heads=hp.n_head, n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, n_ctx=self.n_ctx)
+            a = g.add("attention", p + "attn", [q, cache_k, cache_v, pos], act("attn", hp.n_head * hp.head_dim_v),
+                      n_heads=hp.n_head, n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, n_ctx=self.n_ctx,
+                      **split_kv)
             o = g.add("mul_mat", p + "attn_output", [W[p + "attn_output.weight"], a], act("o", hp.n_embd))
             g.add("add", p + "attn_residual", [x, o], x)
             h = g.add("rms_norm", p + "ffn_norm", [x, W[p + "ffn_norm.weight"]], act("h", hp.n_embd),
@@ -206,7 +216,6 @@ class Model:
         seq = self._sequence(T, all_logits)
         self.ids_buf.numpy(np.int32, (T,))[:] = ids
         self.pos_buf.numpy(np.int32, (T,))[:] = np.arange(self.n_past, self.n_past + T, dtype=np.int32)
-        self.params_buf.numpy(np.uint32, (4,))[:] = (self.n_past, self.n_past + T, T, 0)
         seq.submit()
         seq.wait()
         self.n_past += T

@@ -20,6 +20,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
@@ -253,7 +254,9 @@ def _synthetic_vocab(n_vocab: int, seed: int) -> tuple[list[str], list[int], lis
     b2u = bytes_to_unicode()
     tokens = list(_SPECIALS) + [b2u[b] for b in range(256)]
     if n_vocab < len(tokens):
-        raise ValueError(f"n_vocab must be at least {len(tokens)} (3 control + 256 byte tokens), got {n_vocab}")
+        raise ValueError(
+            f"n_vocab must be at least {len(tokens)} (3 control + 256 byte tokens), got {n_vocab}"
+        )
     types = [TOKEN_CONTROL] * len(_SPECIALS) + [TOKEN_NORMAL] * 256
     letters = [b2u[c] for c in b"etaoinshrdlcumwfgypbvkjxqz"]
     space = b2u[ord(" ")]
@@ -262,7 +265,11 @@ def _synthetic_vocab(n_vocab: int, seed: int) -> tuple[list[str], list[int], lis
     merges: list[str] = []
     rng = random.Random(seed)
     while len(tokens) < n_vocab:
-        left = pool[min(int(rng.expovariate(1.0 / 300.0)), len(pool) - 1)] if rng.random() < 0.7 else rng.choice(pool)
+        left = (
+            pool[min(int(rng.expovariate(1.0 / 300.0)), len(pool) - 1)]
+            if rng.random() < 0.7
+            else rng.choice(pool)
+        )
         right = rng.choice(letters)
         new = left + right
         if new in known or len(new) > 12:
@@ -278,7 +285,9 @@ def _synthetic_vocab(n_vocab: int, seed: int) -> tuple[list[str], list[int], lis
 # ---- writer ---------------------------------------------------------------------------------
 
 
-def synthetic_tensor_types(shape: str, qtype: str, n_layer: int | None = None) -> dict[str, GGMLQuantizationType]:
+def synthetic_tensor_types(
+    shape: str, qtype: str, n_layer: int | None = None
+) -> dict[str, GGMLQuantizationType]:
     """The tensor names and ggml types :func:`write_synthetic` writes (after K-quant fallback)."""
     return {name: t for name, t, _ in _plan(_shape(shape, None, n_layer), _qtype(qtype))}
 
@@ -417,3 +426,28 @@ def write_synthetic(
     finally:
         w.close()
     return path
+
+
+def register(sub: Any) -> None:
+    """``vkxsplit synth --shape SHAPE --type TYPE -o FILE``."""
+
+    def run(args: Any) -> int:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            p = write_synthetic(args.output, args.shape, args.type, seed=args.seed, n_layer=args.n_layer)
+        except ValueError as exc:
+            from .errors import VkxError
+
+            raise VkxError(str(exc)) from exc
+        print(f"wrote {p} ({p.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.1f} s")
+        return 0
+
+    p = sub.add_parser("synth", help="write a llama-shaped GGUF with random weights (for benchmarks)")
+    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--type", default="q4_0", help="weight type (q4_0, q4_1, q8_0, q4_k, q6_k, f16, bf16, ...)")
+    p.add_argument("--n-layer", type=int, default=None, help="override the layer count")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=run)

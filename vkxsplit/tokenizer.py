@@ -75,7 +75,9 @@ _PRE_GROUPS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("qwen2", "qwen2.5", "qwen-2.5", "deepseek-r1-qwen", "stablelm2", "megrez"): (_QWEN2_RE,),
 }
 #: tokenizer.ggml.pre -> list of regexes applied in order (each splits the previous pieces)
-PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {n: rs for names, rs in _PRE_GROUPS.items() for n in names}
+PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
+    n: rs for names, rs in _PRE_GROUPS.items() for n in names
+}
 #: pre-tokenizers whose BPE matches whole words against the vocabulary first (HF ignore_merges)
 _IGNORE_MERGES_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe"})
 
@@ -109,7 +111,11 @@ CHATML_TEMPLATE = (
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable unicode characters (byte-level BPE)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -146,7 +152,9 @@ def _spm_byte(text: str) -> int | None:
     return None
 
 
-def _spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> list[tuple[str, str]]:
+def _spm_merges(
+    tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]
+) -> list[tuple[str, str]]:
     """BPE merges equivalent to SentencePiece/llama.cpp SPM: merge the pair whose result scores highest."""
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
@@ -214,7 +222,9 @@ class Tokenizer:
         self.eos_id = _valid(eos_id)
         self.unk_id = _valid(unk_id)
         self.pad_id = _valid(pad_id)
-        self.add_bos = bool(add_bos if add_bos is not None else model == "llama" or self.pre in _IGNORE_MERGES_PRE)
+        self.add_bos = bool(
+            add_bos if add_bos is not None else model == "llama" or self.pre in _IGNORE_MERGES_PRE
+        )
         self.add_eos = bool(add_eos)
         self.add_space_prefix = bool(add_space_prefix if add_space_prefix is not None else model == "llama")
         self.chat_template = chat_template
@@ -264,7 +274,9 @@ class Tokenizer:
             )
         tokens = mf.get("tokenizer.ggml.tokens")
         if not tokens:
-            raise ModelError(f"{source} has no tokenizer.ggml.tokens", hint="re-convert the model with llama.cpp")
+            raise ModelError(
+                f"{source} has no tokenizer.ggml.tokens", hint="re-convert the model with llama.cpp"
+            )
         return cls(
             model=str(model),
             tokens=tokens,
@@ -535,7 +547,9 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
+) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 

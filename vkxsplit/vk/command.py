@@ -187,6 +187,12 @@ class Sequence:
         self._recording = False
         return self
 
+    def write_timestamp(self, ts: Timestamps, index: int) -> None:
+        """Reset and write GPU timestamp ``index`` of ``ts`` (after earlier commands finish)."""
+        self._require_recording()
+        lib.vkCmdResetQueryPool(self.cb, ts.handle, index, 1)
+        lib.vkCmdWriteTimestamp(self.cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, ts.handle, index)
+
     def _require_recording(self) -> None:
         if not self._recording:
             raise VkxError(f"sequence {self.name} is not recording (call begin())")
@@ -260,3 +266,36 @@ def staged_download(src: Any, offset: int, nbytes: int) -> np.ndarray:
         finally:
             seq.close()
         return tmp.numpy(np.uint8, (nbytes,)).copy()
+
+
+class Timestamps:
+    """A timestamp query pool: ``seq.write_timestamp(ts, i)`` records GPU time i; ``read()``
+    returns nanoseconds (for benchmarks and the executor's trace)."""
+
+    def __init__(self, device: Device, count: int) -> None:
+        if device.timestamp_bits == 0:
+            raise VkxError(f"the queue of '{device.name}' has no timestamps")
+        self.device = device
+        self.count = count
+        self._serial = next_serial()
+        qci = new("VkQueryPoolCreateInfo", queryType=vk.VK_QUERY_TYPE_TIMESTAMP, queryCount=count)
+        out = ffi.new("VkQueryPool*")
+        check(lib.vkCreateQueryPool(device.handle, qci, NULL, out), "vkCreateQueryPool")
+        self.handle = out[0]
+        device.adopt(self)
+
+    def read(self) -> np.ndarray:
+        data = np.zeros(self.count, np.uint64)
+        check(lib.vkGetQueryPoolResults(self.device.handle, self.handle, 0, self.count, data.nbytes,
+                                        ffi.from_buffer(data), 8,
+                                        vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT),
+              "vkGetQueryPoolResults")
+        mask = (1 << self.device.timestamp_bits) - 1 if self.device.timestamp_bits < 64 else (1 << 64) - 1
+        period = float(self.device.physical.limits["timestampPeriod"])
+        return (data & np.uint64(mask)).astype(np.float64) * period
+
+    def close(self) -> None:
+        if self.handle is not None and self.device.handle is not None:
+            lib.vkDestroyQueryPool(self.device.handle, self.handle, NULL)
+        self.handle = None
+

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,10 @@ class Block:
         self.memory: Any = None
         self.buffer: Any = None
         self.ptr: Any = None
+        self.allocation_size = 0  # VkMemoryAllocateInfo.allocationSize (what importers must name)
+        # Called (no arguments) once the VkDeviceMemory is freed: owners of imported payloads
+        # (a host mapping, a memfd) release them here, after Vulkan stopped using them.
+        self.on_close: list[Callable[[], None]] = []
         self._serial = next_serial()
         flags = alloc.device.physical.memory_types[type_index].flags
         self.host_visible = bool(flags & HOST_VISIBLE)
@@ -108,7 +113,9 @@ class Block:
         if import_info is not None:
             import_info.pNext = chain
             chain = import_info
-        if dedicated or export_types or import_info is not None:
+        # A host-pointer import must not name a dedicated buffer (VUID-VkMemoryAllocateInfo-pNext-02806).
+        host_import = import_info is not None and bool(import_info.handleType & HANDLE_HOST_ALLOCATION)
+        if dedicated or export_types or (import_info is not None and not host_import):
             ded = new("VkMemoryDedicatedAllocateInfo", buffer=self.buffer, pNext=chain)
             keep.append(ded)
             chain = ded
@@ -126,6 +133,7 @@ class Block:
                     "allocated by vkxsplit): use a smaller model, context or batch")
             check(res, f"vkAllocateMemory({size / MiB:.1f} MiB, pool {pool})")
         self.memory = mem[0]
+        self.allocation_size = int(mai.allocationSize)
         check(lib.vkBindBufferMemory(dev.handle, self.buffer, self.memory, 0), "vkBindBufferMemory")
         if self.host_visible:
             pp = ffi.new("void**")
@@ -183,6 +191,12 @@ class Block:
         if self.buffer is not None:
             lib.vkDestroyBuffer(dev.handle, self.buffer, NULL)
             self.buffer = None
+        hooks, self.on_close = self.on_close, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as exc:  # keep releasing
+                log.warning("closing block of pool %s: %s", self.pool, exc)
 
 
 class Buffer:

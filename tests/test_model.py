@@ -1,0 +1,86 @@
+"""The model runner on the hub vs the independent float64 reference (tests/reference.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from reference import reference_greedy, reference_logits
+
+from vkxsplit.errors import EnvironmentProblem, ModelError, VkxError
+
+# Bound on |logits - reference| for SmolLM2 (Q4_1 weights, f32 activations, f16 KV cache).
+# The KV cache rounds K/V to f16 (relative 2^-11); through 30 layers that perturbs logits of
+# magnitude ~20 by well under 0.1, so 0.25 leaves room without hiding a wrong kernel (a
+# wrong rope pairing or a skipped element moves logits by whole units).
+MAX_ABS_ERR = 0.25
+
+
+@pytest.fixture(scope="module")
+def smol(device):
+    from vkxsplit.gguf_model import default_model_path
+    from vkxsplit.model import load_model
+
+    try:
+        path = default_model_path()
+    except EnvironmentProblem as exc:
+        pytest.skip(str(exc))
+    m = load_model(path, device=device, n_ctx=256, ubatch=32)
+    yield m
+    m.close()
+
+
+def test_logits_match_reference(smol):
+    text = "The capital of France is Paris. The capital of Italy is"
+    ids = smol.tokenize(text)
+    got = smol.logits(ids)
+    want = reference_logits(smol.file, ids)
+    assert got.shape == (len(ids), smol.hp.n_vocab) and got.dtype == np.float32
+    assert np.isfinite(got).all()
+    assert (got.argmax(1) == want.argmax(1)).all(), "top-1 disagrees with the reference"
+    err = np.abs(got - want).max()
+    assert err < MAX_ABS_ERR, f"max |logits - reference| = {err}"
+
+
+def test_chunked_prefill_equals_one_chunk(smol):
+    ids = smol.tokenize("One two three four five six seven eight nine ten eleven twelve thirteen fourteen")
+    assert len(ids) > smol.ubatch // 2
+    whole = smol.logits(ids)
+    ub = smol.ubatch
+    try:
+        smol.ubatch = 5  # several chunks, and the last one short
+        parts = smol.logits(ids)
+    finally:
+        smol.ubatch = ub
+    assert np.abs(whole - parts).max() < 1e-3
+
+
+def test_greedy_generation_matches_reference_and_is_deterministic(smol):
+    ids = smol.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    want = reference_greedy(smol.file, ids, 12, stop_ids=tuple(smol.tokenizer.eot_ids))
+    got1 = list(smol.generate_ids(ids, 12))
+    got2 = list(smol.generate_ids(ids, 12))
+    assert got1 == got2, "greedy generation must be deterministic"
+    assert got1 == want[:len(got1)] and len(got1) == len(want)
+    assert "Paris" in smol.detokenize(got1)
+
+
+def test_sampling_is_seeded(smol):
+    ids = smol.tokenize("Once upon a time")
+    a = list(smol.generate_ids(ids, 8, temperature=0.9, top_k=40, top_p=0.95, seed=7))
+    b = list(smol.generate_ids(ids, 8, temperature=0.9, top_k=40, top_p=0.95, seed=7))
+    assert a == b and len(a) > 0
+
+
+def test_bad_inputs(smol, tmp_path):
+    from vkxsplit.model import load_model
+
+    with pytest.raises(VkxError, match="context"):
+        smol.prefill([1] * 300)
+    with pytest.raises(VkxError, match="outside the vocabulary"):
+        smol.logits([smol.hp.n_vocab + 5])
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(smol.path.read_bytes()[:100_000])
+    with pytest.raises(ModelError):
+        load_model(bad)
+    with pytest.raises(ModelError):
+        load_model(tmp_path / "missing.gguf")

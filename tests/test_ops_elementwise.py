@@ -1,0 +1,397 @@
+"""Row ops (vkxsplit.ops.elementwise, norm, softmax, rope, argmax) against independent float64
+numpy references on fresh random inputs; outputs are poisoned with NaN before every run.
+
+Error bounds (|got - ref|, elementwise):
+- add, mul, scale: exact (IEEE f32 +, * are correctly rounded on every Vulkan device), so
+  the result equals the f64 reference rounded to f32.
+- silu, gelu, swiglu: 1e-5 |ref| + 1e-6 (exp in f32; gelu's 1 - 2/(e^2v + 1) form, as ggml,
+  loses absolute, not relative, accuracy where the result is tiny).
+- rms_norm: 1e-5 |ref| + 1e-6 max|ref| (f32 sum of squares over the row).
+- softmax: 1e-5 |ref| + 1e-7.
+- rope: (2e-6 + 4 |theta|max 2^-24) max|x|: the angle is formed in f32 (as ggml), so its error
+  grows with the position.
+- argmax: exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vkxsplit.errors import KernelError
+from vkxsplit.ops.argmax import record_argmax
+from vkxsplit.ops.elementwise import (
+    record_add,
+    record_gelu,
+    record_mul,
+    record_scale,
+    record_silu,
+    record_swiglu,
+)
+from vkxsplit.ops.norm import record_rms_norm
+from vkxsplit.ops.rope import record_rope
+from vkxsplit.ops.softmax import record_softmax
+from vkxsplit.vk.kernel import View
+
+
+@pytest.fixture
+def bufs(device):
+    """bufs(n_floats) -> host buffer (closed after the test)."""
+    made = []
+
+    def make(n, dtype=np.float32):
+        b = device.memory.alloc(n * np.dtype(dtype).itemsize, "host", name="t")
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def put(buf, arr):
+    buf.numpy(arr.dtype, arr.size)[:] = arr.reshape(-1)
+
+
+def get(buf, n, dtype=np.float32):
+    return buf.numpy(dtype, n).copy()
+
+
+def poison(buf):
+    buf.numpy(np.float32)[:] = np.nan
+
+
+def run(seq):
+    seq.run()
+
+
+def assert_close(got, ref, rtol, atol, what=""):
+    got = np.asarray(got, np.float64)
+    err = np.abs(got - ref)
+    bound = rtol * np.abs(ref) + atol
+    bad = ~(err <= bound)
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside bound; worst err "
+                           f"{np.nanmax(err):.3g} at {np.unravel_index(np.nanargmax(err - bound), err.shape)}")
+
+
+# -- add / mul ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["add", "mul"])
+@pytest.mark.parametrize("rows,cols,b_rows,a_stride,off", [
+    (5, 777, 1, 777, 0),      # row-vector broadcast, tail
+    (4, 300, 4, 300, 0),      # same shape
+    (6, 33, 3, 40, 7),        # b repeated every 3 rows; strided, offset rows
+    (1, 70001, 1, 70001, 0),  # one long row (several column groups)
+])
+def test_binary(seq, bufs, rng, op, rows, cols, b_rows, a_stride, off):
+    a = rng.standard_normal((rows, a_stride)).astype(np.float32)
+    b = rng.standard_normal((b_rows, cols)).astype(np.float32)
+    A, B, D = bufs(off + rows * a_stride), bufs(b.size), bufs(off + rows * a_stride)
+    put(A, np.concatenate([np.zeros(off, np.float32), a.reshape(-1)]))
+    put(B, b)
+    poison(D)
+    fn = record_add if op == "add" else record_mul
+    fn(seq, A, B, D, rows, cols, b_rows=b_rows, a_offset=off, a_stride=a_stride, dst_offset=off,
+       dst_stride=a_stride)
+    run(seq)
+    got = get(D, off + rows * a_stride)[off:].reshape(rows, a_stride)[:, :cols]
+    bb = np.tile(b.astype(np.float64), (rows // b_rows, 1))
+    ref = a[:, :cols].astype(np.float64) + bb if op == "add" else a[:, :cols].astype(np.float64) * bb
+    np.testing.assert_array_equal(got, ref.astype(np.float32))
+    # columns between rows are not written
+    assert np.isnan(get(D, off + rows * a_stride)[off:].reshape(rows, a_stride)[:, cols:]).all()
+
+
+def test_binary_in_place_and_views(seq, bufs, rng):
+    rows, cols = 3, 513
+    a = rng.standard_normal((rows, cols)).astype(np.float32)
+    w = rng.standard_normal(cols).astype(np.float32)
+    A = bufs(4096)
+    W = bufs(cols + 64)
+    put(A, np.pad(a.reshape(-1), (0, 4096 - a.size)))
+    put(W, np.pad(w, (64, 0)))
+    wv = View(W, 256)  # 64 floats in: a byte-offset binding
+    record_mul(seq, A, wv, A, rows, cols)        # x *= w (in place)
+    record_add(seq, A, A, A, rows, cols, b_rows=rows)  # x += x
+    run(seq)
+    ref = (a.astype(np.float64) * w) * 2
+    np.testing.assert_array_equal(get(A, rows * cols).reshape(rows, cols), ref.astype(np.float32))
+
+
+# -- unary ----------------------------------------------------------------------------------
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * x * (1 + 0.044715 * x * x)))
+
+
+@pytest.mark.parametrize("op", ["scale", "silu", "gelu"])
+@pytest.mark.parametrize("rows,cols,stride", [(3, 1000, 1000), (7, 5, 9)])
+def test_unary(seq, bufs, rng, op, rows, cols, stride):
+    x = (rng.standard_normal((rows, stride)) * 4).astype(np.float32)
+    x[0, :3] = [0.0, -30.0, 30.0] if cols >= 3 else x[0, :3]
+    S, D = bufs(x.size), bufs(rows * cols)
+    put(S, x)
+    poison(D)
+    if op == "scale":
+        record_scale(seq, S, D, rows, cols, 0.37, src_stride=stride)
+    else:
+        (record_silu if op == "silu" else record_gelu)(seq, S, D, rows, cols, src_stride=stride)
+    run(seq)
+    got = get(D, rows * cols).reshape(rows, cols)
+    x64 = x[:, :cols].astype(np.float64)
+    if op == "scale":
+        np.testing.assert_array_equal(got, (x64 * np.float32(0.37)).astype(np.float32))
+    else:
+        ref = _silu(x64) if op == "silu" else _gelu(x64)
+        assert_close(got, ref, 1e-5, 1e-6, op)
+
+
+def test_unary_in_place(seq, bufs, rng):
+    rows, cols = 2, 301
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    X = bufs(x.size)
+    put(X, x)
+    record_silu(seq, X, X, rows, cols)
+    record_gelu(seq, X, X, rows, cols)
+    record_scale(seq, X, X, rows, cols, -2.0)
+    run(seq)
+    ref = -2.0 * _gelu(_silu(x.astype(np.float64)))
+    assert_close(get(X, x.size).reshape(rows, cols), ref, 3e-5, 3e-6, "silu,gelu,scale in place")
+
+
+# -- swiglu ---------------------------------------------------------------------------------
+
+def test_swiglu_two_tensors(seq, bufs, rng):
+    rows, cols = 5, 1111
+    g = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
+    u = rng.standard_normal((rows, cols)).astype(np.float32)
+    G, U, D = bufs(g.size), bufs(u.size), bufs(g.size)
+    put(G, g)
+    put(U, u)
+    poison(D)
+    record_swiglu(seq, G, U, D, rows, cols)
+    run(seq)
+    assert_close(get(D, g.size).reshape(rows, cols), _silu(g.astype(np.float64)) * u, 1e-5, 1e-6,
+                 "swiglu")
+
+
+def test_swiglu_halves_in_place(seq, bufs, rng):
+    rows, cols = 4, 259
+    gu = rng.standard_normal((rows, 2 * cols)).astype(np.float32)
+    GU = bufs(gu.size)
+    put(GU, gu)
+    # ggml swiglu(a): gate = first half, up = second half; the result overwrites the gate half
+    record_swiglu(seq, GU, None, GU, rows, cols, dst_stride=2 * cols)
+    run(seq)
+    out = get(GU, gu.size).reshape(rows, 2 * cols)
+    g64 = gu.astype(np.float64)
+    assert_close(out[:, :cols], _silu(g64[:, :cols]) * g64[:, cols:], 1e-5, 1e-6, "swiglu halves")
+    np.testing.assert_array_equal(out[:, cols:], gu[:, cols:])  # up half untouched
+
+
+# -- rms_norm -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("rows,cols,stride", [(3, 576, 576), (5, 1001, 1030), (2, 7, 7)])
+def test_rms_norm(seq, bufs, rng, weighted, rows, cols, stride):
+    x = (rng.standard_normal((rows, stride)) * 2 + 0.5).astype(np.float32)
+    w = rng.standard_normal(cols).astype(np.float32)
+    eps = 1e-5
+    X, W, D = bufs(x.size), bufs(cols), bufs(rows * cols)
+    put(X, x)
+    put(W, w)
+    poison(D)
+    record_rms_norm(seq, X, D, rows, cols, eps, W if weighted else None, src_stride=stride)
+    run(seq)
+    x64 = x[:, :cols].astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + eps)
+    if weighted:
+        ref = ref * w
+    assert_close(get(D, rows * cols).reshape(rows, cols), ref, 1e-5, 1e-6 * np.abs(ref).max(), "rms_norm")
+
+
+def test_rms_norm_in_place(seq, bufs, rng):
+    rows, cols = 3, 700
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    w = rng.standard_normal(cols).astype(np.float32)
+    X, W = bufs(x.size), bufs(cols)
+    put(X, x)
+    put(W, w)
+    record_rms_norm(seq, X, X, rows, cols, 1e-6, W)
+    run(seq)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
+    assert_close(get(X, x.size).reshape(rows, cols), ref, 1e-5, 1e-6 * np.abs(ref).max(), "rms_norm in place")
+
+
+# -- softmax --------------------------------------------------------------------------------
+
+def _softmax_ref(x, scale, mask):
+    v = x.astype(np.float64) * np.float32(scale)
+    if mask is not None:
+        v = v + mask
+    m = v.max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(v - m)
+        out = e / e.sum(axis=1, keepdims=True)
+    return np.nan_to_num(out, nan=0.0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("rows,cols,mask_rows", [(6, 1000, 3), (4, 13, 1), (2, 300, 2)])
+def test_softmax(seq, bufs, rng, masked, rows, cols, mask_rows):
+    x = (rng.standard_normal((rows, cols)) * 5 + 40).astype(np.float32)  # large: needs the max
+    mask = rng.standard_normal((mask_rows, cols)).astype(np.float32)
+    mask[:, ::3] = -np.inf  # masked out
+    scale = 0.7
+    X, M, D = bufs(x.size), bufs(mask.size), bufs(x.size)
+    put(X, x)
+    put(M, mask)
+    poison(D)
+    record_softmax(seq, X, D, rows, cols, scale=scale, mask=M if masked else None, mask_rows=mask_rows)
+    run(seq)
+    full = np.tile(mask.astype(np.float64), (rows // mask_rows, 1)) if masked else None
+    ref = _softmax_ref(x, scale, full)
+    got = get(D, x.size).reshape(rows, cols)
+    assert_close(got, ref, 1e-5, 1e-7, "softmax")
+    if masked:
+        assert (got[:, ::3] == 0).all()
+
+
+def test_softmax_in_place_causal_and_empty_rows(seq, bufs, rng):
+    rows, cols = 5, 37
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    mask = np.triu(np.full((rows, cols), -np.inf, np.float32), k=cols - rows + 1)
+    mask[3] = -np.inf  # a row with nothing visible gives zeros
+    X, M = bufs(x.size), bufs(mask.size)
+    put(X, x)
+    put(M, mask)
+    record_softmax(seq, X, X, rows, cols, mask=M, mask_rows=rows)
+    run(seq)
+    got = get(X, x.size).reshape(rows, cols)
+    ref = _softmax_ref(x, 1.0, mask.astype(np.float64))
+    ref[3] = 0
+    assert_close(got, ref, 1e-5, 1e-7, "softmax causal in place")
+    assert (got[3] == 0).all()
+
+
+# -- rope -----------------------------------------------------------------------------------
+
+def _rope_ref(x, pos, n_dims, mode, base, fscale):
+    """x [T, H, D] float64; ggml rope (ext_factor 0) from its definition."""
+    out = x.copy()
+    i = np.arange(n_dims // 2)
+    theta = pos[:, None].astype(np.float64) * fscale * base ** (-2.0 * i / n_dims)  # [T, n_dims/2]
+    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    if mode == "normal":
+        i0, i1 = 2 * i, 2 * i + 1
+    else:
+        i0, i1 = i, i + n_dims // 2
+    x0, x1 = x[:, :, i0], x[:, :, i1]
+    out[:, :, i0] = x0 * c - x1 * s
+    out[:, :, i1] = x0 * s + x1 * c
+    return out, np.abs(theta).max()
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("n_tokens,n_heads,head_dim,n_dims,base,fscale", [
+    (7, 3, 64, 64, 10000.0, 1.0),
+    (5, 2, 128, 96, 500000.0, 0.25),
+    (3, 4, 40, 16, 10000.0, 1.0),
+])
+def test_rope(seq, bufs, rng, mode, n_tokens, n_heads, head_dim, n_dims, base, fscale):
+    # a view of a fused QKV row: token stride covers q, k and v heads
+    tstride = 3 * n_heads * head_dim
+    x = rng.standard_normal((n_tokens, tstride)).astype(np.float32)
+    pos = rng.integers(0, 600, n_tokens).astype(np.int32)
+    pos[0] = 0
+    off = n_heads * head_dim  # the "k" part
+    X, P, D = bufs(x.size), bufs(n_tokens + 3, np.int32), bufs(n_tokens * n_heads * head_dim)
+    put(X, x)
+    put(P, np.concatenate([np.full(3, 77, np.int32), pos]))
+    poison(D)
+    record_rope(seq, X, P, D, n_tokens, n_heads, head_dim, n_dims=n_dims, mode=mode, freq_base=base,
+                freq_scale=fscale, pos_offset=3, src_offset=off, src_token_stride=tstride)
+    run(seq)
+    xin = x[:, off:off + n_heads * head_dim].reshape(n_tokens, n_heads, head_dim).astype(np.float64)
+    ref, tmax = _rope_ref(xin, pos, n_dims, mode, base, fscale)
+    got = get(D, n_tokens * n_heads * head_dim).reshape(n_tokens, n_heads, head_dim)
+    bound = (2e-6 + 4 * tmax * 2.0 ** -24) * np.abs(xin).max()
+    assert_close(got, ref, 0.0, bound, f"rope {mode}")
+    np.testing.assert_array_equal(got[:, :, n_dims:], xin[:, :, n_dims:].astype(np.float32))
+
+
+def test_rope_in_place(seq, bufs, rng):
+    T, H, Dh = 4, 2, 64
+    x = rng.standard_normal((T, H, Dh)).astype(np.float32)
+    pos = np.array([5, 6, 7, 8], np.int32)
+    X, P = bufs(x.size), bufs(T, np.int32)
+    put(X, x)
+    put(P, pos)
+    record_rope(seq, X, P, X, T, H, Dh, n_dims=32, mode="neox")
+    run(seq)
+    ref, tmax = _rope_ref(x.astype(np.float64), pos, 32, "neox", 10000.0, 1.0)
+    assert_close(get(X, x.size).reshape(T, H, Dh), ref, 0.0, 1e-5, "rope in place")
+
+
+# -- argmax ---------------------------------------------------------------------------------
+
+def test_argmax(seq, bufs, rng):
+    rows, cols = 6, 50001
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x[1, [17, 4000, 49999]] = 9.0          # ties: lowest index
+    x[2, :] = -np.inf
+    x[2, [300, 301]] = -1.0
+    x[3, :] = np.nan
+    x[4, :] = 1.0                          # all equal -> 0
+    x[5, 5:] = np.nan
+    X, D = bufs(x.size + 10), bufs(rows + 1, np.int32)
+    put(X, np.concatenate([np.zeros(10, np.float32), x.reshape(-1)]))
+    D.numpy(np.int32)[:] = -7
+    record_argmax(seq, X, D, rows, cols, src_offset=10, dst_offset=1)
+    run(seq)
+    got = get(D, rows + 1, np.int32)
+    ref = [int(np.argmax(x[0])), 17, 300, 0, 0, int(np.argmax(x[5, :5]))]
+    assert got[0] == -7
+    assert list(got[1:]) == ref
+
+
+def test_argmax_tail(seq, bufs, rng):
+    rows, cols = 3, 3
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    X, D = bufs(x.size), bufs(rows, np.int32)
+    put(X, x)
+    record_argmax(seq, X, D, rows, cols)
+    run(seq)
+    assert list(get(D, rows, np.int32)) == list(np.argmax(x, axis=1))
+
+
+# -- validation -----------------------------------------------------------------------------
+
+def test_validation_errors(seq, bufs):
+    A, B = bufs(100), bufs(100)
+    with pytest.raises(KernelError, match=r"add: dtype 'f16' with shape \[2, 10\]"):
+        record_add(seq, A, B, A, 2, 10, dtype="f16")
+    with pytest.raises(KernelError, match=r"add: a .*needs 404 bytes"):
+        record_add(seq, A, B, B, 1, 101)
+    with pytest.raises(KernelError, match="does not divide"):
+        record_add(seq, A, B, A, 4, 10, b_rows=3)
+    with pytest.raises(KernelError, match="partly overlaps"):
+        record_silu(seq, A, A, 2, 10, dst_offset=1)
+    with pytest.raises(KernelError, match="row stride is shorter"):
+        record_scale(seq, A, B, 3, 10, 2.0, src_stride=5)
+    with pytest.raises(KernelError, match="rope_neox_f32: n_dims = 7"):
+        record_rope(seq, A, B, A, 1, 1, 8, n_dims=7, mode="neox")
+    with pytest.raises(KernelError, match="mode 'yarn'"):
+        record_rope(seq, A, B, A, 1, 1, 8, mode="yarn")
+    with pytest.raises(KernelError, match="rms_norm_mul: dtype 'bf16'"):
+        record_rms_norm(seq, A, B, 1, 10, 1e-5, A, dtype="bf16")
+    with pytest.raises(KernelError, match="softmax_mask_f32: mask_rows"):
+        record_softmax(seq, A, B, 2, 10, mask=A, mask_rows=0)
+    with pytest.raises(KernelError, match="argmax_f32: rows of length 0"):
+        record_argmax(seq, A, B, 2, 0)
+    assert seq.dispatches == 0

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs on the lent NVIDIA machine (device tool), from the repo root, after
+# `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
+#   bash tools/device_run.sh [tests] [kernels] [models] [info]
+# Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
+set -uo pipefail
+. .device/on-device.sh || exit 1
+export VK_LAYER_PATH=/usr/share/vulkan/explicit_layer.d
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+what=${*:-tests kernels models info}
+# native helpers: build in place (gcc + cffi are there); tests skip what needs them otherwise
+python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed (tests needing it skip)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+for w in $what; do
+  case $w in
+    tests)
+      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 420 python3 -m pytest -q -ra -p no:cacheprovider \
+        -o addopts="" tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    kernels)
+      timeout 300 python3 tools/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.md" ;;
+    models)
+      timeout 420 python3 tools/bench_models.py ${MODELS_ARGS:-} 2>&1 | tee "$OUT/bench_models.md" ;;
+    info)
+      python3 -m vkxsplit info > "$OUT/info.txt" 2>&1; python3 -m vkxsplit info --json > "$OUT/info.json" 2>&1
+      head -60 "$OUT/info.txt" ;;
+  esac
+done

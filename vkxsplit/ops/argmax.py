@@ -1,0 +1,38 @@
+"""Argmax over the rows of a 2-D f32 tensor (``shaders/argmax.comp``): one int32 per row, ties
+to the lowest index, NaN never wins (a row of NaN gives 0, as ggml)."""
+
+from __future__ import annotations
+
+from ..errors import KernelError
+from ..shaders import Variant
+from ..vk.command import Sequence
+from ..vk.kernel import Bindable, Kernel
+from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
+
+WG = 256
+
+VARIANTS = [
+    Variant(name="argmax_f32", source="argmax.comp", bindings=2, writes=(1,), push="IIIII",
+            local_size=(WG, 1, 1)),
+]
+
+
+def record_argmax(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: int, *,
+                  src_offset: int = 0, src_stride: int | None = None, dst_offset: int = 0,
+                  dtype: str = "f32") -> None:
+    """``dst[dst_offset + r] = argmax(src[r, :])`` (int32) for a ``rows x cols`` f32 tensor."""
+    op = "argmax"
+    shape = (rows, cols)
+    check_dtype(op, dtype, shape)
+    check_dims(op, dtype, shape, rows=rows, cols=cols)
+    if cols == 0 and rows > 0:
+        raise KernelError(f"argmax_{dtype}: rows of length 0 have no argmax (shape {list(shape)})")
+    s = Operand("src", src, src_offset, cols if src_stride is None else src_stride, rows, cols)
+    d = Operand("dst", dst, dst_offset, 1, 1, rows)
+    check_operand(op, s, shape)
+    check_operand(op, d, shape)
+    check_alias(op, d, s, shape)
+    if rows == 0:
+        return
+    k = Kernel.get(seq.device, f"{op}_{dtype}")
+    seq.dispatch(k, [src, dst], (cols, rows, s.offset, s.stride, dst_offset), min(rows, MAX_GROUPS))

@@ -1,0 +1,171 @@
+"""KV cache store and causal grouped-query attention over an f16 KV cache
+(``shaders/kv_store.comp``, ``shaders/attention.comp``, ``shaders/attn_combine.comp``).
+
+The cache of one layer is two f16 tensors K, V [n_ctx, n_kv_heads, head_dim]. Both kernels
+take their position from an int32 buffer, never from push constants, so one recorded
+:class:`~vkxsplit.vk.command.Sequence` serves every decode step: write the new positions into
+that buffer and submit again. The same buffer can hold the rope positions (one per token):
+
+- :func:`record_kv_store` writes token ``t``'s K and V rows at cache position ``pos[t]``;
+- :func:`record_attention` reads ``pos0 = pos[pos_offset]``: token ``t`` sits at ``pos0 + t``
+  and attends to cache positions ``0 .. pos0 + t`` (causal); positions must be consecutive.
+
+Attention is flash-attention style: one workgroup per (KV split, block of 16 query rows, kv
+head), where the query rows of a block are the (token, head) pairs of the heads sharing that
+kv head (GQA: head ``h`` uses kv head ``h // (n_heads // n_kv_heads)``), so every K/V block
+read serves the whole group; online softmax over blocks of 32 positions, f32 accumulation.
+For decode (one token, long cache) split the KV length over ``n_splits`` workgroups
+(flash-decoding); that needs a ``scratch`` buffer of :func:`attention_scratch_bytes` and adds a
+small combine dispatch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import KernelError
+from ..shaders import Variant
+from ..vk.command import Sequence
+from ..vk.kernel import Bindable, Kernel
+from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
+
+MAX_HEAD_DIM = 128
+BR = 16  # query rows per attention workgroup (attention.comp)
+COMBINE_WG = 128
+
+VARIANTS = [
+    Variant(name="kv_store_f32_f16", source="kv_store.comp", bindings=5, writes=(3, 4),
+            push="IIIIIIIIII", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",)),
+    Variant(name="attn_f16_f32", source="attention.comp", bindings=6, writes=(4, 5),
+            push="IIIIIIIIIIIIIf", local_size=(128, 1, 1), requires=("storageBuffer16BitAccess",)),
+    Variant(name="attn_combine_f32", source="attn_combine.comp", bindings=2, writes=(1,),
+            push="IIIIII", local_size=(COMBINE_WG, 1, 1)),
+]
+
+
+def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_cache: Bindable,
+                    v_cache: Bindable, n_tokens: int, n_kv_heads: int, head_dim: int, n_ctx: int, *,
+                    k_offset: int = 0, k_stride: int | None = None, v_offset: int = 0,
+                    v_stride: int | None = None, pos_offset: int = 0, k_cache_offset: int = 0,
+                    v_cache_offset: int = 0, dtype: str = "f32", cache_dtype: str = "f16") -> None:
+    """Write K and V (f32 [n_tokens, n_kv_heads, head_dim], token strides ``k_stride`` /
+    ``v_stride`` in elements, heads contiguous) into the f16 caches [n_ctx, n_kv_heads,
+    head_dim] at rows ``pos[pos_offset + t]`` (int32; rows outside ``0..n_ctx-1`` are skipped).
+    Rounding to f16 is round-to-nearest-even. Offsets in elements of each buffer's type."""
+    op = "kv_store"
+    shape = (n_tokens, n_kv_heads, head_dim)
+    check_dtype(op, dtype, shape)
+    check_dtype(op, cache_dtype, (n_ctx, n_kv_heads, head_dim), supported=("f16",))
+    check_dims(op, dtype, shape, n_tokens=n_tokens, n_kv_heads=n_kv_heads, head_dim=head_dim, n_ctx=n_ctx)
+    row = n_kv_heads * head_dim
+    ok = Operand("k", k, k_offset, row if k_stride is None else k_stride, n_tokens, row)
+    ov = Operand("v", v, v_offset, row if v_stride is None else v_stride, n_tokens, row)
+    okc = Operand("k_cache", k_cache, k_cache_offset, row, n_ctx, row, itemsize=2)
+    ovc = Operand("v_cache", v_cache, v_cache_offset, row, n_ctx, row, itemsize=2)
+    op_ = Operand("pos", pos, pos_offset, 1, 1, n_tokens)
+    for o in (ok, ov, okc, ovc, op_):
+        check_operand(op, o, shape)
+    for src in (ok, ov, op_):
+        for dst in (okc, ovc):
+            check_alias(op, dst, src, shape)
+    b1, s1, e1 = okc.span()
+    b2, s2, e2 = ovc.span()
+    if row and n_ctx and b1 == b2 and s1 < e2 and s2 < e1:
+        raise KernelError(f"{op}: the K and V caches overlap (shape {list(shape)})")
+    if n_tokens == 0 or row == 0:
+        return
+    kern = Kernel.get(seq.device, "kv_store_f32_f16")
+    seq.dispatch(kern, [k, v, pos, k_cache, v_cache],
+                 (n_tokens, row, n_ctx, k_offset, ok.stride, v_offset, ov.stride, pos_offset,
+                  k_cache_offset, v_cache_offset),
+                 (max(1, min(4096, -(-row // 256))), min(n_tokens, MAX_GROUPS), 2))
+
+
+def attention_scratch_bytes(n_tokens: int, n_heads: int, head_dim: int, n_splits: int) -> int:
+    """Bytes of the ``scratch`` buffer :func:`record_attention` needs for ``n_splits`` > 1."""
+    return 4 * n_splits * n_tokens * n_heads * (head_dim + 2) if n_splits > 1 else 0
+
+
+def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bindable, pos: Bindable,
+                     dst: Bindable, n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                     n_ctx: int, *, scale: float | None = None, q_offset: int = 0,
+                     q_stride: int | None = None, dst_offset: int = 0, dst_stride: int | None = None,
+                     k_cache_offset: int = 0, v_cache_offset: int = 0, pos_offset: int = 0,
+                     n_splits: int = 1, scratch: Bindable | None = None, dtype: str = "f32",
+                     cache_dtype: str = "f16") -> None:
+    """``dst[t, h] = softmax(scale * q[t, h] . K[0..p, g]) V[0..p, g]`` with ``p = pos0 + t``,
+    ``pos0 = pos[pos_offset]`` (int32, read on the device) and ``g = h // (n_heads //
+    n_kv_heads)``.
+
+    ``q``/``dst``: f32 [n_tokens, n_heads, head_dim] (token strides in elements, heads
+    contiguous); K/V caches: f16 [n_ctx, n_kv_heads, head_dim]. ``scale`` defaults to
+    ``1/sqrt(head_dim)``. ``n_splits`` > 1 splits the KV length over that many workgroups per
+    (row block, kv head) and needs ``scratch`` (:func:`attention_scratch_bytes`). The caller
+    keeps ``pos0 + n_tokens <= n_ctx`` (positions past the cache are not read)."""
+    op = "attn"
+    shape = (n_tokens, n_heads, head_dim)
+    check_dtype(op, dtype, shape)
+    check_dtype(op, cache_dtype, (n_ctx, n_kv_heads, head_dim), supported=("f16",))
+    check_dims(op, dtype, shape, n_tokens=n_tokens, n_heads=n_heads, n_kv_heads=n_kv_heads,
+               head_dim=head_dim, n_ctx=n_ctx, n_splits=n_splits)
+    if not 0 < head_dim <= MAX_HEAD_DIM:
+        raise KernelError(f"attn_f16_f32: head_dim {head_dim} is not supported (1..{MAX_HEAD_DIM}; "
+                          f"shape {list(shape)})")
+    if n_kv_heads == 0 or n_heads % n_kv_heads:
+        raise KernelError(f"attn_f16_f32: n_heads {n_heads} is not a multiple of n_kv_heads "
+                          f"{n_kv_heads} (shape {list(shape)})")
+    if n_tokens > n_ctx:
+        raise KernelError(f"attn_f16_f32: {n_tokens} tokens do not fit a cache of {n_ctx} "
+                          f"(shape {list(shape)})")
+    if not 1 <= n_splits <= MAX_GROUPS:
+        raise KernelError(f"attn_f16_f32: n_splits {n_splits} is outside 1..{MAX_GROUPS} "
+                          f"(shape {list(shape)})")
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    row = n_heads * head_dim
+    kv_row = n_kv_heads * head_dim
+    oq = Operand("q", q, q_offset, row if q_stride is None else q_stride, n_tokens, row)
+    od = Operand("dst", dst, dst_offset, row if dst_stride is None else dst_stride, n_tokens, row)
+    ok = Operand("k_cache", k_cache, k_cache_offset, kv_row, n_ctx, kv_row, itemsize=2)
+    ov = Operand("v_cache", v_cache, v_cache_offset, kv_row, n_ctx, kv_row, itemsize=2)
+    op_ = Operand("pos", pos, pos_offset, 1, 1, 1)
+    for o in (oq, od, ok, ov, op_):
+        check_operand(op, o, shape)
+    for src in (ok, ov, op_):
+        check_alias(op, od, src, shape)
+    # dst must not be q even in place: a workgroup reads all its queries first, but other
+    # workgroups of the same kv head could still be reading rows it writes.
+    b1, s1, e1 = od.span()
+    b2, s2, e2 = oq.span()
+    if n_tokens and b1 == b2 and s1 < e2 and s2 < e1:
+        raise KernelError(f"attn_f16_f32: dst overlaps q (shape {list(shape)})")
+    part: Bindable = dst
+    if n_splits > 1:
+        if scratch is None:
+            raise KernelError(f"attn_f16_f32: n_splits = {n_splits} needs a scratch buffer of "
+                              f"{attention_scratch_bytes(n_tokens, n_heads, head_dim, n_splits)} bytes "
+                              f"(shape {list(shape)})")
+        n = n_splits * n_tokens * n_heads * (head_dim + 2)
+        osc = Operand("scratch", scratch, 0, n, 1, n)
+        check_operand(op, osc, shape)
+        for o in (oq, od, ok, ov, op_):
+            b1, s1, e1 = osc.span()
+            b2, s2, e2 = o.span()
+            if b1 == b2 and s1 < e2 and s2 < e1:
+                raise KernelError(f"attn_f16_f32: scratch overlaps {o.name} (shape {list(shape)})")
+        part = scratch
+    if n_tokens == 0 or n_heads == 0:
+        return
+    grp = n_heads // n_kv_heads
+    row_blocks = -(-(n_tokens * grp) // BR)
+    if row_blocks > MAX_GROUPS or n_kv_heads > MAX_GROUPS:
+        raise KernelError(f"attn_f16_f32: too many rows for one dispatch (shape {list(shape)})")
+    kern = Kernel.get(seq.device, "attn_f16_f32")
+    seq.dispatch(kern, [q, k_cache, v_cache, pos, dst, part],
+                 (n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, q_offset, oq.stride,
+                  k_cache_offset, v_cache_offset, pos_offset, dst_offset, od.stride, n_splits, scale),
+                 (n_splits, row_blocks, n_kv_heads))
+    if n_splits > 1:
+        comb = Kernel.get(seq.device, "attn_combine_f32")
+        n_rows = n_tokens * n_heads
+        seq.dispatch(comb, [scratch, dst], (n_rows, n_heads, head_dim, n_splits, dst_offset, od.stride),
+                     min(n_rows, MAX_GROUPS))
