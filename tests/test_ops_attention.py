@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from vkxsplit.errors import KernelError
-from vkxsplit.ops.attention import attention_scratch_bytes, record_attention, record_kv_store
+from vkxsplit.ops.attention import (
+    attention_scratch_bytes,
+    attention_splits,
+    record_attention,
+    record_kv_store,
+)
 from vkxsplit.ops.rope import record_rope
 from vkxsplit.vk.command import Sequence
 
@@ -67,31 +72,33 @@ def check(got, ref, vmax, what):
 
 
 class Cache:
-    def __init__(self, bufs, rng, n_ctx, n_kv, D, fill_to):
-        self.n_ctx, self.n_kv, self.D = n_ctx, n_kv, D
+    def __init__(self, bufs, rng, n_ctx, n_kv, D, fill_to, offset=0):
+        self.n_ctx, self.n_kv, self.D, self.offset = n_ctx, n_kv, D, offset
         self.k = (rng.standard_normal((n_ctx, n_kv, D)) * 1.5).astype(np.float16)
         self.v = rng.standard_normal((n_ctx, n_kv, D)).astype(np.float16)
         self.k[fill_to:] = np.float16(np.nan)  # never read: positions past the query are masked
         self.v[fill_to:] = np.float16(np.nan)
-        self.K = bufs(self.k.size, np.float16)
-        self.V = bufs(self.v.size, np.float16)
-        put(self.K, self.k)
-        put(self.V, self.v)
+        self.K = bufs(offset + self.k.size, np.float16)
+        self.V = bufs(offset + self.v.size, np.float16)
+        put(self.K, self.k, offset)
+        put(self.V, self.v, offset)
 
 
-def _attend(seq, bufs, rng, n_tokens, n_heads, n_kv, D, n_ctx, pos0, n_splits):
-    cache = Cache(bufs, rng, n_ctx, n_kv, D, pos0 + n_tokens)
+def _attend(seq, bufs, rng, n_tokens, n_heads, n_kv, D, n_ctx, pos0, n_splits, cache_offset=0):
+    """cache_offset (elements) not a multiple of 4 takes the generic kernel for D 64/128."""
+    cache = Cache(bufs, rng, n_ctx, n_kv, D, pos0 + n_tokens, cache_offset)
     q = rng.standard_normal((n_tokens, n_heads, D)).astype(np.float32)
-    Q, O, P = bufs(q.size), bufs(q.size), bufs(2, np.int32)
+    Q, Out, P = bufs(q.size), bufs(q.size), bufs(2, np.int32)
     put(Q, q)
     put(P, np.array([-5, pos0], np.int32))
-    O.numpy(np.float32)[:] = np.nan
+    Out.numpy(np.float32)[:] = np.nan
     scratch = bufs(attention_scratch_bytes(n_tokens, n_heads, D, n_splits) // 4) if n_splits > 1 else None
-    record_attention(seq, Q, cache.K, cache.V, P, O, n_tokens, n_heads, n_kv, D, n_ctx, pos_offset=1,
-                     n_splits=n_splits, scratch=scratch)
+    record_attention(seq, Q, cache.K, cache.V, P, Out, n_tokens, n_heads, n_kv, D, n_ctx, pos_offset=1,
+                     n_splits=n_splits, scratch=scratch, k_cache_offset=cache_offset,
+                     v_cache_offset=cache_offset)
     seq.run()
     ref = attention_ref(q, cache.k, cache.v, pos0, n_kv)
-    check(get(O, q.shape), ref, 4.5, f"attn T={n_tokens} pos0={pos0} splits={n_splits}")
+    check(get(Out, q.shape), ref, 4.5, f"attn T={n_tokens} pos0={pos0} splits={n_splits}")
 
 
 @pytest.mark.parametrize("pos0", [0, 1, 31, 32, 95, 200])
@@ -103,6 +110,20 @@ def test_decode_gqa(seq, bufs, rng, pos0, n_splits):
 @pytest.mark.parametrize("n_tokens,pos0,n_splits", [(40, 0, 1), (37, 23, 1), (29, 70, 3)])
 def test_prefill_gqa(seq, bufs, rng, n_tokens, pos0, n_splits):
     _attend(seq, bufs, rng, n_tokens, 6, 2, 64, 128, pos0, n_splits)
+
+
+@pytest.mark.parametrize("n_tokens,n_heads,n_kv,D,pos0,n_splits,cache_offset", [
+    (1, 6, 2, 64, 77, 3, 2),      # generic kernel (offset not a multiple of 4)
+    (21, 6, 2, 64, 5, 1, 6),
+    (5, 8, 2, 128, 40, 2, 2),
+    (3, 6, 2, 64, 33, 2, 4),      # tiled kernel with an offset
+])
+def test_attention_paths(seq, bufs, rng, n_tokens, n_heads, n_kv, D, pos0, n_splits, cache_offset):
+    _attend(seq, bufs, rng, n_tokens, n_heads, n_kv, D, 96, pos0, n_splits, cache_offset)
+
+
+def test_prefill_512(seq, bufs, rng):
+    _attend(seq, bufs, rng, 512, 6, 2, 64, 520, 0, 1)
 
 
 @pytest.mark.parametrize("n_tokens,n_heads,n_kv,D,pos0,n_splits", [
@@ -132,11 +153,20 @@ def test_kv_store(seq, bufs, rng):
     seq.run()
     k_ref = np.full((n_ctx, row), 0x7E01, np.uint16)
     v_ref = k_ref.copy()
-    for t in range(T - 1):
-        k_ref[pos[t]] = qkv[t, row:2 * row].astype(np.float16).view(np.uint16)
-        v_ref[pos[t]] = qkv[t, 2 * row:].astype(np.float16).view(np.uint16)
+    with np.errstate(over="ignore"):  # 7e4 rounds to inf, on purpose
+        for t in range(T - 1):
+            k_ref[pos[t]] = qkv[t, row:2 * row].astype(np.float16).view(np.uint16)
+            v_ref[pos[t]] = qkv[t, 2 * row:].astype(np.float16).view(np.uint16)
     np.testing.assert_array_equal(get(K, (n_ctx, row), np.uint16), k_ref)
     np.testing.assert_array_equal(get(V, (n_ctx, row), np.uint16), v_ref)
+
+
+def _neox(v, p, D):
+    theta = p * 10000.0 ** (-2.0 * np.arange(D // 2) / D)
+    c, s = np.cos(theta), np.sin(theta)
+    v = v.astype(np.float64).reshape(-1, D)
+    a, b = v[:, :D // 2], v[:, D // 2:]
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=1)
 
 
 def test_replay_decode(device, bufs, rng):
@@ -148,16 +178,18 @@ def test_replay_decode(device, bufs, rng):
     P = bufs(1, np.int32)
     Q = bufs(H * D)
     Kr = bufs(n_kv * D)
-    O = bufs(H * D)
+    Out = bufs(H * D)
     K, V = bufs(n_ctx * n_kv * D, np.float16), bufs(n_ctx * n_kv * D, np.float16)
     n_splits = 3
     S = bufs(attention_scratch_bytes(1, H, D, n_splits) // 4)
+    K.numpy(np.uint16)[:] = 0
+    V.numpy(np.uint16)[:] = 0
     seq = Sequence(device, "decode")
     try:
         record_rope(seq, X, P, Q, 1, H, D, mode="neox")
         record_rope(seq, X, P, Kr, 1, n_kv, D, mode="neox", src_offset=H * D)
         record_kv_store(seq, Kr, X, P, K, V, 1, n_kv, D, n_ctx, v_offset=(H + n_kv) * D)
-        record_attention(seq, Q, K, V, P, O, 1, H, n_kv, D, n_ctx, n_splits=n_splits, scratch=S)
+        record_attention(seq, Q, K, V, P, Out, 1, H, n_kv, D, n_ctx, n_splits=n_splits, scratch=S)
         seq.end()
         dispatches = seq.dispatches
         k_hist = np.zeros((n_ctx, n_kv, D), np.float16)
@@ -167,35 +199,33 @@ def test_replay_decode(device, bufs, rng):
             x = rng.standard_normal(qkv_row).astype(np.float32)
             put(X, x)
             put(P, np.array([p], np.int32))
-            O.numpy(np.float32)[:] = np.nan
+            Out.numpy(np.float32)[:] = np.nan
             seq.run()
             assert seq.dispatches == dispatches  # nothing re-recorded
-            theta = p * 10000.0 ** (-2.0 * np.arange(D // 2) / D)
-            c, s = np.cos(theta), np.sin(theta)
-
-            def neox(v):
-                v = v.astype(np.float64).reshape(-1, D)
-                a, b = v[:, :D // 2], v[:, D // 2:]
-                return np.concatenate([a * c - b * s, a * s + b * c], axis=1)
-
-            q = neox(x[:H * D])
-            k_hist[p] = neox(x[H * D:(H + n_kv) * D]).astype(np.float32).astype(np.float16)
+            q = _neox(x[:H * D], p, D)
+            k_hist[p] = _neox(x[H * D:(H + n_kv) * D], p, D).astype(np.float32).astype(np.float16)
             v_hist[p] = x[(H + n_kv) * D:].reshape(n_kv, D).astype(np.float16)
             # the cache row the kernel wrote equals the reference up to rope's f32 rounding
             got_k = get(K, (n_ctx, n_kv, D), np.float16)[p].astype(np.float64)
             assert np.abs(got_k - k_hist[p]).max() <= 2e-3 * np.abs(k_hist[p]).max()
             k_hist[p] = get(K, (n_ctx, n_kv, D), np.float16)[p]  # isolate attention's error
             np.testing.assert_array_equal(get(V, (n_ctx, n_kv, D), np.float16)[p], v_hist[p])
-            # prior positions whose cache rows this test filled (others are zero; compare only
-            # against a history that matches what is in the cache)
+            # the reference attends over what the cache holds (rows this test wrote, zeros
+            # elsewhere)
             hist_k = get(K, (n_ctx, n_kv, D), np.float16)
             hist_v = get(V, (n_ctx, n_kv, D), np.float16)
             ref = attention_ref(get(Q, (1, H, D)), hist_k, hist_v, p, n_kv)
-            check(get(O, (1, H, D)), ref, np.abs(hist_v[:p + 1]).max(), f"replay pos {p}")
+            check(get(Out, (1, H, D)), ref, np.abs(hist_v[:p + 1]).max(), f"replay pos {p}")
             assert np.abs(get(Q, (1, H, D)).astype(np.float64) - q.reshape(1, H, D)).max() < 1e-4
     finally:
         seq.wait()
         seq.close()
+
+
+def test_attention_splits():
+    assert attention_splits(1, 32, 8, 4096) == 32       # decode: 8 workgroups -> 32 splits
+    assert attention_splits(1, 9, 3, 256) == 2          # short cache: >= 128 positions a split
+    assert attention_splits(512, 32, 8, 4096) == 1      # prefill fills the GPU by itself
 
 
 def test_attention_validation(seq, bufs):
@@ -208,7 +238,7 @@ def test_attention_validation(seq, bufs):
         record_attention(seq, A, K, K, P, bufs(64), 1, 1, 1, 64, 4, n_splits=2)
     with pytest.raises(KernelError, match="dst overlaps q"):
         record_attention(seq, A, K, K, P, A, 1, 1, 1, 64, 4)
-    with pytest.raises(KernelError, match=r"attn: k_cache .*needs"):
+    with pytest.raises(KernelError, match=r"attn_f16_f32: k_cache .*needs"):
         record_attention(seq, A, K, K, P, bufs(64), 1, 1, 1, 64, 100)
     with pytest.raises(KernelError, match=r"attn: dtype 'bf16'"):
         record_attention(seq, A, K, K, P, bufs(64), 1, 1, 1, 64, 4, dtype="bf16")

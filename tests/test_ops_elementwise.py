@@ -376,7 +376,7 @@ def test_validation_errors(seq, bufs):
     A, B = bufs(100), bufs(100)
     with pytest.raises(KernelError, match=r"add: dtype 'f16' with shape \[2, 10\]"):
         record_add(seq, A, B, A, 2, 10, dtype="f16")
-    with pytest.raises(KernelError, match=r"add: a .*needs 404 bytes"):
+    with pytest.raises(KernelError, match=r"add_f32: a .*needs 404 bytes"):
         record_add(seq, A, B, B, 1, 101)
     with pytest.raises(KernelError, match="does not divide"):
         record_add(seq, A, B, A, 4, 10, b_rows=3)

@@ -300,7 +300,7 @@ def _same_device(physical: Any, backend: dict[str, Any]) -> tuple[bool, str]:
     if not uuids:
         return True, ""
     mine = _uuid(getattr(physical, "device_uuid", b"") or b"")
-    if mine in uuids:
+    if not mine or mine in uuids:
         return True, ""
     return False, (f"hub '{physical.name}' is not one of the {backend.get('kind', backend['name'])} "
                    "devices (device UUIDs differ)")
@@ -382,8 +382,10 @@ def attach_matrix(physical: Any, backends: list[dict[str, Any]], interop: dict[s
 
 
 def probe_opaque_fd_mappable(device: Any) -> tuple[bool, str]:
-    """Export a small opaque-fd block from ``device`` (a vkxsplit Device) and mmap the fd; when
-    the memory is host-visible, also check the mmap aliases the Vulkan mapping."""
+    """Whether the CPU can use an exported opaque fd of ``device`` (a vkxsplit Device) as the
+    memory itself: export a small host-visible block, fill it through the Vulkan mapping, and
+    check that a read-only mmap of the fd at offset 0 shows the same bytes. Nothing is written
+    through the fd (a driver may keep private data in the file: lavapipe does)."""
     import mmap
 
     from .vk.api import ffi
@@ -395,19 +397,25 @@ def probe_opaque_fd_mappable(device: Any) -> tuple[bool, str]:
     try:
         block = Block(device.memory, "export", size, device.memory.type_for_pool["export"],
                       export_types=HANDLE_OPAQUE_FD, dedicated=True)
+        if block.ptr is None:
+            return False, "exportable memory is not host-visible: cannot check what an mmap shows"
+        pattern = bytes((i * 7 + 3) & 0xFF for i in range(size))
+        ffi.memmove(block.ptr, pattern, size)
         fd = block.export_fd(HANDLE_OPAQUE_FD)
+        length = os.fstat(fd).st_size
+        if length < size:
+            return False, f"the fd's file is {length} bytes, smaller than the {size}-byte allocation"
         try:
-            m = mmap.mmap(fd, size)
+            m = mmap.mmap(fd, length, prot=mmap.PROT_READ)
         except (OSError, ValueError) as exc:
             return False, f"mmap failed: {exc}"
         with m:
-            pattern = bytes(range(256)) * (size // 256)
-            m[:] = pattern
-            if block.ptr is not None:
-                if bytes(ffi.buffer(block.ptr, size)) != pattern:
-                    return False, "the mmap does not alias the Vulkan mapping"
-                return True, "mmap aliases the Vulkan mapping"
-        return True, "mmap works (memory not host-visible: aliasing not checked)"
+            if m[:size] == pattern:
+                return True, "an mmap of the fd at offset 0 aliases the Vulkan memory"
+            at = m.find(pattern[:256])
+        if at > 0:
+            return False, f"the memory sits at file offset {at} after driver data, not at 0"
+        return False, "an mmap of the fd does not show the Vulkan memory"
     except VkxError as exc:
         return False, str(exc).splitlines()[0]
     finally:
@@ -873,8 +881,8 @@ def _kv(label: str, value: Any, indent: str = "  ") -> list[str]:
     return _wrap(str(value), " " * len(head), head)
 
 
-def _table(header: list[str], rows: list[list[str]], indent: str = "    ") -> list[str]:
-    """Aligned columns; the last column wraps to the width."""
+def _table_rows(header: list[str], rows: list[list[str]], indent: str = "    ") -> list[list[str]]:
+    """Aligned columns, the last one wrapped to the width: the lines of each row (header first)."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
     out = []
     for r in [header, *rows]:
@@ -882,11 +890,14 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "    ") -> li
         last = str(r[-1])
         if last and max(len(w) for w in last.split()) > WIDTH - len(lead):
             # a word too long for the column: the cell goes below the row, indented
-            out.append(lead.rstrip())
-            out += _wrap(last, indent + "    ")
+            out.append([lead.rstrip(), *_wrap(last, indent + "    ")])
         else:
-            out += _wrap(last, " " * len(lead), lead)
+            out.append(_wrap(last, " " * len(lead), lead))
     return out
+
+
+def _table(header: list[str], rows: list[list[str]], indent: str = "    ") -> list[str]:
+    return [line for row in _table_rows(header, rows, indent) for line in row]
 
 
 def _yn(b: Any) -> str:
@@ -941,12 +952,14 @@ def render_text(r: dict[str, Any]) -> str:
             L.append(f"  ... {len(s['problems']) - 20} more (--json)")
 
     L += _heading("Backends")
-    L += _table(["backend", "found", "detail"],
-                [[b["name"], _yn(b["available"]), b.get("detail", "")] for b in r["backends"]], "  ")
-    for b in r["backends"]:
+    table = _table_rows(["backend", "found", "detail"],
+                        [[b["name"], _yn(b["available"]), b.get("detail", "")] for b in r["backends"]], "  ")
+    L += table[0]
+    for b, lines in zip(r["backends"], table[1:]):
+        L += lines
         for dev in b.get("devices") or ():
             L += _wrap(f"{b['name']}{dev['index']}: {dev.get('name') or '?'}"
-                       + (f" uuid {dev['uuid']}" if dev.get("uuid") else ""), "      ", "    ")
+                       + (f", uuid {dev['uuid']}" if dev.get("uuid") else ""), "        ", "    ")
     n = r["device_nodes"]
     L += _kv("/dev/dma_heap", ", ".join(n["dma_heap"]) if n["dma_heap"] is not None else "absent", "")
     L += _kv("/dev/udmabuf", "present" if n["udmabuf"] else "absent", "")
@@ -1091,10 +1104,10 @@ def _render_device(d: dict[str, Any]) -> list[str]:
 
     L.append(f"  Attach matrix (GPU{d['index']} as hub; under each row: why not a better path)")
     rows2 = [[row["backend"], PATH_LABELS[row["memory"]], PATH_LABELS[row["event"]]] for row in d["attach_matrix"]]
-    table = _table(["backend", "memory", "event"], rows2)
-    L.append(table[0])
-    for line, row in zip(table[1:], d["attach_matrix"]):
-        L.append(line)
+    table = _table_rows(["backend", "memory", "event"], rows2)
+    L += table[0]
+    for lines, row in zip(table[1:], d["attach_matrix"]):
+        L += lines
         for why in row["memory_why_not"] + row["event_why_not"]:
             L += _wrap(why, "          ", "      - ")
     return L

@@ -29,9 +29,9 @@ def record_argmax(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: 
         raise KernelError(f"argmax_{dtype}: rows of length 0 have no argmax (shape {list(shape)})")
     s = Operand("src", src, src_offset, cols if src_stride is None else src_stride, rows, cols)
     d = Operand("dst", dst, dst_offset, 1, 1, rows)
-    check_operand(op, s, shape)
-    check_operand(op, d, shape)
-    check_alias(op, d, s, shape)
+    check_operand(f"{op}_{dtype}", s, shape)
+    check_operand(f"{op}_{dtype}", d, shape)
+    check_alias(f"{op}_{dtype}", d, s, shape)
     if rows == 0:
         return
     k = Kernel.get(seq.device, f"{op}_{dtype}")

@@ -15,8 +15,13 @@ head), where the query rows of a block are the (token, head) pairs of the heads 
 kv head (GQA: head ``h`` uses kv head ``h // (n_heads // n_kv_heads)``), so every K/V block
 read serves the whole group; online softmax over blocks of 32 positions, f32 accumulation.
 For decode (one token, long cache) split the KV length over ``n_splits`` workgroups
-(flash-decoding); that needs a ``scratch`` buffer of :func:`attention_scratch_bytes` and adds a
-small combine dispatch.
+(flash-decoding, :func:`attention_splits` picks a count); that needs a ``scratch`` buffer of
+:func:`attention_scratch_bytes` and adds a small combine dispatch.
+
+Kernels: head_dim 64 and 128 with cache offsets that are multiples of 4 elements take the
+tiled ``attn_f16_f32_d64``/``_d128`` (compile-time head_dim, vec4 tiles, register-blocked
+scores and outputs, cache reads issued one block ahead); any other head_dim <= 128 takes the
+generic ``attn_f16_f32``. Both give the same results to f32 rounding.
 """
 
 from __future__ import annotations
@@ -32,12 +37,16 @@ from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dty
 MAX_HEAD_DIM = 128
 BR = 16  # query rows per attention workgroup (attention.comp)
 COMBINE_WG = 128
+TILED_HEAD_DIMS = (64, 128)  # head dims with a compile-time tiled kernel (attn_f16_f32_d<hd>)
 
 VARIANTS = [
     Variant(name="kv_store_f32_f16", source="kv_store.comp", bindings=5, writes=(3, 4),
             push="IIIIIIIIII", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",)),
     Variant(name="attn_f16_f32", source="attention.comp", bindings=6, writes=(4, 5),
             push="IIIIIIIIIIIIIf", local_size=(128, 1, 1), requires=("storageBuffer16BitAccess",)),
+    *[Variant(name=f"attn_f16_f32_d{hd}", source="attention.comp", defines={"HD": str(hd)}, bindings=6,
+               writes=(4, 5), push="IIIIIIIIIIIIIf", local_size=(128, 1, 1),
+               requires=("storageBuffer16BitAccess",)) for hd in TILED_HEAD_DIMS],
     Variant(name="attn_combine_f32", source="attn_combine.comp", bindings=2, writes=(1,),
             push="IIIIII", local_size=(COMBINE_WG, 1, 1)),
 ]
@@ -64,14 +73,14 @@ def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_ca
     ovc = Operand("v_cache", v_cache, v_cache_offset, row, n_ctx, row, itemsize=2)
     op_ = Operand("pos", pos, pos_offset, 1, 1, n_tokens)
     for o in (ok, ov, okc, ovc, op_):
-        check_operand(op, o, shape)
+        check_operand("kv_store_f32_f16", o, shape)
     for src in (ok, ov, op_):
         for dst in (okc, ovc):
-            check_alias(op, dst, src, shape)
+            check_alias("kv_store_f32_f16", dst, src, shape)
     b1, s1, e1 = okc.span()
     b2, s2, e2 = ovc.span()
     if row and n_ctx and b1 == b2 and s1 < e2 and s2 < e1:
-        raise KernelError(f"{op}: the K and V caches overlap (shape {list(shape)})")
+        raise KernelError(f"kv_store_f32_f16: the K and V caches overlap (shape {list(shape)})")
     if n_tokens == 0 or row == 0:
         return
     kern = Kernel.get(seq.device, "kv_store_f32_f16")
@@ -84,6 +93,16 @@ def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_ca
 def attention_scratch_bytes(n_tokens: int, n_heads: int, head_dim: int, n_splits: int) -> int:
     """Bytes of the ``scratch`` buffer :func:`record_attention` needs for ``n_splits`` > 1."""
     return 4 * n_splits * n_tokens * n_heads * (head_dim + 2) if n_splits > 1 else 0
+
+
+def attention_splits(n_tokens: int, n_heads: int, n_kv_heads: int, n_ctx: int,
+                     target_workgroups: int = 264, min_positions: int = 128) -> int:
+    """A KV split count for :func:`record_attention`: enough workgroups to fill a large GPU
+    (``target_workgroups``, about two per SM of an H100/H200), each split covering at least
+    ``min_positions`` cache positions of a full cache. 1 for prefill-sized batches."""
+    blocks = n_kv_heads * -(-(n_tokens * max(1, n_heads // max(1, n_kv_heads))) // BR)
+    want = -(-target_workgroups // max(1, blocks))
+    return max(1, min(want, n_ctx // min_positions, MAX_GROUPS))
 
 
 def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bindable, pos: Bindable,
@@ -129,9 +148,9 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     ov = Operand("v_cache", v_cache, v_cache_offset, kv_row, n_ctx, kv_row, itemsize=2)
     op_ = Operand("pos", pos, pos_offset, 1, 1, 1)
     for o in (oq, od, ok, ov, op_):
-        check_operand(op, o, shape)
+        check_operand("attn_f16_f32", o, shape)
     for src in (ok, ov, op_):
-        check_alias(op, od, src, shape)
+        check_alias("attn_f16_f32", od, src, shape)
     # dst must not be q even in place: a workgroup reads all its queries first, but other
     # workgroups of the same kv head could still be reading rows it writes.
     b1, s1, e1 = od.span()
@@ -146,7 +165,7 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
                               f"(shape {list(shape)})")
         n = n_splits * n_tokens * n_heads * (head_dim + 2)
         osc = Operand("scratch", scratch, 0, n, 1, n)
-        check_operand(op, osc, shape)
+        check_operand("attn_f16_f32", osc, shape)
         for o in (oq, od, ok, ov, op_):
             b1, s1, e1 = osc.span()
             b2, s2, e2 = o.span()
@@ -159,7 +178,10 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     row_blocks = -(-(n_tokens * grp) // BR)
     if row_blocks > MAX_GROUPS or n_kv_heads > MAX_GROUPS:
         raise KernelError(f"attn_f16_f32: too many rows for one dispatch (shape {list(shape)})")
-    kern = Kernel.get(seq.device, "attn_f16_f32")
+    name = "attn_f16_f32"
+    if head_dim in TILED_HEAD_DIMS and k_cache_offset % 4 == 0 and v_cache_offset % 4 == 0:
+        name = f"attn_f16_f32_d{head_dim}"
+    kern = Kernel.get(seq.device, name)
     seq.dispatch(kern, [q, k_cache, v_cache, pos, dst, part],
                  (n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, q_offset, oq.stride,
                   k_cache_offset, v_cache_offset, pos_offset, dst_offset, od.stride, n_splits, scale),

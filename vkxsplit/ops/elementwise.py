@@ -115,15 +115,15 @@ def _record(seq: Sequence, op: str, a: Operand, b: Operand | None, dst: Operand,
     shape = (a.rows, a.cols)
     check_dtype(op, dtype, shape)
     check_dims(op, dtype, shape, rows=a.rows, cols=a.cols)
-    check_operand(op, a, shape)
-    check_operand(op, dst, shape)
-    check_alias(op, dst, a, shape)
+    check_operand(f"{op}_{dtype}", a, shape)
+    check_operand(f"{op}_{dtype}", dst, shape)
+    check_alias(f"{op}_{dtype}", dst, a, shape)
     if b is not None:
         if b_rows < 1 or (a.rows and a.rows % b_rows):
             raise KernelError(f"{op}_{dtype}: b has {b_rows} rows, which does not divide the "
                               f"{a.rows} rows of a (shape {list(shape)})")
-        check_operand(op, b, shape)
-        check_alias(op, dst, b, shape)
+        check_operand(f"{op}_{dtype}", b, shape)
+        check_alias(f"{op}_{dtype}", dst, b, shape)
     if a.rows == 0 or a.cols == 0:
         return
     k = Kernel.get(seq.device, f"{op}_{dtype}")

@@ -38,14 +38,14 @@ def record_rms_norm(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols
         raise KernelError(f"{op}_{dtype}: eps = {eps!r} must be >= 0 (shape {list(shape)})")
     s = Operand("src", src, src_offset, cols if src_stride is None else src_stride, rows, cols)
     d = Operand("dst", dst, dst_offset, cols if dst_stride is None else dst_stride, rows, cols)
-    check_operand(op, s, shape)
-    check_operand(op, d, shape)
-    check_alias(op, d, s, shape)
+    check_operand(f"{op}_{dtype}", s, shape)
+    check_operand(f"{op}_{dtype}", d, shape)
+    check_alias(f"{op}_{dtype}", d, s, shape)
     bufs: list[Bindable] = [src, dst]
     if weight is not None:
         w = Operand("weight", weight, weight_offset, cols, 1, cols)
-        check_operand(op, w, shape)
-        check_alias(op, d, w, shape)
+        check_operand(f"{op}_{dtype}", w, shape)
+        check_alias(f"{op}_{dtype}", d, w, shape)
         bufs = [src, weight, dst]
     if rows == 0 or cols == 0:
         return

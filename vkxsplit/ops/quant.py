@@ -8,13 +8,12 @@ them (``q4_0`` in variant names, ``WTYPE`` = the ggml enum value in the shaders)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import KernelError
 
-TypeLike = Union[str, int, GGMLQuantizationType]
+TypeLike = str | int | GGMLQuantizationType
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ def weight_type(t: TypeLike | WeightType) -> WeightType:
     if isinstance(t, str):
         wt = TYPES.get(t.lower())
         if wt is None:
-            raise KernelError(f"weight type {t!r} has no vkxsplit kernel (supported: "
+            raise KernelError(f"weight type {t.upper()} has no vkxsplit kernel (supported: "
                               f"{', '.join(x.upper() for x in TYPES)})",
                               "re-quantize the model to one of the supported types")
         return wt

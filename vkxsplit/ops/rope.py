@@ -72,12 +72,12 @@ def record_rope(seq: Sequence, src: Bindable, pos: Bindable, dst: Bindable, n_to
     sts = n_heads * shs if src_token_stride is None else src_token_stride
     dhs = head_dim if dst_head_stride is None else dst_head_stride
     dts = n_heads * dhs if dst_token_stride is None else dst_token_stride
-    s = _check_3d(name, "src", src, src_offset, sts, shs, n_tokens, n_heads, head_dim, shape)
-    d = _check_3d(name, "dst", dst, dst_offset, dts, dhs, n_tokens, n_heads, head_dim, shape)
-    check_alias(name, d, s, shape)  # coarse: only exact in-place or disjoint spans pass
+    s = _check_3d(f"{name}_{dtype}", "src", src, src_offset, sts, shs, n_tokens, n_heads, head_dim, shape)
+    d = _check_3d(f"{name}_{dtype}", "dst", dst, dst_offset, dts, dhs, n_tokens, n_heads, head_dim, shape)
+    check_alias(f"{name}_{dtype}", d, s, shape)  # coarse: only exact in-place or disjoint spans pass
     pp = Operand("pos", pos, pos_offset, 1, 1, n_tokens)
-    check_operand(name, pp, shape)
-    check_alias(name, d, pp, shape)
+    check_operand(f"{name}_{dtype}", pp, shape)
+    check_alias(f"{name}_{dtype}", d, pp, shape)
     if n_tokens == 0 or n_heads == 0:
         return
     total = n_tokens * n_heads * (head_dim // 2)

@@ -40,17 +40,17 @@ def record_softmax(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols:
     check_dims(op, dtype, shape, rows=rows, cols=cols, mask_rows=mask_rows)
     s = Operand("src", src, src_offset, cols if src_stride is None else src_stride, rows, cols)
     d = Operand("dst", dst, dst_offset, cols if dst_stride is None else dst_stride, rows, cols)
-    check_operand(op, s, shape)
-    check_operand(op, d, shape)
-    check_alias(op, d, s, shape)
+    check_operand(f"{op}_{dtype}", s, shape)
+    check_operand(f"{op}_{dtype}", d, shape)
+    check_alias(f"{op}_{dtype}", d, s, shape)
     bufs: list[Bindable] = [src, dst]
     m_stride = cols if mask_stride is None else mask_stride
     if mask is not None:
         if mask_rows < 1:
             raise KernelError(f"{op}_{dtype}: mask_rows = {mask_rows} (shape {list(shape)})")
         m = Operand("mask", mask, mask_offset, m_stride, mask_rows, cols)
-        check_operand(op, m, shape)
-        check_alias(op, d, m, shape)
+        check_operand(f"{op}_{dtype}", m, shape)
+        check_alias(f"{op}_{dtype}", d, m, shape)
         bufs = [src, mask, dst]
     if rows == 0 or cols == 0:
         return

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import EnvironmentProblem, VkxError
 from .api import API_1_3, NULL, check, cstr, ffi, lib, new, vk
-from .instance import STYPE_BFLOAT16_FEATURES, Instance, PhysicalDeviceInfo, env_flag
+from .instance import Instance, PhysicalDeviceInfo, env_flag, new_bf16_features
 
 log = logging.getLogger("vkxsplit.vk")
 
@@ -106,12 +106,11 @@ class Device:
             tail = coop
         bf16 = None
         if "VK_KHR_shader_bfloat16" in self.extensions and feats.get("shaderBFloat16Type"):
-            bf16 = ffi.new("VkxBf16Features*")
-            bf16.sType = STYPE_BFLOAT16_FEATURES
+            # declared in its own ffi (newer than the vulkan package): keep it last in the chain
+            bf16, bf16_ptr = new_bf16_features()
             bf16.shaderBFloat16Type = 1
             bf16.shaderBFloat16CooperativeMatrix = 1 if feats.get("shaderBFloat16CooperativeMatrix") else 0
-            tail.pNext = bf16
-            tail = bf16
+            tail.pNext = bf16_ptr
         core = new("VkPhysicalDeviceFeatures")
         core.shaderInt64 = 1 if feats.get("shaderInt64") else 0
         core.shaderInt16 = 1 if feats.get("shaderInt16") else 0

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import cffi
+
 from ..errors import EnvironmentProblem, VkxError
 from .api import API_1_2, API_1_3, NULL, check, cstr, enumerate_, ffi, lib, new, string, version_str, vk
 
@@ -37,6 +39,28 @@ try:
     """)
 except Exception:  # already declared (module reloaded)
     pass
+
+# The `vulkan` package's ffi is compiled out of line: it has no cdef, so the declaration above
+# never takes effect. The struct lives in its own FFI and is chained by address instead.
+_bf16_ffi = cffi.FFI()
+_bf16_ffi.cdef("""
+typedef struct VkxBf16Features {
+    int32_t sType;
+    void* pNext;
+    uint32_t shaderBFloat16Type;
+    uint32_t shaderBFloat16DotProduct;
+    uint32_t shaderBFloat16CooperativeMatrix;
+} VkxBf16Features;
+""")
+
+
+def new_bf16_features() -> tuple[Any, Any]:
+    """A VkPhysicalDeviceShaderBfloat16FeaturesKHR: (the struct, a ``void*`` to it for pNext
+    chains built with the vulkan ffi). Keep the struct alive while the chain is used; put it
+    last in a chain (its own pNext is of the other ffi)."""
+    s = _bf16_ffi.new("VkxBf16Features*")
+    s.sType = STYPE_BFLOAT16_FEATURES
+    return s, ffi.cast("void*", int(_bf16_ffi.cast("uintptr_t", s)))
 
 
 def env_flag(name: str, default: bool = False) -> bool:
@@ -251,10 +275,8 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
         tail = coop
     bf16 = None
     if info.has("VK_KHR_shader_bfloat16"):
-        bf16 = ffi.new("VkxBf16Features*")
-        bf16.sType = STYPE_BFLOAT16_FEATURES
-        tail.pNext = bf16
-        tail = bf16
+        bf16, bf16_ptr = new_bf16_features()
+        tail.pNext = bf16_ptr  # last in the chain
     lib.vkGetPhysicalDeviceFeatures2(handle, head)
     info.features["shaderInt64"] = bool(head.features.shaderInt64)
     info.features["shaderInt16"] = bool(head.features.shaderInt16)

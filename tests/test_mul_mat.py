@@ -1,0 +1,335 @@
+"""mul_mat kernels (vkxsplit/ops/mul_mat.py) against a float64 numpy reference.
+
+Weights: ``gguf.quants.quantize`` for the types it implements (F16, BF16, Q4_0..Q8_0), random
+valid blocks (random bytes with finite f16 scales) for the K-quants; the reference multiplies
+by ``gguf.quants.dequantize`` of the same bytes, in float64.
+
+Error bound (elementwise): |y - ref| <= (K + 4) * 2^-24 * (|x| @ |W|^T). That is the
+worst-case first-order bound of an f32 dot product of K terms summed in any order (gamma_K =
+K u, u = 2^-24, covering the product roundings), plus 4u for the kernel's dequantization
+rounding differently from numpy's by an ulp or two (fused q*d + m). It does not depend on the
+kernels' summation order, so it was fixed before any run. The coopmat path rounds x and W to
+f16 (u = 2^-11 each) and may accumulate with truncation: 2^-10 + 2 K 2^-23 instead.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from vkxsplit.errors import KernelError
+from vkxsplit.ops import mul_mat as mm
+from vkxsplit.ops.quant import TYPES, block_size, row_bytes, weight_type
+from vkxsplit.vk.command import Sequence
+from vkxsplit.vk.kernel import View
+
+ALL = list(TYPES)
+FLOATS = ["f32", "f16", "bf16"]
+QUANTIZABLE = ["f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
+U = 2.0 ** -24
+
+# byte offsets and magnitudes of the f16 scale fields of each block type: (offset, lo, hi)
+_SCALES = {
+    "q4_0": [(0, 0.05, 0.3)], "q5_0": [(0, 0.03, 0.15)], "q8_0": [(0, 0.002, 0.02)],
+    "q4_1": [(0, 0.05, 0.3), (2, 0.2, 2.0)], "q5_1": [(0, 0.03, 0.15), (2, 0.2, 2.0)],
+    "q4_k": [(0, 0.001, 0.01), (2, 0.001, 0.01)], "q5_k": [(0, 0.0005, 0.005), (2, 0.001, 0.01)],
+    "q6_k": [(208, 0.0002, 0.002)],
+}
+
+
+def gtype(t: str) -> GGMLQuantizationType:
+    return weight_type(t).ggml
+
+
+def test_k(t: str) -> int:
+    """A row length that is a multiple of the block size but of no tile size."""
+    return {1: 96, 32: 96, 256: 512}[block_size(t)]
+
+
+test_k.__test__ = False  # a helper, not a test
+
+
+def random_blocks(rng: np.random.Generator, t: str, rows: int, k: int) -> np.ndarray:
+    """Random valid blocks: every quant byte random, f16 scales finite, normal, random sign."""
+    bs, bb = GGML_QUANT_SIZES[gtype(t)]
+    nb = k // bs
+    raw = rng.integers(0, 256, size=(rows, nb, bb), dtype=np.uint8)
+    for off, lo, hi in _SCALES[t]:
+        d = (rng.uniform(lo, hi, (rows, nb)) * rng.choice([-1.0, 1.0], (rows, nb))).astype(np.float16)
+        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, nb, 2)
+    return raw.reshape(rows, nb * bb)
+
+
+def make_weights(rng: np.random.Generator, t: str, rows: int, k: int,
+                 random_bits: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(raw ggml bytes [rows, row_bytes], the dequantized float64 reference [rows, k])."""
+    g = gtype(t)
+    if t == "f32":
+        w = rng.standard_normal((rows, k)).astype(np.float32)
+        return w.view(np.uint8).reshape(rows, -1), w.astype(np.float64)
+    if t in QUANTIZABLE and (not random_bits or t in FLOATS):
+        raw = np.ascontiguousarray(quantize(rng.standard_normal((rows, k)).astype(np.float32), g))
+        raw = raw.view(np.uint8).reshape(rows, -1)
+    else:
+        raw = random_blocks(rng, t, rows, k)
+    assert raw.shape == (rows, row_bytes(t, k))
+    ref = dequantize(raw.view(np.float16) if t == "f16" else raw, g)
+    return raw, np.asarray(ref, dtype=np.float64).reshape(rows, k)
+
+
+class Bufs:
+    """Host-visible buffers freed at the end of a test."""
+
+    def __init__(self, device):
+        self.device = device
+        self.bufs = []
+
+    def new(self, nbytes: int, fill: np.ndarray | None = None):
+        b = self.device.memory.alloc(max(nbytes, 4), "host", name="test")
+        self.bufs.append(b)
+        if fill is not None:
+            b.numpy(np.uint8, (fill.nbytes,))[:] = np.ascontiguousarray(fill).view(np.uint8).ravel()
+        return b
+
+    def close(self):
+        for b in self.bufs:
+            b.close()
+
+
+@pytest.fixture
+def bufs(device):
+    b = Bufs(device)
+    yield b
+    b.close()
+
+
+def run_mm(device, bufs, w_buf, t, x, M, N, K, y_elems, path, **kw):
+    """Run one mul_mat with y poisoned by NaN; returns (y as float32 array, path taken)."""
+    xb = bufs.new(x.nbytes, x.astype(np.float32))
+    yb = bufs.new(4 * y_elems)
+    y = yb.numpy(np.float32, (y_elems,))
+    y[:] = np.nan
+    seq = Sequence(device, "mm")
+    try:
+        took = mm.record_mul_mat(seq, w_buf, t, xb, yb, M, N, K, path=path, **kw)
+        seq.run()
+    finally:
+        seq.close()
+    return y.copy(), took
+
+
+def check(got, ref, bound):
+    assert not np.isnan(got).any(), "NaN in the output: some element was not written"
+    err = np.abs(got.astype(np.float64) - ref)
+    bad = err > bound
+    assert not bad.any(), (f"{bad.sum()} of {bad.size} elements over the bound; worst err "
+                           f"{err.max():.3g}, ratio {np.max(err / np.maximum(bound, 1e-300)):.3g}")
+
+
+def bound_f32(x, w):
+    return (x.shape[1] + 4) * U * (np.abs(x) @ np.abs(w).T)
+
+
+@pytest.mark.parametrize("t", ALL)
+def test_mat_vec(device, bufs, rng, t):
+    N, K = 37, test_k(t)
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    for M in (1, 3, 8):
+        x = rng.standard_normal((M, K))
+        y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
+        assert took == "vec"
+        check(y.reshape(M, N), x @ W.T, bound_f32(x, W))
+
+
+@pytest.mark.parametrize("t", ALL)
+def test_tiled(device, bufs, rng, t):
+    N, K = 70, test_k(t)
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    for M in (17, 64):
+        x = rng.standard_normal((M, K))
+        y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "tiled")
+        assert took == "tiled"
+        check(y.reshape(M, N), x @ W.T, bound_f32(x, W))
+
+
+@pytest.mark.parametrize("path", ["vec", "tiled"])
+@pytest.mark.parametrize("t", ALL)
+def test_row_range_and_strides(device, bufs, rng, t, path):
+    """Rows [r0, r0 + n) of W into y columns [r0, r0 + n); x rows with a stride that is not a
+    multiple of 4 and an offset (scalar x loads); y with a wider stride and an offset. Nothing
+    outside the target region may be written."""
+    n_total, r0, n, K = 45, 6, 23, test_k(t)
+    M = 3 if path == "vec" else 19
+    raw, W = make_weights(rng, t, n_total, K)
+    wb = bufs.new(raw.nbytes, raw)
+    xs, xo = K + 3, 5
+    ys, yo = n_total + 2, 3
+    xfull = np.full(xo + M * xs, np.nan)  # padding between rows is NaN: it must never be read
+    x = rng.standard_normal((M, K))
+    for m in range(M):
+        xfull[xo + m * xs: xo + m * xs + K] = x[m]
+    xf = xfull.astype(np.float32)
+    xb = bufs.new(xf.nbytes, xf)
+    y_elems = yo + M * ys
+    yb = bufs.new(4 * y_elems)
+    y = yb.numpy(np.float32, (y_elems,))
+    y[:] = np.nan
+    seq = Sequence(device, "mm")
+    try:
+        mm.record_mul_mat(seq, wb, t, xb, yb, M, n, K, x_stride=xs, y_stride=ys, x_offset=xo,
+                          y_offset=yo, w_row_offset=r0, path=path)
+        seq.run()
+    finally:
+        seq.close()
+    region = np.zeros(y_elems, bool)
+    got = np.empty((M, n), np.float32)
+    for m in range(M):
+        sl = slice(yo + m * ys + r0, yo + m * ys + r0 + n)
+        region[sl] = True
+        got[m] = y[sl]
+    assert np.isnan(y[~region]).all(), "wrote outside the target columns"
+    Wr = W[r0:r0 + n]
+    check(got, x @ Wr.T, bound_f32(x, Wr))
+
+
+@pytest.mark.parametrize("K", [100, 99])
+@pytest.mark.parametrize("t", FLOATS)
+def test_float_rows_any_length(device, bufs, rng, t, K):
+    """Float weights need no blocks: K = 100 (vec: element path, tiled: vec4 rows) and K = 99
+    (rows not 4-byte multiples for f16/bf16; element path everywhere)."""
+    N = 21
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    for M, path in ((2, "vec"), (11, "tiled")):
+        x = rng.standard_normal((M, K))
+        y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, path)
+        check(y.reshape(M, N), x @ W.T, bound_f32(x, W))
+
+
+@pytest.mark.parametrize("t", ["q4_0", "q8_0", "q5_1"])
+def test_random_bit_patterns(device, bufs, rng, t):
+    """Legacy quants from random bytes (codes quantize() never writes, e.g. -128 in Q8_0)."""
+    N, K = 19, 64
+    raw, W = make_weights(rng, t, N, K, random_bits=True)
+    wb = bufs.new(raw.nbytes, raw)
+    for M, path in ((4, "vec"), (9, "tiled")):
+        x = rng.standard_normal((M, K))
+        y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, path)
+        check(y.reshape(M, N), x @ W.T, bound_f32(x, W))
+
+
+@pytest.mark.parametrize("t", ALL)
+def test_coopmat(device, bufs, rng, t):
+    if not mm.coopmat_supported(device):
+        pytest.skip(f"'{device.name}' has no usable cooperative matrices")
+    if mm.coopmat_disabled():
+        pytest.skip("VKXSPLIT_DISABLE_COOPMAT is set")
+    N, K = 150, test_k(t) * (3 if block_size(t) == 1 else 1)
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    for M in (9, 70):
+        x = rng.standard_normal((M, K))
+        y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
+        assert took == "coopmat"
+        check(y.reshape(M, N), x @ W.T, (2.0 ** -10 + 2 * K * 2.0 ** -23) * (np.abs(x) @ np.abs(W).T))
+
+
+def _fake_device(coop=True, shape=(16, 16, 16, 0, 0, 1, 1, 3), sg=(32, 32), ops=0x4):
+    s = types.SimpleNamespace(m=shape[0], n=shape[1], k=shape[2], a_type=shape[3], b_type=shape[4],
+                              c_type=shape[5], result_type=shape[6], scope=shape[7], saturating=False)
+    feats = {"cooperativeMatrix": coop, "shaderFloat16": True, "vulkanMemoryModel": True,
+             "subgroupSizeControl": True}
+    phys = types.SimpleNamespace(coopmat_shapes=[s], min_subgroup_size=sg[0], max_subgroup_size=sg[1],
+                                 subgroup_ops=ops, subgroup_stages=0x20)
+    return types.SimpleNamespace(features=feats, physical=phys, name="fake")
+
+
+def test_path_selection(device, monkeypatch):
+    monkeypatch.delenv("VKXSPLIT_DISABLE_COOPMAT", raising=False)
+    assert mm.check_mul_mat("q4_0", 8, 10, 64) == "vec"
+    assert mm.check_mul_mat("q4_0", 9, 10, 64) == "tiled"
+    nv = _fake_device()
+    assert mm.coopmat_supported(nv)
+    assert mm.check_mul_mat("q4_k", 1, 10, 256, device=nv) == "vec"
+    assert mm.check_mul_mat("q4_k", 9, 10, 256, device=nv) == "coopmat"
+    assert mm.check_mul_mat("q4_k", 9, 10, 256, path="tiled", device=nv) == "tiled"
+    for bad in (_fake_device(coop=False), _fake_device(sg=(64, 64)),
+                _fake_device(shape=(16, 16, 16, 0, 0, 0, 0, 3)), _fake_device(shape=(16, 8, 16, 0, 0, 1, 1, 3))):
+        assert not mm.coopmat_supported(bad)
+        assert mm.check_mul_mat("q4_k", 9, 10, 256, device=bad) == "tiled"
+    assert mm.check_mul_mat("f16", 2, 10, 64, device=_fake_device(coop=False, ops=0)) == "tiled"
+    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT", "1")
+    assert mm.check_mul_mat("q4_k", 9, 10, 256, device=nv) == "tiled"
+    with pytest.raises(KernelError, match="disabled"):
+        mm.check_mul_mat("q4_k", 9, 10, 256, path="coopmat", device=nv)
+    monkeypatch.delenv("VKXSPLIT_DISABLE_COOPMAT")
+    # this machine's device (lavapipe has no cooperative matrices)
+    expect = "coopmat" if mm.coopmat_supported(device) else "tiled"
+    assert mm.check_mul_mat("q8_0", 64, 10, 64, device=device) == expect
+    if expect == "tiled":
+        with pytest.raises(KernelError, match="cooperative"):
+            mm.check_mul_mat("q8_0", 64, 10, 64, path="coopmat", device=device)
+
+
+def test_quant_table():
+    for t, wt in TYPES.items():
+        assert (wt.block_size, wt.block_bytes) == GGML_QUANT_SIZES[GGMLQuantizationType[t.upper()]]
+        assert weight_type(t.upper()) is wt and weight_type(wt.ggml) is wt and weight_type(int(wt.ggml)) is wt
+    assert row_bytes("q4_0", 64) == 36 and row_bytes("q6_k", 512) == 420 and row_bytes("bf16", 7) == 14
+    for bad in ("Q2_K", GGMLQuantizationType.IQ2_XXS, int(GGMLQuantizationType.Q3_K), "q4_2", 999):
+        with pytest.raises(KernelError, match="no vkxsplit kernel"):
+            weight_type(bad)
+    with pytest.raises(KernelError, match="IQ2_XXS"):
+        weight_type(GGMLQuantizationType.IQ2_XXS)
+    with pytest.raises(KernelError, match="block"):
+        row_bytes("q4_k", 300)
+
+
+def test_errors(device, bufs, seq):
+    K, N, M = 64, 8, 2
+    wb = bufs.new(row_bytes("q8_0", K) * N)
+    xb = bufs.new(4 * M * K)
+    yb = bufs.new(4 * M * N)
+
+    def rec(**kw):
+        args = dict(w=wb, w_type="q8_0", x=xb, y=yb, M=M, N=N, K=K)
+        args.update(kw)
+        return mm.record_mul_mat(seq, **args)
+
+    with pytest.raises(KernelError, match="Q3_K"):
+        rec(w_type="q3_k")
+    with pytest.raises(KernelError, match="multiple of the Q8_0 block size"):
+        rec(K=48)
+    with pytest.raises(KernelError, match="weight binding"):
+        rec(N=N + 1)
+    with pytest.raises(KernelError, match="weight binding"):
+        rec(w_row_offset=1, y_stride=N + 1, y=bufs.new(4 * M * (N + 1)))
+    with pytest.raises(KernelError, match="x "):
+        rec(x_stride=K + 1)
+    with pytest.raises(KernelError, match="y "):
+        rec(y_offset=1)
+    with pytest.raises(KernelError, match="y_stride"):
+        rec(y_stride=N - 1)
+    with pytest.raises(KernelError, match="M <= 8"):
+        rec(M=9, path="vec")
+    with pytest.raises(KernelError, match="unknown path"):
+        rec(path="fast")
+    with pytest.raises(KernelError, match="overlaps"):
+        rec(y=xb)
+    with pytest.raises(KernelError, match="16-byte aligned"):
+        rec(w=View(wb, 8, row_bytes("q8_0", K) * N - 8), N=1)
+    with pytest.raises(KernelError, match="non-negative"):
+        rec(N=-1)
+    with pytest.raises(KernelError, match="at least 1"):
+        mm.check_mul_mat("f32", 1, 1, 0)
+    assert seq.dispatches == 0
+    # empty products record nothing
+    assert rec(M=0) == "vec" and rec(N=0) == "vec"
+    assert seq.dispatches == 0

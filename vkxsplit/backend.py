@@ -1,0 +1,505 @@
+"""The backend interface: how an accelerator joins the hub's step graph.
+
+Modelled on ggml's ``ggml_backend_i``: one class, :class:`Backend`, whose methods are a table of
+hooks (:data:`HOOKS`). Exactly one hook is required, :meth:`Backend.mul_mat`; every other hook is
+optional and has a default that says "not supported" or does nothing. A backend declares what it
+can do in a :class:`Capabilities` record, and the hub plans around it (which ops, weight types,
+batch sizes and how many resident kernels; which memory and event handles it can import).
+
+Every hook that does work is *asynchronous*: it enqueues and returns at once, never blocking the
+caller. Work starts after a ``wait`` point ``(hub Timeline, value)`` is reached and signals a
+``signal`` point ``(the backend's Timeline, value)`` when done. Errors in the asynchronous part
+are recorded and raised by :meth:`Backend.check` (or :meth:`Backend.wait`) when the caller
+collects the step's result.
+
+Worked example: an NPU vendor implementing only ``mul_mat``
+-----------------------------------------------------------
+
+The NPU computes bf16 x bf16 -> f32, wants at least 16 rows per call, keeps at most 6 weight
+matrices resident, maps dma-bufs or plain host memory, and has no way to wait on a Vulkan
+semaphore. Its SDK call ``npu.matmul(...)`` blocks until done::
+
+    import numpy as np
+    from vkxsplit.attach import HostBridge
+    from vkxsplit.backend import Backend, Capabilities, register_backend
+
+    class MyNpu(Backend):
+        name = "my-npu"
+        caps = Capabilities(ops={"mul_mat"}, weight_types={"bf16"}, compute_dtypes={"bf16"},
+                            min_batch=16, max_kernels=6,
+                            memory_handles=("dma_buf", "host_allocation"), event_handles=("host",))
+
+        def __init__(self, hub, **opts):
+            super().__init__(hub, **opts)
+            # the host bridge waits for the hub point, calls _run, then signals our timeline
+            self.bridge = HostBridge(hub, self.timeline, name=self.name, run=self._run,
+                                     timeout=self.timeout)
+
+        def mul_mat(self, job, wait, signal):          # the one required hook
+            self.check_job(job)                        # types/shape/batch against self.caps
+            self.bridge.enqueue(wait, signal[1], job)  # returns at once
+
+        def _run(self, job):                           # bridge thread, after the hub point
+            w = job.weight.backend_array(np.uint16)    # zero-copy views of the hub's memory
+            x = job.x.backend_array(np.uint16)
+            y = job.y.backend_array(np.float32)
+            npu.matmul(w, x, y, job.M, job.rows, job.K, job.x_stride, job.y_stride, job.r0)
+
+    register_backend("my-npu", MyNpu)
+
+The hub side of a step then reads (see ``docs/ATTACH.md`` for the full story)::
+
+    npu = create_backend("my-npu", hub)
+    arena = SharedArena(hub, [npu])                   # negotiates dma_buf > host_allocation
+    ...
+    v1 = seq1.submit()                                # hub work producing x (bf16)
+    p = npu.next_point()
+    npu.mul_mat(MatMulJob(w.view(), "bf16", x.view(), y.view(), M, N, K, x_type="bf16"),
+                wait=(seq1.timeline, v1), signal=p)
+    v2 = seq2.submit(waits=[p])                       # hub work consuming y
+    ...
+    seq2.wait(); npu.check()                          # collect: raises what went wrong
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .attach import (
+    EVENT_HANDLES,
+    MEMORY_HANDLES,
+    AttachStats,
+    Choice,
+    HostBridge,
+    Point,
+    SharedView,
+    host_wait,
+    negotiate_events,
+    stats,
+)
+from .errors import EnvironmentProblem, KernelError, VkxError
+from .vk.event import Timeline, default_timeout
+
+if TYPE_CHECKING:
+    from .vk.device import Device
+
+# ---------------------------------------------------------------------------------------------
+# ggml types
+
+
+def ggml_type_info(type_name: str) -> tuple[int, int]:
+    """``(elements per block, bytes per block)`` of a ggml type name (``"q4_0"``, ``"bf16"``...)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        t = GGMLQuantizationType[type_name.upper()]
+    except KeyError:
+        raise KernelError(f"unknown ggml type {type_name!r}") from None
+    return GGML_QUANT_SIZES[t]
+
+
+def row_bytes(type_name: str, k: int) -> int:
+    """Bytes of one row of ``k`` elements of ``type_name`` (``k`` must fill whole blocks)."""
+    block, size = ggml_type_info(type_name)
+    if k % block:
+        raise KernelError(f"a row of {k} elements is not a whole number of {type_name} blocks ({block} each)")
+    return k // block * size
+
+
+_ELEM = {"f32": 4, "f16": 2, "bf16": 2}
+
+#: Op names a backend may list in ``Capabilities.ops`` (the hub's op vocabulary).
+KNOWN_OPS = frozenset({"mul_mat", "add", "mul", "scale", "rms_norm", "norm", "softmax", "rope", "silu",
+                       "gelu", "get_rows", "cpy", "flash_attn"})
+
+
+# ---------------------------------------------------------------------------------------------
+# capabilities and jobs
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the planner only hands it work that fits.
+
+    - ``ops``: op names it implements (``"mul_mat"`` is mandatory)
+    - ``weight_types``: ggml types of the weights it reads (``{"bf16"}``, ``{"q4_0", "f16"}``...)
+    - ``compute_dtypes``: activation types it computes in; ``{"bf16"}`` means the hub converts
+      x to bf16 before and the backend writes f32 y (the hub's bf16 conversion shaders)
+    - ``min_batch`` / ``max_batch``: useful range of M (rows of x) per ``mul_mat``
+    - ``max_kernels``: cap on distinct resident kernels (loaded weights), ``None`` = unlimited
+    - ``memory_handles``: handles it can import, preferred first (``"dma_buf"``, ``"opaque_fd"``,
+      ``"host_allocation"``); an empty tuple means only staged copies
+    - ``event_handles``: ``"timeline_opaque_fd"``, ``"sync_fd"``, ``"host"`` (the host bridge)
+    """
+
+    ops: frozenset[str] = frozenset({"mul_mat"})
+    weight_types: frozenset[str] = frozenset({"f32"})
+    compute_dtypes: frozenset[str] = frozenset({"f32"})
+    min_batch: int = 1
+    max_batch: int | None = None
+    max_kernels: int | None = None
+    memory_handles: tuple[str, ...] = ("host_allocation",)
+    event_handles: tuple[str, ...] = ("host",)
+
+    def __post_init__(self) -> None:
+        for name in ("ops", "weight_types", "compute_dtypes"):
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
+        object.__setattr__(self, "memory_handles", tuple(self.memory_handles))
+        object.__setattr__(self, "event_handles", tuple(self.event_handles))
+        if "mul_mat" not in self.ops:
+            raise VkxError("a backend must implement mul_mat (Capabilities.ops lacks it)")
+        unknown = self.ops - KNOWN_OPS
+        if unknown:
+            raise VkxError(f"unknown op name(s) in Capabilities.ops: {', '.join(sorted(unknown))}")
+        for t in self.weight_types:
+            ggml_type_info(t)
+        bad = [d for d in self.compute_dtypes if d not in _ELEM]
+        if bad or not self.compute_dtypes:
+            raise VkxError(f"compute_dtypes must be some of {', '.join(_ELEM)}, got {sorted(self.compute_dtypes)}")
+        if self.min_batch < 1 or (self.max_batch is not None and self.max_batch < self.min_batch):
+            raise VkxError(f"bad batch range [{self.min_batch}, {self.max_batch}]")
+        if self.max_kernels is not None and self.max_kernels < 1:
+            raise VkxError(f"max_kernels must be positive or None, got {self.max_kernels}")
+        for k in self.memory_handles:
+            if k not in MEMORY_HANDLES:
+                raise VkxError(f"unknown memory handle {k!r} (known: {', '.join(MEMORY_HANDLES)})")
+        for k in self.event_handles:
+            if k not in EVENT_HANDLES:
+                raise VkxError(f"unknown event handle {k!r} (known: {', '.join(EVENT_HANDLES)})")
+
+    @property
+    def x_dtype(self) -> str:
+        """The activation type the hub hands this backend: f32 when it computes in f32, else the
+        first of bf16/f16 it does."""
+        for d in ("f32", "bf16", "f16"):
+            if d in self.compute_dtypes:
+                return d
+        raise AssertionError("unreachable")
+
+
+@dataclass
+class MatMulJob:
+    """``y[m, n] = sum_k W[n, k] * x[m, k]`` for ``m < M`` and output features ``r0 <= n < r1``.
+
+    - ``weight``: ggml rows of ``K`` elements of type ``w_type``; the view's first row is global
+      row ``w_row0`` (a backend may hold only its own slice of a tensor split)
+    - ``x``: ``M`` rows of ``x_type`` (f32, or bf16/f16 when the backend computes in it), row
+      stride ``x_stride`` elements (default ``K``)
+    - ``y``: f32, row stride ``y_stride`` elements (default ``N``); only columns ``[r0, r1)``
+      are written, so several backends can fill one ``y`` (tensor split)
+    """
+
+    weight: SharedView
+    w_type: str
+    x: SharedView
+    y: SharedView
+    M: int
+    N: int
+    K: int
+    x_type: str = "f32"
+    x_stride: int = 0
+    y_stride: int = 0
+    r0: int = 0
+    r1: int = -1
+    w_row0: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.x_stride <= 0:
+            self.x_stride = self.K
+        if self.y_stride <= 0:
+            self.y_stride = self.N
+        if self.r1 < 0:
+            self.r1 = self.N
+        what = f"mul_mat {self.name or ''}({self.w_type} x {self.x_type}, M={self.M} N={self.N} K={self.K})"
+        if min(self.M, self.N, self.K) < 1:
+            raise KernelError(f"{what}: empty shape")
+        if not 0 <= self.r0 < self.r1 <= self.N:
+            raise KernelError(f"{what}: row range [{self.r0}, {self.r1}) outside [0, {self.N})")
+        if self.x_type not in _ELEM:
+            raise KernelError(f"{what}: x type must be one of {', '.join(_ELEM)}")
+        if self.x_stride < self.K or self.y_stride < self.N:
+            raise KernelError(f"{what}: strides ({self.x_stride}, {self.y_stride}) shorter than rows")
+        for v, n in ((self.weight, "weight"), (self.x, "x"), (self.y, "y")):
+            if not isinstance(v, SharedView):
+                raise KernelError(f"{what}: {n} must be a SharedView (memory shared with the backend), "
+                                  f"got {type(v).__name__}")
+        rb = row_bytes(self.w_type, self.K)
+        if self.w_row0 > self.r0 or (self.r1 - self.w_row0) * rb > self.weight.size:
+            raise KernelError(f"{what}: the weight view ({self.weight.size} bytes from row {self.w_row0}) "
+                              f"does not hold rows [{self.r0}, {self.r1}) of {rb} bytes")
+        need_x = ((self.M - 1) * self.x_stride + self.K) * _ELEM[self.x_type]
+        need_y = ((self.M - 1) * self.y_stride + self.r1) * 4
+        if need_x > self.x.size or need_y > self.y.size:
+            raise KernelError(f"{what}: x/y views ({self.x.size}, {self.y.size} bytes) are smaller than "
+                              f"the shape needs ({need_x}, {need_y})")
+
+    @property
+    def rows(self) -> int:
+        return self.r1 - self.r0
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.M * self.rows * self.K
+
+    @property
+    def weight_row_bytes(self) -> int:
+        return row_bytes(self.w_type, self.K)
+
+    @property
+    def weight_key(self) -> tuple[int, int, int, str, int]:
+        """Identifies the loaded weight (a "kernel"): chunk, offset, rows held, type, K."""
+        return (self.weight.chunk.id, self.weight.chunk_offset, self.weight.size // self.weight_row_bytes,
+                self.w_type, self.K)
+
+
+# ---------------------------------------------------------------------------------------------
+# the hook table
+
+
+@dataclass(frozen=True)
+class Hook:
+    name: str
+    required: bool
+    signature: str
+    doc: str
+
+
+#: The backend interface, ggml-style: what each hook does and whether it must be implemented.
+HOOKS: dict[str, Hook] = {h.name: h for h in (
+    Hook("mul_mat", True, "mul_mat(job: MatMulJob, wait: Point, signal: Point) -> None",
+         "enqueue y = W x for the job's output rows; start after `wait`, signal `signal` when done; "
+         "never block"),
+    Hook("supports", False, "supports(op: str, w_type: str, M: int) -> bool",
+         "whether the backend wants this op/type/batch (default: from `caps`)"),
+    Hook("run_op", False, "run_op(op: str, job: Any, wait: Point, signal: Point) -> None",
+         "enqueue another op listed in caps.ops (default: KernelError)"),
+    Hook("calibrate", False, "calibrate() -> dict[str, float]",
+         "measure throughput for the planner, e.g. {'mul_mat_gflops': 12.5} (default: {})"),
+    Hook("unload", False, "unload(weight: SharedView) -> None",
+         "drop a resident kernel / cached dequantized weight (default: nothing)"),
+    Hook("check", False, "check() -> None",
+         "raise the error recorded by asynchronous work (default: the host bridge's)"),
+    Hook("close", False, "close() -> None",
+         "release everything; pending timeline values must end up signalled (default: bridge close)"),
+)}
+
+
+class Backend:
+    """Base class of every backend; see the module docstring and :data:`HOOKS`.
+
+    Construction negotiates the event handle (``self.events``) and creates the backend's stream
+    timeline on the hub device (``self.timeline``, exportable when the backend imports timelines).
+    """
+
+    name: ClassVar[str] = "backend"
+    caps: Capabilities = Capabilities()
+
+    def __init__(self, hub: Device, *, timeout: float | None = None,
+                 counters: AttachStats | None = None, caps: Capabilities | None = None) -> None:
+        self.hub = hub
+        if caps is not None:
+            self.caps = caps
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.stats = counters or stats
+        self.events: Choice = negotiate_events(hub, self.caps.event_handles)
+        self.timeline = Timeline(hub, exportable=self.events.kind == "timeline_opaque_fd",
+                                 name=f"{self.name}-stream")
+        self.bridge: HostBridge | None = None
+        self._closed = False
+
+    # -- the required hook ---------------------------------------------------------------
+
+    def mul_mat(self, job: MatMulJob, wait: Point, signal: Point) -> None:
+        """REQUIRED. Enqueue ``job`` after ``wait``; signal ``signal`` when done; never block."""
+        raise NotImplementedError(f"backend {self.name} does not implement the required hook mul_mat")
+
+    # -- optional hooks ------------------------------------------------------------------
+
+    def supports(self, op: str, w_type: str, M: int) -> bool:
+        """OPTIONAL. Whether to plan ``op`` on ``w_type`` weights with batch ``M`` here."""
+        c = self.caps
+        return (op in c.ops and (op != "mul_mat" or w_type in c.weight_types)
+                and M >= c.min_batch and (c.max_batch is None or M <= c.max_batch))
+
+    def run_op(self, op: str, job: Any, wait: Point, signal: Point) -> None:
+        """OPTIONAL. Enqueue another op (one listed in ``caps.ops``)."""
+        raise KernelError(f"backend {self.name} does not implement op {op}",
+                          "plan this op on the hub (or another backend)")
+
+    def calibrate(self) -> dict[str, float]:
+        """OPTIONAL. Measured rates for the planner (``{}`` when the backend does not measure)."""
+        return {}
+
+    def unload(self, weight: SharedView) -> None:
+        """OPTIONAL. Drop what the backend keeps for ``weight`` (resident kernel, cache)."""
+
+    def check(self) -> None:
+        """OPTIONAL (has a default). Raise the first error recorded by asynchronous work:
+        :class:`~vkxsplit.errors.BackendDied`, :class:`~vkxsplit.errors.WaitTimeout`, a
+        :class:`~vkxsplit.errors.KernelError`..."""
+        if self.bridge is not None:
+            self.bridge.check()
+
+    def close(self) -> None:
+        """OPTIONAL (has a default). Stop; every pending timeline value ends up signalled.
+
+        The timeline itself belongs to the hub device (queued hub work may still name it) and
+        is destroyed with it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.bridge is not None:
+            self.bridge.close()
+
+    # -- provided helpers ----------------------------------------------------------------
+
+    def next_point(self) -> Point:
+        """A fresh ``(timeline, value)`` to pass as ``signal`` (and to make hub work wait on)."""
+        return (self.timeline, self.timeline.next())
+
+    def wait(self, point: Point | int | None = None, timeout: float | None = None) -> None:
+        """Collect: block until ``point`` (default: the last value handed out) is reached, then
+        :meth:`check`. Counted as a host wait of the caller."""
+        if point is None:
+            point = self.timeline.last
+        if isinstance(point, int):
+            point = (self.timeline, point)
+        host_wait(point, self.timeout if timeout is None else timeout, self.stats)
+        self.check()
+
+    def check_job(self, job: MatMulJob, signal: Point | None = None) -> None:
+        """Validate a job against ``caps`` (raise :class:`KernelError` naming what does not fit)."""
+        c = self.caps
+        if job.w_type not in c.weight_types:
+            raise KernelError(f"backend {self.name} cannot read {job.w_type} weights "
+                              f"(it reads {', '.join(sorted(c.weight_types))})",
+                              "convert the weight on the hub first, or plan it elsewhere")
+        if job.x_type not in c.compute_dtypes:
+            raise KernelError(f"backend {self.name} computes in {', '.join(sorted(c.compute_dtypes))}, "
+                              f"not {job.x_type}", f"hand it x as {c.x_dtype} (hub conversion shaders)")
+        if c.max_batch is not None and job.M > c.max_batch:
+            raise KernelError(f"backend {self.name}: batch M={job.M} is over its max_batch {c.max_batch}",
+                              "split the batch")
+        if signal is not None and signal[0] is not self.timeline:
+            raise VkxError(f"backend {self.name} signals its own timeline ({self.timeline.name}), "
+                           f"not {signal[0].name}", "take signal points from backend.next_point()")
+
+    def refuse(self, signal: Point | None, exc: BaseException) -> BaseException:
+        """For a ``mul_mat`` that raises instead of enqueueing: still signal ``signal`` (when it
+        is this backend's point) so hub work already queued behind it is not stranded, and
+        return ``exc`` for the caller to raise."""
+        if signal is not None and signal[0] is self.timeline and self.bridge is not None:
+            self.bridge.skip(signal[1])
+        return exc
+
+    @classmethod
+    def implements(cls, hook: str) -> bool:
+        """Whether this class overrides ``hook`` (for optional hooks: does it really do something)."""
+        if hook not in HOOKS:
+            raise VkxError(f"no backend hook named {hook!r} (hooks: {', '.join(HOOKS)})")
+        return getattr(cls, hook) is not getattr(Backend, hook)
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} events={self.events.kind}>"
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+
+
+class Availability:
+    """``bool(avail)`` says whether a backend can run here; ``avail.reason`` says why not."""
+
+    __slots__ = ("ok", "reason")
+
+    def __init__(self, ok: bool, reason: str = "") -> None:
+        self.ok = ok
+        self.reason = reason
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        return "Availability(ok)" if self.ok else f"Availability(no: {self.reason})"
+
+
+@dataclass
+class _Entry:
+    target: str | type[Backend]
+    available: Callable[[], Availability] | str | None = None
+    opts: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, _Entry] = {
+    "cpu": _Entry("vkxsplit.backends.cpu:CpuBackend", "vkxsplit.backends.cpu:available"),
+    "npu-emu": _Entry("vkxsplit.backends.npu_emu:NpuEmuBackend", "vkxsplit.backends.npu_emu:available"),
+    "cuda": _Entry("vkxsplit.backends.cuda:CudaBackend", "vkxsplit.backends.cuda:available"),
+    "hip": _Entry("vkxsplit.backends.cuda:HipBackend", "vkxsplit.backends.cuda:available_hip"),
+}
+
+
+def _resolve(ref: str) -> Any:
+    mod, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+def register_backend(name: str, target: str | type[Backend],
+                     available: Callable[[], Availability] | str | None = None, **opts: Any) -> None:
+    """Make ``create_backend(name, hub)`` build ``target`` (a class or ``"module:Class"``)."""
+    _REGISTRY[name] = _Entry(target, available, opts)
+
+
+def backend_availability(names: Iterable[str] | None = None) -> dict[str, Availability]:
+    """Each registered backend's :class:`Availability` (imports are lazy; a failing import is a
+    reason, never an exception)."""
+    out: dict[str, Availability] = {}
+    for n in (names if names is not None else _REGISTRY):
+        e = _REGISTRY.get(n)
+        if e is None:
+            out[n] = Availability(False, f"no backend named {n!r} is registered")
+            continue
+        try:
+            fn = _resolve(e.available) if isinstance(e.available, str) else e.available
+            out[n] = fn() if fn is not None else Availability(True)
+        except Exception as exc:  # an import error is a reason to report
+            out[n] = Availability(False, f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def available_backends() -> list[str]:
+    """Names of the registered backends that can run on this machine."""
+    return [n for n, a in backend_availability().items() if a]
+
+
+def create_backend(name: str, hub: Device, **opts: Any) -> Backend:
+    """Build the backend registered as ``name`` on the hub device ``hub``."""
+    e = _REGISTRY.get(name)
+    if e is None:
+        raise VkxError(f"no backend named {name!r} (registered: {', '.join(sorted(_REGISTRY))})")
+    avail = backend_availability([name])[name]
+    if not avail:
+        raise EnvironmentProblem(f"backend {name} is not available here: {avail.reason}",
+                                 "`vkxsplit info` lists the backends this machine can run")
+    cls = _resolve(e.target) if isinstance(e.target, str) else e.target
+    return cls(hub, **{**e.opts, **opts})
+
+
+def with_caps(backend_cls: type[Backend], **changes: Any) -> Capabilities:
+    """``backend_cls.caps`` with some fields replaced (for per-instance limits)."""
+    return replace(backend_cls.caps, **changes)
+
+
+__all__ = ["Availability", "Backend", "Capabilities", "HOOKS", "Hook", "MatMulJob", "Point",
+           "available_backends", "backend_availability", "create_backend", "ggml_type_info",
+           "register_backend", "row_bytes", "with_caps"]
