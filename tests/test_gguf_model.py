@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import smol_path
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from vkxsplit import gguf_model
@@ -107,12 +108,12 @@ def dequant_row_q8_0(raw: bytes) -> list[float]:
 
 @pytest.fixture(scope="module")
 def smol() -> ModelFile:
-    return load_model(default_model_path())
+    return load_model(smol_path())
 
 
 @pytest.fixture(scope="module")
 def smol_parsed() -> tuple[dict[str, Any], list[dict[str, Any]], int]:
-    return parse_gguf(default_model_path())
+    return parse_gguf(smol_path())
 
 
 def write_tiny(
@@ -200,7 +201,7 @@ def write_tiny(
 
 
 def test_default_model_path_is_the_smollm2_gguf() -> None:
-    p = default_model_path()
+    p = smol_path()
     assert p.is_file() and p.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert p.read_bytes()[:4] == b"GGUF"
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from reference import reference_greedy, reference_logits
 
-from vkxsplit.errors import EnvironmentProblem, ModelError, VkxError
+from vkxsplit.errors import ModelError, VkxError
 
 # Bound on |logits - reference| for SmolLM2 (Q4_1 weights, f32 activations, f16 KV cache).
 # The KV cache rounds K/V to f16 (relative 2^-11); through 30 layers that perturbs logits of
@@ -17,14 +17,11 @@ MAX_ABS_ERR = 0.25
 
 @pytest.fixture(scope="module")
 def smol(device):
-    from vkxsplit.gguf_model import default_model_path
+    from conftest import smol_path
+
     from vkxsplit.model import load_model
 
-    try:
-        path = default_model_path()
-    except EnvironmentProblem as exc:
-        pytest.skip(str(exc))
-    m = load_model(path, device=device, n_ctx=256, ubatch=32)
+    m = load_model(smol_path(), device=device, n_ctx=256, ubatch=32)
     yield m
     m.close()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import smol_path
 from reference import (
     KVCache,
     reference_forward,
@@ -22,7 +23,7 @@ from reference import (
 )
 from test_gguf_model import write_tiny
 
-from vkxsplit.gguf_model import ModelFile, default_model_path, load_model
+from vkxsplit.gguf_model import ModelFile, load_model
 from vkxsplit.synth import write_synthetic
 from vkxsplit.tokenizer import Tokenizer
 
@@ -35,7 +36,7 @@ PASSAGE = (
 
 @pytest.fixture(scope="module")
 def smol() -> ModelFile:
-    return load_model(default_model_path())
+    return load_model(smol_path())
 
 
 @pytest.fixture(scope="module")

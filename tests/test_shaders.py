@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from vkxsplit import shaders
 
 
@@ -16,6 +18,8 @@ def test_every_source_matches_its_spirv():
 
 
 def test_every_module_passes_spirv_val():
+    if shaders._tool("spirv-val") is None:
+        pytest.skip("spirv-val is not installed here (tools/setup.sh installs it)")
     man = shaders.load_manifest()["variants"]
     assert man, "no shaders shipped"
     for name, meta in man.items():

@@ -7,11 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import smol_path
 from gguf import GGUFWriter
 from test_gguf_model import write_tiny
 
 from vkxsplit.errors import ModelError
-from vkxsplit.gguf_model import ModelFile, default_model_path, load_model
+from vkxsplit.gguf_model import ModelFile, load_model
 from vkxsplit.tokenizer import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
@@ -51,7 +52,7 @@ ASCII_TEXTS = [
 
 @pytest.fixture(scope="module")
 def smol_mf() -> ModelFile:
-    return load_model(default_model_path())
+    return load_model(smol_path())
 
 
 @pytest.fixture(scope="module")

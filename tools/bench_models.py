@@ -40,7 +40,9 @@ def peer_bench(server: str, model: Path, ids: list[int], n_gen: int, reps: int, 
             except Exception:
                 time.sleep(0.5)
                 if proc.poll() is not None:
-                    raise RuntimeError("llama-server died: " + proc.stderr.read().decode()[-2000:]) from None
+                    err = proc.stderr.read().decode()
+                    Path(os.environ.get("OUT", "/tmp"), "peer_stderr.txt").write_text(err)
+                    raise RuntimeError("llama-server died: " + err[-1500:]) from None
         pp, tg = [], []
         for i in range(reps + 1):
             body = json.dumps({"prompt": ids, "n_predict": n_gen, "cache_prompt": False, "temperature": 0,
@@ -92,7 +94,7 @@ def main() -> int:
                 peer = peer_bench(args.server, path, ids, args.n, args.r)
                 row["peer_pp"], row["peer_tg"] = peer["pp"], peer["tg"]
             except Exception as exc:
-                row["peer_error"] = repr(exc)[:300]
+                row["peer_error"] = repr(exc)[-1500:]
         print(json.dumps(row), flush=True)
         rows.append(row)
     print(f"\n| shape | type | vkxsplit pp{args.p} | llama.cpp pp{args.p} | ratio | vkxsplit tg{args.n} | "
