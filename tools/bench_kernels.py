@@ -18,10 +18,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.mul_mat import record_mul_mat  # noqa: E402
-
-from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops.quant import row_bytes  # noqa: E402
 from vkxsplit.vk.command import Sequence, Timestamps  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
