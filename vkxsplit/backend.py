@@ -81,6 +81,7 @@ from .attach import (
     stats,
 )
 from .errors import EnvironmentProblem, KernelError, VkxError
+from .vk.api import next_serial
 from .vk.event import Timeline, default_timeout
 
 if TYPE_CHECKING:
@@ -310,6 +311,8 @@ class Backend:
                                  name=f"{self.name}-stream")
         self.bridge: HostBridge | None = None
         self._closed = False
+        self._serial = next_serial()
+        hub.adopt(self)  # the device closes a backend left open (after waiting idle), before its timeline
 
     # -- the required hook ---------------------------------------------------------------
 

@@ -115,10 +115,10 @@ class Model:
             "gate": self._alloc(T * F * f32, "device", "gate"),
             "up": self._alloc(T * F * f32, "device", "up"),
         }
-        from .ops.attention import attention_scratch_bytes
+        from .ops.attention import attention_scratch_bytes, attention_splits
 
         # decode attention splits the KV length over workgroups (flash-decoding)
-        self.decode_splits = 8
+        self.decode_splits = attention_splits(1, hp.n_head, hp.n_head_kv, self.n_ctx)
         self.attn_scratch = self._alloc(
             attention_scratch_bytes(1, hp.n_head, hp.head_dim_v, self.decode_splits), "device", "attn_scratch")
         self.logits_buf = self._alloc(T * hp.n_vocab * f32, "host", "logits")

@@ -425,9 +425,7 @@ class CudaBackend(Backend):
         w = self._weights.get(key)
         if w is None:
             nblocks = held * job.K // 32
-            src_ptr = self._pointer(job.weight)
-            src = cp.ndarray((held * rb,), cp.uint8,
-                             cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(src_ptr, held * rb, self, self.device_id), 0))
+            src = np.uint64(self._pointer(job.weight))  # raw pointer argument (the hub's memory)
             tmp = cp.empty((held * job.K,), cp.float32)
             kern = {"q4_0": self._k_q4_0, "q8_0": self._k_q8_0}.get(job.w_type)
             if kern is None:  # caps.weight_types keeps other types out; be explicit anyway
@@ -453,12 +451,12 @@ class CudaBackend(Backend):
             xmem = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(x_ptr, nx * 4, self, self.device_id), 0)
             x = cp.ndarray((job.M, job.K), cp.float32, xmem, strides=(job.x_stride * 4, 4))
             if ctype == "f16":
-                xc = x.astype(cp.float16)  # contiguous (M, K), stream-ordered
+                xc = x.astype(cp.float16, order="C")  # contiguous (M, K), stream-ordered
             else:
                 xc = cp.empty((job.M, job.K), cp.uint16)
                 n = job.M * job.K
                 self._k_bf16(((n + 255) // 256,), (256,),
-                             (x, xc, np.int32(job.M), np.int32(job.K), np.int64(job.x_stride)))
+                             (np.uint64(x_ptr), xc, np.int32(job.M), np.int32(job.K), np.int64(job.x_stride)))
             self._keep.append(xc)
             b_ptr, b_type, ldb = int(xc.data.ptr), w_type, job.K
         y_ptr = self._pointer(job.y) + job.r0 * 4
@@ -482,31 +480,37 @@ class CudaBackend(Backend):
             self.bridge.enqueue(wait, signal[1], job)
             return
         self._sweep()
-        tl, value = wait
-        if not tl.exportable:  # re-express the point on our relay timeline, GPU-side
-            rv = self.relay_timeline.next()
-            relay(self.hub, wait, (self.relay_timeline, rv))
-            tl, value = self.relay_timeline, rv
-        sem = self._semaphore(tl)
-        wp = self.rt.struct("wait_params")
-        wp.params.fence.value = value
-        wp.flags = 0
+        sem = wp = None
+        if wait is not None:
+            tl, value = wait
+            if not tl.exportable:  # re-express the point on our relay timeline, GPU-side
+                rv = self.relay_timeline.next()
+                relay(self.hub, wait, (self.relay_timeline, rv))
+                tl, value = self.relay_timeline, rv
+            sem = self._semaphore(tl)
+            wp = self.rt.struct("wait_params")
+            wp.params.fence.value = value
+            wp.flags = 0
         sp = self.rt.struct("signal_params")
         sp.params.fence.value = signal[1]
         sp.flags = 0
-        with self.stream:
-            self.rt.call("wait_semaphores", [sem], [wp], 1, self.stream.ptr)
-            self._enqueue(job)
-            self.rt.call("signal_semaphores", [self._own_sem], [sp], 1, self.stream.ptr)
+        with self.cp.cuda.Device(self.device_id), self.stream:
+            if sem is not None:
+                self.rt.call("wait_semaphores", [sem], [wp], 1, self.stream.ptr)
+            try:
+                self._enqueue(job)
+            finally:  # signalled even when enqueueing failed: the hub never waits forever
+                self.rt.call("signal_semaphores", [self._own_sem], [sp], 1, self.stream.ptr)
 
     def _signal_only(self, value: int) -> None:
         sp = self.rt.struct("signal_params")
         sp.params.fence.value = value
         sp.flags = 0
-        self.rt.call("signal_semaphores", [self._own_sem], [sp], 1, self.stream.ptr)
+        with self.cp.cuda.Device(self.device_id):
+            self.rt.call("signal_semaphores", [self._own_sem], [sp], 1, self.stream.ptr)
 
     def _run_bridged(self, job: MatMulJob) -> None:
-        with self.stream:
+        with self.cp.cuda.Device(self.device_id), self.stream:  # the bridge thread's own device context
             self._enqueue(job)
         self.stream.synchronize()
         self._sweep()
@@ -527,6 +531,8 @@ class CudaBackend(Backend):
         if self._closed:
             return
         super().close()
+        if not hasattr(self, "_sems"):  # construction failed half-way
+            return
         try:
             self.stream.synchronize()
             if self.bridge is None and self.timeline.value < self.timeline.last:

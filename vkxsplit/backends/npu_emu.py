@@ -162,6 +162,9 @@ class NpuEmuBackend(Backend):
     def close(self) -> None:
         if self._closed:
             return
+        if not hasattr(self, "_reader"):  # construction failed half-way
+            super().close()
+            return
         self._closing = True
         try:
             self._send({"op": "stop"})
