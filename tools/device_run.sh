@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the lent NVIDIA machine (device tool), from the repo root, after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [tests] [kernels] [models] [info]
+#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info]
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
 . .device/on-device.sh || exit 1
 export VK_LAYER_PATH=/usr/share/vulkan/explicit_layer.d
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-what=${*:-tests kernels models info}
+what=${*:-tests kernels models handoff info}
 # native helpers: build in place (gcc + cffi are there); tests skip what needs them otherwise
 python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed (tests needing it skip)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -20,6 +20,10 @@ for w in $what; do
       timeout 300 python3 tools/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.md" ;;
     models)
       timeout 420 python3 tools/bench_models.py ${MODELS_ARGS:-} 2>&1 | tee "$OUT/bench_models.md" ;;
+    handoff)
+      timeout 200 python3 tools/bench_handoff.py 2>&1 | tee "$OUT/bench_handoff.md" ;;
+    planner)
+      timeout 300 python3 tools/bench_planner.py 2>&1 | tee "$OUT/bench_planner.md" ;;
     info)
       python3 -m vkxsplit info > "$OUT/info.txt" 2>&1; python3 -m vkxsplit info --json > "$OUT/info.json" 2>&1
       head -60 "$OUT/info.txt" ;;
