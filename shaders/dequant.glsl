@@ -12,10 +12,11 @@
 //   vec4 dq4(rb, k)   elements k..k+3 (k % 4 == 0) of the row whose first byte is rb;
 //                     for float types the row must be vector-aligned (see DQ_VEC_ALIGN).
 //   float dq1(rb, k)  one element (float types only: rows of any length and alignment).
-//   dq_unit(rb, u, v) / dq_run(u, j)
-//                     the mat-vec unit: DQ_U elements as DQ_NV runs of 4; run j of unit u
-//                     starts at element dq_run(u, j) of the row. Each unit reads its bytes
-//                     once with wide loads. Float types need K % DQ_U == 0 and aligned rows.
+//   dq_codes(rb, u, c, sc, mn) / dq_run(u, j)
+//                     the mat-vec unit: DQ_U elements as DQ_NV runs of 4 (run j of unit u
+//                     starts at element dq_run(u, j)) decoded to exact integer codes plus
+//                     per-group scales and mins (see below). Each unit reads its bytes once
+//                     with wide loads. Float types need K % DQ_U == 0 and 16-aligned rows.
 #ifndef VKX_DEQUANT_GLSL
 #define VKX_DEQUANT_GLSL
 
@@ -212,150 +213,191 @@ vec4 dq4(uint rb, uint k) {
 }
 
 // ------------------------------------------------------------------------------------------
-// mat-vec units
+// mat-vec units. A unit is DQ_U elements of a row as DQ_NV runs of 4 (run j starts at element
+// dq_run(u, j)), in DQ_G scale groups of DQ_NV / DQ_G consecutive runs. dq_codes() reads the
+// unit's bytes once (wide loads) and returns exact small-integer codes c[j] and per-group
+// scale sc[g] and min mn[g]: element = sc[g] * code + mn[g] (DQ_MIN == 1), sc[g] * code (0).
+// The mat-vec kernel factors the scales out of each group's dot product. Codes are made from
+// bytes with the 2^23 trick (exact, no int -> float conversion instructions).
+
+const float MAGIC = 8388608.0;  // 2^23: uintBitsToFloat(0x4B000000 | v) == 2^23 + v for v < 2^23
+// the four bytes of q (each < 256) minus off, exactly
+vec4 bytes_f(uint q, float off) {
+    uvec4 b = (uvec4(q, q >> 8, q >> 16, q >> 24) & 0xFFu) | 0x4B000000u;
+    return uintBitsToFloat(b) - (MAGIC + off);
+}
+
 #if DQ_FLOAT
 #define DQ_U 8u
 #define DQ_NV 2
+#define DQ_G 1
+#define DQ_MIN 0
 uint dq_run(uint u, uint j) { return 8u * u + 4u * j; }
-void dq_unit(uint rb, uint u, out vec4 v[DQ_NV]) {
+void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float mn[DQ_G]) {
+    sc[0] = 1.0;
+    mn[0] = 0.0;
 #if WTYPE == WT_F32
-    v[0] = uintBitsToFloat(ld128(rb + 32u * u));
-    v[1] = uintBitsToFloat(ld128(rb + 32u * u + 16u));
+    c[0] = uintBitsToFloat(w_u128[(rb >> 4) + 2u * u]);
+    c[1] = uintBitsToFloat(w_u128[(rb >> 4) + 2u * u + 1u]);
 #elif WTYPE == WT_F16
-    uvec4 a = ld128(rb + 16u * u);
-    v[0] = vec4(unpackHalf2x16(a.x), unpackHalf2x16(a.y));
-    v[1] = vec4(unpackHalf2x16(a.z), unpackHalf2x16(a.w));
+    uvec4 a = w_u128[(rb >> 4) + u];
+    c[0] = vec4(unpackHalf2x16(a.x), unpackHalf2x16(a.y));
+    c[1] = vec4(unpackHalf2x16(a.z), unpackHalf2x16(a.w));
 #else
-    uvec4 a = ld128(rb + 16u * u);
-    v[0] = uintBitsToFloat(uvec4(a.x << 16, a.x & 0xFFFF0000u, a.y << 16, a.y & 0xFFFF0000u));
-    v[1] = uintBitsToFloat(uvec4(a.z << 16, a.z & 0xFFFF0000u, a.w << 16, a.w & 0xFFFF0000u));
+    uvec4 a = w_u128[(rb >> 4) + u];
+    c[0] = uintBitsToFloat(uvec4(a.x << 16, a.x & 0xFFFF0000u, a.y << 16, a.y & 0xFFFF0000u));
+    c[1] = uintBitsToFloat(uvec4(a.z << 16, a.z & 0xFFFF0000u, a.w << 16, a.w & 0xFFFF0000u));
 #endif
 }
 
 #elif WTYPE == WT_Q4_0 || WTYPE == WT_Q4_1 || WTYPE == WT_Q5_0 || WTYPE == WT_Q5_1 || WTYPE == WT_Q8_0
-// legacy quants: a unit is half a block, qs bytes 8h..8h+7 (h = u % 2), i.e. elements
-// 8h..8h+7 (low nibbles / first bytes) and 16+8h..16+8h+7 (high nibbles)
-#define DQ_U 16u
-#define DQ_NV 4
-#if WTYPE == WT_Q8_0
-uint dq_run(uint u, uint j) { return 16u * u + 4u * j; }
+// legacy quants: 4 lanes per block, lane t = u % 4 of block b = u / 4. Q4/Q5: qs bytes
+// 4t..4t+3, i.e. elements 4t..4t+3 (low nibbles, run 0) and 16+4t..16+4t+3 (high nibbles,
+// run 1); Q8_0: elements 8t..8t+7. The 4 lanes of a block read x in 64-byte pieces.
+#define DQ_U 8u
+#define DQ_NV 2
+#define DQ_G 1
+#if WTYPE == WT_Q4_1 || WTYPE == WT_Q5_1
+#define DQ_MIN 1
 #else
-uint dq_run(uint u, uint j) { return 32u * (u >> 1) + 8u * (u & 1u) + 4u * (j & 1u) + 16u * (j >> 1); }
+#define DQ_MIN 0
 #endif
-void dq_unit(uint rb, uint u, out vec4 v[DQ_NV]) {
-    uint bb = rb + (u >> 1) * QBYTES;
-    uint hh = u & 1u;
 #if WTYPE == WT_Q8_0
-    float d = h2f(ld16(bb));
-    uint o = bb + 2u + 16u * hh;
-    v[0] = i8x4(ld16x2(o)) * d;
-    v[1] = i8x4(ld16x2(o + 4u)) * d;
-    v[2] = i8x4(ld16x2(o + 8u)) * d;
-    v[3] = i8x4(ld16x2(o + 12u)) * d;
+uint dq_run(uint u, uint j) { return 32u * (u >> 2) + 8u * (u & 3u) + 4u * j; }
+#else
+uint dq_run(uint u, uint j) { return 32u * (u >> 2) + 4u * (u & 3u) + 16u * j; }
+#endif
+uint h16(uint i) { return uint(w_u16[i]); }
+void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float mn[DQ_G]) {
+    const uint t = u & 3u;
+    mn[0] = 0.0;
+#if WTYPE == WT_Q8_0
+    const uint hb = (rb >> 1) + (u >> 2) * 17u;       // 16-bit index of the block
+    sc[0] = h2f(h16(hb));
+    const uint o = hb + 1u + 4u * t;
+    c[0] = bytes_f((h16(o) | (h16(o + 1u) << 16)) ^ 0x80808080u, 128.0);
+    c[1] = bytes_f((h16(o + 2u) | (h16(o + 3u) << 16)) ^ 0x80808080u, 128.0);
 #else
 #if WTYPE == WT_Q4_0
-    float d = h2f(ld16(bb));
-    float m = -8.0 * d;
-    uint q0 = ld16x2(bb + 2u + 8u * hh);
-    uint q1 = ld16x2(bb + 6u + 8u * hh);
-#elif WTYPE == WT_Q4_1
-    vec2 dm = unpackHalf2x16(ld32(bb));
-    float d = dm.x, m = dm.y;
-    uint q0 = ld32(bb + 4u + 8u * hh);
-    uint q1 = ld32(bb + 8u + 8u * hh);
+    const uint hb = (rb >> 1) + (u >> 2) * 9u;
+    sc[0] = h2f(h16(hb));
+    const uint q = h16(hb + 1u + 2u * t) | (h16(hb + 2u + 2u * t) << 16);
+    const float off = 8.0;
 #elif WTYPE == WT_Q5_0
-    float d = h2f(ld16(bb));
-    float m = -16.0 * d;
-    uint qh = ld16x2(bb + 2u) >> (8u * hh);
-    uint q0 = ld16x2(bb + 6u + 8u * hh);
-    uint q1 = ld16x2(bb + 10u + 8u * hh);
-#elif WTYPE == WT_Q5_1
-    vec2 dm = unpackHalf2x16(ld32(bb));
-    float d = dm.x, m = dm.y;
-    uint qh = ld32(bb + 4u) >> (8u * hh);
-    uint q0 = ld32(bb + 8u + 8u * hh);
-    uint q1 = ld32(bb + 12u + 8u * hh);
+    const uint hb = (rb >> 1) + (u >> 2) * 11u;
+    sc[0] = h2f(h16(hb));
+    const uint qh = (h16(hb + 1u) | (h16(hb + 2u) << 16)) >> (4u * t);
+    const uint q = h16(hb + 3u + 2u * t) | (h16(hb + 4u + 2u * t) << 16);
+    const float off = 16.0;
+#elif WTYPE == WT_Q4_1
+    const uint wb = (rb >> 2) + (u >> 2) * 5u;        // 32-bit index of the block
+    const vec2 dm = unpackHalf2x16(w_u32[wb]);
+    sc[0] = dm.x;
+    mn[0] = dm.y;
+    const uint q = w_u32[wb + 1u + t];
+    const float off = 0.0;
+#else  // Q5_1
+    const uint wb = (rb >> 2) + (u >> 2) * 6u;
+    const vec2 dm = unpackHalf2x16(w_u32[wb]);
+    sc[0] = dm.x;
+    mn[0] = dm.y;
+    const uint qh = w_u32[wb + 1u] >> (4u * t);
+    const uint q = w_u32[wb + 2u + t];
+    const float off = 0.0;
 #endif
-    uint a0 = q0 & 0x0F0F0F0Fu, a1 = q1 & 0x0F0F0F0Fu;
-    uint b0 = (q0 >> 4) & 0x0F0F0F0Fu, b1 = (q1 >> 4) & 0x0F0F0F0Fu;
+    uint a = q & 0x0F0F0F0Fu;
+    uint b = (q >> 4) & 0x0F0F0F0Fu;
 #if WTYPE == WT_Q5_0 || WTYPE == WT_Q5_1
-    a0 |= q5_high(qh);
-    a1 |= q5_high(qh >> 4);
-    b0 |= q5_high(qh >> 16);
-    b1 |= q5_high(qh >> 20);
+    a |= q5_high(qh);
+    b |= q5_high(qh >> 16);
 #endif
-    // q * d + m: for Q4_0/Q5_0 m = -offset * d, i.e. (q - offset) * d up to one rounding
-    v[0] = fma(u8x4(a0), vec4(d), vec4(m));
-    v[1] = fma(u8x4(a1), vec4(d), vec4(m));
-    v[2] = fma(u8x4(b0), vec4(d), vec4(m));
-    v[3] = fma(u8x4(b1), vec4(d), vec4(m));
+    c[0] = bytes_f(a, off);
+    c[1] = bytes_f(b, off);
 #endif
 }
 
 #elif WTYPE == WT_Q4_K || WTYPE == WT_Q5_K
-// a unit is 16 qs bytes: t = u % 8, pair p = t/2, half hh = t%2; elements
-// 64p + 16hh + 0..15 (low nibbles, sub-block 2p) and 64p + 32 + 16hh + 0..15 (high, 2p+1)
+// a unit is lane t = u % 8 of block b = u / 8: run j (= sub-block j) is elements
+// 32j + 4t .. +3, so the 8 lanes of a block read x coalesced (4t) for every j. Loads: the
+// 16-byte header (d, dmin, 12 scale bytes), one qs word per sub-block pair (bytes 32p + 4t,
+// low nibbles for sub-block 2p, high for 2p+1) and, for Q5_K, the qh word (bytes 4t: bit j
+// of each byte is the fifth bit of sub-block j).
 #define DQ_U 32u
 #define DQ_NV 8
-uint dq_run(uint u, uint j) {
-    uint t = u & 7u;
-    return 256u * (u >> 3) + 64u * (t >> 1) + 16u * (t & 1u) + 4u * (j & 3u) + 32u * (j >> 2);
-}
-void dq_unit(uint rb, uint u, out vec4 v[DQ_NV]) {
-    uint bb = rb + (u >> 3) * QBYTES;
-    uint t = u & 7u;
-    uint p = t >> 1;
-    uint hh = t & 1u;
-    vec2 dm = unpackHalf2x16(ld32(bb));
-    float sc0, mn0, sc1, mn1;
-    scale_min_k4(bb + 4u, 2u * p, sc0, mn0);
-    scale_min_k4(bb + 4u, 2u * p + 1u, sc1, mn1);
-    float d0 = dm.x * sc0, m0 = dm.y * mn0;
-    float d1 = dm.x * sc1, m1 = dm.y * mn1;
-#if WTYPE == WT_Q4_K
-    uvec4 q = ld128(bb + 16u + 32u * p + 16u * hh);
-    uvec4 lo = q & 0x0F0F0F0Fu;
-    uvec4 hi = (q >> 4) & 0x0F0F0F0Fu;
+#define DQ_G 8
+#define DQ_MIN 1
+uint dq_run(uint u, uint j) { return 256u * (u >> 3) + 4u * (u & 7u) + 32u * j; }
+// scale byte k (0..11) of a K-quant header
+uint kscale_byte(uvec4 hd, uint k) { return (hd[1u + k / 4u] >> (8u * (k % 4u))) & 0xFFu; }
+void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float mn[DQ_G]) {
+    const uint qb = (rb >> 4) + (u >> 3) * (QBYTES / 16u);  // 128-bit index of the block
+    const uint t = u & 7u;
+    const uvec4 hd = w_u128[qb];
+    const vec2 dm = unpackHalf2x16(hd.x);
+#if WTYPE == WT_Q5_K
+    const uint qh = w_u32[4u * qb + 4u + t];
+    const uint qs0 = 4u * qb + 12u + t;
 #else
-    uvec4 q = ld128(bb + 48u + 32u * p + 16u * hh);
-    uvec4 qh = ld128(bb + 16u + 16u * hh);
-    uvec4 lo = (q & 0x0F0F0F0Fu) | (((qh >> (2u * p)) & 0x01010101u) << 4);
-    uvec4 hi = ((q >> 4) & 0x0F0F0F0Fu) | (((qh >> (2u * p + 1u)) & 0x01010101u) << 4);
+    const uint qs0 = 4u * qb + 4u + t;
 #endif
-    [[unroll]] for (int j = 0; j < 4; ++j) {
-        v[j] = u8x4(lo[j]) * d0 - m0;
-        v[j + 4] = u8x4(hi[j]) * d1 - m1;
+    [[unroll]] for (uint p = 0u; p < 4u; ++p) {
+        const uint q = w_u32[qs0 + 8u * p];
+        uint lo = q & 0x0F0F0F0Fu;
+        uint hi = (q >> 4) & 0x0F0F0F0Fu;
+#if WTYPE == WT_Q5_K
+        lo |= ((qh >> (2u * p)) & 0x01010101u) << 4;
+        hi |= ((qh >> (2u * p + 1u)) & 0x01010101u) << 4;
+#endif
+        c[2u * p] = bytes_f(lo, 0.0);
+        c[2u * p + 1u] = bytes_f(hi, 0.0);
+    }
+    [[unroll]] for (uint j = 0u; j < 8u; ++j) {
+        uint s6, m6;
+        if (j < 4u) {
+            s6 = kscale_byte(hd, j) & 63u;
+            m6 = kscale_byte(hd, j + 4u) & 63u;
+        } else {
+            const uint a = kscale_byte(hd, j + 4u);
+            s6 = (a & 0xFu) | ((kscale_byte(hd, j - 4u) >> 6) << 4);
+            m6 = (a >> 4) | ((kscale_byte(hd, j) >> 6) << 4);
+        }
+        sc[j] = dm.x * (uintBitsToFloat(s6 | 0x4B000000u) - MAGIC);
+        mn[j] = -(dm.y * (uintBitsToFloat(m6 | 0x4B000000u) - MAGIC));
     }
 }
 
 #elif WTYPE == WT_Q6_K
-// a unit: t = u % 8, half h = t/4, l0 = 8 * (t % 4); elements 128h + 32c + l0 + 0..7 for
-// c = 0..3 (run j: c = j/2, +4 for odd j)
+// a unit: t = u % 8, half h = t/4, l0 = 8 * (t % 4); group c = 0..3 holds runs 2c, 2c+1:
+// elements 128h + 32c + l0 + 0..7, all with scale (128h + 32c + l0) / 16
 #define DQ_U 32u
 #define DQ_NV 8
+#define DQ_G 4
+#define DQ_MIN 0
 uint dq_run(uint u, uint j) {
     uint t = u & 7u;
     return 256u * (u >> 3) + 128u * (t >> 2) + 32u * (j >> 1) + 8u * (t & 3u) + 4u * (j & 1u);
 }
-void dq_unit(uint rb, uint u, out vec4 v[DQ_NV]) {
-    uint bb = rb + (u >> 3) * QBYTES;
-    uint t = u & 7u;
-    uint h = t >> 2;
-    uint l0 = 8u * (t & 3u);
-    uint qa = bb + 64u * h + l0;          // ql bytes for c = 0, 2
-    uint qb = qa + 32u;                   // ql bytes for c = 1, 3
-    uint qhb = bb + 128u + 32u * h + l0;
-    uvec2 A = uvec2(ld16x2(qa), ld16x2(qa + 4u));
-    uvec2 B = uvec2(ld16x2(qb), ld16x2(qb + 4u));
-    uvec2 H = uvec2(ld16x2(qhb), ld16x2(qhb + 4u));
-    float d = h2f(ld16(bb + 208u));
-    uint scb = bb + 192u + 8u * h + (l0 >> 4);
-    [[unroll]] for (uint c = 0u; c < 4u; ++c) {
-        float dsc = d * float(bitfieldExtract(int(ld8(scb + 2u * c)), 0, 8));
-        uvec2 ql = (((c & 1u) == 0u ? A : B) >> (4u * (c >> 1))) & 0x0F0F0F0Fu;
-        uvec2 q = ql | (((H >> (2u * c)) & 0x03030303u) << 4);
-        v[2u * c] = (u8x4(q.x) - 32.0) * dsc;
-        v[2u * c + 1u] = (u8x4(q.y) - 32.0) * dsc;
+uint h16(uint i) { return uint(w_u16[i]); }
+void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float mn[DQ_G]) {
+    const uint hb = (rb >> 1) + (u >> 3) * 105u;   // 16-bit index of the block
+    const uint t = u & 7u;
+    const uint h = t >> 2;
+    const uint l0 = 8u * (t & 3u);
+    const uint qa = hb + 32u * h + (l0 >> 1);      // ql bytes 64h + l0 (groups 0, 2)
+    const uint qb = qa + 16u;                      // ql bytes 64h + 32 + l0 (groups 1, 3)
+    const uint qq = hb + 64u + 16u * h + (l0 >> 1); // qh bytes 32h + l0
+    const uvec2 A = uvec2(h16(qa) | (h16(qa + 1u) << 16), h16(qa + 2u) | (h16(qa + 3u) << 16));
+    const uvec2 B = uvec2(h16(qb) | (h16(qb + 1u) << 16), h16(qb + 2u) | (h16(qb + 3u) << 16));
+    const uvec2 H = uvec2(h16(qq) | (h16(qq + 1u) << 16), h16(qq + 2u) | (h16(qq + 3u) << 16));
+    const float d = h2f(h16(hb + 104u));
+    const uint scb = 2u * hb + 192u + 8u * h + (l0 >> 4);
+    [[unroll]] for (uint g = 0u; g < 4u; ++g) {
+        sc[g] = d * float(bitfieldExtract(int(ld8(scb + 2u * g)), 0, 8));
+        mn[g] = 0.0;
+        const uvec2 ql = (((g & 1u) == 0u ? A : B) >> (4u * (g >> 1))) & 0x0F0F0F0Fu;
+        const uvec2 q = ql | (((H >> (2u * g)) & 0x03030303u) << 4);
+        c[2u * g] = bytes_f(q.x, 32.0);
+        c[2u * g + 1u] = bytes_f(q.y, 32.0);
     }
 }
 #endif

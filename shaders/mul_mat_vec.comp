@@ -1,9 +1,12 @@
 #version 450
 // mul_mat_vec_<type>_f32: y[m, c0 + n] = sum_k x[m, k] * W[r0 + n, k] for M <= 8 columns of x
 // (decode). A workgroup computes NR consecutive output rows for all M columns: its threads
-// split K into mat-vec units (dequant.glsl), dequantize each unit of each row once into
-// registers and use it for every column; partial sums are reduced with subgroupAdd and
-// then across subgroups in shared memory.
+// split K into mat-vec units (dequant.glsl), decode each unit of each row once into exact
+// integer codes in registers and use them for every column, with the block scales factored
+// out of each scale group's dot product (sum_g sc_g * (c . x) + mn_g * sum(x)); partial
+// sums are reduced with subgroupAdd and then across subgroups in shared memory.
+// Defines: WTYPE, WG (threads), NR (rows per workgroup), MAXM (most columns handled: the
+// variants with MAXM 1, 2, 4 use fewer registers than the 8-column one).
 //
 // Push constants (elements, not bytes): M, N, K, x_stride, y_stride, x_offset, y_offset,
 // w_row0 (first W row), y_col0 (first y column), flags (bit 0: x rows are vec4-aligned;
@@ -24,7 +27,10 @@
 #ifndef NR
 #define NR 2
 #endif
-#define MAXM 8
+#ifndef MAXM
+#define MAXM 8  // columns of x handled per pass
+#endif
+#define RPG (DQ_NV / DQ_G)  // runs per scale group
 
 layout(local_size_x = WG) in;
 
@@ -74,16 +80,35 @@ void main() {
     if ((p.flags & 2u) != 0u) {
         const uint nu = p.K / DQ_U;
         for (uint u = tid; u < nu; u += WG) {
-            vec4 w[NR][DQ_NV];
+            vec4 c[NR][DQ_NV];
+            float sc[NR][DQ_G];
+            float mn[NR][DQ_G];
             [[unroll]] for (uint r = 0u; r < NR; ++r) {
-                dq_unit(rb[r], u, w[r]);
+                dq_codes(rb[r], u, c[r], sc[r], mn[r]);
             }
             [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
                 if (m < p.M) {
+                    vec4 xv[DQ_NV];
                     [[unroll]] for (uint j = 0u; j < DQ_NV; ++j) {
-                        const vec4 xv = load_x4(xb[m] + dq_run(u, j));
+                        xv[j] = load_x4(xb[m] + dq_run(u, j));
+                    }
+                    [[unroll]] for (uint g = 0u; g < DQ_G; ++g) {
+#if DQ_MIN
+                        float xs = 0.0;
+                        [[unroll]] for (uint j = g * RPG; j < (g + 1u) * RPG; ++j) {
+                            xs += dot(xv[j], vec4(1.0));
+                        }
+#endif
                         [[unroll]] for (uint r = 0u; r < NR; ++r) {
-                            acc[r][m] += dot(w[r][j], xv);
+                            float t = 0.0;
+                            [[unroll]] for (uint j = g * RPG; j < (g + 1u) * RPG; ++j) {
+                                t += dot(c[r][j], xv[j]);
+                            }
+#if DQ_MIN
+                            acc[r][m] += fma(sc[r][g], t, mn[r][g] * xs);
+#else
+                            acc[r][m] += sc[r][g] * t;
+#endif
                         }
                     }
                 }

@@ -4,12 +4,17 @@ Weights: ``gguf.quants.quantize`` for the types it implements (F16, BF16, Q4_0..
 valid blocks (random bytes with finite f16 scales) for the K-quants; the reference multiplies
 by ``gguf.quants.dequantize`` of the same bytes, in float64.
 
-Error bound (elementwise): |y - ref| <= (K + 4) * 2^-24 * (|x| @ |W|^T). That is the
-worst-case first-order bound of an f32 dot product of K terms summed in any order (gamma_K =
-K u, u = 2^-24, covering the product roundings), plus 4u for the kernel's dequantization
-rounding differently from numpy's by an ulp or two (fused q*d + m). It does not depend on the
-kernels' summation order, so it was fixed before any run. The coopmat path rounds x and W to
-f16 (u = 2^-11 each) and may accumulate with truncation: 2^-10 + 2 K 2^-23 instead.
+Error bound (elementwise): |y - ref| <= (K + 4) * 2^-24 * (|x| @ A^T), where A = |W| for
+types whose weights are sc * code, and for the types with an additive min (Q4_1, Q5_1: d q + m;
+Q4_K, Q5_K: d sc q - dmin m) A = |d| q + |m| (resp. |d| sc q + |dmin| m), the sum of the
+magnitudes of the two terms, computed by dequantizing the same blocks with the signs of the
+f16 scale fields adjusted. That is the worst-case first-order bound of an f32 dot product of
+K terms summed in any order (gamma_K = K u, u = 2^-24), which also covers the kernels'
+factoring of block scales (sc * sum(code * x) + mn * sum(x): each term goes through fewer
+than K roundings, and the min term is bounded by |m| |x|) and numpy's own rounding of the
+reference weights (the + 4). It does not depend on the kernels' summation order and was
+fixed before any run. The coopmat path rounds x and W to f16 (u = 2^-11 each) and may
+accumulate with truncation: (2^-10 + 2 K 2^-23) * (|x| @ A^T) instead.
 """
 
 from __future__ import annotations
@@ -82,6 +87,27 @@ def make_weights(rng: np.random.Generator, t: str, rows: int, k: int,
     return raw, np.asarray(ref, dtype=np.float64).reshape(rows, k)
 
 
+# byte offsets of the f16 (scale, min) fields of the types with an additive min, and whether
+# the min field is subtracted (K-quants: d sc q - dmin m)
+_MIN_FIELDS = {"q4_1": (0, 2, False), "q5_1": (0, 2, False), "q4_k": (0, 2, True), "q5_k": (0, 2, True)}
+
+
+def abs_terms(raw: np.ndarray, t: str, w: np.ndarray) -> np.ndarray:
+    """Per-element sum of the magnitudes of the dequantization terms (see the module doc)."""
+    if t not in _MIN_FIELDS:
+        return np.abs(w)
+    ds, ms, sub = _MIN_FIELDS[t]
+    bs, bb = GGML_QUANT_SIZES[gtype(t)]
+    blocks = raw.reshape(raw.shape[0], -1, bb).copy()
+    blocks[:, :, ds + 1] &= 0x7F                      # |d|
+    if sub:
+        blocks[:, :, ms + 1] |= 0x80                  # -|dmin|: d sc q - (-|dmin|) m
+    else:
+        blocks[:, :, ms + 1] &= 0x7F                  # |m|
+    a = dequantize(blocks.reshape(raw.shape), gtype(t))
+    return np.asarray(a, dtype=np.float64).reshape(w.shape)
+
+
 class Bufs:
     """Host-visible buffers freed at the end of a test."""
 
@@ -131,8 +157,9 @@ def check(got, ref, bound):
                            f"{err.max():.3g}, ratio {np.max(err / np.maximum(bound, 1e-300)):.3g}")
 
 
-def bound_f32(x, w):
-    return (x.shape[1] + 4) * U * (np.abs(x) @ np.abs(w).T)
+def bound_f32(x, a):
+    """a: abs_terms() of the weights"""
+    return (x.shape[1] + 4) * U * (np.abs(x) @ a.T)
 
 
 @pytest.mark.parametrize("t", ALL)
@@ -140,11 +167,11 @@ def test_mat_vec(device, bufs, rng, t):
     N, K = 37, test_k(t)
     raw, W = make_weights(rng, t, N, K)
     wb = bufs.new(raw.nbytes, raw)
-    for M in (1, 3, 8):
+    for M in (1, 2, 3, 8):  # the m1, m2, m4 and m8 variants
         x = rng.standard_normal((M, K))
         y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
         assert took == "vec"
-        check(y.reshape(M, N), x @ W.T, bound_f32(x, W))
+        check(y.reshape(M, N), x @ W.T, bound_f32(x, abs_terms(raw, t, W)))
 
 
 @pytest.mark.parametrize("t", ALL)
@@ -156,7 +183,7 @@ def test_tiled(device, bufs, rng, t):
         x = rng.standard_normal((M, K))
         y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "tiled")
         assert took == "tiled"
-        check(y.reshape(M, N), x @ W.T, bound_f32(x, W))
+        check(y.reshape(M, N), x @ W.T, bound_f32(x, abs_terms(raw, t, W)))
 
 
 @pytest.mark.parametrize("path", ["vec", "tiled"])
@@ -196,7 +223,7 @@ def test_row_range_and_strides(device, bufs, rng, t, path):
         got[m] = y[sl]
     assert np.isnan(y[~region]).all(), "wrote outside the target columns"
     Wr = W[r0:r0 + n]
-    check(got, x @ Wr.T, bound_f32(x, Wr))
+    check(got, x @ Wr.T, bound_f32(x, abs_terms(raw, t, W)[r0:r0 + n]))
 
 
 @pytest.mark.parametrize("K", [100, 99])
@@ -210,7 +237,7 @@ def test_float_rows_any_length(device, bufs, rng, t, K):
     for M, path in ((2, "vec"), (11, "tiled")):
         x = rng.standard_normal((M, K))
         y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, path)
-        check(y.reshape(M, N), x @ W.T, bound_f32(x, W))
+        check(y.reshape(M, N), x @ W.T, bound_f32(x, abs_terms(raw, t, W)))
 
 
 @pytest.mark.parametrize("t", ["q4_0", "q8_0", "q5_1"])
@@ -222,7 +249,7 @@ def test_random_bit_patterns(device, bufs, rng, t):
     for M, path in ((4, "vec"), (9, "tiled")):
         x = rng.standard_normal((M, K))
         y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, path)
-        check(y.reshape(M, N), x @ W.T, bound_f32(x, W))
+        check(y.reshape(M, N), x @ W.T, bound_f32(x, abs_terms(raw, t, W)))
 
 
 @pytest.mark.parametrize("t", ALL)
@@ -238,7 +265,7 @@ def test_coopmat(device, bufs, rng, t):
         x = rng.standard_normal((M, K))
         y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
         assert took == "coopmat"
-        check(y.reshape(M, N), x @ W.T, (2.0 ** -10 + 2 * K * 2.0 ** -23) * (np.abs(x) @ np.abs(W).T))
+        check(y.reshape(M, N), x @ W.T, (2.0 ** -10 + 2 * K * 2.0 ** -23) * (np.abs(x) @ abs_terms(raw, t, W).T))
 
 
 def _fake_device(coop=True, shape=(16, 16, 16, 0, 0, 1, 1, 3), sg=(32, 32), ops=0x4):

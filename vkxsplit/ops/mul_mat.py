@@ -6,8 +6,9 @@ row-major with arbitrary row strides (in elements). Three kernel families
 (``shaders/mul_mat_vec.comp``, ``mul_mat.comp``, ``mul_mat_coopmat.comp``; dequantization in
 ``shaders/dequant.glsl``):
 
-- ``vec`` (``mul_mat_vec_<type>_f32``), M <= 8: a workgroup computes a few output rows for
-  all M columns, reading each weight once; memory-bandwidth bound (decode).
+- ``vec`` (``mul_mat_vec_<type>_f32``, and ``..._f32_m1/_m2/_m4`` compiled for at most
+  1/2/4 columns), M <= 8: a workgroup computes a few output rows for all M columns, reading
+  each weight once; memory-bandwidth bound (decode).
 - ``tiled`` (``mul_mat_<type>_f32``), any M: 64 x 64 shared-memory tiles with 4 x 4 register
   blocking, W dequantized in the tile loader; f32 throughout.
 - ``coopmat`` (``mul_mat_coopmat_<type>_f32``), any M: GL_KHR_cooperative_matrix 16x16x16
@@ -40,18 +41,32 @@ MAX_GROUPS = 65535      # per grid dimension (Vulkan's guaranteed minimum; lavap
 
 _STORAGE = ("storageBuffer16BitAccess", "storageBuffer8BitAccess")
 
-# mat-vec shape per type: (workgroup size, output rows per workgroup); tunables
-VEC_CONFIG: dict[str, tuple[int, int]] = {t: (64, 2) for t in TYPES}
+# mat-vec shape per type: (workgroup size, output rows per workgroup); tuned on an H200
+VEC_CONFIG: dict[str, tuple[int, int]] = {
+    **{t: (64, 2) for t in ("f32", "f16", "bf16")},
+    **{t: (32, 4) for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
+    **{t: (32, 2) for t in ("q4_k", "q5_k", "q6_k")},
+}
+# mat-vec variants by the most columns of x they handle (fewer columns, fewer registers);
+# the 8-column one is mul_mat_vec_<type>_f32, the others carry an _m<n> suffix
+VEC_MAXM = (1, 2, 4, 8)
+
+
+def vec_kernel_name(t: str, M: int) -> str:
+    mm = next(m for m in VEC_MAXM if m >= M)
+    return f"mul_mat_vec_{t}_f32" + ("" if mm == MAX_VEC_M else f"_m{mm}")
+
 
 TILED_BM, TILED_BN = 64, 64       # mul_mat.comp tile (rows of x, rows of W)
 COOP_BM, COOP_BN = 64, 128        # mul_mat_coopmat.comp tile
 COOP_SUBGROUP = 32
 
 VARIANTS = (
-    [Variant(name=f"mul_mat_vec_{t}_f32", source="mul_mat_vec.comp",
-             defines={"WTYPE": str(wt.id), "WG": str(VEC_CONFIG[t][0]), "NR": str(VEC_CONFIG[t][1])},
+    [Variant(name=vec_kernel_name(t, mm), source="mul_mat_vec.comp",
+             defines={"WTYPE": str(wt.id), "WG": str(VEC_CONFIG[t][0]), "NR": str(VEC_CONFIG[t][1]),
+                      "MAXM": str(mm)},
              bindings=3, writes=(2,), push=PUSH, local_size=(VEC_CONFIG[t][0], 1, 1), requires=_STORAGE)
-     for t, wt in TYPES.items()]
+     for t, wt in TYPES.items() for mm in VEC_MAXM]
     + [Variant(name=f"mul_mat_{t}_f32", source="mul_mat.comp", defines={"WTYPE": str(wt.id)},
                bindings=3, writes=(2,), push=PUSH, local_size=(256, 1, 1), requires=_STORAGE)
        for t, wt in TYPES.items()]
@@ -222,8 +237,10 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
         flags |= FLAG_XVEC
     if wt.quantized or K % (8 if path == "vec" else 4) == 0:
         flags |= FLAG_WVEC
-    kname = {"vec": "mul_mat_vec", "tiled": "mul_mat", "coopmat": "mul_mat_coopmat"}[path]
-    kernel = Kernel.get(dev, f"{kname}_{wt.name}_f32")
+    if path == "vec":
+        kernel = Kernel.get(dev, vec_kernel_name(wt.name, M))
+    else:
+        kernel = Kernel.get(dev, f"{'mul_mat' if path == 'tiled' else 'mul_mat_coopmat'}_{wt.name}_f32")
     seq.dispatch(kernel, [w, x, y],
                  (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col, flags),
                  _grid(path, wt, M, N))
