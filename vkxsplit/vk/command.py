@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 _ALL_ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
                | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
 _STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+# Between two dispatches only the compute stage needs ordering: a narrower barrier than the
+# compute+transfer one lets drivers skip flushing the copy engine path.
+_SHADER_ACCESS = vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
+_COMPUTE = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
 
 
 def hub_timeline(device: Device) -> Timeline:
@@ -75,6 +79,7 @@ class Sequence:
         self._submits: dict[tuple[int, ...], _Submit] = {}
         self._pending_w: list[tuple[int, int, int]] = []  # (block serial, start, end) written
         self._pending_r: list[tuple[int, int, int]] = []
+        self._pending_xfer = False  # a copy/fill was recorded since the last barrier
         self.timeline = hub_timeline(device)
         ai = new("VkCommandBufferAllocateInfo", commandPool=device.command_pool,
                  level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1)
@@ -85,6 +90,8 @@ class Sequence:
         self._barrier = new("VkMemoryBarrier", srcAccessMask=_ALL_ACCESS, dstAccessMask=_ALL_ACCESS)
         self._host_barrier = new("VkMemoryBarrier", srcAccessMask=_ALL_ACCESS,
                                  dstAccessMask=vk.VK_ACCESS_HOST_READ_BIT)
+        self._shader_barrier = new("VkMemoryBarrier", srcAccessMask=_SHADER_ACCESS,
+                                   dstAccessMask=_SHADER_ACCESS)
         device.adopt(self)
         self.begin()
 
@@ -106,7 +113,7 @@ class Sequence:
         self.barrier()
         return self
 
-    def _touch(self, bindings: list[Bindable], writes: tuple[int, ...]) -> None:
+    def _touch(self, bindings: list[Bindable], writes: tuple[int, ...], transfer: bool = False) -> None:
         ranges = [as_range(b) for b in bindings]
         need = False
         for i, (_h, o, s, blk) in enumerate(ranges):
@@ -122,14 +129,26 @@ class Sequence:
             if need:
                 break
         if need:
-            self.barrier()
+            if transfer or self._pending_xfer:
+                self.barrier()
+            else:
+                self._compute_barrier()
         for i, (_h, o, s, blk) in enumerate(ranges):
             (self._pending_w if i in writes else self._pending_r).append((blk, o, o + s))
+        self._pending_xfer = self._pending_xfer or transfer
 
     def barrier(self) -> None:
         """A full compute/transfer memory barrier."""
         self._require_recording()
         lib.vkCmdPipelineBarrier(self.cb, _STAGES, _STAGES, 0, 1, self._barrier, 0, NULL, 0, NULL)
+        self.barriers += 1
+        self._pending_w.clear()
+        self._pending_r.clear()
+        self._pending_xfer = False
+
+    def _compute_barrier(self) -> None:
+        """Dispatch -> dispatch ordering (shader writes visible to later shader reads/writes)."""
+        lib.vkCmdPipelineBarrier(self.cb, _COMPUTE, _COMPUTE, 0, 1, self._shader_barrier, 0, NULL, 0, NULL)
         self.barriers += 1
         self._pending_w.clear()
         self._pending_r.clear()
@@ -167,7 +186,7 @@ class Sequence:
         n = ss if size is None else size
         if n > ss or n > ds:
             raise VkxError(f"copy of {n} bytes does not fit ({ss} -> {ds})")
-        self._touch([src, dst], (1,))
+        self._touch([src, dst], (1,), transfer=True)
         region = new("VkBufferCopy", srcOffset=so, dstOffset=do, size=n)
         lib.vkCmdCopyBuffer(self.cb, sh, dh, 1, region)
 
@@ -175,7 +194,7 @@ class Sequence:
         """Fill ``dst`` with a repeated 32-bit word (size rounded down to 4)."""
         self._require_recording()
         h, o, s, _ = as_range(dst)
-        self._touch([dst], (0,))
+        self._touch([dst], (0,), transfer=True)
         lib.vkCmdFillBuffer(self.cb, h, o, s & ~3, word & 0xFFFFFFFF)
 
     def end(self) -> Sequence:
