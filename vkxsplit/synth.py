@@ -378,7 +378,7 @@ def write_synthetic(
     w.add_rope_freq_base(s.rope_freq_base)
     w.add_layer_norm_rms_eps(s.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("default")  # the name llama.cpp knows for plain GPT-2 splitting
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
