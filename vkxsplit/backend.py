@@ -449,6 +449,8 @@ _REGISTRY: dict[str, _Entry] = {
     "npu-emu": _Entry("vkxsplit.backends.npu_emu:NpuEmuBackend", "vkxsplit.backends.npu_emu:available"),
     "cuda": _Entry("vkxsplit.backends.cuda:CudaBackend", "vkxsplit.backends.cuda:available"),
     "hip": _Entry("vkxsplit.backends.cuda:HipBackend", "vkxsplit.backends.cuda:available_hip"),
+    "vulkan-peer": _Entry("vkxsplit.backends.vulkan_peer:VulkanPeerBackend",
+                          "vkxsplit.backends.vulkan_peer:available"),
 }
 
 
