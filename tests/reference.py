@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,13 +234,20 @@ class KVCache:
 
 
 def reference_forward(
-    mf: ModelFile, ids: Sequence[int], cache: KVCache | None = None, last_only: bool = False
+    mf: ModelFile,
+    ids: Sequence[int],
+    cache: KVCache | None = None,
+    last_only: bool = False,
+    matmul: Callable[[str, np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Logits (float64) for ``ids`` continuing ``cache`` (positions cache.n, cache.n+1, ...).
 
     Returns (len(ids), n_vocab), or (1, n_vocab) for the last position when ``last_only``.
-    The cache, if given, is extended in place.
+    The cache, if given, is extended in place. ``matmul(name, x, W)``, when given, computes
+    every ``x @ W.T`` (``name``: the runtime's node name, e.g. ``blk.0.ffn_up`` or ``output``),
+    e.g. to model a backend that rounds its inputs to bf16.
     """
+    mm = matmul or (lambda _name, a, w: a @ w.T)
     rw = reference_weights(mf)
     ids_arr = np.asarray(list(ids), dtype=np.int64)
     if ids_arr.ndim != 1 or ids_arr.size == 0:
@@ -262,9 +269,10 @@ def reference_forward(
     x = rw.tok_embd[ids_arr]  # (T, n_embd) float64
     for li, L in enumerate(rw.layers):
         h = rms_norm(x, L.attn_norm, rw.eps)
-        q = h @ L.wq.T
-        k = h @ L.wk.T
-        v = h @ L.wv.T
+        p = f"blk.{li}."
+        q = mm(p + "attn_q", h, L.wq)
+        k = mm(p + "attn_k", h, L.wk)
+        v = mm(p + "attn_v", h, L.wv)
         if L.bq is not None:
             q = q + L.bq
         if L.bk is not None:
@@ -300,15 +308,15 @@ def reference_forward(
         scores = np.where(mask[None, None], -np.inf, scores)
         probs = _softmax(scores, axis=-1)
         attn = np.einsum("kgts,skd->tkgd", probs, v_all).reshape(t_new, h_q * dv)
-        x = x + attn @ L.wo.T
+        x = x + mm(p + "attn_output", attn, L.wo)
 
         h = rms_norm(x, L.ffn_norm, rw.eps)
-        x = x + (_silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+        x = x + mm(p + "ffn_down", _silu(mm(p + "ffn_gate", h, L.w_gate)) * mm(p + "ffn_up", h, L.w_up), L.w_down)
     cache.n = n_total
     if last_only:
         x = x[-1:]
     x = rms_norm(x, rw.out_norm, rw.eps)
-    return x @ rw.output.T
+    return mm("output", x, rw.output)
 
 
 def reference_logits(mf: ModelFile, ids: Sequence[int]) -> np.ndarray:

@@ -902,6 +902,7 @@ class SyncFdBridge:
         lib.vkDestroySemaphore(self.device.handle, self._out, NULL)
         lib.vkDestroySemaphore(self.device.handle, self._in, NULL)
         self._out = self._in = None
+        self.device.disown(self)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -358,6 +358,7 @@ class Backend:
         self._closed = True
         if self.bridge is not None:
             self.bridge.close()
+        self.hub.disown(self)
 
     # -- provided helpers ----------------------------------------------------------------
 

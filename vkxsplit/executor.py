@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import attach as _attach
 from .errors import KernelError, VkxError
 from .graph import Graph, Node, Span, Tensor, any_overlap, span
 from .vk.command import Sequence, Timestamps, hub_timeline
@@ -343,12 +344,16 @@ def build_schedule(items: list[Item]) -> Schedule:
             cur = None
 
     def wait_for(seg: Segment, confl: list[int]) -> None:
-        """Make ``seg`` wait for the jobs ``confl`` (the latest per backend suffices: a
-        backend runs its jobs in order) and drop what that covers from ``pending``."""
+        """Make ``seg`` wait for the jobs ``confl`` and drop what that covers from ``pending``.
+        It waits for the latest pending job of each backend concerned (a backend runs its jobs
+        in order, and the hub needs the others soon: one wait instead of one segment each)."""
         latest: dict[str, int] = {}
         for j in confl:
+            latest[jobs[j].op.backend] = -1
+        for j in pending:
             b = jobs[j].op.backend
-            latest[b] = max(latest.get(b, -1), j)
+            if b in latest:
+                latest[b] = max(latest[b], j)
         for j in list(seg.waits):
             b = jobs[j].op.backend
             latest[b] = max(latest.get(b, -1), j)
@@ -459,6 +464,8 @@ class Executor:
                 seq.end()
                 self.recordings += 1
             self._jobs = [j.op.job() for j in self.schedule.jobs]
+            self._last_seg = max((i for k, i in self.schedule.order if k == "seg"), default=-1)
+            self._hub_only = not self._jobs and self._ts is None
         except BaseException:
             self.close()
             raise
@@ -469,32 +476,42 @@ class Executor:
 
     def step(self) -> Step:
         """Submit one step: every segment and every job, without waiting on the host."""
-        from .attach import stats
-
         sch = self.schedule
+        seqs = self._seqs
+        if self._hub_only:  # split none: one submit per segment and nothing else (the hub path)
+            _attach.stats.begin_step()
+            vals = [seq.submit() for seq in seqs]
+            step = Step(self, vals, [], 0)
+            step.submits = len(vals)
+            if self.steps == 0:
+                step.recordings = self.recordings
+            self.steps += 1
+            self._last = step
+            return step
+        stats = _attach.stats
         stats.begin_step()
-        staged0 = stats.staged_bytes
         carry = self._last.unfinished() if self._last is not None else []
         seg_vals = [0] * len(sch.segments)
         job_pts: list[Any] = [None] * len(sch.jobs)
-        t0 = time.perf_counter_ns()
-        step = Step(self, seg_vals, job_pts, staged0, t0)
+        step = Step(self, seg_vals, job_pts, stats.staged_bytes)
         self._last = step
+        tl = self.timeline
         for kind, i in sch.order:
             if kind == "seg":
                 waits = [job_pts[j] for j in sch.segments[i].waits]
                 if i == 0 and carry:
                     waits = [*carry, *waits]
-                seg_vals[i] = self._seqs[i].submit(waits=waits)
+                seg_vals[i] = seqs[i].submit(waits=waits)
                 step.submits += 1
             else:
                 jb = sch.jobs[i]
                 b = self.backends[jb.op.backend]
                 p = b.next_point()
                 job_pts[i] = p
-                b.mul_mat(self._jobs[i], (self.timeline, seg_vals[jb.wait]), p)
+                b.mul_mat(self._jobs[i], (tl, seg_vals[jb.wait]), p)
         step.host_waits = stats.host_waits_in_step
-        step.recordings = self.recordings if self.steps == 0 else 0
+        if self.steps == 0:
+            step.recordings = self.recordings
         self.steps += 1
         if self._ts is not None:
             step._start_watch()
@@ -531,7 +548,10 @@ class Executor:
 class Step:
     """One submitted step: its points, counters, and (when traced) its timeline."""
 
-    def __init__(self, ex: Executor, seg_vals: list[int], job_pts: list[Any], staged0: int, t0: int) -> None:
+    __slots__ = ("executor", "seg_values", "job_points", "submits", "host_waits", "recordings", "staged_bytes",
+                 "jobs", "done", "_staged0", "_t0", "_seen", "_watch", "_stop")
+
+    def __init__(self, ex: Executor, seg_vals: list[int], job_pts: list[Any], staged0: int) -> None:
         self.executor = ex
         self.seg_values = seg_vals
         self.job_points = job_pts
@@ -542,7 +562,7 @@ class Step:
         self.jobs = len(job_pts)
         self.done = False
         self._staged0 = staged0
-        self._t0 = t0
+        self._t0 = time.perf_counter_ns() if ex._ts is not None else 0
         self._seen: dict[tuple[str, int], int] = {}
         self._watch: threading.Thread | None = None
         self._stop = False
@@ -550,13 +570,12 @@ class Step:
     # -- collection -------------------------------------------------------------------------
 
     def _final_points(self) -> list[Any]:
-        sch = self.executor.schedule
-        tl = self.executor.timeline
+        ex = self.executor
         pts: list[Any] = []
-        last_seg = max((i for k, i in sch.order if k == "seg"), default=None)
-        if last_seg is not None and self.seg_values[last_seg]:
-            pts.append((tl, self.seg_values[last_seg]))
-        pts += [self.job_points[j] for j in sch.trailing if self.job_points[j] is not None]
+        if ex._last_seg >= 0 and self.seg_values[ex._last_seg]:
+            pts.append((ex.timeline, self.seg_values[ex._last_seg]))
+        if self.job_points:
+            pts += [self.job_points[j] for j in ex.schedule.trailing if self.job_points[j] is not None]
         return pts
 
     def _writer_points(self, outputs: Iterable[Tensor]) -> list[Any]:
@@ -591,8 +610,7 @@ class Step:
     def wait(self, timeout: float | None = None, outputs: Iterable[Tensor] | None = None) -> None:
         """Collect: wait for the points producing ``outputs`` (default: the whole step), then
         raise what any backend's asynchronous part recorded."""
-        from .attach import host_wait, stats
-
+        host_wait = _attach.host_wait
         if self.done:
             return
         timeout = default_timeout() if timeout is None else timeout
@@ -601,7 +619,8 @@ class Step:
             host_wait(p, timeout)
         if outputs is None:
             self.done = True
-            self.staged_bytes = stats.staged_bytes - self._staged0
+            if self.job_points:
+                self.staged_bytes = _attach.stats.staged_bytes - self._staged0
             if self._watch is not None:
                 self._watch.join(timeout)
         for b in self.executor.backends.values():

@@ -7,10 +7,19 @@ Reading order for one step (``Model._run``):
    embedding lookup, then per layer RMSNorm -> Q/K/V -> RoPE -> KV-cache store ->
    attention -> output projection -> residual -> RMSNorm -> SwiGLU FFN -> residual, then the
    final norm and the output projection) was recorded into a command sequence once;
-3. that sequence is submitted again (replayed); it reads the positions and KV length from
-   the buffers of step 1, so nothing is re-recorded per token;
-4. the caller waits for the hub timeline and reads the logits (or, for greedy decoding,
-   the argmax computed on the GPU).
+3. the split planner (:mod:`vkxsplit.plan`) decided once per ``T`` which participant runs
+   each op (everything on the hub for split ``none``), and the executor
+   (:mod:`vkxsplit.executor`) recorded the hub's share into command sequences once; every step
+   replays them and hands the backends their ``mul_mat`` jobs, all submitted up front; the
+   sequences read the positions and KV length from the buffers of step 1, so nothing is
+   re-recorded per token;
+4. the caller waits for the step's last points and reads the logits (or, for greedy
+   decoding, the argmax computed on the GPU).
+
+With backends attached (``backends="cpu,npu-emu"``), the weights and the activations live in
+one :class:`~vkxsplit.attach.SharedArena`: hub kernels bind them and the backends read and
+write them in place. Prompt processing and decode get different plans (``T`` differs) over
+the same weights and KV cache; ``mode:cuda>=32`` is "CUDA does prefill, Vulkan does decode".
 """
 
 from __future__ import annotations
@@ -25,12 +34,12 @@ from typing import Any
 import numpy as np
 
 from .errors import ModelError, VkxError
-from .executor import record_graph
+from .executor import Executor, Step
 from .gguf_model import ModelFile, default_model_path
 from .gguf_model import load_model as load_gguf
 from .graph import Graph, Tensor
+from .plan import ArenaWorkspace, CostModel, Plan, Planner, Profile, SplitSpec, hub_node_times, parse_backends
 from .tokenizer import Tokenizer
-from .vk.command import Sequence
 from .vk.device import Device
 from .vk.kernel import View
 
@@ -42,13 +51,16 @@ def _type_name(t: Any) -> str:
 
 
 class Model:
-    """A loaded model. Use :func:`vkxsplit.load_model`."""
+    """A loaded model. Use :func:`vkxsplit.load_model`.
+
+    ``split``: a split spec (:mod:`vkxsplit.plan`: ``none``, ``layer:...``, ``tensor:3,1``,
+    ``mode:cpu>=8``, ``auto``); ``backends``: backends to attach, as ``"cpu,npu-emu:min_batch=1"``
+    or a list of names / ``(name, options)`` / :class:`~vkxsplit.backend.Backend` objects (those
+    stay the caller's). ``trace``: record GPU timestamps every step (``last_trace``)."""
 
     def __init__(self, path: str | Path | None = None, device: Device | None = None, n_ctx: int | None = None,
-                 ubatch: int = 512, split: Any = None, backends: Any = None, progress: Any = None) -> None:
-        if split not in (None, "none") or backends:
-            raise VkxError("split modes other than 'none' are not available in this build of the model "
-                           "runner", "run without --split/--backends (hub only)")
+                 ubatch: int = 512, split: Any = None, backends: Any = None, progress: Any = None,
+                 trace: bool = False, profile_dir: str | Path | None = None) -> None:
         self.path = Path(path) if path else default_model_path()
         self.file: ModelFile = load_gguf(self.path)
         self.hp = self.file.hparams
@@ -58,11 +70,24 @@ class Model:
         self.n_ctx = int(n_ctx or min(self.hp.n_ctx_train or 2048, 4096))
         self.ubatch = max(1, min(ubatch, self.n_ctx))
         self.n_past = 0
-        self._seqs: OrderedDict[tuple[int, bool], tuple[Sequence, Graph]] = OrderedDict()
+        self._execs: OrderedDict[tuple[int, bool], Executor] = OrderedDict()
         self._bufs: list[Any] = []
-        self.stats = {"steps": 0, "submits": 0, "recordings": 0}
+        self._owned_backends: list[Any] = []
+        self.backends: dict[str, Any] = {}
+        self.arena: Any = None
+        self.workspace: ArenaWorkspace | None = None
+        self._cost: CostModel | None = None
+        self._profile_dir = profile_dir
+        self.tracing = trace
+        self.last_step: Step | None = None
+        self.last_trace: dict[str, Any] | None = None
+        self.stats = {"steps": 0, "submits": 0, "recordings": 0, "backend_jobs": 0, "host_waits_in_step": 0,
+                      "staged_bytes": 0}
         try:
             t0 = time.perf_counter()
+            self._attach(backends)
+            self.planner = Planner(self.backends.values(), workspace=self.workspace)
+            self.split: SplitSpec = self.planner.check(split)
             self._upload_weights(progress)
             self._alloc_state()
             self.load_seconds = time.perf_counter() - t0
@@ -70,22 +95,58 @@ class Model:
             self.close()
             raise
 
-    # -- memory -------------------------------------------------------------------------
+    # -- backends and memory ------------------------------------------------------------------
 
-    def _alloc(self, nbytes: int, pool: str, name: str) -> Any:
+    def _attach(self, backends: Any) -> None:
+        from .attach import SharedArena
+        from .backend import Backend, create_backend
+
+        for item in parse_backends(backends):
+            if isinstance(item, Backend):
+                b = item
+            else:
+                name, opts = item if isinstance(item, tuple) else (item, {})
+                b = create_backend(name, self.device, **opts)
+                self._owned_backends.append(b)
+            if b.name in self.backends:
+                raise VkxError(f"backend {b.name} is attached twice")
+            self.backends[b.name] = b
+        if self.backends:
+            self.arena = SharedArena(self.device, list(self.backends.values()), name=f"model:{self.path.name}")
+            self.workspace = ArenaWorkspace(self.device, self.arena)
+
+    def _alloc(self, nbytes: int, pool: str, name: str, shared: bool = False) -> Any:
+        """A buffer from the hub pool ``pool``, or from the shared arena when ``shared`` and
+        backends are attached (a SharedBuffer: hub kernels bind it, backends reach it)."""
+        if shared and self.arena is not None:
+            sb = self.arena.alloc(nbytes, name)
+            if pool == "host" and not sb.buffer.host_visible:  # the caller reads it: keep it readable
+                sb.close()
+            else:
+                return sb
         b = self.device.memory.alloc(nbytes, pool, name)
         self._bufs.append(b)
         return b
+
+    @staticmethod
+    def _view(buf: Any, offset: int = 0, size: int | None = None) -> Any:
+        from .attach import SharedBuffer
+
+        if isinstance(buf, SharedBuffer):
+            return buf.view(offset, size)
+        return View(buf, offset, size)
 
     def _upload_weights(self, progress: Any) -> None:
         self.weights: dict[str, Tensor] = {}
         items = sorted(self.file.tensors.items())
         total = sum(t.nbytes for _, t in items)
         done = 0
+        from .attach import SharedBuffer
+
         for name, ti in items:
-            buf = self._alloc(ti.nbytes, "device", name)
-            buf.write(ti.data)
-            self.weights[name] = Tensor(name, ti.shape, _type_name(ti.ggml_type), buf, weight=True)
+            buf = self._alloc(ti.nbytes, "device", name, shared=True)
+            (buf.buffer if isinstance(buf, SharedBuffer) else buf).write(ti.data)  # staged when device-only
+            self.weights[name] = Tensor(name, ti.shape, _type_name(ti.ggml_type), self._view(buf), weight=True)
             done += ti.nbytes
             if progress:
                 progress(done, total)
@@ -102,26 +163,19 @@ class Model:
         # per-step inputs, written by the host before each submit
         self.ids_buf = self._alloc(T * 4, "host", "ids")
         self.pos_buf = self._alloc(T * 4, "host", "positions")
-        # activations (shared by every graph: steps run one after another on one queue)
+        # activations (shared by every graph: steps run one after another on one queue); the
+        # ones mul_mat reads and writes are in shared memory when backends are attached
         E, F = hp.n_embd, hp.n_ff
-        self.act = {
-            "x": self._alloc(T * E * f32, "device", "x"),
-            "h": self._alloc(T * E * f32, "device", "h"),
-            "q": self._alloc(T * hp.n_embd_q * f32, "device", "q"),
-            "k": self._alloc(T * hp.n_embd_k_gqa * f32, "device", "k"),
-            "v": self._alloc(T * hp.n_embd_v_gqa * f32, "device", "v"),
-            "attn": self._alloc(T * hp.n_head * hp.head_dim_v * f32, "device", "attn"),
-            "o": self._alloc(T * E * f32, "device", "o"),
-            "gate": self._alloc(T * F * f32, "device", "gate"),
-            "up": self._alloc(T * F * f32, "device", "up"),
-        }
+        sizes = {"x": E, "h": E, "q": hp.n_embd_q, "k": hp.n_embd_k_gqa, "v": hp.n_embd_v_gqa,
+                 "attn": hp.n_head * hp.head_dim_v, "o": E, "gate": F, "up": F}
+        self.act = {k: self._alloc(T * c * f32, "device", k, shared=True) for k, c in sizes.items()}
         from .ops.attention import attention_scratch_bytes, attention_splits
 
         # decode attention splits the KV length over workgroups (flash-decoding)
         self.decode_splits = attention_splits(1, hp.n_head, hp.n_head_kv, self.n_ctx)
         self.attn_scratch = self._alloc(
             attention_scratch_bytes(1, hp.n_head, hp.head_dim_v, self.decode_splits), "device", "attn_scratch")
-        self.logits_buf = self._alloc(T * hp.n_vocab * f32, "host", "logits")
+        self.logits_buf = self._alloc(T * hp.n_vocab * f32, "host", "logits", shared=True)
         self.argmax_buf = self._alloc(T * 4, "host", "argmax")
 
     # -- graph ----------------------------------------------------------------------------
@@ -129,14 +183,15 @@ class Model:
     def _build_graph(self, T: int, all_logits: bool) -> Graph:
         """The forward pass for ``T`` tokens as a graph over this model's buffers."""
         hp, W, A = self.hp, self.weights, self.act
-        g = Graph(f"{self.file.name}:T{T}")
+        g = Graph(f"{self.file.name}:T{T}", T=T)
         f32 = 4
+        V = self._view
 
         def act(name: str, cols: int) -> Tensor:
-            return Tensor(name, (T, cols), "f32", View(A[name], 0, T * cols * f32))
+            return Tensor(name, (T, cols), "f32", V(A[name], 0, T * cols * f32))
 
-        ids = Tensor("ids", (T,), "i32", View(self.ids_buf, 0, T * 4))
-        pos = Tensor("positions", (T,), "i32", View(self.pos_buf, 0, T * 4))
+        ids = Tensor("ids", (T,), "i32", V(self.ids_buf, 0, T * 4))
+        pos = Tensor("positions", (T,), "i32", V(self.pos_buf, 0, T * 4))
         split_kv: dict[str, Any] = {}
         if T == 1:
             split_kv = {"n_splits": self.decode_splits,
@@ -177,51 +232,124 @@ class Model:
             g.add("add", p + "ffn_residual", [x, o], x)
         rows = T if all_logits else 1
         # Only the rows whose logits are wanted go through the final norm and projection.
-        xl = Tensor("x_out", (rows, hp.n_embd), "f32", View(A["x"], (T - rows) * hp.n_embd * f32,
-                                                                 rows * hp.n_embd * f32))
-        hl = Tensor("h_out", (rows, hp.n_embd), "f32", View(A["h"], 0, rows * hp.n_embd * f32))
+        xl = Tensor("x_out", (rows, hp.n_embd), "f32", V(A["x"], (T - rows) * hp.n_embd * f32,
+                                                              rows * hp.n_embd * f32))
+        hl = Tensor("h_out", (rows, hp.n_embd), "f32", V(A["h"], 0, rows * hp.n_embd * f32))
         g.add("rms_norm", "output_norm", [xl, W["output_norm.weight"]], hl, eps=hp.rms_norm_eps)
         out_w = W["output.weight"] if "output.weight" in W else W["token_embd.weight"]
-        logits = Tensor("logits", (rows, hp.n_vocab), "f32", View(self.logits_buf, 0, rows * hp.n_vocab * f32))
+        logits = Tensor("logits", (rows, hp.n_vocab), "f32", V(self.logits_buf, 0, rows * hp.n_vocab * f32))
         g.add("mul_mat", "output", [out_w, hl], logits)
-        g.add("argmax", "argmax", [logits], Tensor("argmax", (rows,), "i32", View(self.argmax_buf, 0, rows * 4)))
+        g.add("argmax", "argmax", [logits], Tensor("argmax", (rows,), "i32", V(self.argmax_buf, 0, rows * 4)))
         return g
 
-    def _sequence(self, T: int, all_logits: bool) -> Sequence:
-        key = (T, all_logits)
-        hit = self._seqs.get(key)
-        if hit is not None:
-            self._seqs.move_to_end(key)
-            return hit[0]
+    # -- plans and steps ----------------------------------------------------------------------
+
+    @property
+    def cost(self) -> CostModel:
+        """The cost model (measured on demand, cached in the device profile)."""
+        if self._cost is None:
+            self._cost = CostModel(Profile.for_device(self.device, self._profile_dir), device=self.device,
+                                   arena=self.arena, backends=self.backends.values(), hub_runner=self._time_hub)
+            self.planner.cost = self._cost
+        return self._cost
+
+    def _time_hub(self, graph: Graph) -> dict[int, float]:
+        """Hub seconds per node of ``graph``, run alone with timestamps. Positions are the last
+        ``T`` of the context: KV rows written there are rewritten before any step reads them."""
+        T = graph.T
+
+        def before() -> None:
+            self.ids_buf.numpy(np.int32, (T,))[:] = 0
+            self.pos_buf.numpy(np.int32, (T,))[:] = np.arange(self.n_ctx - T, self.n_ctx, dtype=np.int32)
+
+        # the calibration overwrites the outputs: keep what last_logits()/last_argmax() read
+        keep_logits = self.logits_buf.numpy(np.float32, (self.hp.n_vocab,)).copy()
+        keep_argmax = self.argmax_buf.numpy(np.int32, (1,)).copy()
+        try:
+            return hub_node_times(self.device, graph, before)
+        finally:
+            self.logits_buf.numpy(np.float32, (self.hp.n_vocab,))[:] = keep_logits
+            self.argmax_buf.numpy(np.int32, (1,))[:] = keep_argmax
+
+    def plan(self, T: int, all_logits: bool = False, predict: bool = False) -> Plan:
+        """The plan for steps of ``T`` tokens (made once per ``T``; ``predict`` adds the cost
+        model's predicted step time, measuring what the profile lacks)."""
+        ex = self._executor(T, all_logits)
+        if predict and ex.plan.prediction is None:
+            from .plan import simulate
+
+            self.cost.prepare(ex.plan.graph, self.planner._job_needs(ex.plan.schedule))
+            ex.plan.prediction = simulate(ex.plan.schedule, self.cost)
+        return ex.plan
+
+    def _make_plan(self, T: int, all_logits: bool) -> Plan:
         g = self._build_graph(T, all_logits)
-        seq = Sequence(self.device, g.name)
-        record_graph(seq, g)
-        seq.end()
-        self.stats["recordings"] += 1
-        self._seqs[key] = (seq, g)
-        while len(self._seqs) > 8:  # bounded: prompts of many lengths must not pile up sequences
-            _, (old, _g) = self._seqs.popitem(last=False)
-            old.wait()
+        if self.split.kind == "auto":
+            _ = self.cost  # attaches the cost model to the planner
+        return self.planner.plan(g, self.split)
+
+    def _executor(self, T: int, all_logits: bool) -> Executor:
+        if T > self.ubatch:
+            raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
+        key = (T, all_logits)
+        hit = self._execs.get(key)
+        if hit is not None:
+            self._execs.move_to_end(key)
+            return hit
+        plan = self._make_plan(T, all_logits)
+        ex = Executor(self.device, plan, self.backends, trace=self.tracing)
+        self.stats["recordings"] += ex.recordings
+        self._execs[key] = ex
+        while len(self._execs) > 8:  # bounded: prompts of many lengths must not pile up sequences
+            _, old = self._execs.popitem(last=False)
             old.close()
-        return seq
+        return ex
+
+    def set_split(self, split: Any) -> None:
+        """Switch to another split spec over the same weights, backends and KV cache (plans and
+        converted weights of the previous spec are dropped)."""
+        spec = self.planner.check(split)
+        self._drop_executors()
+        if self.workspace is not None:
+            self.workspace.release()
+        self.split = spec
+
+    def set_trace(self, on: bool = True) -> None:
+        """Record GPU timestamps around every hub op (and watch backend points) every step;
+        ``last_trace`` then holds the last step as Chrome trace-event JSON."""
+        if on != self.tracing:
+            self._drop_executors()
+            self.tracing = on
+
+    def _drop_executors(self) -> None:
+        for ex in self._execs.values():
+            ex.close()
+        self._execs.clear()
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _run(self, ids: list[int], all_logits: bool) -> Sequence:
+    def _run(self, ids: list[int], all_logits: bool) -> Step:
         """Append ``ids`` (at most ubatch) to the context and run the forward pass."""
         T = len(ids)
         if self.n_past + T > self.n_ctx:
             raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
                            "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
-        seq = self._sequence(T, all_logits)
+        ex = self._executor(T, all_logits)
         self.ids_buf.numpy(np.int32, (T,))[:] = ids
         self.pos_buf.numpy(np.int32, (T,))[:] = np.arange(self.n_past, self.n_past + T, dtype=np.int32)
-        seq.submit()
-        seq.wait()
+        step = ex.step()
+        step.wait()
         self.n_past += T
-        self.stats["steps"] += 1
-        self.stats["submits"] += 1
-        return seq
+        st = self.stats
+        st["steps"] += 1
+        st["submits"] += step.submits
+        st["backend_jobs"] += step.jobs
+        st["host_waits_in_step"] += step.host_waits
+        st["staged_bytes"] += step.staged_bytes
+        self.last_step = step
+        if self.tracing:
+            self.last_trace = step.trace()
+        return step
 
     def reset(self) -> None:
         self.n_past = 0
@@ -310,12 +438,26 @@ class Model:
             yield tail
 
     def close(self) -> None:
-        for seq, _g in self._seqs.values():
-            seq.close()
-        self._seqs.clear()
+        self._drop_executors()
+        if self.workspace is not None:
+            self.workspace.close()
+            self.workspace = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
         for b in self._bufs:
             b.close()
         self._bufs.clear()
+        from .vk.event import Timeline
+
+        for be in self._owned_backends:
+            be.close()
+            # a backend's timelines belong to the hub device (queued work may still name them) and
+            # are destroyed with it; the device only tracks them weakly, so keep them alive until then
+            if getattr(self, "device", None) is not None:
+                keep = self.device.__dict__.setdefault("_retired_timelines", [])
+                keep += [t for t in vars(be).values() if isinstance(t, Timeline)]
+        self._owned_backends.clear()
         if getattr(self, "_own_device", False) and getattr(self, "device", None) is not None:
             self.device.close()
             self.device = None  # type: ignore[assignment]

@@ -40,8 +40,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(train, 4096))")
     p.add_argument("-ub", "--ubatch", type=int, default=512, help="tokens per prefill step")
     p.add_argument("--device", default=None, help="hub device index or name part (VKXSPLIT_DEVICE)")
-    p.add_argument("--split", default=None, help="split mode: none (others: see `vkxsplit plan`)")
-    p.add_argument("--backends", default=None, help="comma-separated backends to attach")
+    from .plan import SPLIT_HELP
+
+    p.add_argument("--split", default=None, help=SPLIT_HELP + "; `vkxsplit bench` sweeps several "
+                   "separated by ';' (e.g. 'none;tensor:1,1;mode:cpu>=8')")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated backends to attach, with options: cpu,npu-emu:min_batch=1 "
+                        "(`vkxsplit info` lists what this machine can run)")
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -107,13 +112,18 @@ def bench_model(model: Any, n_prompt: int, n_gen: int, reps: int, seed: int = 0)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    splits = (args.split or "none").split(";")
+    from .plan import parse_spec
+
+    splits = [s.strip() for s in (args.split or "none").split(";")]
+    for s in splits:
+        parse_spec(s)  # a typo in the third config fails before the first one runs
     rows = []
-    for split in splits:
-        a = argparse.Namespace(**vars(args))
-        a.split = split
-        model = _load(a)
-        try:
+    a = argparse.Namespace(**vars(args))
+    a.split = splits[0]
+    model = _load(a)  # loaded once: every split config runs over the same weights and backends
+    try:
+        for split in splits:
+            model.set_split(split)
             for r in bench_model(model, args.n_prompt, args.n_gen, args.repetitions):
                 tps = r["tps"]
                 rows.append({
@@ -122,8 +132,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     "split": split, "test": r["test"], "tps_mean": statistics.fmean(tps),
                     "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0, "device": model.device.name,
                 })
-        finally:
-            model.close()
+    finally:
+        model.close()
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

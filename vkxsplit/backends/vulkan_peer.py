@@ -813,6 +813,8 @@ class VulkanPeerBackend(Backend):
             return
         super().close()  # closes the bridge: every value it handed out ends up signalled
         peer = self.peer
+        if peer is not None:
+            peer.disown(self)
         drained = True
         if peer is not None and peer.handle is not None and "peer_timeline" in self.__dict__:
             try:

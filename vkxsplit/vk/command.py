@@ -262,6 +262,7 @@ class Sequence:
             cbs = ffi.new("VkCommandBuffer[1]", [self.cb])
             lib.vkFreeCommandBuffers(self.device.handle, self.device.command_pool, 1, cbs)
         self.cb = None
+        self.device.disown(self)
 
 
 def staged_upload(dst: Any, data: np.ndarray, offset: int = 0) -> None:
@@ -323,4 +324,5 @@ class Timestamps:
         if self.handle is not None and self.device.handle is not None:
             lib.vkDestroyQueryPool(self.device.handle, self.handle, NULL)
         self.handle = None
+        self.device.disown(self)
 

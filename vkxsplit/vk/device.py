@@ -12,12 +12,11 @@ import hashlib
 import logging
 import os
 import threading
-import weakref
 from pathlib import Path
 from typing import Any
 
 from ..errors import EnvironmentProblem, VkxError
-from .api import API_1_3, NULL, check, cstr, ffi, lib, new, vk
+from .api import API_1_3, NULL, check, cstr, ffi, lib, new, next_serial, vk
 from .instance import Instance, PhysicalDeviceInfo, env_flag, new_bf16_features
 
 log = logging.getLogger("vkxsplit.vk")
@@ -62,7 +61,9 @@ class Device:
         self.instance = instance
         self.physical = physical
         self.handle: Any = None
-        self._children: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Objects made on this device that have not been closed yet (strong references: the
+        # device is the owner of last resort and destroys them, newest first, on close()).
+        self._children: dict[int, Any] = {}
         self._queue_lock = threading.Lock()
         self._fns: dict[str, Any] = {}
         self._owns_instance = False
@@ -229,7 +230,13 @@ class Device:
 
     def adopt(self, child: Any) -> None:
         """Track an object (with ``close()``) so :meth:`close` destroys it before the device."""
-        self._children.add(child)
+        if getattr(child, "_serial", None) is None:
+            child._serial = next_serial()
+        self._children[id(child)] = child
+
+    def disown(self, child: Any) -> None:
+        """Forget a child that closed itself (called from the child's ``close()``)."""
+        self._children.pop(id(child), None)
 
     def submit(self, submit_infos: Any, count: int = 1, fence: Any = NULL) -> None:
         """``vkQueueSubmit`` under the queue lock (queues need external synchronisation)."""
@@ -249,7 +256,7 @@ class Device:
             return
         lib.vkDeviceWaitIdle(self.handle)
         # Children first (kernels, sequences, semaphores, buffers), newest first.
-        for child in sorted(list(self._children), key=lambda c: -getattr(c, "_serial", 0)):
+        for child in sorted(self._children.values(), key=lambda c: -c._serial):
             try:
                 child.close()
             except Exception as exc:  # keep tearing down

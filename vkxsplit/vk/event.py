@@ -124,6 +124,7 @@ class Timeline:
         if self.handle is not None and self.device.handle is not None:
             lib.vkDestroySemaphore(self.device.handle, self.handle, NULL)
         self.handle = None
+        self.device.disown(self)
 
     def __repr__(self) -> str:
         return f"Timeline({self.name!r}, last={self._last})"

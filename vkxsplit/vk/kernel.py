@@ -201,6 +201,7 @@ class Kernel:
         lib.vkDestroyDescriptorSetLayout(d, self.set_layout, NULL)
         lib.vkDestroyShaderModule(d, self.module, NULL)
         self.pipeline = None
+        self.device.disown(self)
 
     def __repr__(self) -> str:
         return f"Kernel({self.name})"

@@ -1,0 +1,264 @@
+"""The model under every split mode, with the cpu and npu-emu backends attached, against the
+hub-only run of the same graph.
+
+Bounds. Let ``ref`` be the float64 reference forward (tests/reference.py) and ``E = 2e-3 *
+max|ref| + 1e-3`` the bound the hub-only runner meets against it (tests/test_model.py: f32
+activations, f16 KV cache, f32 sums in another order). A split whose backends compute in f32
+(cpu) is another f32 evaluation of the same graph, so ``|split - hub| <= 2E``. npu-emu rounds x
+and W to bf16 (8 significant bits) before an f32-accumulated product: each of its products is
+exact for the rounded inputs. Let ``ref_bf16`` be the float64 forward in which exactly the plan's
+npu-emu rows use bf16-rounded x and W (computed here, per step, from the plans); then
+``|split - ref_bf16| <= E`` by the same argument as the hub's, and
+``|split - hub| <= |split - ref_bf16| + |ref_bf16 - ref| + |ref - hub| <= 2E + D`` with
+``D = max|ref_bf16 - ref|``, computed exactly in float64 (it is the whole effect of bf16, not an
+estimate). A per-op version (``(2u + u^2 + K 2^-24)|x||W|``, u = 2^-8) is checked element-wise in
+tests/test_executor.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from reference import KVCache, reference_forward
+
+from vkxsplit.errors import PlanError
+
+N_VOCAB = 2000
+IDS = [int(i) for i in np.random.default_rng(5).integers(0, N_VOCAB, 16)]
+TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    from vkxsplit.synth import write_synthetic
+
+    return write_synthetic(tmp_path_factory.mktemp("split") / "tiny-q4_0.gguf", "smol135m", "q4_0", seed=3,
+                           n_vocab=N_VOCAB, n_layer=2)
+
+
+@pytest.fixture(scope="module")
+def mfile(synth):
+    from vkxsplit.gguf_model import load_model as load_gguf
+
+    with load_gguf(synth) as mf:
+        yield mf
+
+
+@pytest.fixture(scope="module")
+def profile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("profile")
+
+
+def run(m):
+    """Prefill of 16 tokens (all logits, T=16), then from scratch 12 (T=12) and 3 decode steps (T=1)."""
+    pp = m.logits(IDS)
+    m.reset()
+    m.prefill(IDS[:12])
+    dec = [m.last_logits()]
+    for t in IDS[12:15]:
+        m._run([t], all_logits=False)
+        dec.append(m.last_logits())
+    return {"pp": pp, "dec": np.stack(dec)}
+
+
+@pytest.fixture(scope="module")
+def hub(device, synth):
+    from vkxsplit.model import load_model
+
+    with load_model(synth, device=device, n_ctx=64, ubatch=16) as m:
+        out = run(m)
+        st = dict(m.stats)
+        plans = {k: ex.plan for k, ex in m._execs.items()}
+    return out, st, plans
+
+
+@pytest.fixture(scope="module")
+def split_model(device, synth, profile_dir):
+    from vkxsplit.model import load_model
+
+    m = load_model(synth, device=device, n_ctx=64, ubatch=16, profile_dir=profile_dir,
+                   backends="cpu,npu-emu:gflops=200")
+    yield m
+    m.close()
+
+
+def bf(a):
+    return np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def emulating(plan):
+    """``matmul`` for reference_forward: the plan's npu-emu rows computed from bf16 inputs."""
+    rows: dict[str, list[tuple[int, int]]] = {}
+    for idx, parts in plan.assign.items():
+        for p in parts:
+            if p.participant == "npu-emu":
+                rows.setdefault(plan.graph.nodes[idx].name, []).append((p.r0, p.r1))
+
+    def mm(name, x, w):
+        y = x @ w.T
+        for r0, r1 in rows.get(name, []):
+            y[:, r0:r1] = bf(x) @ bf(w[r0:r1]).T
+        return y
+
+    return mm, bool(rows)
+
+
+def references(mf, plans):
+    """(ref, ref_bf16) for the steps of run(), the latter with each step's plan's npu rows."""
+    def steps(hook_for):
+        pp = reference_forward(mf, IDS, matmul=hook_for(16, True))
+        cache = KVCache.empty(mf.hparams.n_layer)
+        dec = [reference_forward(mf, IDS[:12], cache, last_only=True, matmul=hook_for(12, False))[0]]
+        for t in IDS[12:15]:
+            dec.append(reference_forward(mf, [t], cache, last_only=True, matmul=hook_for(1, False))[0])
+        return {"pp": pp, "dec": np.stack(dec)}
+
+    ref = steps(lambda T, a: None)
+    if not any(emulating(p)[1] for p in plans.values()):
+        return ref, ref
+    return ref, steps(lambda T, a: emulating(plans[(T, a)])[0])
+
+
+SPECS = [
+    "none",
+    r"layer:blk\.0\..*=cpu",
+    r"layer:blk\..*\.ffn_.*=npu-emu",            # the 6 ffn matrices: npu-emu's 6 kernels
+    "layer:1,1,0",                               # layer 0 on the hub, layer 1's mul_mats on the cpu
+    "tensor:3,1,0",                              # npu-emu ratio 0: it gets nothing
+    "tensor:0,1,0",                              # the cpu takes every row
+    "tensor:1,0,0",                              # the hub takes every row
+    r"tensor:2,1,1@blk\.1\.ffn_(gate|up|down)",   # three-way, npu-emu rows only at T >= 8
+    r"tensor:0,0,1@ffn_down|^output$",           # npu-emu ratio 1 on three matrices
+    "mode:cpu>=8",                               # prefill on the cpu, decode on the hub
+    r"mode:npu-emu<=1@blk\.1\.(attn_q|ffn_up|ffn_down),cpu>=2",  # decode on npu-emu, prefill on the cpu
+    "auto",
+]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_split_matches_hub(split_model, hub, mfile, spec):
+    m = split_model
+    m.set_split(spec)
+    st0 = dict(m.stats)
+    got = run(m)
+    plans = {k: ex.plan for k, ex in m._execs.items()}
+    assert set(plans) == {(16, True), (12, False), (1, False)}
+    ref, ref_bf = references(mfile, plans)
+    want, _st, _ = hub
+    for k in ("pp", "dec"):
+        scale = np.abs(ref[k]).max()
+        E = 2e-3 * scale + 1e-3
+        D = np.abs(ref_bf[k] - ref[k]).max()
+        err = np.abs(got[k] - want[k]).max()
+        assert err <= 2 * E + D, f"{spec} {k}: |split - hub| = {err} > 2E + D = {2 * E} + {D}"
+        srt = np.sort(ref_bf[k], axis=1)
+        clear = (srt[:, -1] - srt[:, -2]) > 2 * (2 * E + D)
+        assert (got[k].argmax(1) == want[k].argmax(1))[clear].all()
+    # counters over the 5 steps: nothing waited on the host inside a step, nothing staged
+    st = m.stats
+    assert st["steps"] - st0["steps"] == 5
+    assert st["host_waits_in_step"] == 0 and st["staged_bytes"] == 0
+    # zero weight copies: in-place jobs read the model's own weight tensors; only npu-emu gets
+    # converted slices, made once (counted by the workspace)
+    converted = set()
+    for ex in m._execs.values():
+        for j, job in zip(ex.schedule.jobs, ex._jobs):
+            op = j.op
+            if op.converted_weight:
+                assert op.backend == "npu-emu" and op.weight.dtype == "bf16"
+                converted.add(op.weight.name)
+            else:
+                w = op.node.inputs[0]
+                assert op.weight is w and w is m.weights[w.name]
+                assert job.weight.shared is w.buffer.shared
+    assert m.workspace.conversions == len(converted)
+    # a replayed step records nothing and converts nothing
+    rec, conv = st["recordings"], m.workspace.conversions
+    step = m._run([IDS[15]], all_logits=False)
+    assert step.recordings == 0 and m.stats["recordings"] == rec and m.workspace.conversions == conv
+    assert step.host_waits == 0
+    if spec == "none":
+        assert all(ex.schedule.submits == 1 and not ex.schedule.jobs for ex in m._execs.values())
+    if spec == "mode:cpu>=8":  # "CUDA does prefill, Vulkan does decode", with the cpu
+        assert {j.op.backend for j in plans[(16, True)].schedule.jobs} == {"cpu"}
+        assert plans[(1, False)].schedule.jobs == []
+    if spec.startswith("mode:npu-emu"):
+        assert {j.op.backend for j in plans[(1, False)].schedule.jobs} == {"npu-emu"}
+        assert {j.op.backend for j in plans[(16, True)].schedule.jobs} == {"cpu"}
+    if spec == "auto":
+        for p in plans.values():
+            assert p.prediction is not None and p.candidates
+            assert p.prediction.total_s == pytest.approx(min(t for _, t in p.candidates))
+
+
+def test_hub_only_path(hub):
+    _out, st, plans = hub
+    assert st["submits"] == st["steps"] == 5 and st["backend_jobs"] == 0
+    assert all(p.schedule.submits == 1 and p.schedule.jobs == [] for p in plans.values())
+    assert st["host_waits_in_step"] == 0
+
+
+def test_load_model_api_and_bad_specs(device, synth, hub, profile_dir):
+    import vkxsplit
+
+    want = hub[0]["pp"]
+    with vkxsplit.load_model(synth, split="tensor:3,1", backends="cpu", device=device, n_ctx=64, ubatch=16,
+                             profile_dir=profile_dir) as m:
+        got = m.logits(IDS)
+        assert m.arena is not None and all(t.shared for t in m.weights.values())
+        # the plan's mul_mats really are divided: hub rows, then cpu rows, of one y
+        plan = m.plan(16, all_logits=True)
+        q = plan.parts("blk.0.attn_q")
+        assert [(p.participant, p.r0, p.r1) for p in q] == [("hub", 0, 432), ("cpu", 432, 576)]
+    assert np.abs(got - want).max() <= 2 * (2e-3 * np.abs(want).max() + 1e-3)
+    with pytest.raises(PlanError, match="unknown backend 'cuda'"):
+        vkxsplit.load_model(synth, split=r"layer:blk\.0\..*=cuda", backends="cpu", device=device, n_ctx=64)
+    with pytest.raises(PlanError, match="gives 3 ratios for 2 participants"):
+        vkxsplit.load_model(synth, split="tensor:1,1,1", backends="cpu", device=device, n_ctx=64)
+    with vkxsplit.load_model(synth, split=r"layer:blk\.7\..*=cpu", backends="cpu", device=device, n_ctx=64,
+                             ubatch=8) as m:
+        with pytest.raises(PlanError, match="matches no node or tensor"):  # at plan time: needs the graph
+            m.logits(IDS[:4])
+
+
+def test_model_trace(split_model):
+    m = split_model
+    m.set_split(r"tensor:2,1,1@blk\.1\.ffn_(gate|up)")
+    m.set_trace(True)
+    try:
+        m.reset()
+        m.prefill(IDS[:12])
+        tr = json.loads(json.dumps(m.last_trace))
+    finally:
+        m.set_trace(False)
+    tracks = {e["args"]["name"].split(" ")[0] for e in tr["traceEvents"] if e.get("name") == "thread_name"}
+    assert tracks == {"hub", "cpu", "npu-emu"}
+    jobs = [e for e in tr["traceEvents"] if e["ph"] == "X" and e["cat"] == "mul_mat"]
+    assert len(jobs) == len(m.plan(12).schedule.jobs) > 0
+
+
+def test_cli_plan_and_bench_sweep(synth, capsys, monkeypatch, tmp_path):
+    from vkxsplit.cli import main
+
+    monkeypatch.setenv("VKXSPLIT_CACHE_DIR", str(tmp_path))
+    assert main(["plan", "-m", str(synth), "--split", "tensor:3,1", "--backends", "cpu", "-t", "1,8",
+                 "--json", "--trace", str(tmp_path / "trace.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["T"] for p in out["plans"]] == [1, 8] and out["backends"] == ["cpu"]
+    for p in out["plans"]:
+        assert p["predicted_s"] > 0 and p["jobs"] and p["participants"]["cpu"]["mul_mat"]
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert list(tmp_path.glob("profile-*.json"))  # the measured costs were kept
+    assert main(["plan", "-m", str(synth), "--split", "mode:cpu>=8", "--backends", "cpu", "-t", "1,8"]) == 0
+    text = capsys.readouterr().out
+    assert "T=1" in text and "T=8" in text and "predicted:" in text and "cpu: 15 mul_mats" in text
+    assert main(["bench", "-m", str(synth), "--split", "none;tensor:1,1", "--backends", "cpu", "-p", "8", "-n", "2",
+                 "-r", "1", "-c", "64", "-ub", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["split"], r["test"]) for r in rows] == [("none", "pp8"), ("none", "tg2"), ("tensor:1,1", "pp8"),
+                                                        ("tensor:1,1", "tg2")]
+    assert main(["plan", "-m", str(synth), "--split", "tensor:1,1,1", "--backends", "cpu"]) == 2
+    assert "gives 3 ratios for 2 participants" in capsys.readouterr().err
