@@ -35,13 +35,11 @@ def hub_timeline(device: Device) -> Timeline:
     """The device's own timeline: every sequence submit signals its next value."""
     t = device.__dict__.get("_hub_timeline")
     if t is None or t.handle is None:
-        # Exportable where the driver can export timelines as opaque fds, so backends that
-        # import semaphores (CUDA, HIP, another VkDevice) wait on it directly, not on a relay.
-        from .interop import SEMAPHORE_HANDLE_TYPES, semaphore_handle_support
-
-        exportable = "VK_KHR_external_semaphore_fd" in device.extensions and semaphore_handle_support(
-            device.physical, SEMAPHORE_HANDLE_TYPES["opaque_fd"], timeline=True)["exportable"]
-        t = device.__dict__["_hub_timeline"] = Timeline(device, name=f"hub:{device.name}", exportable=exportable)
+        # Not exportable: when it was, the H200 run had the validation layer report command
+        # buffers still pending after a host wait on it, and the CUDA hand-off benchmark hung
+        # (not yet understood). Backends that import timelines wait on a relay instead
+        # (vkxsplit.attach.relay: one empty submit on the hub queue, no host wait).
+        t = device.__dict__["_hub_timeline"] = Timeline(device, name=f"hub:{device.name}")
     return t
 
 

@@ -54,6 +54,7 @@ class Timeline:
         check(lib.vkCreateSemaphore(device.handle, sci, NULL, out), "vkCreateSemaphore(timeline)")
         self.handle = out[0]
         self.exportable = exportable
+        self._counter = ffi.new("uint64_t*")
         if import_fd is not None:
             ii = new("VkImportSemaphoreFdInfoKHR", semaphore=self.handle, handleType=HANDLE_OPAQUE_FD,
                      fd=import_fd)
@@ -69,7 +70,6 @@ class Timeline:
         self._wait_info = new("VkSemaphoreWaitInfo", semaphoreCount=1, pSemaphores=self._sems,
                               pValues=self._vals)
         self._signal_info = new("VkSemaphoreSignalInfo", semaphore=self.handle)
-        self._counter = ffi.new("uint64_t*")
         device.adopt(self)
 
     def next(self) -> int:
