@@ -66,3 +66,40 @@ def smol_path():
         return default_model_path()
     except EnvironmentProblem as exc:
         pytest.skip(str(exc).splitlines()[0])
+
+
+@pytest.fixture
+def seqs(device):
+    """A factory of command sequences; each is waited for and closed after the test."""
+    from vkxsplit.vk.command import Sequence
+
+    made = []
+
+    def make(name):
+        s = Sequence(device, name)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.wait(20.0)
+        s.close()
+
+
+@pytest.fixture
+def caller_waits(monkeypatch):
+    """Host waits on any timeline made by the calling (main) thread: a step must make none."""
+    import threading
+
+    from vkxsplit.vk.event import Timeline
+
+    calls: list[str] = []
+    orig = Timeline.wait
+
+    def counting(self, value, timeout=None):
+        if threading.current_thread() is threading.main_thread():
+            calls.append(f"{self.name}>={value}")
+        return orig(self, value, timeout)
+
+    monkeypatch.setattr(Timeline, "wait", counting)
+    return calls

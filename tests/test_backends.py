@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import ml_dtypes
@@ -18,7 +17,6 @@ from vkxsplit.attach import SharedArena, stats
 from vkxsplit.backend import MatMulJob, create_backend
 from vkxsplit.errors import BackendDied, KernelError, WaitTimeout
 from vkxsplit.ops.convert import record_convert
-from vkxsplit.vk.command import Sequence
 from vkxsplit.vk.event import Timeline
 
 TIMEOUT = 20.0
@@ -43,36 +41,6 @@ def arena(device, cpu, npu):
     a = SharedArena(device, [cpu, npu], name="test")
     yield a
     a.close()
-
-
-@pytest.fixture
-def seqs(device):
-    made = []
-
-    def make(name):
-        s = Sequence(device, name)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.wait()
-        s.close()
-
-
-@pytest.fixture
-def caller_waits(monkeypatch):
-    """Counts host waits on any timeline made by the calling (main) thread."""
-    calls: list[str] = []
-    orig = Timeline.wait
-
-    def counting(self, value, timeout=None):
-        if threading.current_thread() is threading.main_thread():
-            calls.append(f"{self.name}>={value}")
-        return orig(self, value, timeout)
-
-    monkeypatch.setattr(Timeline, "wait", counting)
-    return calls
 
 
 def put(arena, a, name=""):

@@ -5,7 +5,6 @@ waits, staged bytes, re-recordings), steps that overlap, and the Chrome trace.""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import numpy as np
@@ -18,7 +17,6 @@ from vkxsplit.backend import create_backend
 from vkxsplit.executor import BackendOp, Executor, HubOp
 from vkxsplit.graph import Graph, Tensor
 from vkxsplit.plan import HUB, ArenaWorkspace, Planner
-from vkxsplit.vk.event import Timeline
 
 TIMEOUT = 20.0
 M, K, N1, N2 = 8, 64, 48, 32
@@ -44,21 +42,6 @@ def arena(device, cpu, npu):
     a = SharedArena(device, [cpu, npu], name="test-exec")
     yield a
     a.close()
-
-
-@pytest.fixture
-def caller_waits(monkeypatch):
-    """Host waits on any timeline made by the calling (main) thread."""
-    calls: list[str] = []
-    orig = Timeline.wait
-
-    def counting(self, value, timeout=None):
-        if threading.current_thread() is threading.main_thread():
-            calls.append(f"{self.name}>={value}")
-        return orig(self, value, timeout)
-
-    monkeypatch.setattr(Timeline, "wait", counting)
-    return calls
 
 
 class Chain:

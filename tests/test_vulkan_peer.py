@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import time
 
 import numpy as np
@@ -39,7 +38,6 @@ from vkxsplit.backends.vulkan_peer import (
 from vkxsplit.errors import EnvironmentProblem, KernelError
 from vkxsplit.ops.convert import record_convert
 from vkxsplit.ops.mul_mat import record_mul_mat
-from vkxsplit.vk.command import Sequence
 from vkxsplit.vk.event import Timeline
 
 TIMEOUT = 20.0
@@ -61,36 +59,6 @@ def split_peer(device):
     b = VulkanPeerBackend(device, device=fake, timeout=TIMEOUT, traffic=PeerTraffic())
     yield b
     b.close()
-
-
-@pytest.fixture
-def seqs(device):
-    made = []
-
-    def make(name):
-        s = Sequence(device, name)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.wait(TIMEOUT)
-        s.close()
-
-
-@pytest.fixture
-def caller_waits(monkeypatch):
-    """Host waits on any timeline made by the calling (main) thread."""
-    calls: list[str] = []
-    orig = Timeline.wait
-
-    def counting(self, value, timeout=None):
-        if threading.current_thread() is threading.main_thread():
-            calls.append(f"{self.name}>={value}")
-        return orig(self, value, timeout)
-
-    monkeypatch.setattr(Timeline, "wait", counting)
-    return calls
 
 
 def open_fds() -> int:
