@@ -188,3 +188,26 @@ def test_missing_required_feature_is_named(device):
     phys.features = dict(phys.features, timelineSemaphore=False)
     with pytest.raises(EnvironmentProblem, match="timelineSemaphore"):
         Device(device.instance, phys)
+
+
+def test_out_of_device_memory_is_clear_and_recoverable(device, seq):
+    from vkxsplit.errors import OutOfDeviceMemory
+
+    before = device.memory.allocated_bytes
+    with pytest.raises(OutOfDeviceMemory) as ei:
+        device.memory.alloc(1 << 40, "device", "too-big")  # 1 TiB
+    assert "OUT_OF_DEVICE_MEMORY" in str(ei.value) and ei.value.hint
+    assert device.memory.allocated_bytes == before
+    # the device keeps working
+    buf = device.memory.alloc(1024, "host")
+    try:
+        buf.numpy(np.float32)[:] = 1.5
+        out = device.memory.alloc(512, "host")
+        try:
+            record_convert(seq, buf, out, 256, "f32", "bf16")
+            seq.run()
+            assert (out.numpy(np.uint16) == 0x3FC0).all()
+        finally:
+            out.close()
+    finally:
+        buf.close()
