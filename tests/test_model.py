@@ -111,3 +111,32 @@ def test_synthetic_model_matches_reference(device, tmp_path, qtype):
     srt = np.sort(want, axis=1)
     clear = (srt[:, -1] - srt[:, -2]) > 4 * (2e-3 * scale + 1e-3)
     assert (got.argmax(1) == want.argmax(1))[clear].all()
+
+
+@pytest.mark.parametrize("arch,bias,tied", [("llama", False, True), ("qwen2", True, False), ("mistral", False, False)])
+def test_architectures_match_reference(device, tmp_path, arch, bias, tied):
+    """Qwen2 (q/k/v biases, NeoX RoPE), untied output, mistral naming: vs the float64 reference."""
+    from test_gguf_model import write_tiny
+    from vkxsplit.gguf_model import load_model as load_gguf
+    from vkxsplit.model import load_model
+
+    path = write_tiny(tmp_path / f"{arch}.gguf", arch=arch, bias=bias, tied=tied, n_vocab=64, scale=0.3)
+    ids = list(np.random.default_rng(1).integers(0, 64, 20))
+    with load_model(path, device=device, n_ctx=32, ubatch=8) as m:
+        assert m.file.architecture == arch
+        got = m.logits(ids)
+    with load_gguf(path) as mf:
+        want = reference_logits(mf, ids)
+    scale = np.abs(want).max()
+    # f32 weights: the only roundings are f32 arithmetic and the f16 KV cache (2^-11 relative)
+    assert np.abs(got - want).max() <= 2e-3 * scale + 1e-4, (np.abs(got - want).max(), scale)
+
+
+def test_model_without_vocabulary_runs_ids_but_names_the_missing_tokenizer(device, tmp_path):
+    from test_gguf_model import write_tiny
+    from vkxsplit.model import load_model
+
+    with load_model(write_tiny(tmp_path / "novocab.gguf"), device=device, n_ctx=16, ubatch=4) as m:
+        assert m.logits([1, 2, 3]).shape == (3, 100)
+        with pytest.raises(ModelError, match="no tokenizer"):
+            m.tokenize("hello")

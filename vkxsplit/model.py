@@ -64,7 +64,12 @@ class Model:
         self.path = Path(path) if path else default_model_path()
         self.file: ModelFile = load_gguf(self.path)
         self.hp = self.file.hparams
-        self.tokenizer = Tokenizer.from_model_file(self.file)
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_error: ModelError | None = None
+        try:
+            self._tokenizer = Tokenizer.from_model_file(self.file)
+        except ModelError as exc:  # logits() still works on token ids; text needs a vocabulary
+            self._tokenizer_error = exc
         self._own_device = device is None
         self.device = device or Device.open()
         self.n_ctx = int(n_ctx or min(self.hp.n_ctx_train or 2048, 4096))
@@ -360,6 +365,14 @@ class Model:
             raise VkxError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
 
     # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The file's tokenizer (raises the file's ModelError when it has no vocabulary)."""
+        if self._tokenizer is None:
+            assert self._tokenizer_error is not None
+            raise self._tokenizer_error
+        return self._tokenizer
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special)
