@@ -117,6 +117,7 @@ def test_synthetic_model_matches_reference(device, tmp_path, qtype):
 def test_architectures_match_reference(device, tmp_path, arch, bias, tied):
     """Qwen2 (q/k/v biases, NeoX RoPE), untied output, mistral naming: vs the float64 reference."""
     from test_gguf_model import write_tiny
+
     from vkxsplit.gguf_model import load_model as load_gguf
     from vkxsplit.model import load_model
 
@@ -134,6 +135,7 @@ def test_architectures_match_reference(device, tmp_path, arch, bias, tied):
 
 def test_model_without_vocabulary_runs_ids_but_names_the_missing_tokenizer(device, tmp_path):
     from test_gguf_model import write_tiny
+
     from vkxsplit.model import load_model
 
     with load_model(write_tiny(tmp_path / "novocab.gguf"), device=device, n_ctx=16, ubatch=4) as m:
