@@ -142,3 +142,20 @@ def test_model_without_vocabulary_runs_ids_but_names_the_missing_tokenizer(devic
         assert m.logits([1, 2, 3]).shape == (3, 100)
         with pytest.raises(ModelError, match="no tokenizer"):
             m.tokenize("hello")
+
+
+@pytest.mark.parametrize("split", ["tensor:1,1", "layer:1,1", "mode:cpu>=4"])
+def test_smollm2_split_with_cpu_matches_reference(device, split):
+    """SmolLM2 under the split modes this machine has (hub + cpu, both f32): same bound."""
+    from conftest import smol_path
+    from vkxsplit.model import load_model
+
+    path = smol_path()
+    with load_model(path, device=device, n_ctx=64, ubatch=16, split=split, backends="cpu") as m:
+        ids = m.tokenize("The capital of France is Paris. The capital of Italy is")
+        got = m.logits(ids)
+        want = reference_logits(m.file, ids)
+        assert (got.argmax(1) == want.argmax(1)).all()
+        assert np.abs(got - want).max() < MAX_ABS_ERR
+        st = dict(m.stats)
+    assert st["host_waits_in_step"] == 0 and st["backend_jobs"] > 0, st
