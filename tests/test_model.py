@@ -148,6 +148,7 @@ def test_model_without_vocabulary_runs_ids_but_names_the_missing_tokenizer(devic
 def test_smollm2_split_with_cpu_matches_reference(device, split):
     """SmolLM2 under the split modes this machine has (hub + cpu, both f32): same bound."""
     from conftest import smol_path
+
     from vkxsplit.model import load_model
 
     path = smol_path()
