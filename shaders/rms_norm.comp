@@ -3,12 +3,22 @@
 // tensor, optionally times a weight row vector w (FUSE_MUL = 1: what llama does). One
 // workgroup per row (looping when rows exceed the dispatch); f32 accumulation with a
 // shared-memory tree reduction. In-place use (dst == x) is allowed.
+// add_rms_norm_mul_f32 (FUSE_ADD = 1, with FUSE_MUL): first x += r (the residual add, written
+// back to x), then y = rms_norm(x) * w: one dispatch, one barrier level, instead of two.
 
 layout(local_size_x = 256) in;
 #define WG 256u
 
+#if FUSE_ADD
+layout(std430, binding = 0) buffer X { float x[]; };
+layout(std430, binding = 1) readonly buffer R { float r[]; };
+layout(std430, binding = 2) readonly buffer W { float w[]; };
+layout(std430, binding = 3) writeonly buffer Dst { float d[]; };
+#else
 layout(std430, binding = 0) readonly buffer X { float x[]; };
-#if FUSE_MUL
+#endif
+#if FUSE_ADD
+#elif FUSE_MUL
 layout(std430, binding = 1) readonly buffer W { float w[]; };
 layout(std430, binding = 2) writeonly buffer Dst { float d[]; };
 #else
@@ -24,6 +34,8 @@ layout(push_constant) uniform Push {
     uint d_off;
     uint d_stride;
     float eps;
+    uint r_off;
+    uint r_stride;
 } p;
 
 shared float red[WG];
@@ -34,8 +46,16 @@ void main() {
         uint xb = p.x_off + row * p.x_stride;
         uint db = p.d_off + row * p.d_stride;
         float s = 0.0;
+#if FUSE_ADD
+        uint rb = p.r_off + row * p.r_stride;
+#endif
         for (uint c = tid; c < p.ncols; c += WG) {
+#if FUSE_ADD
+            float v = x[xb + c] + r[rb + c];
+            x[xb + c] = v;  // read back below by this same invocation only
+#else
             float v = x[xb + c];
+#endif
             s += v * v;
         }
         red[tid] = s;

@@ -28,7 +28,7 @@ from vkxsplit.ops.elementwise import (
     record_silu,
     record_swiglu,
 )
-from vkxsplit.ops.norm import record_rms_norm
+from vkxsplit.ops.norm import record_add_rms_norm, record_rms_norm
 from vkxsplit.ops.rope import record_rope
 from vkxsplit.ops.softmax import record_softmax
 from vkxsplit.vk.kernel import View
@@ -226,6 +226,35 @@ def test_rms_norm_in_place(seq, bufs, rng):
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
     assert_close(get(X, x.size).reshape(rows, cols), ref, 1e-5, 1e-6 * np.abs(ref).max(), "rms_norm in place")
+
+
+@pytest.mark.parametrize("rows,cols,stride", [(1, 576, 576), (5, 1000, 1003), (3, 4097, 4097)])
+def test_add_rms_norm(seq, bufs, rng, rows, cols, stride):
+    """The residual add fused with the next norm: x += r exactly as an f32 add, dst as rms_norm."""
+    x = (rng.standard_normal((rows, stride)) * 2).astype(np.float32)
+    r = rng.standard_normal((rows, cols)).astype(np.float32)
+    w = rng.standard_normal(cols).astype(np.float32)
+    eps = 1e-5
+    X, R, W, D = bufs(x.size), bufs(r.size), bufs(cols), bufs(rows * cols)
+    put(X, x)
+    put(R, r)
+    put(W, w)
+    poison(D)
+    record_add_rms_norm(seq, X, R, W, D, rows, cols, eps, x_stride=stride)
+    run(seq)
+    xs = get(X, x.size).reshape(rows, stride)
+    summed = x[:, :cols] + r  # float32 addition, as the kernel does it
+    assert np.array_equal(xs[:, :cols], summed), "x += r must be the exact f32 sum"
+    assert np.array_equal(xs[:, cols:], x[:, cols:]), "wrote outside the rows' columns"
+    s64 = summed.astype(np.float64)
+    ref = s64 / np.sqrt((s64 ** 2).mean(axis=1, keepdims=True) + eps) * w
+    assert_close(get(D, rows * cols).reshape(rows, cols), ref, 1e-5, 1e-6 * np.abs(ref).max(), "add_rms_norm")
+
+
+def test_add_rms_norm_rejects_dst_overlap(seq, bufs):
+    X, R, W = bufs(64), bufs(64), bufs(64)
+    with pytest.raises(KernelError, match="dst overlaps x"):
+        record_add_rms_norm(seq, X, R, W, X, 1, 64)
 
 
 # -- softmax --------------------------------------------------------------------------------

@@ -77,6 +77,13 @@ def _rms_norm(seq: Sequence, n: Node) -> None:
     record_rms_norm(seq, x.buffer, n.output.buffer, x.rows, x.cols, n.params["eps"], w.buffer)
 
 
+def _add_rms_norm(seq: Sequence, n: Node) -> None:
+    from .ops.norm import record_add_rms_norm
+
+    x, r, w = n.inputs  # x += r in place, then output = rms_norm(x) * w
+    record_add_rms_norm(seq, x.buffer, r.buffer, w.buffer, n.output.buffer, x.rows, x.cols, n.params["eps"])
+
+
 def _add(seq: Sequence, n: Node) -> None:
     from .ops.elementwise import record_add
 
@@ -132,6 +139,7 @@ HUB_OPS: dict[str, Callable[[Sequence, Node], None]] = {
     "mul_mat": _mul_mat,
     "get_rows": _get_rows,
     "rms_norm": _rms_norm,
+    "add_rms_norm": _add_rms_norm,
     "add": _add,
     "swiglu": _swiglu,
     "rope": _rope,

@@ -205,8 +205,10 @@ class Model:
         g.add("get_rows", "embd", [W["token_embd.weight"], ids], x)
         for il in range(hp.n_layer):
             p = f"blk.{il}."
-            h = g.add("rms_norm", p + "attn_norm", [x, W[p + "attn_norm.weight"]], act("h", hp.n_embd),
-                      eps=hp.rms_norm_eps)
+            if il == 0:
+                h = g.add("rms_norm", p + "attn_norm", [x, W[p + "attn_norm.weight"]], act("h", hp.n_embd),
+                          eps=hp.rms_norm_eps)
+            # (later layers: h came from the previous layer's fused residual add + norm)
             q = g.add("mul_mat", p + "attn_q", [W[p + "attn_q.weight"], h], act("q", hp.n_embd_q))
             k = g.add("mul_mat", p + "attn_k", [W[p + "attn_k.weight"], h], act("k", hp.n_embd_k_gqa))
             v = g.add("mul_mat", p + "attn_v", [W[p + "attn_v.weight"], h], act("v", hp.n_embd_v_gqa))
@@ -227,14 +229,20 @@ class Model:
                       n_heads=hp.n_head, n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, n_ctx=self.n_ctx,
                       **split_kv)
             o = g.add("mul_mat", p + "attn_output", [W[p + "attn_output.weight"], a], act("o", hp.n_embd))
-            g.add("add", p + "attn_residual", [x, o], x)
-            h = g.add("rms_norm", p + "ffn_norm", [x, W[p + "ffn_norm.weight"]], act("h", hp.n_embd),
-                      eps=hp.rms_norm_eps)
+            # residual add fused with the next norm: x += o; h = rms_norm(x) * w (x_out: x is
+            # written in place, which the executor's hazard analysis must see)
+            h = g.add("add_rms_norm", p + "ffn_norm", [x, o, W[p + "ffn_norm.weight"]], act("h", hp.n_embd),
+                      eps=hp.rms_norm_eps, x_out=x)
             gate = g.add("mul_mat", p + "ffn_gate", [W[p + "ffn_gate.weight"], h], act("gate", hp.n_ff))
             up = g.add("mul_mat", p + "ffn_up", [W[p + "ffn_up.weight"], h], act("up", hp.n_ff))
             g.add("swiglu", p + "ffn_swiglu", [gate, up], gate)
             o = g.add("mul_mat", p + "ffn_down", [W[p + "ffn_down.weight"], gate], act("o", hp.n_embd))
-            g.add("add", p + "ffn_residual", [x, o], x)
+            if il + 1 < hp.n_layer:
+                q = f"blk.{il + 1}."
+                h = g.add("add_rms_norm", q + "attn_norm", [x, o, W[q + "attn_norm.weight"]],
+                          act("h", hp.n_embd), eps=hp.rms_norm_eps, x_out=x)
+            else:  # the last residual: the output norm may take only the last row
+                g.add("add", p + "ffn_residual", [x, o], x)
         rows = T if all_logits else 1
         # Only the rows whose logits are wanted go through the final norm and projection.
         xl = Tensor("x_out", (rows, hp.n_embd), "f32", V(A["x"], (T - rows) * hp.n_embd * f32,

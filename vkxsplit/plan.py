@@ -62,7 +62,7 @@ HUB_ALIASES = ("hub", "vulkan")
 OFFLOADABLE_OPS = frozenset({"mul_mat"})
 #: Ops whose inputs and outputs are f32 state (residual stream, norms, attention, positions):
 #: they have no bf16 form, so a backend that computes only in bf16 can never take them.
-F32_ONLY_OPS = frozenset({"get_rows", "rms_norm", "add", "swiglu", "rope", "kv_store", "attention", "argmax",
+F32_ONLY_OPS = frozenset({"get_rows", "rms_norm", "add_rms_norm", "add", "swiglu", "rope", "kv_store", "attention", "argmax",
                           "softmax", "norm", "mul", "scale", "silu", "gelu", "cpy"})
 FLOAT_TYPES = ("f32", "f16", "bf16")
 _ELEM = {"f32": 4, "f16": 2, "bf16": 2}

@@ -15,10 +15,12 @@ from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dty
 WG = 256
 
 VARIANTS = [
-    Variant(name="rms_norm_f32", source="rms_norm.comp", defines={"FUSE_MUL": "0"}, bindings=2,
-            writes=(1,), push="IIIIIIIf", local_size=(WG, 1, 1)),
-    Variant(name="rms_norm_mul_f32", source="rms_norm.comp", defines={"FUSE_MUL": "1"}, bindings=3,
-            writes=(2,), push="IIIIIIIf", local_size=(WG, 1, 1)),
+    Variant(name="rms_norm_f32", source="rms_norm.comp", defines={"FUSE_MUL": "0", "FUSE_ADD": "0"},
+            bindings=2, writes=(1,), push="IIIIIIIfII", local_size=(WG, 1, 1)),
+    Variant(name="rms_norm_mul_f32", source="rms_norm.comp", defines={"FUSE_MUL": "1", "FUSE_ADD": "0"},
+            bindings=3, writes=(2,), push="IIIIIIIfII", local_size=(WG, 1, 1)),
+    Variant(name="add_rms_norm_mul_f32", source="rms_norm.comp", defines={"FUSE_MUL": "1", "FUSE_ADD": "1"},
+            bindings=4, writes=(0, 3), push="IIIIIIIfII", local_size=(WG, 1, 1)),
 ]
 
 
@@ -51,4 +53,42 @@ def record_rms_norm(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols
         return
     k = Kernel.get(seq.device, f"{op}_{dtype}")
     seq.dispatch(k, bufs, (cols, rows, s.offset, s.stride, weight_offset, d.offset, d.stride,
-                           float(eps)), min(rows, MAX_GROUPS))
+                           float(eps), 0, 0), min(rows, MAX_GROUPS))
+
+
+def record_add_rms_norm(seq: Sequence, x: Bindable, residual: Bindable, weight: Bindable, dst: Bindable,
+                        rows: int, cols: int, eps: float = 1e-6, *, x_offset: int = 0,
+                        x_stride: int | None = None, residual_offset: int = 0,
+                        residual_stride: int | None = None, weight_offset: int = 0, dst_offset: int = 0,
+                        dst_stride: int | None = None, dtype: str = "f32") -> None:
+    """``x[r] += residual[r]`` (in place), then ``dst[r] = rms_norm(x[r]) * weight`` for
+    ``rows x cols``: the residual add of a decoder block fused with the next norm (one dispatch
+    and one barrier level fewer). ``dst`` must not overlap ``x`` or ``residual``."""
+    op = "add_rms_norm_mul"
+    shape = (rows, cols)
+    check_dtype(op, dtype, shape)
+    check_dims(op, dtype, shape, rows=rows, cols=cols)
+    if not eps >= 0.0:
+        raise KernelError(f"{op}_{dtype}: eps = {eps!r} must be >= 0 (shape {list(shape)})")
+    xs = Operand("x", x, x_offset, cols if x_stride is None else x_stride, rows, cols)
+    rs = Operand("residual", residual, residual_offset, cols if residual_stride is None else residual_stride,
+                 rows, cols)
+    w = Operand("weight", weight, weight_offset, cols, 1, cols)
+    d = Operand("dst", dst, dst_offset, cols if dst_stride is None else dst_stride, rows, cols)
+    for o in (xs, rs, w, d):
+        check_operand(f"{op}_{dtype}", o, shape)
+    check_alias(f"{op}_{dtype}", xs, rs, shape)
+    for other in (xs, rs, w):
+        if _overlaps(d, other):
+            raise KernelError(f"{op}_{dtype}: dst overlaps {other.name} (shape {list(shape)})")
+    if rows == 0 or cols == 0:
+        return
+    k = Kernel.get(seq.device, f"{op}_{dtype}")
+    seq.dispatch(k, [x, residual, weight, dst],
+                 (cols, rows, xs.offset, xs.stride, weight_offset, d.offset, d.stride, float(eps),
+                  rs.offset, rs.stride), min(rows, MAX_GROUPS))
+
+
+def _overlaps(a: Operand, b: Operand) -> bool:
+    (ab, a0, a1), (bb, b0, b1) = a.span(), b.span()
+    return ab == bb and a0 < b1 and b0 < a1
