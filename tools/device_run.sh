@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the lent NVIDIA machine (device tool), from the repo root, after
+# Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
+# tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
 #   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info]
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
