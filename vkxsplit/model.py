@@ -348,8 +348,12 @@ class Model:
             raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
                            "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
         ex = self._executor(T, all_logits)
-        self.ids_buf.numpy(np.int32, (T,))[:] = ids
-        self.pos_buf.numpy(np.int32, (T,))[:] = np.arange(self.n_past, self.n_past + T, dtype=np.int32)
+        views = self.__dict__.get("_io_views")
+        if views is None:  # zero-copy views of the per-step input buffers, made once
+            views = self._io_views = (self.ids_buf.numpy(np.int32), self.pos_buf.numpy(np.int32),
+                                      self.argmax_buf.numpy(np.int32))
+        views[0][:T] = ids
+        views[1][:T] = np.arange(self.n_past, self.n_past + T, dtype=np.int32)
         step = ex.step()
         step.wait()
         self.n_past += T
@@ -418,7 +422,8 @@ class Model:
         return self.logits_buf.numpy(np.float32, (self.hp.n_vocab,)).copy()
 
     def last_argmax(self) -> int:
-        return int(self.argmax_buf.numpy(np.int32, (1,))[0])
+        views = self.__dict__.get("_io_views")
+        return int(views[2][0] if views is not None else self.argmax_buf.numpy(np.int32, (1,))[0])
 
     def generate_ids(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -459,6 +464,7 @@ class Model:
             yield tail
 
     def close(self) -> None:
+        self._io_views = None  # views of buffers freed below
         self._drop_executors()
         if self.workspace is not None:
             self.workspace.close()
@@ -469,15 +475,8 @@ class Model:
         for b in self._bufs:
             b.close()
         self._bufs.clear()
-        from .vk.event import Timeline
-
         for be in self._owned_backends:
-            be.close()
-            # a backend's timelines belong to the hub device (queued work may still name them) and
-            # are destroyed with it; the device only tracks them weakly, so keep them alive until then
-            if getattr(self, "device", None) is not None:
-                keep = self.device.__dict__.setdefault("_retired_timelines", [])
-                keep += [t for t in vars(be).values() if isinstance(t, Timeline)]
+            be.close()  # its timelines stay with the hub device (queued work may name them)
         self._owned_backends.clear()
         if getattr(self, "_own_device", False) and getattr(self, "device", None) is not None:
             self.device.close()
