@@ -69,4 +69,15 @@ uint f16_bits_to_f32(uint h) {
     return sign | ((e + 112u) << 23) | (m << 13);
 }
 
+// theta - 2 pi k, k = round(theta / 2 pi): Cody-Waite with 2 pi split into parts of 11
+// significant bits (k * C1, k * C2 exact for |theta| < 5e4), so that sin/cos are only ever
+// asked about [-pi, pi], where every driver is accurate. (RoPE angles: rope.comp, kv_store.comp.)
+float reduce_2pi(float t) {
+    const float C1 = 6.28125;
+    const float C2 = 0.0019350051879882812;
+    const float C3 = 3.019916050561733e-07;
+    float k = roundEven(t * 0.15915493667125702);
+    return ((t - k * C1) - k * C2) - k * C3;
+}
+
 #endif

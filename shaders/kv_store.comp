@@ -4,6 +4,9 @@
 // positions read from an int32 buffer (one per token), so one recorded command buffer serves
 // every step. Rounding is round-to-nearest-even in integer bit math (bit-exact with numpy).
 // Positions outside [0, n_ctx) are skipped. gl_WorkGroupID.z: 0 = K, 1 = V.
+// ROPE = 1 (kv_store_rope[_neox]_f32_f16): K is rotated on its way into the cache, with the
+// same formula and operations as rope.comp (rope then store, up to FMA contraction): the RoPE of
+// K and the store are one dispatch and one barrier level.
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int16 : require
 #include "common.glsl"
@@ -27,7 +30,42 @@ layout(push_constant) uniform Push {
     uint pos_off;
     uint kc_off;
     uint vc_off;
+#if ROPE
+    uint head_dim;
+    uint n_dims;
+    float theta_log2;  // -2 log2(freq_base) / n_dims
+    float freq_scale;
+#endif
 } p;
+
+#if ROPE
+// K element c of token t (row base kb), rotated at position ps
+float roped_k(uint kb, uint c, int ps) {
+    uint e = c % p.head_dim;
+    if (e >= p.n_dims) {
+        return uintBitsToFloat(k[kb + c]);
+    }
+    uint half_nd = p.n_dims / 2u;
+#if NEOX
+    uint j = e % half_nd;
+    bool second = e >= half_nd;
+    uint c0 = second ? c - half_nd : c;
+    uint c1 = c0 + half_nd;
+#else
+    uint j = e / 2u;
+    bool second = (e & 1u) == 1u;
+    uint c0 = second ? c - 1u : c;
+    uint c1 = c0 + 1u;
+#endif
+    float freq = p.freq_scale * exp2(float(j) * p.theta_log2);
+    float theta = reduce_2pi(float(ps) * freq);
+    float cs = cos(theta);
+    float sn = sin(theta);
+    float x0 = uintBitsToFloat(k[kb + c0]);
+    float x1 = uintBitsToFloat(k[kb + c1]);
+    return second ? x0 * sn + x1 * cs : x0 * cs - x1 * sn;
+}
+#endif
 
 void main() {
     bool is_v = gl_WorkGroupID.z == 1u;
@@ -42,7 +80,12 @@ void main() {
             if (is_v) {
                 vc[p.vc_off + dst + c] = uint16_t(f32_to_f16_bits(v[p.v_off + t * p.v_stride + c]));
             } else {
+#if ROPE
+                float kv = roped_k(p.k_off + t * p.k_stride, c, ps);
+                kc[p.kc_off + dst + c] = uint16_t(f32_to_f16_bits(floatBitsToUint(kv)));
+#else
                 kc[p.kc_off + dst + c] = uint16_t(f32_to_f16_bits(k[p.k_off + t * p.k_stride + c]));
+#endif
             }
         }
     }

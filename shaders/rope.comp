@@ -8,6 +8,8 @@
 // Positions are int32, one per token, read from a buffer. One invocation per pair;
 // in-place use (dst == x) is allowed.
 
+#include "common.glsl"
+
 layout(local_size_x = 256) in;
 
 layout(std430, binding = 0) readonly buffer X { float x[]; };
@@ -29,17 +31,6 @@ layout(push_constant) uniform Push {
     float theta_log2;  // -2 log2(freq_base) / n_dims
     float freq_scale;
 } p;
-
-// theta - 2 pi k, k = round(theta / 2 pi): Cody-Waite with 2 pi split into parts of 11
-// significant bits (k * C1, k * C2 exact for |theta| < 5e4), so that sin/cos are only ever
-// asked about [-pi, pi], where every driver is accurate.
-float reduce_2pi(float t) {
-    const float C1 = 6.28125;
-    const float C2 = 0.0019350051879882812;
-    const float C3 = 3.019916050561733e-07;
-    float k = roundEven(t * 0.15915493667125702);
-    return ((t - k * C1) - k * C2) - k * C3;
-}
 
 void main() {
     uint half_hd = p.head_dim / 2u;

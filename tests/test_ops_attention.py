@@ -161,6 +161,74 @@ def test_kv_store(seq, bufs, rng):
     np.testing.assert_array_equal(get(V, (n_ctx, row), np.uint16), v_ref)
 
 
+def _rope64(x, pos, n_dims, neox, base, fscale):
+    """float64 RoPE of x [T, heads, D] (ggml's formula), positions per token."""
+    x = x.astype(np.float64).copy()
+    half = n_dims // 2
+    theta = (pos.astype(np.float64)[:, None] * fscale) * base ** (-2.0 * np.arange(half) / n_dims)
+    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    i0 = np.arange(half) if neox else 2 * np.arange(half)
+    i1 = i0 + (half if neox else 1)
+    a, b = x[..., i0].copy(), x[..., i1].copy()
+    x[..., i0], x[..., i1] = a * c - b * s, a * s + b * c
+    return x
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_kv_store_with_rope(seq, bufs, rng, neox):
+    """RoPE of K fused into the store: within half an f16 ulp (the rounding) plus the f32
+    rotation bound test_rope uses ((2e-6 + 4 |theta|max 2^-24) max|x|) of the float64 rope of
+    K; V stored unrotated; and as close to rope_f32 followed by the plain store."""
+    T, n_kv, D, n_ctx, n_dims = 6, 3, 64, 40, 48
+    row = n_kv * D
+    k = rng.standard_normal((T, row)).astype(np.float32)
+    v = rng.standard_normal((T, row)).astype(np.float32)
+    pos = np.array([0, 1, 7, 20, 33, 39], np.int32)
+    Kin, Vin, P = bufs(k.size), bufs(v.size), bufs(T, np.int32)
+    put(Kin, k)
+    put(Vin, v)
+    put(P, pos)
+    Kc, Vc = bufs(n_ctx * row, np.float16), bufs(n_ctx * row, np.float16)
+    Kc.numpy(np.uint16)[:] = 0x7E01
+    Vc.numpy(np.uint16)[:] = 0x7E01
+    rope = {"n_dims": n_dims, "mode": "neox" if neox else "normal", "freq_base": 10000.0, "freq_scale": 0.5}
+    record_kv_store(seq, Kin, Vin, P, Kc, Vc, T, n_kv, D, n_ctx, rope=rope)
+    seq.run()
+    got_k = get(Kc, (n_ctx, row), np.float16)[pos].astype(np.float64)
+    got_v = get(Vc, (n_ctx, row), np.uint16)[pos]
+    ref_k = _rope64(k.reshape(T, n_kv, D), pos, n_dims, neox, 10000.0, 0.5).reshape(T, row)
+    ulp = np.spacing(np.abs(ref_k).astype(np.float16)).astype(np.float64)
+    rot = (2e-6 + 4 * float(pos.max()) * 0.5 * 2.0**-24) * np.abs(k).max()
+    bad = np.argwhere(np.abs(got_k - ref_k) > 0.5 * ulp + rot)
+    assert bad.size == 0, (bad[:10], got_k[tuple(bad[0])], ref_k[tuple(bad[0])])
+    np.testing.assert_array_equal(got_v, v.astype(np.float16).view(np.uint16))
+    untouched = np.setdiff1d(np.arange(n_ctx), pos)
+    assert (get(Kc, (n_ctx, row), np.uint16)[untouched] == 0x7E01).all()
+    # the unfused pair: rope_f32 then the plain store
+    R = bufs(k.size)
+    Kc2 = bufs(n_ctx * row, np.float16)
+    s2 = Sequence(seq.device, "unfused")
+    try:
+        record_rope(s2, Kin, P, R, T, n_kv, D, n_dims=n_dims, mode=rope["mode"], freq_base=10000.0,
+                    freq_scale=0.5)
+        record_kv_store(s2, R, Vin, P, Kc2, Vc, T, n_kv, D, n_ctx)
+        s2.run()
+    finally:
+        s2.close()
+    two = get(Kc2, (n_ctx, row), np.float16)[pos].astype(np.float64)
+    assert np.all(np.abs(two - got_k) <= ulp + 2 * rot)
+
+
+def test_kv_store_rope_validation(seq, bufs):
+    K, P = bufs(64), bufs(1, np.int32)
+    C = bufs(64, np.float16)
+    C2 = bufs(64, np.float16)
+    with pytest.raises(KernelError, match="n_dims"):
+        record_kv_store(seq, K, K, P, C, C2, 1, 1, 64, 1, rope={"n_dims": 65, "mode": "normal"})
+    with pytest.raises(KernelError, match="mode"):
+        record_kv_store(seq, K, K, P, C, C2, 1, 1, 64, 1, rope={"n_dims": 64, "mode": "glm"})
+
+
 def _neox(v, p, D):
     theta = p * 10000.0 ** (-2.0 * np.arange(D // 2) / D)
     c, s = np.cos(theta), np.sin(theta)

@@ -113,8 +113,11 @@ def _kv_store(seq: Sequence, n: Node) -> None:
 
     k, v, pos = n.inputs
     p = n.params
+    rope = p.get("rope_k")
+    if rope is not None:
+        rope = dict(rope, mode="neox" if rope["mode"] == "neox" else "normal")
     record_kv_store(seq, k.buffer, v.buffer, pos.buffer, n.output.buffer, p["cache_v"].buffer, k.rows,
-                    p["n_kv_heads"], p["head_dim"], n.output.shape[0])
+                    p["n_kv_heads"], p["head_dim"], n.output.shape[0], rope=rope)
 
 
 def _attention(seq: Sequence, n: Node) -> None:

@@ -27,6 +27,7 @@ generic ``attn_f16_f32``. Both give the same results to f32 rounding.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..errors import KernelError
 from ..shaders import Variant
@@ -40,8 +41,12 @@ COMBINE_WG = 128
 TILED_HEAD_DIMS = (64, 128)  # head dims with a compile-time tiled kernel (attn_f16_f32_d<hd>)
 
 VARIANTS = [
-    Variant(name="kv_store_f32_f16", source="kv_store.comp", bindings=5, writes=(3, 4),
-            push="IIIIIIIIII", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",)),
+    Variant(name="kv_store_f32_f16", source="kv_store.comp", defines={"ROPE": "0", "NEOX": "0"}, bindings=5,
+            writes=(3, 4), push="IIIIIIIIIIIIff", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",)),
+    *[Variant(name=f"kv_store_rope{'_neox' if neox else ''}_f32_f16", source="kv_store.comp",
+              defines={"ROPE": "1", "NEOX": "1" if neox else "0"}, bindings=5, writes=(3, 4),
+              push="IIIIIIIIIIIIff", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",))
+      for neox in (False, True)],
     Variant(name="attn_f16_f32", source="attention.comp", bindings=6, writes=(4, 5),
             push="IIIIIIIIIIIIIf", local_size=(128, 1, 1), requires=("storageBuffer16BitAccess",)),
     *[Variant(name=f"attn_f16_f32_d{hd}", source="attention.comp", defines={"HD": str(hd)}, bindings=6,
@@ -56,11 +61,16 @@ def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_ca
                     v_cache: Bindable, n_tokens: int, n_kv_heads: int, head_dim: int, n_ctx: int, *,
                     k_offset: int = 0, k_stride: int | None = None, v_offset: int = 0,
                     v_stride: int | None = None, pos_offset: int = 0, k_cache_offset: int = 0,
-                    v_cache_offset: int = 0, dtype: str = "f32", cache_dtype: str = "f16") -> None:
+                    v_cache_offset: int = 0, dtype: str = "f32", cache_dtype: str = "f16",
+                    rope: dict[str, Any] | None = None) -> None:
     """Write K and V (f32 [n_tokens, n_kv_heads, head_dim], token strides ``k_stride`` /
     ``v_stride`` in elements, heads contiguous) into the f16 caches [n_ctx, n_kv_heads,
     head_dim] at rows ``pos[pos_offset + t]`` (int32; rows outside ``0..n_ctx-1`` are skipped).
-    Rounding to f16 is round-to-nearest-even. Offsets in elements of each buffer's type."""
+    Rounding to f16 is round-to-nearest-even. Offsets in elements of each buffer's type.
+
+    ``rope`` (optional: ``n_dims``, ``mode`` "normal"/"neox", ``freq_base``, ``freq_scale``, as
+    :func:`~vkxsplit.ops.rope.record_rope` takes them) rotates K by its position on the way
+    into the cache: the RoPE of K and the store in one dispatch."""
     op = "kv_store"
     shape = (n_tokens, n_kv_heads, head_dim)
     check_dtype(op, dtype, shape)
@@ -83,10 +93,22 @@ def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_ca
         raise KernelError(f"kv_store_f32_f16: the K and V caches overlap (shape {list(shape)})")
     if n_tokens == 0 or row == 0:
         return
-    kern = Kernel.get(seq.device, "kv_store_f32_f16")
+    name, rp = "kv_store_f32_f16", (0, 0, 0.0, 0.0)
+    if rope is not None:
+        n_dims = int(rope.get("n_dims") or head_dim)
+        mode = rope.get("mode", "normal")
+        base, fscale = float(rope.get("freq_base", 10000.0)), float(rope.get("freq_scale", 1.0))
+        if mode not in ("normal", "neox") or not (0 < n_dims <= head_dim and n_dims % 2 == 0):
+            raise KernelError(f"kv_store_rope: mode {mode!r} / n_dims {n_dims} unsupported for head_dim "
+                              f"{head_dim} (shape {list(shape)})")
+        if not (base > 0 and math.isfinite(base) and math.isfinite(fscale)):
+            raise KernelError(f"kv_store_rope: freq_base = {base!r}, freq_scale = {fscale!r} (shape {list(shape)})")
+        name = "kv_store_rope_neox_f32_f16" if mode == "neox" else "kv_store_rope_f32_f16"
+        rp = (head_dim, n_dims, -2.0 * math.log2(base) / n_dims, fscale)
+    kern = Kernel.get(seq.device, name)
     seq.dispatch(kern, [k, v, pos, k_cache, v_cache],
                  (n_tokens, row, n_ctx, k_offset, ok.stride, v_offset, ov.stride, pos_offset,
-                  k_cache_offset, v_cache_offset),
+                  k_cache_offset, v_cache_offset, *rp),
                  (max(1, min(4096, -(-row // 256))), min(n_tokens, MAX_GROUPS), 2))
 
 
