@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vkxsplit.attach import SharedArena, stats  # noqa: E402
 from vkxsplit.backend import MatMulJob, create_backend  # noqa: E402
+from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops.convert import record_convert  # noqa: E402
 from vkxsplit.vk.command import Sequence, Timestamps  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
@@ -35,7 +36,12 @@ from vkxsplit.vk.event import Timeline  # noqa: E402
 def main() -> int:
     reps = 200
     dev = Device.open()
-    gpu = create_backend("cuda", dev)
+    try:
+        gpu = create_backend("cuda", dev)
+    except VkxError as exc:
+        print(f"bench_handoff: no cuda backend here: {exc}", file=sys.stderr)
+        dev.close()
+        return 2
     arena = SharedArena(dev, [gpu])
     M, N, K = 1, 256, 256
     rng = np.random.default_rng(0)

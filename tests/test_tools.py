@@ -1,0 +1,49 @@
+"""The device benchmark scripts run here too (small shapes), so they do not rot between the
+scarce runs on the lent GPU: each exits 0 and prints its table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_tool(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, VKXSPLIT_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bench_kernels_quick(tmp_path):
+    r = run_tool(["tools/bench_kernels.py", "--quick"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "compute-shader copy" in r.stdout and "| q4_0 |" in r.stdout and "mat-mat" in r.stdout
+
+
+def test_bench_models_tiny(tmp_path):
+    r = run_tool(["tools/bench_models.py", "--shapes", "smol135m:q4_1", "-p", "8", "-n", "2", "-r", "1",
+                  "--dir", str(tmp_path / "models"), "--server", str(tmp_path / "no-server")], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = [ln for ln in r.stdout.splitlines() if ln.startswith("| smol135m | q4_1 |")]
+    assert row and "error" not in r.stdout, r.stdout[-2000:]
+    assert float(row[0].split("|")[3]) > 0  # vkxsplit pp8 tok/s
+
+
+def test_bench_planner_quick(tmp_path):
+    r = run_tool(["tools/bench_planner.py", "--quick"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "auto picks" in r.stdout and "| `none` |" in r.stdout
+
+
+def test_bench_handoff_names_the_missing_cuda(tmp_path):
+    from vkxsplit.backend import backend_availability
+
+    if backend_availability(["cuda"])["cuda"]:
+        pytest.skip("CUDA is present: the benchmark would run for real")
+    r = run_tool(["tools/bench_handoff.py"], tmp_path)
+    assert r.returncode == 2 and "no cuda backend" in r.stderr and "Traceback" not in r.stderr
