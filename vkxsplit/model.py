@@ -41,6 +41,7 @@ from .graph import Graph, Tensor
 from .plan import ArenaWorkspace, CostModel, Plan, Planner, Profile, SplitSpec, hub_node_times, parse_backends
 from .tokenizer import Tokenizer
 from .vk.device import Device
+from .vk.instance import env_flag
 from .vk.kernel import View
 
 log = logging.getLogger("vkxsplit.model")
@@ -191,6 +192,9 @@ class Model:
         g = Graph(f"{self.file.name}:T{T}", T=T)
         f32 = 4
         V = self._view
+        # VKXSPLIT_DISABLE_FUSION=1 builds the unfused graph (separate residual adds, norms and
+        # RoPE of K), for bisecting a suspected fused kernel
+        fuse = not env_flag("VKXSPLIT_DISABLE_FUSION")
 
         def act(name: str, cols: int) -> Tensor:
             return Tensor(name, (T, cols), "f32", V(A[name], 0, T * cols * f32))
@@ -205,7 +209,7 @@ class Model:
         g.add("get_rows", "embd", [W["token_embd.weight"], ids], x)
         for il in range(hp.n_layer):
             p = f"blk.{il}."
-            if il == 0:
+            if il == 0 or not fuse:
                 h = g.add("rms_norm", p + "attn_norm", [x, W[p + "attn_norm.weight"]], act("h", hp.n_embd),
                           eps=hp.rms_norm_eps)
             # (later layers: h came from the previous layer's fused residual add + norm)
@@ -219,29 +223,36 @@ class Model:
             rope = {"n_dims": hp.n_rot, "freq_base": hp.rope_freq_base, "freq_scale": hp.rope_freq_scale,
                     "mode": hp.rope_type, "head_dim": hp.head_dim}
             g.add("rope", p + "rope_q", [q, pos], q, n_heads=hp.n_head, **rope)
+            if not fuse:
+                g.add("rope", p + "rope_k", [k, pos], k, n_heads=hp.n_head_kv, **rope)
             ck, cv = self.kv[il]
             cache_k = Tensor(f"cache_k.{il}", (self.n_ctx, hp.n_embd_k_gqa), "f16", ck)
             cache_v = Tensor(f"cache_v.{il}", (self.n_ctx, hp.n_embd_v_gqa), "f16", cv)
             # K is roped on its way into the cache (one dispatch: RoPE of K + KV store)
             g.add("kv_store", p + "kv_store", [k, v, pos], cache_k, cache_v=cache_v,
-                  n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, rope_k=rope)
+                  n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, rope_k=rope if fuse else None)
             a = g.add("attention", p + "attn", [q, cache_k, cache_v, pos], act("attn", hp.n_head * hp.head_dim_v),
                       n_heads=hp.n_head, n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, n_ctx=self.n_ctx,
                       **split_kv)
             o = g.add("mul_mat", p + "attn_output", [W[p + "attn_output.weight"], a], act("o", hp.n_embd))
             # residual add fused with the next norm: x += o; h = rms_norm(x) * w (x_out: x is
             # written in place, which the executor's hazard analysis must see)
-            h = g.add("add_rms_norm", p + "ffn_norm", [x, o, W[p + "ffn_norm.weight"]], act("h", hp.n_embd),
-                      eps=hp.rms_norm_eps, x_out=x)
+            if fuse:
+                h = g.add("add_rms_norm", p + "ffn_norm", [x, o, W[p + "ffn_norm.weight"]], act("h", hp.n_embd),
+                          eps=hp.rms_norm_eps, x_out=x)
+            else:
+                g.add("add", p + "attn_residual", [x, o], x)
+                h = g.add("rms_norm", p + "ffn_norm", [x, W[p + "ffn_norm.weight"]], act("h", hp.n_embd),
+                          eps=hp.rms_norm_eps)
             gate = g.add("mul_mat", p + "ffn_gate", [W[p + "ffn_gate.weight"], h], act("gate", hp.n_ff))
             up = g.add("mul_mat", p + "ffn_up", [W[p + "ffn_up.weight"], h], act("up", hp.n_ff))
             g.add("swiglu", p + "ffn_swiglu", [gate, up], gate)
             o = g.add("mul_mat", p + "ffn_down", [W[p + "ffn_down.weight"], gate], act("o", hp.n_embd))
-            if il + 1 < hp.n_layer:
-                q = f"blk.{il + 1}."
-                h = g.add("add_rms_norm", q + "attn_norm", [x, o, W[q + "attn_norm.weight"]],
+            if il + 1 < hp.n_layer and fuse:
+                nxt = f"blk.{il + 1}."
+                h = g.add("add_rms_norm", nxt + "attn_norm", [x, o, W[nxt + "attn_norm.weight"]],
                           act("h", hp.n_embd), eps=hp.rms_norm_eps, x_out=x)
-            else:  # the last residual: the output norm may take only the last row
+            else:  # unfused, or the last residual (the output norm may take only the last row)
                 g.add("add", p + "ffn_residual", [x, o], x)
         rows = T if all_logits else 1
         # Only the rows whose logits are wanted go through the final norm and projection.
