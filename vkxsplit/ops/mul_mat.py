@@ -21,11 +21,11 @@ the full tensor as ``w``); results go to y columns ``y_col_offset + n`` (default
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from ..errors import KernelError
 from ..shaders import Variant
+from ..vk.instance import env_flag
 from ..vk.kernel import Bindable, Kernel, as_range
 from .quant import TYPES, TypeLike, WeightType, weight_type
 
@@ -86,14 +86,9 @@ _SUBGROUP_ARITHMETIC = 0x4
 _STAGE_COMPUTE = 0x20
 
 
-def _env_flag(name: str) -> bool:
-    v = os.environ.get(name, "")
-    return v != "" and v.lower() not in ("0", "false", "no", "off")
-
-
 def coopmat_disabled() -> bool:
     """``VKXSPLIT_DISABLE_COOPMAT=1`` switches the cooperative-matrix path off."""
-    return _env_flag("VKXSPLIT_DISABLE_COOPMAT")
+    return env_flag("VKXSPLIT_DISABLE_COOPMAT")
 
 
 def coopmat_supported(device: Device) -> bool:

@@ -64,12 +64,8 @@ class Timeline:
                 self.handle = None
                 check(res, "vkImportSemaphoreFdKHR")
             self._last = self.value
-        # pre-built structs for the host paths
+        # (host waits come from several threads at once: each builds its own wait info)
         self._sems = ffi.new("VkSemaphore[1]", [self.handle])
-        self._vals = ffi.new("uint64_t[1]")
-        self._wait_info = new("VkSemaphoreWaitInfo", semaphoreCount=1, pSemaphores=self._sems,
-                              pValues=self._vals)
-        self._signal_info = new("VkSemaphoreSignalInfo", semaphore=self.handle)
         device.adopt(self)
 
     def next(self) -> int:
