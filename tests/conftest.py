@@ -20,7 +20,7 @@ def device():
 
     dev = Device.open()
     yield dev
-    msgs = list(dev.instance.messages)
+    msgs = dev.instance.messages
     dev.close()
     assert not msgs, "validation messages at teardown:\n" + "\n".join(msgs)
 
@@ -31,8 +31,8 @@ def _fail_on_validation_messages(request):
     if "device" not in request.fixturenames:
         return
     dev = request.getfixturevalue("device")
-    msgs = list(dev.instance.messages)
-    dev.instance.messages.clear()
+    msgs = dev.instance.messages
+    dev.instance.clear_messages()
     if msgs:
         pytest.fail("Vulkan validation layer reported:\n" + "\n".join(msgs), pytrace=False)
 

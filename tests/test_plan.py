@@ -324,8 +324,9 @@ def test_auto_on_an_injected_cost_model():
         w, x = n.inputs
         for b, wt, t in ((fast, w.dtype, 1e-4), (slow_npu, "bf16", 1e-2)):
             prof.put(cm.scope(b.name), cm.job_key(wt, w.shape[0], w.shape[-1], x.rows), t)
-    prof.put(cm.scope("cpu"), "latency", 1e-5)
-    prof.put(cm.scope("npu-emu"), "latency", 1e-5)
+    for name in ("cpu", "npu-emu"):
+        prof.put(cm.scope(name), "latency", 1e-5)
+        prof.put(cm.scope(name), "enqueue", 1e-6)
     p = Planner([fast, slow_npu], cost=cm, workspace=ws, require_shared=False)
     plan = p.plan(g, "auto")
     assert plan.family in ("mode", "layer") and all(plan.runs_on(n) == ["cpu"] for n in g.mul_mats())
@@ -383,3 +384,28 @@ def test_profile_is_keyed_by_device_uuid_and_driver(tmp_path):
     assert stale.get("hub", "submit") is None and "driver_version changed" in stale.stale_reason
     p.path.write_text("{broken")
     assert Profile.for_device(fake_device(), tmp_path).stale_reason.startswith("unreadable")
+
+
+def test_prediction_counts_the_hosts_enqueue_time():
+    """A step is enqueued by one host thread: jobs that each take the host 10 ms to enqueue
+    cannot finish sooner than 10 ms apiece, however fast the backend computes."""
+    g = mini_graph(16)
+    prof = Profile()
+    for n in g.nodes:
+        prof.put("hub", "node|" + n.signature(), 1e-5)
+    prof.put("hub", "submit", 1e-6)
+    prof.put("hub", "convert", [1e-6, 0.0])
+    fast = cpu()
+    cm = CostModel(prof, backends=[fast])
+    for n in g.mul_mats():
+        w, x = n.inputs
+        prof.put(cm.scope("cpu"), cm.job_key(w.dtype, w.shape[0], w.shape[-1], x.rows), 1e-6)
+    prof.put(cm.scope("cpu"), "latency", 1e-6)
+    prof.put(cm.scope("cpu"), "enqueue", 1e-6)
+    plan = Planner([fast], cost=cm, workspace=Workspace(), require_shared=False).plan(g, "mode:cpu>=1")
+    jobs = len(plan.schedule.jobs)
+    assert jobs >= 2
+    quick = simulate(plan.schedule, cm).total_s
+    prof.put(cm.scope("cpu"), "enqueue", 1e-2)
+    slow = simulate(plan.schedule, cm).total_s
+    assert slow >= jobs * 1e-2 > quick

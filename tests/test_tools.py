@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_tool(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, VKXSPLIT_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, VKXSPLIT_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=path)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

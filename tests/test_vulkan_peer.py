@@ -92,9 +92,17 @@ def weights(rng, wtype, N, K):
     return raw, np.asarray(quants.dequantize(raw, t), np.float64)
 
 
-def check(got, ref, x, w):
+def check(got, ref, x, w, device=None):
+    """f32-accumulate bound; where ``device`` would take the coopmat path (M > 8 on a GPU with
+    cooperative matrices: f16 operands) the bound of test_mul_mat's coopmat test."""
     assert not np.isnan(got).any(), "an element was not written"
-    bound = (x.shape[1] + 4) * U * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+    from vkxsplit.ops.mul_mat import MAX_VEC_M, coopmat_available
+
+    terms = np.abs(x).astype(np.float64) @ np.abs(w).T
+    if device is not None and x.shape[0] > MAX_VEC_M and coopmat_available(device):
+        bound = (2.0 ** -10 + 2 * x.shape[1] * 2.0 ** -23) * terms
+    else:
+        bound = (x.shape[1] + 4) * U * terms
     err = np.abs(got.astype(np.float64) - ref)
     assert (err <= bound).all(), f"worst error {err.max():.3g}, ratio {np.max(err / bound):.3g}"
 
@@ -273,7 +281,7 @@ def test_two_peer_jobs_in_one_chain_without_caller_waits(device, peer, seqs, rng
         a = get(h1, M, N1)
         check(a, ref1, x, w1)
         for o in outs:
-            check(get(o, M, N2), a.astype(np.float64) @ w2.T, a, w2)
+            check(get(o, M, N2), a.astype(np.float64) @ w2.T, a, w2, device)
     finally:
         arena.close()
 
@@ -313,7 +321,7 @@ def test_tensor_split_hub_rows_and_peer_rows_into_one_y(device, peer, split_peer
             step = b.traffic.step()
             s2.wait(TIMEOUT)
             b.check()
-            check(get(out, M, N), x.astype(np.float64) @ wd.T, x, wd)
+            check(get(out, M, N), x.astype(np.float64) @ wd.T, x, wd, device)
             act = M * K * 4 + M * (N - r) * 4
             if mode == "shared":
                 assert step["crossed_bytes"] == 0 and step["inplace_bytes"] == act
@@ -350,7 +358,7 @@ def test_split_mode_reloads_a_weight_whose_buffer_was_replaced(device, split_pee
             p = split_peer.next_point()
             split_peer.mul_mat(MatMulJob(wb.view(), "f32", xb.view(), y.view(), M, N, K), None, p)
             split_peer.wait(p, TIMEOUT)
-            check(get(y, M, N), x.astype(np.float64) @ wd.T, x, wd)
+            check(get(y, M, N), x.astype(np.float64) @ wd.T, x, wd, device)
             assert split_peer.resident_weight_bytes == N * K * 4
             wb.close()
             assert split_peer.resident_weight_bytes == 0
@@ -477,7 +485,16 @@ def test_planner_places_layers_and_rows_on_the_peer(device, tmp_path, mode):
 
 
 def test_close_leaves_no_fds_or_hub_memory(device, seqs, rng):
-    fds0, bytes0 = open_fds(), device.memory.allocated_bytes
+    """Twice: a GPU driver may open its own device-node fds on the first peer device and keep
+    them for the process (NVIDIA's did on the H200: +2 after the first round); the second
+    round must then leave the count exactly where it found it, and memory where it was."""
+    for _round in range(2):
+        fds0, bytes0 = open_fds(), device.memory.allocated_bytes
+        _peer_round(device, rng, bytes0)
+    assert open_fds() == fds0
+
+
+def _peer_round(device, rng, bytes0):
     b = create_backend("vulkan-peer", device, timeout=TIMEOUT, traffic=PeerTraffic())
     peer_dev = b.peer
     arena = SharedArena(device, [b])
@@ -491,7 +508,7 @@ def test_close_leaves_no_fds_or_hub_memory(device, seqs, rng):
         b.mul_mat(MatMulJob(wb.view(), "f32", xb.view(), y.view(), M, N, K), None, p)
     b.wait(p, TIMEOUT)
     for y in ys:
-        check(get(y, M, N), x.astype(np.float64) @ wd.T, x, wd)
+        check(get(y, M, N), x.astype(np.float64) @ wd.T, x, wd, device)
     assert b.imports == 1 and len(b._plans) == 3
     b.unload(wb.view())
     assert len(b._plans) == 0
@@ -502,7 +519,6 @@ def test_close_leaves_no_fds_or_hub_memory(device, seqs, rng):
     assert peer_dev.handle is None  # the owned peer device is gone ...
     assert b.imports == 0 and b._plans == {}
     arena.close()                   # ... and the hub's memory with the arena
-    assert open_fds() == fds0
     assert device.memory.allocated_bytes == bytes0
     b.close()  # twice is harmless
 
@@ -540,7 +556,7 @@ def test_gpu_side_events_chain(device, seqs, rng, caller_waits):
         b.check()
         assert s2.timeline.value >= v2
         assert stats.bridged_jobs == bridged  # no host bridge involved
-        check(get(out, M, N), x.astype(np.float64) @ wd.T, x, wd)
+        check(get(out, M, N), x.astype(np.float64) @ wd.T, x, wd, device)
     finally:
         b.close()
         arena.close()

@@ -474,11 +474,11 @@ class ArenaWorkspace(Workspace):
 # costs
 
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 #: Used where nothing was measured (dry planning without a profile).
 DEFAULTS = {"hub_gflops": 100.0, "hub_gbs": 50.0, "backend_gflops": 10.0, "latency_s": 2e-4,
-            "submit_s": 3e-5, "convert_ns_per_elem": 0.1}
+            "submit_s": 3e-5, "convert_ns_per_elem": 0.1, "enqueue_s": 2e-5}
 
 
 def _hub_ident(device: Any) -> dict[str, Any]:
@@ -681,6 +681,15 @@ class CostModel:
             return DEFAULTS["latency_s"]
         return float(v)
 
+    def enqueue(self, backend: str) -> float:
+        """Host seconds to enqueue one job on ``backend`` (a step enqueues everything up front:
+        a job cannot start before the host got to it)."""
+        v = self.profile.get(self.scope(backend), "enqueue")
+        if v is None:
+            self.estimated.add(f"{backend} enqueue")
+            return DEFAULTS["enqueue_s"]
+        return float(v)
+
     def backend_item(self, op: BackendOp) -> float:
         return self.job(op.backend, op.weight.dtype, op.N, op.K, op.M) * (op.r1 - op.r0) / op.N
 
@@ -780,8 +789,17 @@ class CostModel:
         return sb
 
     def _measure_latency(self, name: str) -> None:
-        """Round trip hub -> backend -> hub of a tiny job, less two submits."""
-        from .attach import host_wait
+        """Round trip hub -> backend -> hub of a tiny job (``latency``), and the host time of
+        one ``mul_mat`` call (``enqueue``).
+
+        Where the hub has timestamps the round trip is measured on the GPU clock, as a step
+        runs it: the chain (hub sequence, backend job, hub sequence) is queued behind a
+        host-signalled gate, then released; latency = the gap between the two sequences less
+        the same gap with no backend in between. That excludes the host's time to enqueue
+        (a step enqueues everything up front; ``enqueue`` models that). A backend whose
+        enqueue waits for the GPU would wait for the gate forever: a watchdog opens it after
+        a few seconds and the host round trip is used instead. Without timestamps: the host
+        round trip less two submits."""
         from .backend import MatMulJob
         from .vk.command import Sequence
 
@@ -793,24 +811,17 @@ class CostModel:
         N, K = 16, 32
         bufs = [self._scratch(N * K * _ELEM[wt], "probe-w"), self._scratch(K * _ELEM[xt], "probe-x"),
                 self._scratch(N * 4, "probe-y")]
-        s1, s2 = Sequence(self.device, "probe-a"), Sequence(self.device, "probe-b")  # type: ignore[arg-type]
+        dev = self.device
+        assert dev is not None
+        s1, s2 = Sequence(dev, "probe-a"), Sequence(dev, "probe-b")
         try:
-            s1.end()
-            s2.end()
             job = MatMulJob(bufs[0].view(), wt, bufs[1].view(), bufs[2].view(), 1, N, K, x_type=xt)
-            ts = []
-            for r in range(self.reps + 2):
-                t = time.perf_counter()
-                v1 = s1.submit()
-                p = b.next_point()
-                b.mul_mat(job, (s1.timeline, v1), p)
-                s2.submit(waits=[p])
-                host_wait((s2.timeline, s2.last_value))
-                b.check()
-                if r:
-                    ts.append(time.perf_counter() - t)
-            lat = max(1e-6, _median(ts) - 2 * self.submit())
-            self.profile.put(self.scope(name), "latency", lat)
+            enq: list[float] = []
+            lat = self._gpu_round_trip(b, job, s1, s2, enq) if dev.timestamp_bits else None
+            if lat is None:
+                lat = self._host_round_trip(b, job, s1, s2, enq)
+            self.profile.put(self.scope(name), "latency", max(1e-6, lat))
+            self.profile.put(self.scope(name), "enqueue", _median(enq))
             self.measured += 1
         finally:
             s1.close()
@@ -818,6 +829,92 @@ class CostModel:
             b.unload(bufs[0].view())
             for sb in bufs:
                 sb.close()
+
+    def _host_round_trip(self, b: Any, job: Any, s1: Any, s2: Any, enq: list[float]) -> float:
+        from .attach import host_wait
+
+        if s1.recording:
+            s1.end()
+            s2.end()
+        ts = []
+        for r in range(self.reps + 2):
+            t = time.perf_counter()
+            v1 = s1.submit()
+            p = b.next_point()
+            t1 = time.perf_counter()
+            b.mul_mat(job, (s1.timeline, v1), p)
+            enq.append(time.perf_counter() - t1)
+            s2.submit(waits=[p])
+            host_wait((s2.timeline, s2.last_value))
+            b.check()
+            if r:
+                ts.append(time.perf_counter() - t)
+        return _median(ts) - 2 * self.submit()
+
+    def _gpu_round_trip(self, b: Any, job: Any, s1: Any, s2: Any, enq: list[float]) -> float | None:
+        import threading
+
+        from .attach import host_wait
+        from .vk.command import Timestamps
+        from .vk.event import Timeline
+
+        dev = self.device
+        ts = Timestamps(dev, 2)  # type: ignore[arg-type]
+        gate = Timeline(dev, name="probe-gate")  # type: ignore[arg-type]
+        try:
+            s1.write_timestamp(ts, 0)
+            s2.write_timestamp(ts, 1)
+            s1.end()
+            s2.end()
+
+            def gap(via_backend: bool, gated: bool) -> float | None:
+                g = gate.next()
+                opened = threading.Lock()
+
+                def open_gate() -> None:
+                    if opened.acquire(blocking=False):
+                        gate.signal(g)
+
+                dog = threading.Timer(5.0, open_gate)
+                if gated:
+                    dog.start()
+                else:
+                    open_gate()
+                v1 = s1.submit(waits=[(gate, g)])
+                if via_backend:
+                    p = b.next_point()
+                    t = time.perf_counter()
+                    b.mul_mat(job, (s1.timeline, v1), p)
+                    enq.append(time.perf_counter() - t)
+                    s2.submit(waits=[p])
+                else:
+                    s2.submit(waits=[(s1.timeline, v1)])
+                dog.cancel()
+                late = gated and not opened.acquire(blocking=False)
+                if gated and not late:
+                    gate.signal(g)
+                host_wait((s2.timeline, s2.last_value))
+                b.check()
+                t01 = ts.read()
+                return None if late else (t01[1] - t01[0]) * 1e-9
+
+            for _ in range(2):  # warm-up, ungated: first-use work (imports, kernel loads)
+                gap(True, False)
+                gap(False, False)
+            enq.clear()
+            via, hub = [], []
+            for _ in range(self.reps + 2):
+                a, c = gap(True, True), gap(False, True)
+                if a is None:  # the enqueue waited for the GPU: no GPU-side measure
+                    log.info("%s: mul_mat enqueue waits for the GPU; latency from a host round trip", b.name)
+                    return None
+                if c is not None:
+                    via.append(a)
+                    hub.append(c)
+            return _median(via) - _median(hub)
+        finally:
+            ts.close()
+            gate.close()
 
     def _measure_job(self, name: str, w_type: str, N: int, K: int, M: int) -> None:
         from .backend import MatMulJob, row_bytes
@@ -878,7 +975,10 @@ def simulate(schedule: Schedule, cost: CostModel) -> Prediction:
     """Predicted step time: hub segments run one after another, each backend runs its jobs in
     order; a job starts half a round trip after its hub point, a segment half a round trip
     after the jobs it waits for; each segment costs one submit. Participants on one hardware
-    resource (:meth:`CostModel.resource`) take it in submission order, without overlap."""
+    resource (:meth:`CostModel.resource`) take it in submission order, without overlap. The
+    host enqueues the step in order, a backend job taking it :meth:`CostModel.enqueue`: a job
+    starts no earlier than the host got to it (what bounds a step of small jobs on a backend
+    driven from Python)."""
     before = set(cost.estimated)
     cost.estimated.clear()
     free: dict[str, float] = {}      # per participant stream (the hub's segments, each backend's jobs)
@@ -886,6 +986,7 @@ def simulate(schedule: Schedule, cost: CostModel) -> Prediction:
     seg_end: dict[int, float] = {}
     job_end: dict[int, float] = {}
     busy: dict[str, float] = {HUB: 0.0}
+    host = 0.0                       # the caller's thread, enqueueing the step
     for kind, i in schedule.order:
         if kind == "seg":
             s = schedule.segments[i]
@@ -899,7 +1000,8 @@ def simulate(schedule: Schedule, cost: CostModel) -> Prediction:
             jb = schedule.jobs[i]
             b = jb.op.backend
             res = cost.resource(b)
-            start = max(seg_end[jb.wait] + cost.latency(b) / 2, free.get(b, 0.0), res_free.get(res, 0.0))
+            host += cost.enqueue(b)
+            start = max(seg_end[jb.wait] + cost.latency(b) / 2, free.get(b, 0.0), res_free.get(res, 0.0), host)
             dur = cost.backend_item(jb.op)
             free[b] = res_free[res] = job_end[i] = start + dur
             busy[b] = busy.get(b, 0.0) + dur

@@ -210,6 +210,11 @@ class Sequence:
         self._recording = False
         return self
 
+    @property
+    def recording(self) -> bool:
+        """Still recording (``end()`` not called yet)."""
+        return self._recording
+
     def write_timestamp(self, ts: Timestamps, index: int) -> None:
         """Reset and write GPU timestamp ``index`` of ``ts`` (after earlier commands finish)."""
         self._require_recording()

@@ -90,6 +90,12 @@ class Block:
         self.host_visible = bool(flags & HOST_VISIBLE)
         self.device_local = bool(flags & DEVICE_LOCAL)
 
+        heap = dev.physical.memory_heaps[dev.physical.memory_types[type_index].heap]
+        if size > heap.size:  # never valid to ask (VUID-vkAllocateMemory-pAllocateInfo-01713)
+            raise OutOfDeviceMemory(
+                f"vkAllocateMemory({size / MiB:.1f} MiB, pool {pool})", vk.VK_ERROR_OUT_OF_DEVICE_MEMORY,
+                f"{size / MiB:.1f} MiB is more than the whole memory heap {heap.index} "
+                f"({heap.size / MiB:.0f} MiB): use a smaller model, context or batch")
         handle_types = export_types or (import_info.handleType if import_info is not None else 0)
         ext_bci = new("VkExternalMemoryBufferCreateInfo", handleTypes=handle_types) if handle_types else None
         bci = new("VkBufferCreateInfo", size=size, usage=BUFFER_USAGE,
