@@ -67,6 +67,9 @@ def main() -> int:
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--backends", default=None, help="backends to attach, e.g. cuda (default: none)")
+    ap.add_argument("--splits", default="none",
+                    help="split specs measured per shape, ';'-separated, e.g. 'none;mode:cuda>=32'")
     args = ap.parse_args()
     from vkxsplit.model import load_model
     from vkxsplit.runner import bench_model
@@ -82,24 +85,34 @@ def main() -> int:
             write_synthetic(path, shape, qtype, seed=0)
             print(f"synth {path.name}: {path.stat().st_size / 2**30:.2f} GiB in {time.time() - t0:.1f} s", flush=True)
         ids = np.random.default_rng(1).integers(10, 30000, args.p).tolist()
-        row = {"shape": shape, "type": qtype}
+        splits = [x.strip() for x in args.splits.split(";") if x.strip()]
+        shape_rows = [{"shape": shape, "type": qtype, "split": sp} for sp in splits]
         try:
-            with load_model(path) as m:
-                res = {r["test"]: statistics.median(r["tps"]) for r in bench_model(m, args.p, args.n, args.r)}
-            row["vk_pp"], row["vk_tg"] = res[f"pp{args.p}"], res[f"tg{args.n}"]
-        except Exception as exc:  # keep measuring the others
-            row["vk_error"] = repr(exc)[:300]
+            with load_model(path, backends=args.backends) as m:
+                for row in shape_rows:
+                    try:
+                        m.set_split(row["split"])
+                        res = {r["test"]: statistics.median(r["tps"]) for r in bench_model(m, args.p, args.n, args.r)}
+                        row["vk_pp"], row["vk_tg"] = res[f"pp{args.p}"], res[f"tg{args.n}"]
+                    except Exception as exc:  # keep measuring the others
+                        row["vk_error"] = repr(exc)[:300]
+        except Exception as exc:
+            for row in shape_rows:
+                row.setdefault("vk_error", repr(exc)[:300])
         if Path(args.server).exists():
             try:
                 peer = peer_bench(args.server, path, ids, args.n, args.r)
-                row["peer_pp"], row["peer_tg"] = peer["pp"], peer["tg"]
+                for row in shape_rows:
+                    row["peer_pp"], row["peer_tg"] = peer["pp"], peer["tg"]
             except Exception as exc:
-                row["peer_error"] = repr(exc)[-1500:]
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    print(f"\n| shape | type | vkxsplit pp{args.p} | llama.cpp pp{args.p} | ratio | vkxsplit tg{args.n} | "
+                for row in shape_rows:
+                    row["peer_error"] = repr(exc)[-1500:]
+        for row in shape_rows:
+            print(json.dumps(row), flush=True)
+        rows.extend(shape_rows)
+    print(f"\n| shape | type | split | vkxsplit pp{args.p} | llama.cpp pp{args.p} | ratio | vkxsplit tg{args.n} | "
           f"llama.cpp tg{args.n} | ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         def f(k: str, r: dict = r) -> str:
             return f"{r[k]:.1f}" if k in r else "-"
@@ -107,7 +120,7 @@ def main() -> int:
         def ratio(a: str, b: str, r: dict = r) -> str:
             return f"{r[a] / r[b]:.2f}x" if a in r and b in r and r[b] else "-"
 
-        print(f"| {r['shape']} | {r['type']} | {f('vk_pp')} | {f('peer_pp')} | {ratio('vk_pp', 'peer_pp')} | "
+        print(f"| {r['shape']} | {r['type']} | `{r['split']}` | {f('vk_pp')} | {f('peer_pp')} | {ratio('vk_pp', 'peer_pp')} | "
               f"{f('vk_tg')} | {f('peer_tg')} | {ratio('vk_tg', 'peer_tg')} |")
     return 0
 

@@ -55,6 +55,40 @@ def measure(model, T: int, reps: int, rng: np.random.Generator) -> float:
     return statistics.median(ts)
 
 
+def breakdown(model, specs: list[str], T: int, rng: np.random.Generator, trace_dir: str | None) -> None:
+    """Trace one step per split at batch T; print the slices by duration and the busy time per
+    track (hub slices are GPU timestamps; backend slices host clocks, from the hub point or
+    the backend's previous job to when its point was seen)."""
+    ids = rng.integers(0, model.hp.n_vocab, T).tolist()
+    for spec in specs:
+        model.set_split(spec)
+        model.set_trace(True)
+        try:
+            for _ in range(3):  # warm-up (plans, imports), then the traced step
+                model.reset()
+                model._run(ids, all_logits=False)
+            tr = model.last_trace
+        finally:
+            model.set_trace(False)
+        assert tr is not None
+        names = {e["tid"]: e["args"]["name"] for e in tr["traceEvents"] if e.get("name") == "thread_name"}
+        xs = [e for e in tr["traceEvents"] if e.get("ph") == "X"]
+        span = (max(e["ts"] + e["dur"] for e in xs) - min(e["ts"] for e in xs)) / 1e3 if xs else 0.0
+        busy: dict[str, float] = {}
+        for e in xs:
+            busy[names[e["tid"]]] = busy.get(names[e["tid"]], 0.0) + e["dur"] / 1e3
+        print(f"\n#### `{spec}`, T={T}: one traced step, {span:.3f} ms from first slice start to last end; busy: "
+              + ", ".join(f"{k} {v:.3f} ms" for k, v in busy.items()))
+        print("\n| track | op | ms |\n|---|---|---:|")
+        for e in sorted(xs, key=lambda e: -e["dur"])[:20]:
+            print(f"| {names[e['tid']]} | {e['name']} | {e['dur'] / 1e3:.3f} |")
+        if trace_dir:
+            out = Path(trace_dir) / f"trace-{spec.replace(':', '_').replace('>=', 'ge')}-T{T}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(tr))
+            print(f"\n(trace: {out.name})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small layer, T = 1 and 32, cpu backend (lavapipe)")
@@ -65,6 +99,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed steps per point (default 5; --quick: 3)")
     ap.add_argument("--threshold", type=int, default=None, help="mode:BACKEND>=N threshold (default 32; --quick 8)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="at the largest T, trace one step of `none` and of the mode split and print "
+                         "where the time goes (per op, per track)")
+    ap.add_argument("--trace-dir", default=None, help="write those traces as Chrome trace JSON here")
     args = ap.parse_args()
     shape = args.shape or ("smol135m" if args.quick else "llama8b")
     batches = [int(t) for t in (args.batches or ("1,32" if args.quick else "1,512")).split(",")]
@@ -118,6 +156,9 @@ def main() -> int:
                     if spec == "auto":
                         best = min(plan.candidates, key=lambda c: c[1])[0] if plan.candidates else plan.family
                         picks[T] = best
+            if args.breakdown:
+                breakdown(model, [s for s in splits_for(names, threshold) if s.split(":")[0] in ("none", "mode")],
+                          max(batches), rng, args.trace_dir)
         finally:
             model.close()
     dev.close()

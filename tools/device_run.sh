@@ -2,7 +2,8 @@
 # Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info]
+#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [mulmat-tests]
+# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS)
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
 . .device/on-device.sh || exit 1
@@ -24,7 +25,14 @@ for w in $what; do
     handoff)
       timeout 200 python3 tools/bench_handoff.py 2>&1 | tee "$OUT/bench_handoff.md" ;;
     planner)
-      timeout 300 python3 tools/bench_planner.py 2>&1 | tee "$OUT/bench_planner.md" ;;
+      timeout 300 python3 tools/bench_planner.py --breakdown --trace-dir "$OUT/traces" 2>&1 | tee "$OUT/bench_planner.md" ;;
+    matvec)
+      timeout 300 python3 tools/bench_matvec.py ${MATVEC_ARGS:-} 2>&1 | tee "$OUT/bench_matvec.md" ;;
+    coopmat)
+      timeout 300 python3 tools/bench_coopmat.py ${COOPMAT_ARGS:-} 2>&1 | tee "$OUT/bench_coopmat.md" ;;
+    mulmat-tests)
+      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 300 python3 -m pytest -q -ra -p no:cacheprovider \
+        -o addopts="" tests/test_mul_mat.py 2>&1 | tee "$OUT/tests_mul_mat.log" | tail -15 ;;
     info)
       python3 -m vkxsplit info > "$OUT/info.txt" 2>&1; python3 -m vkxsplit info --json > "$OUT/info.json" 2>&1
       head -60 "$OUT/info.txt" ;;
