@@ -280,6 +280,24 @@ def test_relay_moves_a_point_on_the_gpu_queue(device):
     assert b.value == 7
 
 
+def test_prebuilt_relay_reused_for_many_points(device):
+    """The per-step Relay (structures built once) moves successive points, in order."""
+    from vkxsplit.attach import Relay
+
+    a = Timeline(device, name="relay-src")
+    b = Timeline(device, name="relay-dst")
+    r = Relay(device, b)
+    r((a, 1), 10)
+    time.sleep(0.05)
+    assert b.value == 0  # waits for a=1
+    for v in (1, 2, 3):
+        if v > 1:
+            r((a, v), 10 * v)
+        a.signal(v)
+        b.wait(10 * v, timeout=5)
+        assert b.value == 10 * v
+
+
 # --------------------------------------------------------------------------------------------
 # the backend interface
 

@@ -156,6 +156,11 @@ def main() -> int:
                     if spec == "auto":
                         best = min(plan.candidates, key=lambda c: c[1])[0] if plan.candidates else plan.family
                         picks[T] = best
+            prof = model.cost.profile.entries
+            print("measured backend costs (profile): " + "; ".join(
+                f"{scope}: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in sorted(ent.items())
+                                         if isinstance(v, (int, float)))
+                for scope, ent in sorted(prof.items()) if scope != "hub"), file=sys.stderr)
             if args.breakdown:
                 breakdown(model, [s for s in splits_for(names, threshold) if s.split(":")[0] in ("none", "mode")],
                           max(batches), rng, args.trace_dir)

@@ -817,6 +817,34 @@ def relay(device: Device, point: Point, target: Point) -> None:
     device.submit(si)
 
 
+class Relay:
+    """:func:`relay` onto one target timeline with the submit structures built once (a backend
+    relays once per step and hub point: this is on the per-step path)."""
+
+    def __init__(self, device: Device, target: Timeline) -> None:
+        self.device = device
+        self.target = target
+        self._wsem = ffi.new("VkSemaphore[1]")
+        self._wval = ffi.new("uint64_t[1]")
+        self._stage = ffi.new("VkPipelineStageFlags[1]", [vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT])
+        self._ssem = ffi.new("VkSemaphore[1]", [target.handle])
+        self._sval = ffi.new("uint64_t[1]")
+        self._tsi = new("VkTimelineSemaphoreSubmitInfo", waitSemaphoreValueCount=1, pWaitSemaphoreValues=self._wval,
+                        signalSemaphoreValueCount=1, pSignalSemaphoreValues=self._sval)
+        self._si = new("VkSubmitInfo", pNext=self._tsi, waitSemaphoreCount=1, pWaitSemaphores=self._wsem,
+                       pWaitDstStageMask=self._stage, commandBufferCount=0, signalSemaphoreCount=1,
+                       pSignalSemaphores=self._ssem)
+        self._lock = threading.Lock()
+
+    def __call__(self, point: Point, value: int) -> None:
+        """Queue a batch that waits for ``point`` and signals ``value`` on the target."""
+        with self._lock:  # the structures are shared; device.submit copies them
+            self._wsem[0] = point[0].handle
+            self._wval[0] = point[1]
+            self._sval[0] = value
+            self.device.submit(self._si)
+
+
 # ---------------------------------------------------------------------------------------------
 # sync_file bridging (binary semaphores, temporary SYNC_FD import / copy-transference export)
 
