@@ -2,12 +2,13 @@
 """Cost of one cross-backend hand-off, hub -> cuda -> hub, on shared device memory.
 
 Measured with Vulkan GPU timestamps (one clock for both hub sequences): the producer
-sequence writes a timestamp at its end, the consumer sequence one at its start; between
-them lies the CUDA job (wait on the imported timeline, a tiny GEMM, signal). The same gap
-with no CUDA job in between (hub -> hub through the same timeline wait) is the baseline.
-The CUDA job's own duration is measured with CUDA events on an identical GEMM.
+sequence writes a timestamp at its end, the consumer sequence one at its start. Every chain is
+queued behind a host-signalled gate, then released, so the gap is GPU-side only. Four chains,
+interleaved: hub -> hub (the baseline: one queue submission boundary), hub -> relay submit ->
+hub (the relay: the hub timeline is not exportable), hub -> cuda with no work -> hub (the two
+hand-offs), hub -> cuda GEMM -> hub (the real job).
 
-  hand-off = (gap_with_cuda - cuda_job - gap_hub_only) / 2      (two hand-offs per chain)
+  hand-off = (gap_empty - gap_hub) / 2      (two hand-offs per chain, relay included)
 
 Host time per step: what the caller's thread spends submitting the 3-part chain (it never
 waits inside the step). Prints a markdown table. Needs CUDA (the H200, tools/device_run.sh).
@@ -46,6 +47,7 @@ def main() -> int:
     arena = SharedArena(dev, [gpu])
     M, N, K = 1, 256, 256
     rng = np.random.default_rng(0)
+    cp = gpu.cp
     x_in, xa = arena.alloc(M * K * 4), arena.alloc(M * K * 4)
     wb, y, out = arena.alloc(N * K * 2), arena.alloc(M * N * 4), arena.alloc(M * N * 4)
     x_in.buffer.write(rng.standard_normal(M * K).astype(np.float32))
@@ -63,7 +65,22 @@ def main() -> int:
 
     blocked: list[float] = []  # host enqueue times of gated chains that the watchdog had to open
 
-    def chain(with_cuda: bool, gated: bool = True) -> tuple[float, float]:
+    job = MatMulJob(wb.view(), "f16", xa.view(), y.view(), M, N, K)  # one object: replayed as in a step
+
+    def empty_cuda(wait: tuple, p: tuple) -> None:
+        """The CUDA side of a hand-off with no work: wait on the (relayed) hub point, signal."""
+        rv = gpu.relay_timeline.next()
+        gpu._relay(wait, rv)
+        gpu._wp.params.fence.value = rv
+        gpu._sp.params.fence.value = p[1]
+        sem = gpu._semaphore(gpu.relay_timeline)
+        with cp.cuda.Device(gpu.device_id):
+            gpu._check(gpu._wait_fn([sem], [gpu._wp], 1, gpu.stream.ptr), "wait_semaphores")
+            gpu._check(gpu._signal_fn([gpu._own_sem], [gpu._sp], 1, gpu.stream.ptr), "signal_semaphores")
+
+    def chain(mode: str, gated: bool = True) -> tuple[float, float]:
+        """mode: cuda (hub -> cuda GEMM -> hub), empty (hub -> cuda, no work -> hub), relay
+        (hub -> relay submit -> hub), hub (hub -> hub)."""
         # Gated: the whole chain is queued behind a host-signalled gate, so the GPU gap measures
         # the GPU-side hand-off, not how long the host takes to enqueue the CUDA part. If
         # enqueueing the CUDA part synchronised with the GPU (a first-use effect: module load,
@@ -84,10 +101,18 @@ def main() -> int:
         t0 = time.perf_counter()
         stats.begin_step()
         v1 = s1.submit(waits=[(gate, g)])
-        if with_cuda:
+        if mode == "cuda":
             p = gpu.next_point()
-            gpu.mul_mat(MatMulJob(wb.view(), "f16", xa.view(), y.view(), M, N, K), (s1.timeline, v1), p)
+            gpu.mul_mat(job, (s1.timeline, v1), p)
             s2.submit(waits=[p])
+        elif mode == "empty":
+            p = gpu.next_point()
+            empty_cuda((s1.timeline, v1), p)
+            s2.submit(waits=[p])
+        elif mode == "relay":
+            rv = gpu.relay_timeline.next()
+            gpu._relay((s1.timeline, v1), rv)
+            s2.submit(waits=[(gpu.relay_timeline, rv)])
         else:
             s2.submit(waits=[(s1.timeline, v1)])
         host = time.perf_counter() - t0
@@ -103,25 +128,17 @@ def main() -> int:
         t = ts.read()
         return (t[1] - t[0]) * 1e-3, host * 1e6  # us
 
-    for with_cuda in (True, False):  # warm-up, ungated: dequant caches, imports, pipelines
+    modes = ("cuda", "empty", "relay", "hub")
+    for mode in modes:  # warm-up, ungated: dequant caches, imports, pipelines
         for _ in range(10):
-            chain(with_cuda, gated=False)
-    gaps_c, hosts_c = zip(*[chain(True) for _ in range(reps)])
-    gaps_v, hosts_v = zip(*[chain(False) for _ in range(reps)])
-
-    cp = gpu.cp
-    with cp.cuda.Device(gpu.device_id), gpu.stream:
-        a = cp.asarray(rng.standard_normal((M, K)), dtype=cp.float16)
-        b = cp.asarray(rng.standard_normal((N, K)), dtype=cp.float16)
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        for _ in range(10):
-            (a @ b.T).astype(cp.float32)
-        e0.record(gpu.stream)
-        for _ in range(reps):
-            (a @ b.T).astype(cp.float32)
-        e1.record(gpu.stream)
-        e1.synchronize()
-        cuda_job = cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps  # us
+            chain(mode, gated=False)
+    gaps: dict[str, list[float]] = {m: [] for m in modes}
+    hosts: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(reps):  # interleaved, so drifts hit every mode alike
+        for mode in modes:
+            g_us, h_us = chain(mode)
+            gaps[mode].append(g_us)
+            hosts[mode].append(h_us)
 
     # pipelined: many chains queued back to back, one wait at the end
     n = 200
@@ -129,23 +146,27 @@ def main() -> int:
     for _ in range(n):
         v1 = s1.submit()
         p = gpu.next_point()
-        gpu.mul_mat(MatMulJob(wb.view(), "f16", xa.view(), y.view(), M, N, K), (s1.timeline, v1), p)
+        gpu.mul_mat(job, (s1.timeline, v1), p)
         s2.submit(waits=[p])
     s2.wait(60)
     pipelined = (time.perf_counter() - t0) / n * 1e6
 
     med = statistics.median
-    handoff = (med(gaps_c) - cuda_job - med(gaps_v)) / 2
+    g = {m: med(v) for m, v in gaps.items()}
+    handoff = (g["empty"] - g["hub"]) / 2
     print(f"device: {dev.name}; memory path: {arena.kind}; event path: "
           f"{'imported timeline' if gpu.bridge is None else 'host bridge'}; hub timeline "
-          f"{'exported' if s1.timeline.exportable else 'relayed'}\n")
+          f"{'exported' if s1.timeline.exportable else 'relayed'}; {reps} gated chains per mode, interleaved\n")
     print("| measure | median |\n|---|---:|")
-    print(f"| GPU gap producer end -> consumer start, via cuda (us) | {med(gaps_c):.1f} |")
-    print(f"| GPU gap producer end -> consumer start, hub only (us) | {med(gaps_v):.1f} |")
-    print(f"| cuda job alone (CUDA events, us) | {cuda_job:.1f} |")
-    print(f"| **one hand-off, GPU side (us)** | **{handoff:.1f}** |")
-    print(f"| host time to submit the 3-part chain (us) | {med(hosts_c):.1f} |")
-    print(f"| host time to submit the 2-part hub chain (us) | {med(hosts_v):.1f} |")
+    print(f"| GPU gap producer end -> consumer start: hub -> hub (us) | {g['hub']:.1f} |")
+    print(f"| ... hub -> relay submit -> hub (us) | {g['relay']:.1f} |")
+    print(f"| ... hub -> relay -> cuda wait + signal, no work -> hub (us) | {g['empty']:.1f} |")
+    print(f"| ... hub -> relay -> cuda (x to f16, {M}x{N}x{K} GEMM) -> hub (us) | {g['cuda']:.1f} |")
+    print(f"| the relay submit (relay - hub, us) | {g['relay'] - g['hub']:.1f} |")
+    print(f"| **one hand-off, GPU side ((empty - hub) / 2, us)** | **{handoff:.1f}** |")
+    print(f"| the cuda job's own GPU time (cuda - empty, us) | {g['cuda'] - g['empty']:.1f} |")
+    print(f"| host time to enqueue the 3-part chain (us) | {med(hosts['cuda']):.1f} |")
+    print(f"| host time to enqueue the 2-part hub chain (us) | {med(hosts['hub']):.1f} |")
     print(f"| pipelined chain throughput (us per chain) | {pipelined:.1f} |")
     print(f"| host waits inside a step | {stats.host_waits_in_step} |")
     print(f"| gated chains whose CUDA enqueue blocked on the GPU | {len(blocked)} of {reps} |")
