@@ -288,6 +288,9 @@ class CudaBackend(Backend):
         self._sp.flags = 0
         self._relayed: tuple[Any, int, int] | None = None    # (hub timeline, value, relay value)
         self._relay: Relay | None = None
+        # id(timeline) -> the highest value this (in-order) stream has waited for: a later job
+        # behind the same or an earlier point needs no wait of its own
+        self._waited: dict[int, int] = {}
         if self.events.kind == "timeline_opaque_fd":
             self._own_sem = self._semaphore(self.timeline)
             self.relay_timeline = Timeline(hub, exportable=True, name=f"{self.name}-relay")
@@ -544,8 +547,12 @@ class CudaBackend(Backend):
                     self._relay(wait, rv)
                     self._relayed = (tl, v, rv)
                     tl, v = self.relay_timeline, rv
-            sem = self._semaphore(tl)
-            self._wp.params.fence.value = v
+            if self._waited.get(id(tl), -1) >= v:  # the stream already waited for this or later
+                sem = None
+            else:
+                sem = self._semaphore(tl)
+                self._wp.params.fence.value = v
+                self._waited[id(tl)] = v
         self._sp.params.fence.value = value
         with self.cp.cuda.Device(self.device_id), self.stream:
             try:
