@@ -402,4 +402,169 @@ void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float 
 }
 #endif
 
+
+// ------------------------------------------------------------------------------------------
+// mat-vec units, second generation (dqx_*): the same contract as dq_codes() / dq_run()
+// (DQX_U elements as DQX_NV runs of 4 in DQX_G scale groups, exact codes, per-group scale
+// and min) with a tunable number of lanes per block, DQX_L, so a lane can read more bytes
+// per unit, and cheaper scale decoding for the K-quants. Used by mul_mat_vec.comp only.
+//   Q4_0, Q4_1, Q8_0: DQX_L = 4 (default) or 2 lanes per 32-element block;
+//   Q4_K, Q5_K:       DQX_L = 8 (default) or 4 lanes per 256-element superblock;
+//   other types:      the dq_codes() units (DQX_L ignored).
+const float DQX_MAGIC = 8388608.0;
+// the four bytes of q as floats 2^23 + byte (exact; subtract DQX_MAGIC for the byte)
+vec4 bytes_magic(uint q) {
+    return uintBitsToFloat((uvec4(q, q >> 8, q >> 16, q >> 24) & 0xFFu) | 0x4B000000u);
+}
+
+#if WTYPE == WT_Q4_0 || WTYPE == WT_Q4_1 || WTYPE == WT_Q8_0
+#ifndef DQX_L
+#define DQX_L 4
+#endif
+#if DQX_L != 2 && DQX_L != 4
+#error "DQX_L must be 2 or 4 for the legacy quants"
+#endif
+#define DQX_U (32u / DQX_L)
+#if WTYPE == WT_Q8_0
+// lane t: qs bytes [BPL t, BPL t + BPL) = elements of the same indices, W = BPL / 4 words
+#define DQX_W (8 / DQX_L)
+#define DQX_NV DQX_W
+#else
+// lane t: qs bytes [BPL t, +BPL) (BPL = 16 / DQX_L): low nibbles are elements BPL t + i,
+// high nibbles 16 + BPL t + i; runs 0..W-1 low, W..2W-1 high
+#define DQX_W (4 / DQX_L)
+#define DQX_NV (2 * DQX_W)
+#endif
+#define DQX_G 1
+#if WTYPE == WT_Q4_1
+#define DQX_MIN 1
+#else
+#define DQX_MIN 0
+#endif
+uint dqx_run(uint u, uint j) {
+    const uint b = u / uint(DQX_L);
+    const uint t = u % uint(DQX_L);
+#if WTYPE == WT_Q8_0
+    return 32u * b + 4u * (uint(DQX_W) * t + j);
+#else
+    const uint w = j % uint(DQX_W);
+    const uint hi = j / uint(DQX_W);
+    return 32u * b + 16u * hi + 4u * (uint(DQX_W) * t + w);
+#endif
+}
+void dqx_codes(uint rb, uint u, out vec4 c[DQX_NV], out float sc[DQX_G], out float mn[DQX_G]) {
+    const uint b = u / uint(DQX_L);
+    const uint t = u % uint(DQX_L);
+    mn[0] = 0.0;
+#if WTYPE == WT_Q8_0
+    const uint hb = (rb >> 1) + b * 17u;                 // 16-bit index of the block
+    sc[0] = h2f(uint(w_u16[hb]));
+    const uint o = hb + 1u + 2u * uint(DQX_W) * t;
+    [[unroll]] for (uint j = 0u; j < uint(DQX_W); ++j) {
+        const uint q = uint(w_u16[o + 2u * j]) | (uint(w_u16[o + 2u * j + 1u]) << 16);
+        c[j] = bytes_f(q ^ 0x80808080u, 128.0);
+    }
+#else
+#if WTYPE == WT_Q4_0
+    const uint hb = (rb >> 1) + b * 9u;
+    sc[0] = h2f(uint(w_u16[hb]));
+    const uint o = hb + 1u + 2u * uint(DQX_W) * t;
+    const float off = 8.0;
+#else  // Q4_1: 20-byte blocks, 4-byte aligned
+    const uint wb = (rb >> 2) + b * 5u;                  // 32-bit index of the block
+    const vec2 dm = unpackHalf2x16(w_u32[wb]);
+    sc[0] = dm.x;
+    mn[0] = dm.y;
+    const uint o = wb + 1u + uint(DQX_W) * t;
+    const float off = 0.0;
+#endif
+    [[unroll]] for (uint j = 0u; j < uint(DQX_W); ++j) {
+#if WTYPE == WT_Q4_0
+        const uint q = uint(w_u16[o + 2u * j]) | (uint(w_u16[o + 2u * j + 1u]) << 16);
+#else
+        const uint q = w_u32[o + j];
+#endif
+        c[j] = bytes_f(q & 0x0F0F0F0Fu, off);
+        c[j + uint(DQX_W)] = bytes_f((q >> 4) & 0x0F0F0F0Fu, off);
+    }
+#endif
+}
+
+#elif WTYPE == WT_Q4_K || WTYPE == WT_Q5_K
+#ifndef DQX_L
+#define DQX_L 8
+#endif
+#if DQX_L != 4 && DQX_L != 8
+#error "DQX_L must be 4 or 8 for Q4_K / Q5_K"
+#endif
+// lane t of DQX_L per superblock: words [W t, W t + W) (W = 8 / DQX_L) of each 32-byte qs
+// row p (p = 0..3): low nibbles are sub-block 2p, high nibbles 2p + 1. Run j = W g + w of
+// group (sub-block) g is elements 32 g + 4 (W t + w).
+#define DQX_W (8 / DQX_L)
+#define DQX_U (256u / DQX_L)
+#define DQX_NV (8 * DQX_W)
+#define DQX_G 8
+#define DQX_MIN 1
+uint dqx_run(uint u, uint j) {
+    const uint t = u % uint(DQX_L);
+    return 256u * (u / uint(DQX_L)) + 32u * (j / uint(DQX_W)) + 4u * (uint(DQX_W) * t + j % uint(DQX_W));
+}
+void dqx_codes(uint rb, uint u, out vec4 c[DQX_NV], out float sc[DQX_G], out float mn[DQX_G]) {
+    const uint qb = (rb >> 4) + (u / uint(DQX_L)) * (QBYTES / 16u);  // 128-bit index of the block
+    const uint t = u % uint(DQX_L);
+    const uvec4 hd = w_u128[qb];
+    const vec2 dm = unpackHalf2x16(hd.x);
+#if WTYPE == WT_Q5_K
+    const uint qh0 = 4u * qb + 4u + uint(DQX_W) * t;
+    const uint qs0 = 4u * qb + 12u + uint(DQX_W) * t;
+#else
+    const uint qs0 = 4u * qb + 4u + uint(DQX_W) * t;
+#endif
+    [[unroll]] for (uint w = 0u; w < uint(DQX_W); ++w) {
+#if WTYPE == WT_Q5_K
+        const uint qh = w_u32[qh0 + w];
+#endif
+        [[unroll]] for (uint p = 0u; p < 4u; ++p) {
+            const uint q = w_u32[qs0 + 8u * p + w];
+            uint lo = q & 0x0F0F0F0Fu;
+            uint hi = (q >> 4) & 0x0F0F0F0Fu;
+#if WTYPE == WT_Q5_K
+            lo |= ((qh >> (2u * p)) & 0x01010101u) << 4;
+            hi |= ((qh >> (2u * p + 1u)) & 0x01010101u) << 4;
+#endif
+            c[uint(DQX_W) * (2u * p) + w] = bytes_f(lo, 0.0);
+            c[uint(DQX_W) * (2u * p + 1u) + w] = bytes_f(hi, 0.0);
+        }
+    }
+    // the sixteen 6-bit scales and mins, four per word (bytes 0..3: sub-blocks 0..3 / 4..7)
+    const uint s_lo = hd.y & 0x3F3F3F3Fu;
+    const uint m_lo = hd.z & 0x3F3F3F3Fu;
+    const uint s_hi = (hd.w & 0x0F0F0F0Fu) | ((hd.y >> 2) & 0x30303030u);
+    const uint m_hi = ((hd.w >> 4) & 0x0F0F0F0Fu) | ((hd.z >> 2) & 0x30303030u);
+    // exact small integers (2^23 + s - 2^23), then one rounding in the product with d / -dmin
+    // (not fma(d, 2^23 + s, -d 2^23): drivers may split an fma even when marked precise)
+    const vec4 sl = (bytes_magic(s_lo) - DQX_MAGIC) * dm.x;
+    const vec4 sh = (bytes_magic(s_hi) - DQX_MAGIC) * dm.x;
+    const vec4 ml = (bytes_magic(m_lo) - DQX_MAGIC) * -dm.y;
+    const vec4 mh = (bytes_magic(m_hi) - DQX_MAGIC) * -dm.y;
+    [[unroll]] for (uint j = 0u; j < 4u; ++j) {
+        sc[j] = sl[j];
+        sc[j + 4u] = sh[j];
+        mn[j] = ml[j];
+        mn[j + 4u] = mh[j];
+    }
+}
+
+#else
+// every other type: the dq_codes() units
+#define DQX_U DQ_U
+#define DQX_NV DQ_NV
+#define DQX_G DQ_G
+#define DQX_MIN DQ_MIN
+uint dqx_run(uint u, uint j) { return dq_run(u, j); }
+void dqx_codes(uint rb, uint u, out vec4 c[DQX_NV], out float sc[DQX_G], out float mn[DQX_G]) {
+    dq_codes(rb, u, c, sc, mn);
+}
+#endif
+
 #endif

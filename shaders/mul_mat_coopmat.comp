@@ -1,45 +1,98 @@
 #version 450
-// mul_mat_coopmat_<type>_f32: y[m, c0 + n] = sum_k x[m, k] * W[r0 + n, k] with
+// mul_mat_coopmat_<type>_f32[_<tile>]: y[m, c0 + n] = sum_k x[m, k] * W[r0 + n, k] with
 // GL_KHR_cooperative_matrix: f16 A/B fragments, f32 accumulators, 16x16x16, subgroup scope.
+// With COOPMAT_EMULATE=1 the same kernel runs without cooperative matrices (see below), so
+// the tiling, loaders, double buffering and edge handling are testable on any device.
 //
-// A workgroup is 4 subgroups of 32 (the variant requires subgroup size 32) and computes a
-// BM x BN = 64 x 128 tile of y; subgroup s owns rows 32 (s / 2) .. +31 and columns
-// 64 (s % 2) .. +63, i.e. 2 x 4 accumulator fragments. Per BK = 32 step the x tile (f32 ->
-// f16) and the dequantized W tile (dq4 -> f16) are written to shared memory row-major
-// (xs[m][k], ws[n][k], rows padded to 40 halves = 80 bytes so every fragment load starts
-// 16-byte aligned); A fragments load row-major from xs, B fragments (B[k][n] = W[n][k])
-// column-major from ws. Results go through a per-subgroup 16x16 f32 staging area in shared
-// memory so that edge tiles (M, N not multiples of the tile) are bounds-checked.
+// Tile parameters (defines): BM x BN output tile per workgroup (rows of x x rows of W), BK
+// the K slice per step, WM x WN the output block of one subgroup (of 32 invocations):
+// NSG = (BM / WM) * (BN / WN) subgroups, NT = 32 * NSG invocations; subgroup s owns rows
+// WM * (s / (BN / WN)) .. +WM-1 and columns WN * (s % (BN / WN)) .. +WN-1 of the tile, i.e.
+// (WM / 16) x (WN / 16) accumulator fragments.
+//
+// Per step (one barrier): shared memory holds two stages of [x tile BM x BK | W tile BN x BK]
+// as f16, row-major with rows padded to SK = BK + 8 halves (every fragment load starts 16-byte
+// aligned and the 8 rows a 16-byte-per-row matrix load touches hit distinct bank groups).
+// Step s computes from stage s % 2 while the global loads of step s + 1 are already in
+// registers-in-flight: each thread issues its x loads (vec4 f32, 4 elements per load) and raw
+// weight fetches (8 elements per fetch, coopmat_dq8.glsl) for the next slice, runs the
+// step's MMAs (per 16-wide k: WM/16 A loads, WN/16 B loads, (WM/16)(WN/16) MulAdds), then
+// converts/dequantizes the registers to f16 into the other stage and hits the barrier.
+// STAGES=1 keeps one stage (half the shared memory, e.g. for BK 64): barrier, then commit
+// into it, then barrier: two barriers per step.
+//
+// Output: with FLAG_YVEC (y 16-byte aligned rows) and the whole tile inside M x N, fragments
+// are stored straight to y; otherwise each goes through a per-subgroup 16 x 16 f32 staging
+// area in shared memory and is written element-wise with bounds checks.
 //
 // Precision: both operands are rounded to f16 (x and dequantized W; F32/BF16 weights beyond
 // the f16 range become inf), products accumulate in f32.
 //
 // Push constants: as mul_mat (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row0,
 // y_col0, flags). Workgroups: (ceil(N / BN), ceil(M / BM)).
+//
+// Emulation (COOPMAT_EMULATE=1): a "subgroup" is invocations 32 s .. 32 s + 31 of the
+// workgroup, whatever the device's subgroup size; an accumulator fragment is 8 floats per
+// lane (lane l holds row l / 16 + 2 e, column l % 16 for e = 0..7), an A/B fragment just the
+// shared-memory offset it was loaded from; MulAdd computes the lane's 8 outputs from the f16
+// shared tiles in f32 (f16 x f16 products are exact in f32). Subgroup barriers become
+// workgroup barriers (all fragment loops are uniform).
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_8bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_control_flow_attributes : require
+#extension GL_GOOGLE_include_directive : require
+#ifndef COOPMAT_EMULATE
+#define COOPMAT_EMULATE 0
+#endif
+#if !COOPMAT_EMULATE
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
-#extension GL_EXT_control_flow_attributes : require
-#extension GL_GOOGLE_include_directive : require
+#endif
 
 #define W_BINDING 0
 #include "dequant.glsl"
+#include "coopmat_dq8.glsl"
 
-#define BM 64
+#ifndef BM
+#define BM 128
+#endif
+#ifndef BN
 #define BN 128
+#endif
+#ifndef BK
 #define BK 32
-#define SK 40          // shared row stride in halves (BK + 8)
-#define WM 32          // subgroup tile
+#endif
+#ifndef WM
+#define WM 32
+#endif
+#ifndef WN
 #define WN 64
-#define FM (WM / 16)   // fragments per subgroup tile
-#define FN (WN / 16)
-#define NSG 4
-#define SGS 32
+#endif
+#ifndef STAGES
+#define STAGES 2                    // 2: double-buffered shared tiles; 1: single (two barriers/step)
+#endif
 
-layout(local_size_x = 128) in;
+#define SK (BK + 8)                 // shared row stride in halves
+#define SK4 (SK / 4)                // ... in f16vec4
+#define FM (WM / 16)                // fragments per subgroup block
+#define FN (WN / 16)
+#define NSG_N (BN / WN)
+#define NSG ((BM / WM) * NSG_N)
+#define NT (32 * NSG)
+#define XQ (BM * BK / 4)            // x quads per step
+#define WU (BN * BK / 8)            // weight units (8 elements) per step
+#define LX ((XQ + NT - 1) / NT)     // per thread
+#define LW ((WU + NT - 1) / NT)
+#define STAGE4 ((BM + BN) * SK4)    // one stage, in f16vec4
+#define B4 (BM * SK4)               // W tile offset inside a stage
+
+#if BM % WM != 0 || BN % WN != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || (STAGES != 1 && STAGES != 2)
+#error "bad tile parameters"
+#endif
+
+layout(local_size_x = NT) in;
 
 layout(std430, binding = 1) readonly buffer X { float x[]; };
 layout(std430, binding = 1) readonly buffer X4 { vec4 x4[]; };
@@ -50,125 +103,245 @@ layout(push_constant) uniform Push {
     uint w_row0; uint y_col0; uint flags;
 } p;
 
-shared float16_t xs[BM * SK];
-shared float16_t ws[BN * SK];
+shared f16vec4 sm4[STAGES * STAGE4];
 shared float cs[NSG * 256];
+
+// ------------------------------------------------------------------------------------------
+// cooperative-matrix operations (real or emulated)
+#if COOPMAT_EMULATE
+struct EAcc { float v[8]; };
+#define ACC_T EAcc
+#define A_T uint
+#define B_T uint
+#define CM_ZERO(c) c = emu_zero()
+#define CM_LOAD_A(f, off4) f = (off4)
+#define CM_LOAD_B(f, off4) f = (off4)
+#define CM_MAD(c, a, b) c = emu_mad(a, b, c)
+#define CM_STORE_Y(c, off) emu_store_y(c, off, p.y_stride)
+#define CM_STORE_CS(c, off) emu_store_cs(c, off)
+#define CM_SYNC() memoryBarrierShared(); barrier()
+#define SG_ID (gl_LocalInvocationID.x >> 5)
+#define SG_LANE (gl_LocalInvocationID.x & 31u)
+
+float emu_h(uint h) { return float(sm4[h >> 2][h & 3u]); }
+EAcc emu_zero() {
+    EAcc c;
+    [[unroll]] for (uint e = 0u; e < 8u; ++e) {
+        c.v[e] = 0.0;
+    }
+    return c;
+}
+// A row-major at a4 (f16vec4 units), B column-major at b4: A[r][k] = sm[a + r SK + k],
+// B[k][c] = sm[b + c SK + k]
+EAcc emu_mad(uint a4, uint b4, EAcc c) {
+    const uint lane = SG_LANE;
+    const uint col = lane & 15u;
+    float bc[16];
+    [[unroll]] for (uint k = 0u; k < 16u; ++k) {
+        bc[k] = emu_h(4u * b4 + col * SK + k);
+    }
+    [[unroll]] for (uint e = 0u; e < 8u; ++e) {
+        const uint r = (lane >> 4) + 2u * e;
+        float s = c.v[e];
+        [[unroll]] for (uint k = 0u; k < 16u; ++k) {
+            s += emu_h(4u * a4 + r * SK + k) * bc[k];
+        }
+        c.v[e] = s;
+    }
+    return c;
+}
+void emu_store_y(EAcc c, uint off, uint stride) {
+    const uint lane = SG_LANE;
+    [[unroll]] for (uint e = 0u; e < 8u; ++e) {
+        y[off + ((lane >> 4) + 2u * e) * stride + (lane & 15u)] = c.v[e];
+    }
+}
+void emu_store_cs(EAcc c, uint off) {
+    const uint lane = SG_LANE;
+    [[unroll]] for (uint e = 0u; e < 8u; ++e) {
+        cs[off + ((lane >> 4) + 2u * e) * 16u + (lane & 15u)] = c.v[e];
+    }
+}
+#else
+#define ACC_T coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define A_T coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
+#define B_T coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
+#define CM_ZERO(c) c = ACC_T(0.0)
+#define CM_LOAD_A(f, off4) coopMatLoad(f, sm4, off4, SK4, gl_CooperativeMatrixLayoutRowMajor)
+#define CM_LOAD_B(f, off4) coopMatLoad(f, sm4, off4, SK4, gl_CooperativeMatrixLayoutColumnMajor)
+#define CM_MAD(c, a, b) c = coopMatMulAdd(a, b, c)
+#define CM_STORE_Y(c, off) coopMatStore(c, y, off, p.y_stride, gl_CooperativeMatrixLayoutRowMajor)
+#define CM_STORE_CS(c, off) coopMatStore(c, cs, off, 16u, gl_CooperativeMatrixLayoutRowMajor)
+#define CM_SYNC() subgroupMemoryBarrierShared(); subgroupBarrier()
+#define SG_ID gl_SubgroupID
+#define SG_LANE gl_SubgroupInvocationID
+#endif
+
+// ------------------------------------------------------------------------------------------
+// tile loaders: registers for the next slice
+vec4 xr[LX];
+uvec4 wr[LW][2];
+
+void fetch(uint k0, uint m0, uint n0, uint row_bytes, bool xvec, bool wvec) {
+    const uint tid = gl_LocalInvocationID.x;
+    [[unroll]] for (uint i = 0u; i < LX; ++i) {
+        const uint c = tid + i * NT;
+        const uint m = c / (BK / 4u);
+        const uint k = k0 + 4u * (c % (BK / 4u));
+        vec4 v = vec4(0.0);
+        if ((XQ % NT == 0 || c < XQ) && m0 + m < p.M) {
+            const uint xi = p.x_offset + (m0 + m) * p.x_stride + k;
+            if (xvec) {
+                if (k < p.K) {
+                    v = x4[xi >> 2];
+                }
+            } else {
+                [[unroll]] for (uint e = 0u; e < 4u; ++e) {
+                    if (k + e < p.K) {
+                        v[e] = x[xi + e];
+                    }
+                }
+            }
+        }
+        xr[i] = v;
+    }
+    [[unroll]] for (uint i = 0u; i < LW; ++i) {
+        const uint c = tid + i * NT;
+        const uint n = c / (BK / 8u);
+        const uint k = k0 + 8u * (c % (BK / 8u));
+        uvec4 r[2];
+        r[0] = uvec4(0u);
+        r[1] = uvec4(0u);
+        if ((WU % NT == 0 || c < WU) && n0 + n < p.N && k < p.K) {
+            const uint rb = (p.w_row0 + n0 + n) * row_bytes;
+#if DQ_FLOAT
+            if (wvec && k + 8u <= p.K) {
+                t8_fetch(rb, k, r);
+            } else {
+                [[unroll]] for (uint e = 0u; e < 8u; ++e) {
+                    if (k + e < p.K) {
+                        t8_fetch1(rb, k, e, r);
+                    }
+                }
+            }
+#else
+            t8_fetch(rb, k, r);   // K % QK == 0 and 8 | QK: the unit is all in or all out
+#endif
+        }
+        wr[i] = r;
+    }
+}
+
+// registers -> stage st (f16)
+void commit(uint k0, uint st) {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint base = st * STAGE4;
+    [[unroll]] for (uint i = 0u; i < LX; ++i) {
+        const uint c = tid + i * NT;
+        if (XQ % NT == 0 || c < XQ) {
+            sm4[base + (c / (BK / 4u)) * SK4 + (c % (BK / 4u))] = f16vec4(xr[i]);
+        }
+    }
+    [[unroll]] for (uint i = 0u; i < LW; ++i) {
+        const uint c = tid + i * NT;
+        if (WU % NT == 0 || c < WU) {
+            const uint ku = c % (BK / 8u);
+            vec4 a, b;
+            t8_decode(wr[i], k0 + 8u * ku, a, b);
+            const uint o = base + B4 + (c / (BK / 8u)) * SK4 + 2u * ku;
+            sm4[o] = f16vec4(a);
+            sm4[o + 1u] = f16vec4(b);
+        }
+    }
+}
 
 void main() {
     const uint n0 = gl_WorkGroupID.x * BN;
     const uint m0 = gl_WorkGroupID.y * BM;
-    const uint tid = gl_LocalInvocationID.x;
-    const uint sg = gl_SubgroupID;
-    const uint lane = gl_SubgroupInvocationID;
-    const uint sm = sg / 2u;
-    const uint sn = sg % 2u;
+    const uint sg = SG_ID;
+    const uint lane = SG_LANE;
+    const uint wm = sg / NSG_N;
+    const uint wn = sg % NSG_N;
     const uint row_bytes = ROW_BYTES(p.K);
     const bool xvec = (p.flags & 1u) != 0u;
-#if DQ_FLOAT
     const bool wvec = (p.flags & 2u) != 0u;
-#endif
+    const bool yvec = (p.flags & 4u) != 0u;
 
-    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[FM][FN];
+    ACC_T acc[FM][FN];
     [[unroll]] for (uint i = 0u; i < FM; ++i) {
         [[unroll]] for (uint j = 0u; j < FN; ++j) {
-            acc[i][j] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+            CM_ZERO(acc[i][j]);
         }
     }
 
+    fetch(0u, m0, n0, row_bytes, xvec, wvec);
+    commit(0u, 0u);
+    barrier();
+
+    uint st = 0u;
     for (uint k0 = 0u; k0 < p.K; k0 += BK) {
-        // W tile: BN rows x BK/4 quads, consecutive threads along a row
-        [[unroll]] for (uint c = tid; c < BN * BK / 4u; c += 128u) {
-            const uint n = c / (BK / 4u);
-            const uint kq = c % (BK / 4u);
-            const uint k = k0 + 4u * kq;
-            vec4 v = vec4(0.0);
-            if (n0 + n < p.N) {
-                const uint rb = (p.w_row0 + n0 + n) * row_bytes;
-#if DQ_FLOAT
-                if (wvec) {
-                    if (k < p.K) {
-                        v = dq4(rb, k);
-                    }
-                } else {
-                    [[unroll]] for (uint i = 0u; i < 4u; ++i) {
-                        if (k + i < p.K) {
-                            v[i] = dq1(rb, k + i);
-                        }
-                    }
-                }
-#else
-                v = dq4(rb, k);
-#endif
-            }
-            const uint o = n * SK + 4u * kq;
-            ws[o] = float16_t(v.x);
-            ws[o + 1u] = float16_t(v.y);
-            ws[o + 2u] = float16_t(v.z);
-            ws[o + 3u] = float16_t(v.w);
+        const bool more = k0 + BK < p.K;
+        if (more) {
+            fetch(k0 + BK, m0, n0, row_bytes, xvec, wvec);
         }
-        // x tile: BM rows x BK/4 quads
-        [[unroll]] for (uint c = tid; c < BM * BK / 4u; c += 128u) {
-            const uint m = c / (BK / 4u);
-            const uint kq = c % (BK / 4u);
-            const uint k = k0 + 4u * kq;
-            vec4 v = vec4(0.0);
-            if (m0 + m < p.M) {
-                const uint xi = p.x_offset + (m0 + m) * p.x_stride + k;
-                if (xvec) {
-                    if (k < p.K) {
-                        v = x4[xi >> 2];
-                    }
-                } else {
-                    [[unroll]] for (uint i = 0u; i < 4u; ++i) {
-                        if (k + i < p.K) {
-                            v[i] = x[xi + i];
-                        }
-                    }
-                }
-            }
-            const uint o = m * SK + 4u * kq;
-            xs[o] = float16_t(v.x);
-            xs[o + 1u] = float16_t(v.y);
-            xs[o + 2u] = float16_t(v.z);
-            xs[o + 3u] = float16_t(v.w);
-        }
-        barrier();
-        [[unroll]] for (uint kk = 0u; kk < BK; kk += 16u) {
-            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> a[FM];
-            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b[FN];
+        const uint a0 = st * STAGE4 + wm * WM * SK4;
+        const uint b0 = st * STAGE4 + B4 + wn * WN * SK4;
+        [[unroll]] for (uint kk = 0u; kk < BK / 4u; kk += 4u) {   // 16 halves = 4 f16vec4
+            A_T a[FM];
+            B_T b[FN];
             [[unroll]] for (uint i = 0u; i < FM; ++i) {
-                coopMatLoad(a[i], xs, (sm * WM + 16u * i) * SK + kk, SK, gl_CooperativeMatrixLayoutRowMajor);
+                CM_LOAD_A(a[i], a0 + 16u * i * SK4 + kk);
             }
             [[unroll]] for (uint j = 0u; j < FN; ++j) {
-                coopMatLoad(b[j], ws, (sn * WN + 16u * j) * SK + kk, SK, gl_CooperativeMatrixLayoutColumnMajor);
+                CM_LOAD_B(b[j], b0 + 16u * j * SK4 + kk);
             }
             [[unroll]] for (uint i = 0u; i < FM; ++i) {
                 [[unroll]] for (uint j = 0u; j < FN; ++j) {
-                    acc[i][j] = coopMatMulAdd(a[i], b[j], acc[i][j]);
+                    CM_MAD(acc[i][j], a[i], b[j]);
                 }
             }
         }
+        if (more) {
+#if STAGES == 1
+            barrier();                      // everyone is done reading the stage
+            commit(k0 + BK, 0u);
+#else
+            commit(k0 + BK, st ^ 1u);
+#endif
+        }
         barrier();
+#if STAGES == 2
+        st ^= 1u;
+#endif
     }
 
-    // out: each fragment through this subgroup's 16x16 staging area, bounds-checked
+    const uint mb0 = m0 + wm * WM;
+    const uint nb0 = n0 + wn * WN;
+    if (yvec && m0 + BM <= p.M && n0 + BN <= p.N) {
+        // interior tile: straight to y
+        [[unroll]] for (uint i = 0u; i < FM; ++i) {
+            [[unroll]] for (uint j = 0u; j < FN; ++j) {
+                CM_STORE_Y(acc[i][j], p.y_offset + (mb0 + 16u * i) * p.y_stride + p.y_col0 + nb0 + 16u * j);
+            }
+        }
+        return;
+    }
+    // edge tile: each fragment through this subgroup's 16x16 staging area, bounds-checked
     const uint cbase = sg * 256u;
     [[unroll]] for (uint i = 0u; i < FM; ++i) {
         [[unroll]] for (uint j = 0u; j < FN; ++j) {
-            coopMatStore(acc[i][j], cs, cbase, 16u, gl_CooperativeMatrixLayoutRowMajor);
-            subgroupMemoryBarrierShared();
-            subgroupBarrier();
-            const uint mb = m0 + sm * WM + 16u * i;
-            const uint nb = n0 + sn * WN + 16u * j;
-            [[unroll]] for (uint e = lane; e < 256u; e += SGS) {
+            CM_STORE_CS(acc[i][j], cbase);
+            CM_SYNC();
+            const uint mb = mb0 + 16u * i;
+            const uint nb = nb0 + 16u * j;
+            [[unroll]] for (uint e = lane; e < 256u; e += 32u) {
                 const uint m = mb + e / 16u;
                 const uint n = nb + e % 16u;
                 if (m < p.M && n < p.N) {
                     y[p.y_offset + m * p.y_stride + p.y_col0 + n] = cs[cbase + e];
                 }
             }
-            subgroupMemoryBarrierShared();
-            subgroupBarrier();
+            CM_SYNC();
         }
     }
 }

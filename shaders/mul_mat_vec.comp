@@ -1,12 +1,24 @@
 #version 450
 // mul_mat_vec_<type>_f32: y[m, c0 + n] = sum_k x[m, k] * W[r0 + n, k] for M <= 8 columns of x
-// (decode). A workgroup computes NR consecutive output rows for all M columns: its threads
-// split K into mat-vec units (dequant.glsl), decode each unit of each row once into exact
-// integer codes in registers and use them for every column, with the block scales factored
-// out of each scale group's dot product (sum_g sc_g * (c . x) + mn_g * sum(x)); partial
-// sums are reduced with subgroupAdd and then across subgroups in shared memory.
-// Defines: WTYPE, WG (threads), NR (rows per workgroup), MAXM (most columns handled: the
-// variants with MAXM 1, 2, 4 use fewer registers than the 8-column one).
+// (decode; memory-bandwidth bound).
+//
+// A workgroup of WG threads computes NR consecutive output rows for all M columns. K is cut
+// into mat-vec units of DQX_U elements (dequant.glsl, dqx_codes: a unit is one lane's share
+// of a block, DQX_L lanes per block, so consecutive threads read consecutive bytes of a row
+// and consecutive pieces of x). Thread tid takes units tid, tid + WG, ...: each main-loop
+// iteration handles UNR units of all NR rows with no branches, so the compiler can issue
+// all NR * UNR units' weight loads (plus the x loads) before the first use (the loads in
+// flight per thread: NR * UNR * the unit's bytes); a remainder loop takes the last units.
+// Each unit is decoded once into exact integer codes and used for every column, with the
+// block scales factored out of each scale group's dot product
+// (sum_g sc_g * (c . x) + mn_g * sum(x)); each x piece is loaded once per workgroup row
+// group and used for all NR rows. Columns m >= M repeat column M - 1 (no branches in the
+// loop) and are not written. Partial sums are reduced with subgroupAdd and then across
+// subgroups in shared memory (any subgroup size).
+//
+// Defines: WTYPE, WG (threads), NR (rows per workgroup), UNR (units per thread per
+// iteration), MAXM (most columns handled: fewer columns, fewer registers), DQX_L (lanes per
+// block, see dequant.glsl).
 //
 // Push constants (elements, not bytes): M, N, K, x_stride, y_stride, x_offset, y_offset,
 // w_row0 (first W row), y_col0 (first y column), flags (bit 0: x rows are vec4-aligned;
@@ -22,15 +34,21 @@
 #include "dequant.glsl"
 
 #ifndef WG
-#define WG 64
+#define WG 128
 #endif
 #ifndef NR
 #define NR 2
 #endif
+#ifndef UNR
+#define UNR 1
+#endif
 #ifndef MAXM
 #define MAXM 8  // columns of x handled per pass
 #endif
-#define RPG (DQ_NV / DQ_G)  // runs per scale group
+#define RPG (DQX_NV / DQX_G)  // runs per scale group
+#if NR * MAXM > WG
+#error "the final reduction needs a thread per (row, column): NR * MAXM <= WG"
+#endif
 
 layout(local_size_x = WG) in;
 
@@ -46,11 +64,67 @@ layout(push_constant) uniform Push {
 // one slot per (row, column, subgroup): sized for the worst case of 1-wide subgroups
 shared float red[NR * MAXM][WG];
 
-vec4 load_x4(uint i) {
-    if ((p.flags & 1u) != 0u) {
+uint rb[NR];          // first byte of each row
+uint xb[MAXM];        // first element of each column of x (columns >= M repeat M - 1)
+float acc[NR][MAXM];
+
+vec4 load_x4(uint i, const bool xvec) {
+    if (xvec) {
         return x4[i >> 2];
     }
     return vec4(x[i], x[i + 1u], x[i + 2u], x[i + 3u]);
+}
+
+// one unit u of all NR rows, for all MAXM columns
+void unit(uint u, const bool xvec) {
+    vec4 c[NR][DQX_NV];
+    float sc[NR][DQX_G];
+    float mn[NR][DQX_G];
+    [[unroll]] for (uint r = 0u; r < NR; ++r) {
+        dqx_codes(rb[r], u, c[r], sc[r], mn[r]);
+    }
+    [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+        vec4 xv[DQX_NV];
+        [[unroll]] for (uint j = 0u; j < DQX_NV; ++j) {
+            xv[j] = load_x4(xb[m] + dqx_run(u, j), xvec);
+        }
+        [[unroll]] for (uint g = 0u; g < DQX_G; ++g) {
+#if DQX_MIN
+            vec4 xs4 = xv[g * RPG];
+            [[unroll]] for (uint j = g * RPG + 1u; j < (g + 1u) * RPG; ++j) {
+                xs4 += xv[j];
+            }
+            const float xs = dot(xs4, vec4(1.0));
+#endif
+            [[unroll]] for (uint r = 0u; r < NR; ++r) {
+                float t = dot(c[r][g * RPG], xv[g * RPG]);
+                [[unroll]] for (uint j = g * RPG + 1u; j < (g + 1u) * RPG; ++j) {
+                    t += dot(c[r][j], xv[j]);
+                }
+#if DQX_MIN
+                acc[r][m] += fma(sc[r][g], t, mn[r][g] * xs);
+#else
+                acc[r][m] = fma(sc[r][g], t, acc[r][m]);
+#endif
+            }
+        }
+    }
+}
+
+// thread tid's units: UNR at a time (branch-free bodies), then the remainder one at a time
+void units(uint tid, const bool xvec) {
+    const uint nu = p.K / DQX_U;
+    uint u = tid;
+    for (; u + (UNR - 1u) * WG < nu; u += UNR * WG) {
+        [[unroll]] for (uint i = 0u; i < UNR; ++i) {
+            unit(u + i * WG, xvec);
+        }
+    }
+#if UNR > 1
+    for (; u < nu; u += WG) {
+        unit(u, xvec);
+    }
+#endif
 }
 
 void main() {
@@ -62,15 +136,12 @@ void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint row_bytes = ROW_BYTES(p.K);
 
-    uint rb[NR];
     [[unroll]] for (uint r = 0u; r < NR; ++r) {
         rb[r] = (p.w_row0 + min(row0 + r, p.N - 1u)) * row_bytes;  // rows past N: computed, not written
     }
-    uint xb[MAXM];
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
-        xb[m] = p.x_offset + m * p.x_stride;
+        xb[m] = p.x_offset + min(m, p.M - 1u) * p.x_stride;
     }
-    float acc[NR][MAXM];
     [[unroll]] for (uint r = 0u; r < NR; ++r) {
         [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
             acc[r][m] = 0.0;
@@ -78,41 +149,10 @@ void main() {
     }
 
     if ((p.flags & 2u) != 0u) {
-        const uint nu = p.K / DQ_U;
-        for (uint u = tid; u < nu; u += WG) {
-            vec4 c[NR][DQ_NV];
-            float sc[NR][DQ_G];
-            float mn[NR][DQ_G];
-            [[unroll]] for (uint r = 0u; r < NR; ++r) {
-                dq_codes(rb[r], u, c[r], sc[r], mn[r]);
-            }
-            [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
-                if (m < p.M) {
-                    vec4 xv[DQ_NV];
-                    [[unroll]] for (uint j = 0u; j < DQ_NV; ++j) {
-                        xv[j] = load_x4(xb[m] + dq_run(u, j));
-                    }
-                    [[unroll]] for (uint g = 0u; g < DQ_G; ++g) {
-#if DQ_MIN
-                        float xs = 0.0;
-                        [[unroll]] for (uint j = g * RPG; j < (g + 1u) * RPG; ++j) {
-                            xs += dot(xv[j], vec4(1.0));
-                        }
-#endif
-                        [[unroll]] for (uint r = 0u; r < NR; ++r) {
-                            float t = 0.0;
-                            [[unroll]] for (uint j = g * RPG; j < (g + 1u) * RPG; ++j) {
-                                t += dot(c[r][j], xv[j]);
-                            }
-#if DQ_MIN
-                            acc[r][m] += fma(sc[r][g], t, mn[r][g] * xs);
-#else
-                            acc[r][m] += sc[r][g] * t;
-#endif
-                        }
-                    }
-                }
-            }
+        if ((p.flags & 1u) != 0u) {
+            units(tid, true);
+        } else {
+            units(tid, false);
         }
     }
 #if DQ_FLOAT
@@ -124,11 +164,9 @@ void main() {
                 w[r] = dq1(rb[r], k);
             }
             [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
-                if (m < p.M) {
-                    const float xv = x[xb[m] + k];
-                    [[unroll]] for (uint r = 0u; r < NR; ++r) {
-                        acc[r][m] += w[r] * xv;
-                    }
+                const float xv = x[xb[m] + k];
+                [[unroll]] for (uint r = 0u; r < NR; ++r) {
+                    acc[r][m] = fma(w[r], xv, acc[r][m]);
                 }
             }
         }

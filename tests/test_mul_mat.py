@@ -360,3 +360,254 @@ def test_errors(device, bufs, seq):
     # empty products record nothing
     assert rec(M=0) == "vec" and rec(N=0) == "vec"
     assert seq.dispatches == 0
+
+
+# ------------------------------------------------------------------------------------------
+# cooperative-matrix kernel logic, via its emulated variants (COOPMAT_EMULATE=1: no
+# cooperative matrices, any subgroup size), so it is tested on every device
+
+
+def coop_bound(x: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """test_coopmat's bound: x and W rounded to f16, f32 accumulation (a: abs_terms())."""
+    return (2.0 ** -10 + 2 * x.shape[1] * 2.0 ** -23) * (np.abs(x) @ a.T)
+
+
+def _coop_k(t: str) -> list[int]:
+    # floats: K = 100 (vector rows, the last 8-element unit straddles K) and 99 (element loads)
+    return [100, 99] if block_size(t) == 1 else [test_k(t)]
+
+
+@pytest.mark.parametrize("t", ALL)
+def test_coopmat_emu(device, bufs, rng, t):
+    """Default emulated tiling (64 x 64, BK 32): N and M with interior tiles (straight
+    stores) and edge tiles (staged, bounds-checked), K not a multiple of BK."""
+    tile = mm.COOP_EMU_TILE
+    N = 2 * tile.bn + 24  # y rows 16-byte aligned: interior tiles store straight to y
+    for K in _coop_k(t):
+        raw, W = make_weights(rng, t, N, K)
+        wb = bufs.new(raw.nbytes, raw)
+        for M in (9, 2 * tile.bm):
+            x = rng.standard_normal((M, K))
+            y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat",
+                             coop_variant=mm.coop_variant_name(t, emulate=True))
+            assert took == "coopmat"
+            check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in mm.COOP_VARIANT_TILES
+                                        if n.startswith("mul_mat_coopmat_emu_") and not n.endswith("_f32")))
+def test_coopmat_emu_tilings(device, bufs, rng, name):
+    """The extra emulated tilings (BK 64 with blocks spanning steps and partial last steps; BK
+    16 with tall subgroup blocks and fewer weight units than threads)."""
+    t = name.removeprefix("mul_mat_coopmat_emu_").split("_f32")[0]
+    tile = mm.COOP_VARIANT_TILES[name]
+    N = 3 * tile.bn + 5
+    K = 100 if block_size(t) == 1 else (96 if block_size(t) == 32 else 768)
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    for M in (2 * tile.bm, 2 * tile.bm + 3):
+        x = rng.standard_normal((M, K))
+        y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat", coop_variant=name)
+        check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("t", ["f32", "f16", "q4_0", "q5_0", "q4_k", "q6_k"])
+def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned):
+    """Rows [r0, r0 + n) of W into y columns [c0, c0 + n), x with a row stride and offset, y
+    with a wider stride and an offset; nothing outside the target region may be written.
+    aligned: x rows vec4-aligned and y rows 16-byte aligned (straight fragment stores for
+    interior tiles); otherwise element loads of x and staged stores everywhere."""
+    tile = mm.COOP_EMU_TILE
+    n_total, r0, n, K = tile.bn + 80, 12, tile.bn + 20, test_k(t)
+    M = tile.bm + 5
+    raw, W = make_weights(rng, t, n_total, K)
+    wb = bufs.new(raw.nbytes, raw)
+    if aligned:
+        xs, xo, ys, yo, c0 = K + 4, 8, n_total + 12, 4, 16
+    else:
+        xs, xo, ys, yo, c0 = K + 3, 5, n_total + 2, 3, r0
+    xfull = np.full(xo + M * xs, np.nan)  # padding between rows is NaN: it must never be read
+    x = rng.standard_normal((M, K))
+    for m in range(M):
+        xfull[xo + m * xs: xo + m * xs + K] = x[m]
+    xf = xfull.astype(np.float32)
+    xb = bufs.new(xf.nbytes, xf)
+    y_elems = yo + M * ys
+    yb = bufs.new(4 * y_elems)
+    y = yb.numpy(np.float32, (y_elems,))
+    y[:] = np.nan
+    seq = Sequence(device, "mm")
+    try:
+        mm.record_mul_mat(seq, wb, t, xb, yb, M, n, K, x_stride=xs, y_stride=ys, x_offset=xo,
+                          y_offset=yo, w_row_offset=r0, y_col_offset=c0, path="coopmat",
+                          coop_variant=mm.coop_variant_name(t, emulate=True))
+        seq.run()
+    finally:
+        seq.close()
+    region = np.zeros(y_elems, bool)
+    got = np.empty((M, n), np.float32)
+    for m in range(M):
+        sl = slice(yo + m * ys + c0, yo + m * ys + c0 + n)
+        region[sl] = True
+        got[m] = y[sl]
+    assert np.isnan(y[~region]).all(), "wrote outside the target columns"
+    check(got, x @ W[r0:r0 + n].T, coop_bound(x, abs_terms(raw, t, W)[r0:r0 + n]))
+
+
+def test_coopmat_variants():
+    """Every real tiling fits the shared-memory budget and the 16x16 fragment grid; every type
+    has a default and an emulated variant; the sweep covers each tiling for its types."""
+    for tile in {*mm.COOP_TILES.values(), mm.COOP_EMU_TILE, *mm.COOP_EMU_EXTRA}:
+        assert tile.bm % tile.wm == 0 and tile.bn % tile.wn == 0 and tile.bk % 16 == 0
+        assert tile.wm % 16 == 0 and tile.wn % 16 == 0 and tile.threads <= 1024
+    for tile in mm.COOP_TILES.values():
+        assert tile.shared_bytes <= mm.COOP_SHARED_MAX, tile.name
+    for tile in (mm.COOP_EMU_TILE, *mm.COOP_EMU_EXTRA):
+        assert tile.shared_bytes <= 32768, tile.name  # lavapipe's limit
+    names = {v.name: v for v in mm.VARIANTS}
+    for t in ALL:
+        v = names[mm.coop_variant_name(t)]
+        tile = mm.COOP_TILES[mm.COOP_CONFIG[t]]
+        assert v.local_size == (tile.threads, 1, 1) and v.subgroup_size == 32
+        assert "cooperativeMatrix" in v.requires
+        e = names[mm.coop_variant_name(t, emulate=True)]
+        assert e.defines["COOPMAT_EMULATE"] == "1" and "cooperativeMatrix" not in e.requires
+    for t in mm.COOP_SWEEP_TYPES:
+        for key in mm.COOP_TILES:
+            assert (mm.coop_variant_name(t, key) if key != mm.COOP_CONFIG[t] else mm.coop_variant_name(t)) in names
+    assert len([n for n in names if n.startswith("mul_mat_coopmat")]) <= 45
+
+
+def test_coopmat_variant_errors(device, bufs, seq):
+    K, N, M = 64, 8, 16
+    wb = bufs.new(row_bytes("q8_0", K) * N)
+    xb = bufs.new(4 * M * K)
+    yb = bufs.new(4 * M * N)
+    for kw in ({"path": "tiled", "coop_variant": mm.coop_variant_name("q8_0", emulate=True)},
+               {"path": "coopmat", "coop_variant": mm.coop_variant_name("q4_0", emulate=True)},
+               {"path": "coopmat", "coop_variant": "mul_mat_q8_0_f32"}):
+        with pytest.raises(KernelError, match="coop_variant"):
+            mm.record_mul_mat(seq, wb, "q8_0", xb, yb, M, N, K, **kw)
+    assert seq.dispatches == 0
+
+
+# ------------------------------------------------------------------------------------------
+# mat-vec kernel paths (shaders/mul_mat_vec.comp): every quant type and M = 1..8, rows that
+# start 16-byte aligned (K % 256 == 0, 16-aligned binding offset) and rows that do not (K not
+# a multiple of 256, odd w_row_offset), vec4 and scalar x loads, row ranges, every registered
+# variant (defaults and the VEC_SWEEP shapes).
+
+VEC_NAMES = sorted(n for n in mm.VEC_SWEEP) + sorted(
+    mm.vec_kernel_name(t, m) for t in ALL for m in mm.VEC_MAXM)
+
+
+def _vec_run(device, bufs, rng, t, M, n_total, r0, n, K, w_off=0, x_off=0, variant=None):
+    """Rows [r0, r0 + n) of an n_total x K weight (bound at byte w_off of its buffer) times M
+    columns of x (starting x_off elements into the x buffer, rows K + x_off apart); y is
+    poisoned with NaN and must be written exactly at the target columns."""
+    raw, W = make_weights(rng, t, n_total, K)
+    wbuf = bufs.new(w_off + raw.nbytes, np.concatenate([np.zeros(w_off, np.uint8), raw.ravel()]))
+    wv = View(wbuf, w_off, raw.nbytes)
+    xs = K + x_off
+    x = rng.standard_normal((M, K))
+    xfull = np.full(x_off + M * xs, np.nan)
+    for m in range(M):
+        xfull[x_off + m * xs: x_off + m * xs + K] = x[m]
+    xb = bufs.new(4 * xfull.size, xfull.astype(np.float32))
+    ys = n_total + 1
+    yb = bufs.new(4 * M * ys)
+    y = yb.numpy(np.float32, (M * ys,))
+    y[:] = np.nan
+    seq = Sequence(device, "mm")
+    try:
+        took = mm.record_mul_mat(seq, wv, t, xb, yb, M, n, K, x_stride=xs, x_offset=x_off, y_stride=ys,
+                                 w_row_offset=r0, path="vec" if variant is None else None,
+                                 vec_variant=variant)
+        seq.run()
+    finally:
+        seq.close()
+    assert took == "vec"
+    y2 = y.reshape(M, ys)
+    outside = np.ones_like(y2, bool)
+    outside[:, r0:r0 + n] = False
+    assert np.isnan(y2[outside]).all(), "wrote outside the target columns"
+    check(y2[:, r0:r0 + n], x @ W[r0:r0 + n].T, bound_f32(x, abs_terms(raw, t, W)[r0:r0 + n]))
+
+
+@pytest.mark.parametrize("t", ALL)
+def test_mat_vec_aligned_rows_every_m(device, bufs, rng, t):
+    """K % 256 == 0 (every row 16-byte aligned), 16-aligned binding offset, vec4 x, M = 1..8,
+    N not a multiple of any rows-per-workgroup."""
+    for M in range(1, 9):
+        _vec_run(device, bufs, rng, t, M, n_total=21, r0=0, n=21, K=512, w_off=32)
+
+
+@pytest.mark.parametrize("t", ALL)
+def test_mat_vec_unaligned_rows_every_m(device, bufs, rng, t):
+    """K not a multiple of 256 (rows only 2-byte aligned for Q4_0 / Q8_0 / Q6_K, an odd number
+    of blocks per row), odd w_row_offset, x offset by one element (scalar x loads), M = 1..8."""
+    K = {1: 104, 32: 160, 256: 768}[block_size(t)]
+    for M in range(1, 9):
+        _vec_run(device, bufs, rng, t, M, n_total=19, r0=3, n=13, K=K, w_off=16, x_off=1)
+
+
+@pytest.mark.parametrize("K_blocks", [1, 3, 9])
+@pytest.mark.parametrize("t", ["q4_0", "q8_0", "q4_k", "q6_k"])
+def test_mat_vec_few_units(device, bufs, rng, t, K_blocks):
+    """Rows with fewer units than threads (most threads idle) and a remainder loop."""
+    K = K_blocks * block_size(t)
+    _vec_run(device, bufs, rng, t, 2, n_total=9, r0=1, n=7, K=K)
+
+
+@pytest.mark.parametrize("name", VEC_NAMES)
+def test_vec_variant(device, bufs, rng, name):
+    """Every registered mat-vec variant (defaults and sweep shapes), through vec_variant:
+    aligned rows with vec4 x, then an unaligned row range with scalar x."""
+    t = name.removeprefix("mul_mat_vec_").split("_f32")[0]
+    bs = block_size(t)
+    M = min(3, mm.vec_variant_maxm(name))
+    _vec_run(device, bufs, rng, t, M, n_total=13, r0=0, n=13, K=512 if bs < 256 else 1024, variant=name)
+    _vec_run(device, bufs, rng, t, M, n_total=11, r0=1, n=9, K={1: 72, 32: 288, 256: 768}[bs], x_off=3,
+             variant=name)
+
+
+def test_vec_variant_errors(device, bufs, seq):
+    K, N = 64, 4
+    wb = bufs.new(row_bytes("q8_0", K) * N)
+    xb = bufs.new(4 * 2 * K)
+    yb = bufs.new(4 * 2 * N)
+    sweep_q8 = next(n for n, (t, _) in mm.VEC_SWEEP.items() if t == "q8_0")
+    for bad, M, path in (("mul_mat_vec_q4_0_f32", 1, None), (sweep_q8, 2, None), ("mul_mat_vec_q8_0_f32_m1", 2, None),
+                         ("mul_mat_vec_q8_0_f32", 1, "tiled")):
+        with pytest.raises(KernelError, match="vec_variant"):
+            mm.record_mul_mat(seq, wb, "q8_0", xb, yb, M, N, K, path=path, vec_variant=bad)
+    assert seq.dispatches == 0
+
+
+def test_vec_config_tables():
+    for name, (t, cfg) in mm.VEC_SWEEP.items():
+        assert name == f"mul_mat_vec_{t}_f32_m1_{cfg.tag}" and mm.vec_config(name) == cfg
+        assert mm.vec_variant_maxm(name) == 1 and cfg.nr <= cfg.wg
+    for t in ALL:
+        for m in mm.VEC_MAXM:
+            assert mm.vec_config(mm.vec_kernel_name(t, m)) == mm.VEC_CONFIG[t]
+            assert mm.vec_variant_maxm(mm.vec_kernel_name(t, m)) == m
+    assert len(mm.VEC_SWEEP) <= 60
+
+
+def test_cpu_devices_get_the_small_decode_shapes(device):
+    """CPU Vulkan devices (lavapipe) run M = 1 with the small-workgroup shapes of VEC_CPU_M1
+    (the GPU defaults are 2-5x slower there); GPUs, and M > 1, keep the defaults. The variants
+    themselves are checked against numpy by test_vec_variant above."""
+    from vkxsplit.vk.api import vk
+
+    gpu = types.SimpleNamespace(physical=types.SimpleNamespace(device_type=vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU))
+    cpu = types.SimpleNamespace(physical=types.SimpleNamespace(device_type=vk.VK_PHYSICAL_DEVICE_TYPE_CPU))
+    for t, c in mm.VEC_CPU_M1.items():
+        name = mm.device_vec_variant(cpu, t, 1)
+        assert name in mm.VEC_SWEEP and mm.vec_config(name) == c
+        assert mm.device_vec_variant(cpu, t, 2) is None and mm.device_vec_variant(gpu, t, 1) is None
+    assert mm.device_vec_variant(cpu, "q5_k", 1) is None  # no sweep shape: the default
+    expect_cpu = device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+    assert (mm.device_vec_variant(device, "q4_1", 1) is not None) == expect_cpu

@@ -32,7 +32,7 @@ def test_bench_models_tiny(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     row = [ln for ln in r.stdout.splitlines() if ln.startswith("| smol135m | q4_1 |")]
     assert row and "error" not in r.stdout, r.stdout[-2000:]
-    assert float(row[0].split("|")[3]) > 0  # vkxsplit pp8 tok/s
+    assert row[0].split("|")[3].strip() == "`none`" and float(row[0].split("|")[4]) > 0  # split, pp8 tok/s
 
 
 def test_bench_planner_quick(tmp_path):
@@ -48,3 +48,21 @@ def test_bench_handoff_names_the_missing_cuda(tmp_path):
         pytest.skip("CUDA is present: the benchmark would run for real")
     r = run_tool(["tools/bench_handoff.py"], tmp_path)
     assert r.returncode == 2 and "no cuda backend" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_coopmat_quick(tmp_path):
+    """The coopmat sweep: on a device without cooperative matrices it checks and times the
+    emulated variants; every variant must PASS its numpy check."""
+    r = run_tool(["tools/bench_coopmat.py", "--quick"], tmp_path)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "| PASS |" in r.stdout and "FAIL" not in r.stdout
+    assert "| q4_0 | 128x256 |" in r.stdout and "fastest per type" in r.stdout
+
+
+def test_bench_matvec_quick(tmp_path):
+    r = run_tool(["tools/bench_matvec.py", "--quick"], tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "copy_vec4" in r.stdout and "FAIL" not in r.stdout and "| PASS |" in r.stdout
+    for t in ("q4_0", "q8_0", "q4_1", "q4_k", "q6_k", "f16"):
+        assert f"- {t}: `mul_mat_vec_{t}_f32" in r.stdout, r.stdout[-2000:]
+        assert f"| {t} | 256x1024 | 1 |" in r.stdout and f"| {t} | 256x1024 | 4 |" in r.stdout

@@ -21,6 +21,7 @@ the full tensor as ``w``); results go to y columns ``y_col_offset + n`` (default
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import KernelError
@@ -41,15 +42,82 @@ MAX_GROUPS = 65535      # per grid dimension (Vulkan's guaranteed minimum; lavap
 
 _STORAGE = ("storageBuffer16BitAccess", "storageBuffer8BitAccess")
 
-# mat-vec shape per type: (workgroup size, output rows per workgroup); tuned on an H200
-VEC_CONFIG: dict[str, tuple[int, int]] = {
-    **{t: (64, 2) for t in ("f32", "f16", "bf16")},
-    **{t: (32, 4) for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
-    **{t: (32, 2) for t in ("q4_k", "q5_k", "q6_k")},
+@dataclass(frozen=True)
+class VecConfig:
+    """Shape of a mat-vec kernel (``shaders/mul_mat_vec.comp``): ``wg`` threads per workgroup,
+    ``nr`` output rows per workgroup, ``unr`` units per thread per loop iteration (the loads a
+    thread has in flight: ``nr * unr`` units), ``lanes`` per block (``DQX_L``: 2 or 4 for
+    Q4_0/Q4_1/Q8_0, 4 or 8 for Q4_K/Q5_K; 0 for the type's default / types without a choice)."""
+
+    wg: int
+    nr: int
+    unr: int = 1
+    lanes: int = 0
+
+    @property
+    def tag(self) -> str:
+        return f"wg{self.wg}_nr{self.nr}_u{self.unr}" + (f"_l{self.lanes}" if self.lanes else "")
+
+    def defines(self) -> dict[str, str]:
+        d = {"WG": str(self.wg), "NR": str(self.nr), "UNR": str(self.unr)}
+        if self.lanes:
+            d["DQX_L"] = str(self.lanes)
+        return d
+
+
+# mat-vec shape per type (designed for an H200: >= 128 threads per workgroup so 32 resident
+# workgroups fill an SM, rows per workgroup to reuse each x load, 2 units per iteration for
+# loads in flight; tools/bench_matvec.py sweeps the alternatives in VEC_SWEEP)
+VEC_CONFIG: dict[str, VecConfig] = {
+    **{t: VecConfig(128, 4, 2) for t in ("f32", "f16", "bf16", "q5_0", "q5_1")},
+    **{t: VecConfig(128, 4, 2, 2) for t in ("q4_0", "q4_1", "q8_0")},
+    **{t: VecConfig(128, 2, 1, 8) for t in ("q4_k", "q5_k")},
+    "q6_k": VecConfig(128, 2, 1),
 }
 # mat-vec variants by the most columns of x they handle (fewer columns, fewer registers);
 # the 8-column one is mul_mat_vec_<type>_f32, the others carry an _m<n> suffix
 VEC_MAXM = (1, 2, 4, 8)
+
+# sweep-only mat-vec variants (M = 1: compiled with MAXM 1), by type; the first of each is the
+# shape of the kernels before this design (small workgroups), for comparison
+_SWEEP_SHAPES: dict[str, list[VecConfig]] = {
+    "q4_0": [VecConfig(32, 4, 1, 4), VecConfig(128, 4, 2, 4), VecConfig(256, 4, 2, 2), VecConfig(64, 4, 2, 2),
+             VecConfig(128, 2, 2, 2), VecConfig(128, 8, 1, 2), VecConfig(128, 4, 4, 2), VecConfig(256, 2, 2, 4),
+             VecConfig(128, 4, 1, 4)],
+    "q8_0": [VecConfig(32, 4, 1, 4), VecConfig(128, 4, 2, 4), VecConfig(256, 4, 2, 2), VecConfig(64, 4, 2, 2),
+             VecConfig(128, 2, 2, 2), VecConfig(128, 8, 1, 2), VecConfig(128, 4, 4, 2), VecConfig(256, 2, 2, 4),
+             VecConfig(128, 4, 1, 4)],
+    "q4_1": [VecConfig(32, 4, 1, 4), VecConfig(128, 4, 2, 4), VecConfig(256, 4, 2, 2), VecConfig(128, 2, 2, 2),
+             VecConfig(128, 8, 1, 2), VecConfig(128, 4, 4, 2)],
+    "q4_k": [VecConfig(32, 2, 1, 8), VecConfig(128, 4, 1, 8), VecConfig(256, 2, 1, 8), VecConfig(64, 2, 1, 8),
+             VecConfig(128, 2, 2, 8), VecConfig(128, 2, 1, 4), VecConfig(128, 1, 2, 8), VecConfig(256, 4, 1, 8)],
+    "q6_k": [VecConfig(32, 2, 1), VecConfig(128, 4, 1), VecConfig(256, 2, 1), VecConfig(64, 2, 1),
+             VecConfig(128, 2, 2), VecConfig(128, 1, 2), VecConfig(256, 1, 2)],
+    "f16": [VecConfig(64, 2, 1), VecConfig(128, 2, 2), VecConfig(256, 4, 2), VecConfig(128, 4, 4),
+            VecConfig(64, 4, 2), VecConfig(128, 8, 1)],
+}
+#: sweep variant name -> (type, shape); names are mul_mat_vec_<type>_f32_m1_<shape tag>
+VEC_SWEEP: dict[str, tuple[str, VecConfig]] = {
+    f"mul_mat_vec_{t}_f32_m1_{c.tag}": (t, c) for t, cs in _SWEEP_SHAPES.items() for c in cs}
+
+
+#: M = 1 (decode) mat-vec shapes for CPU Vulkan devices: lavapipe runs a workgroup's invocations
+#: on one core, where the GPU shapes above (128 threads, several units in flight) are 2-5x
+#: slower than these (measured on llvmpipe at SmolLM2's shapes); all are VEC_SWEEP variants
+VEC_CPU_M1: dict[str, VecConfig] = {
+    **{t: VecConfig(32, 4, 1, 4) for t in ("q4_0", "q4_1", "q8_0")},
+    "q4_k": VecConfig(32, 2, 1, 8), "q6_k": VecConfig(32, 2, 1), "f16": VecConfig(128, 8, 1),
+}
+
+
+def device_vec_variant(device: Device, t: str, M: int) -> str | None:
+    """The mat-vec variant for ``device`` where it differs from the default (CPU devices, M = 1)."""
+    from ..vk.api import vk
+
+    if M != 1 or getattr(device.physical, "device_type", None) != vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+        return None
+    c = VEC_CPU_M1.get(t)
+    return None if c is None else f"mul_mat_vec_{t}_f32_m1_{c.tag}"
 
 
 def vec_kernel_name(t: str, M: int) -> str:
@@ -57,25 +125,136 @@ def vec_kernel_name(t: str, M: int) -> str:
     return f"mul_mat_vec_{t}_f32" + ("" if mm == MAX_VEC_M else f"_m{mm}")
 
 
+def vec_config(name: str) -> VecConfig:
+    """The shape of a mat-vec variant (a default one or a VEC_SWEEP one) by name."""
+    if name in VEC_SWEEP:
+        return VEC_SWEEP[name][1]
+    t = name.removeprefix("mul_mat_vec_").split("_f32")[0]
+    return VEC_CONFIG[t]
+
+
+def vec_variant_maxm(name: str) -> int:
+    """The most columns of x a mat-vec variant handles."""
+    if name in VEC_SWEEP:
+        return 1
+    tail = name.split("_f32")[-1]
+    return int(tail[2:]) if tail.startswith("_m") else MAX_VEC_M
+
+
+def _vec_variant(name: str, wt: WeightType, cfg: VecConfig, maxm: int) -> Variant:
+    return Variant(name=name, source="mul_mat_vec.comp",
+                   defines={"WTYPE": str(wt.id), "MAXM": str(maxm), **cfg.defines()},
+                   bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1), requires=_STORAGE)
+
+
 TILED_BM, TILED_BN = 64, 64       # mul_mat.comp tile (rows of x, rows of W)
-COOP_BM, COOP_BN = 64, 128        # mul_mat_coopmat.comp tile
 COOP_SUBGROUP = 32
+FLAG_YVEC = 4           # coopmat: y rows 16-byte aligned (binding, offset, column offset, stride)
+COOP_SHARED_MAX = 49152  # bytes of shared memory a coopmat variant may use (H200's limit)
+
+
+@dataclass(frozen=True)
+class CoopTile:
+    """A mul_mat_coopmat.comp tiling: BM x BN output tile per workgroup (rows of x x rows of
+    W), BK the K slice per step, WM x WN the block of one subgroup (of 32 invocations),
+    stages: 2 (double-buffered shared tiles, one barrier per step) or 1 (two barriers)."""
+
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    stages: int = 2
+
+    @property
+    def name(self) -> str:
+        return f"t{self.bm}x{self.bn}_k{self.bk}_w{self.wm}x{self.wn}" + ("_s1" if self.stages == 1 else "")
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.bm // self.wm) * (self.bn // self.wn)
+
+    @property
+    def shared_bytes(self) -> int:
+        """f16 stages of rows padded to BK + 8, plus a 16x16 f32 staging area per subgroup"""
+        return self.stages * 2 * (self.bm + self.bn) * (self.bk + 8) + 4 * 256 * (self.threads // 32)
+
+    def defines(self) -> dict[str, str]:
+        return {"BM": str(self.bm), "BN": str(self.bn), "BK": str(self.bk), "WM": str(self.wm),
+                "WN": str(self.wn), "STAGES": str(self.stages)}
+
+
+# real-hardware tilings (each within COOP_SHARED_MAX); the sweep (tools/bench_coopmat.py)
+# times all of them for COOP_SWEEP_TYPES
+COOP_TILES = {t.name: t for t in (
+    CoopTile(128, 128, 32, 32, 64),   # 8 subgroups of 2 x 4 fragments; 48 KiB
+    CoopTile(128, 128, 32, 64, 64),   # 4 subgroups of 4 x 4 (ggml-vulkan's large tile shape)
+    CoopTile(64, 128, 32, 32, 64),    # 4 subgroups of 2 x 4; twice the workgroups
+    CoopTile(128, 128, 64, 32, 64, stages=1),  # 8 subgroups of 2 x 4, BK 64, one stage; 44 KiB
+)}
+COOP_DEFAULT = "t128x128_k32_w32x64"
+# tiling of mul_mat_coopmat_<type>_f32, by type (retune from the sweep's "fastest" table)
+COOP_CONFIG: dict[str, str] = {t: COOP_DEFAULT for t in TYPES}
+COOP_SWEEP_TYPES = ("f16", "q4_0", "q8_0", "q4_k", "q6_k")
+# emulated variants (COOPMAT_EMULATE=1: no cooperative matrices, any subgroup size; tests
+# only): mul_mat_coopmat_emu_<type>_f32 with COOP_EMU_TILE for every type, plus extra tilings
+# for a few types (BK 64 with one stage, K-quant blocks spanning steps; BK 16, tall subgroup blocks,
+# fewer weight units than threads). Each fits lavapipe's 32 KiB of shared memory.
+COOP_EMU_TILE = CoopTile(64, 64, 32, 32, 32)
+COOP_EMU_EXTRA = {
+    CoopTile(32, 64, 64, 32, 32, stages=1): ("f16", "q4_k"),
+    CoopTile(64, 32, 16, 16, 32): ("bf16", "q8_0"),
+}
+_COOP_REQUIRES = ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel", "subgroupSizeControl", *_STORAGE)
+
+
+def coop_variant_name(t: str, tile: str | None = None, emulate: bool = False) -> str:
+    """mul_mat_coopmat[_emu]_<type>_f32[_<tile>] (no tile: the type's default variant)."""
+    return f"mul_mat_coopmat{'_emu' if emulate else ''}_{t}_f32" + (f"_{tile}" if tile else "")
+
+
+def _coop_variant(t: str, wt: WeightType, tile: CoopTile, name: str, emulate: bool) -> Variant:
+    defines = {"WTYPE": str(wt.id), **tile.defines()}
+    if emulate:
+        return Variant(name=name, source="mul_mat_coopmat.comp", defines={**defines, "COOPMAT_EMULATE": "1"},
+                       bindings=3, writes=(2,), push=PUSH, local_size=(tile.threads, 1, 1),
+                       requires=("shaderFloat16", *_STORAGE))
+    return Variant(name=name, source="mul_mat_coopmat.comp", defines=defines, bindings=3, writes=(2,), push=PUSH,
+                   local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang",
+                   subgroup_size=COOP_SUBGROUP, requires=_COOP_REQUIRES)
+
+
+def _coop_variants() -> tuple[list[Variant], dict[str, CoopTile]]:
+    out: list[Variant] = []
+    tiles: dict[str, CoopTile] = {}
+
+    def add(t: str, tile: CoopTile, name: str, emulate: bool) -> None:
+        out.append(_coop_variant(t, TYPES[t], tile, name, emulate))
+        tiles[name] = tile
+
+    for t in TYPES:
+        add(t, COOP_TILES[COOP_CONFIG[t]], coop_variant_name(t), False)
+    for t in COOP_SWEEP_TYPES:
+        for key, tile in COOP_TILES.items():
+            if key != COOP_CONFIG[t]:
+                add(t, tile, coop_variant_name(t, key), False)
+    for t in TYPES:
+        add(t, COOP_EMU_TILE, coop_variant_name(t, emulate=True), True)
+    for tile, ts in COOP_EMU_EXTRA.items():
+        for t in ts:
+            add(t, tile, coop_variant_name(t, tile.name, emulate=True), True)
+    return out, tiles
+
+
+_COOP_VARIANTS, COOP_VARIANT_TILES = _coop_variants()
 
 VARIANTS = (
-    [Variant(name=vec_kernel_name(t, mm), source="mul_mat_vec.comp",
-             defines={"WTYPE": str(wt.id), "WG": str(VEC_CONFIG[t][0]), "NR": str(VEC_CONFIG[t][1]),
-                      "MAXM": str(mm)},
-             bindings=3, writes=(2,), push=PUSH, local_size=(VEC_CONFIG[t][0], 1, 1), requires=_STORAGE)
-     for t, wt in TYPES.items() for mm in VEC_MAXM]
+    [_vec_variant(vec_kernel_name(t, mm), wt, VEC_CONFIG[t], mm) for t, wt in TYPES.items() for mm in VEC_MAXM]
+    + [_vec_variant(name, TYPES[t], cfg, 1) for name, (t, cfg) in VEC_SWEEP.items()]
     + [Variant(name=f"mul_mat_{t}_f32", source="mul_mat.comp", defines={"WTYPE": str(wt.id)},
                bindings=3, writes=(2,), push=PUSH, local_size=(256, 1, 1), requires=_STORAGE)
        for t, wt in TYPES.items()]
-    + [Variant(name=f"mul_mat_coopmat_{t}_f32", source="mul_mat_coopmat.comp", defines={"WTYPE": str(wt.id)},
-               bindings=3, writes=(2,), push=PUSH, local_size=(128, 1, 1), target_env="vulkan1.3",
-               compiler="glslang", subgroup_size=COOP_SUBGROUP,
-               requires=("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel", "subgroupSizeControl",
-                         *_STORAGE))
-       for t, wt in TYPES.items()]
+    + _COOP_VARIANTS
 )
 
 PATHS = ("vec", "tiled", "coopmat")
@@ -117,12 +296,16 @@ def vec_supported(device: Device) -> bool:
     return bool(p.subgroup_ops & _SUBGROUP_ARITHMETIC) and bool(p.subgroup_stages & _STAGE_COMPUTE)
 
 
-def _grid(path: str, wt: WeightType, M: int, N: int) -> tuple[int, int, int]:
+def _grid(path: str, wt: WeightType, M: int, N: int, variant: str | None = None) -> tuple[int, int, int]:
     if path == "vec":
-        g = max(1, -(-N // VEC_CONFIG[wt.name][1]))
+        g = max(1, -(-N // (vec_config(variant).nr if variant else VEC_CONFIG[wt.name].nr)))
         gx = min(g, MAX_GROUPS)
         return gx, -(-g // gx), 1
-    bm, bn = (TILED_BM, TILED_BN) if path == "tiled" else (COOP_BM, COOP_BN)
+    if path == "tiled":
+        bm, bn = TILED_BM, TILED_BN
+    else:
+        tile = COOP_VARIANT_TILES[variant or coop_variant_name(wt.name)]
+        bm, bn = tile.bm, tile.bn
     return max(1, -(-N // bn)), max(1, -(-M // bm)), 1
 
 
@@ -179,16 +362,40 @@ def _overlap(a: Bindable, b: Bindable) -> bool:
 def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x: Bindable, y: Bindable,
                    M: int, N: int, K: int, x_stride: int | None = None, y_stride: int | None = None,
                    x_offset: int = 0, y_offset: int = 0, w_row_offset: int = 0, path: str | None = None,
-                   y_col_offset: int | None = None) -> str:
+                   y_col_offset: int | None = None, *, coop_variant: str | None = None,
+                   vec_variant: str | None = None) -> str:
     """Record ``y[y_offset + m*y_stride + y_col_offset + n] = sum_k x[x_offset + m*x_stride + k]
     * W[w_row_offset + n, k]`` for m < M, n < N (offsets and strides in elements; W rows are
     raw ggml rows of K elements starting at byte 0 of ``w``). ``x_stride`` defaults to K,
     ``y_col_offset`` to ``w_row_offset``, ``y_stride`` to ``y_col_offset + N``. ``path``:
     ``vec`` / ``tiled`` / ``coopmat`` or None (M <= 8: vec; else coopmat when available, else
-    tiled). Returns the path taken. Raises KernelError for anything no kernel handles."""
+    tiled). Returns the path taken. Raises KernelError for anything no kernel handles.
+
+    ``coop_variant`` (tests and benchmarks only; ``path`` must be ``coopmat``): run this
+    mul_mat_coopmat variant of the weight type instead of the default one, e.g. a tiling of
+    the sweep or an emulated variant (``mul_mat_coopmat_emu_*``, which runs on devices
+    without cooperative matrices).
+
+    ``vec_variant`` (benchmarks and tests only; the path must be ``vec``): run this mat-vec
+    variant of the weight type (e.g. a VEC_SWEEP one) instead of the default one for M."""
     wt = weight_type(w_type)
     dev = seq.device
-    path = check_mul_mat(wt, M, N, K, path=path, device=dev)
+    if vec_variant is not None:
+        if (path not in (None, "vec") or not vec_variant.startswith(f"mul_mat_vec_{wt.name}_f32")
+                or M > vec_variant_maxm(vec_variant)):
+            raise KernelError(f"vec_variant {vec_variant!r} is not a mat-vec variant for {wt.name.upper()} "
+                              f"weights and M = {M} (and path must be 'vec')")
+        path = "vec"
+    if coop_variant is not None:
+        tile = COOP_VARIANT_TILES.get(coop_variant)
+        if path != "coopmat" or tile is None or not coop_variant.startswith(
+                (coop_variant_name(wt.name), coop_variant_name(wt.name, emulate=True))):
+            raise KernelError(f"coop_variant {coop_variant!r} is not a coopmat variant for "
+                              f"{wt.name.upper()} weights (and path must be 'coopmat')")
+    emulated = coop_variant is not None and coop_variant.startswith("mul_mat_coopmat_emu_")
+    path = check_mul_mat(wt, M, N, K, path=path, device=None if emulated else dev)
+    if path == "vec" and vec_variant is None:
+        vec_variant = device_vec_variant(dev, wt.name, M)
     name = f"mul_mat[{wt.name.upper()}, M={M}, N={N}, K={K}]"
     x_stride = K if x_stride is None else x_stride
     y_col = w_row_offset if y_col_offset is None else y_col_offset
@@ -233,14 +440,19 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     if wt.quantized or K % (8 if path == "vec" else 4) == 0:
         flags |= FLAG_WVEC
     if path == "vec":
-        kernel = Kernel.get(dev, vec_kernel_name(wt.name, M))
+        kernel = Kernel.get(dev, vec_variant or vec_kernel_name(wt.name, M))
+    elif path == "tiled":
+        kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
-        kernel = Kernel.get(dev, f"{'mul_mat' if path == 'tiled' else 'mul_mat_coopmat'}_{wt.name}_f32")
+        kernel = Kernel.get(dev, coop_variant or coop_variant_name(wt.name))
+        if y_off % 16 == 0 and (y_offset + y_col) % 4 == 0 and y_stride % 4 == 0:
+            flags |= FLAG_YVEC
     seq.dispatch(kernel, [w, x, y],
                  (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col, flags),
-                 _grid(path, wt, M, N))
+                 _grid(path, wt, M, N, vec_variant if path == "vec" else coop_variant))
     return path
 
 
-__all__ = ["VARIANTS", "check_mul_mat", "record_mul_mat", "coopmat_available", "coopmat_supported",
-           "coopmat_disabled", "vec_supported", "MAX_VEC_M", "PATHS"]
+__all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VecConfig", "check_mul_mat", "coopmat_available",
+           "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]

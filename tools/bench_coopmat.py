@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Sweep of the cooperative-matrix mat-mat kernel's variants (shaders/mul_mat_coopmat.comp).
+
+For F16, Q4_0, Q8_0, Q4_K and Q6_K weights: first verifies every coopmat variant of the type
+once against a float64 numpy reference on a small odd shape (edge tiles in M, N and K,
+interior tiles stored straight to y), printing PASS/FAIL; then times every variant (the
+type's default ``mul_mat_coopmat_<type>_f32`` and the sweep tilings
+``mul_mat_coopmat_<type>_f32_t<BM>x<BN>_k<BK>_w<WM>x<WN>``) and the tiled path at M = 512 on
+4096x4096 and 14336x4096 (N x K; F16 also 4096x14336) with GPU timestamps, printing markdown
+tables and the fastest variant per type (the tiling to put in COOP_CONFIG).
+
+Usage: python tools/bench_coopmat.py [--quick] [--reps N]
+  --quick  small shapes; on a device without cooperative matrices (lavapipe) it runs the
+           emulated variants (mul_mat_coopmat_emu_*), a smoke test of the script and kernel.
+Exit status: 0, or 1 when a variant FAILs its check (2 when the device has no coopmat and
+--quick is not given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import timed  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
+
+from vkxsplit.errors import VkxError  # noqa: E402
+from vkxsplit.ops import mul_mat as mm  # noqa: E402
+from vkxsplit.ops.quant import block_size, row_bytes, weight_type  # noqa: E402
+from vkxsplit.vk.command import Sequence  # noqa: E402
+from vkxsplit.vk.device import Device  # noqa: E402
+
+TYPES = ["f16", "q4_0", "q8_0", "q4_k", "q6_k"]
+# byte offsets of the f16 scale fields per block (random valid blocks for the check)
+SCALES = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q6_k": [208]}
+
+
+def variants(t: str, emulate: bool) -> list[str]:
+    base = mm.coop_variant_name(t, emulate=emulate)
+    names = [n for n in mm.COOP_VARIANT_TILES if n == base or n.startswith(base + "_")]
+    return sorted(names, key=lambda n: (n != base, n))
+
+
+def make_weights(rng: np.random.Generator, t: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw ggml bytes [n, row_bytes], float64 reference [n, k]) from gguf's dequantize."""
+    wt = weight_type(t)
+    if t == "f16":
+        w = rng.standard_normal((n, k)).astype(np.float16)
+        return w.view(np.uint8).reshape(n, -1), w.astype(np.float64)
+    bs, bb = GGML_QUANT_SIZES[wt.ggml]
+    raw = rng.integers(0, 256, size=(n, k // bs, bb), dtype=np.uint8)
+    for off in SCALES[t]:
+        d = (rng.uniform(0.001, 0.01, raw.shape[:2]) * rng.choice([-1.0, 1.0], raw.shape[:2])).astype(np.float16)
+        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    raw = raw.reshape(n, -1)
+    ref = np.asarray(dequantize(raw, wt.ggml), dtype=np.float64).reshape(n, k)
+    return raw, ref
+
+
+def abs_weights(raw: np.ndarray, t: str, w: np.ndarray) -> np.ndarray:
+    """|d sc q| + |dmin m| for Q4_K (the min term's magnitude counts), else |w|."""
+    if t != "q4_k":
+        return np.abs(w)
+    blocks = raw.reshape(raw.shape[0], -1, 144).copy()
+    blocks[:, :, 1] &= 0x7F
+    blocks[:, :, 3] |= 0x80
+    return np.abs(np.asarray(dequantize(blocks.reshape(raw.shape), weight_type(t).ggml),
+                             dtype=np.float64).reshape(w.shape))
+
+
+def check_variant(dev: Device, rng: np.random.Generator, t: str, name: str) -> tuple[bool, str]:
+    """One run on a small odd shape against numpy: (ok, detail)."""
+    tile = mm.COOP_VARIANT_TILES[name]
+    M, N = tile.bm + 13, tile.bn + 76  # N % 4 == 0: the interior tile stores straight to y
+    K = {1: 264, 32: 288, 256: 768}[block_size(t)]  # no multiple of BK 32 / 64
+    raw, W = make_weights(rng, t, N, K)
+    x = rng.standard_normal((M, K))
+    bufs = [dev.memory.alloc(max(n, 4), "host", name="check") for n in (raw.nbytes, 4 * M * K, 4 * M * N)]
+    try:
+        wb, xb, yb = bufs
+        wb.numpy(np.uint8, (raw.nbytes,))[:] = raw.ravel()
+        xb.numpy(np.float32, (M * K,))[:] = x.astype(np.float32).ravel()
+        y = yb.numpy(np.float32, (M * N,))
+        y[:] = np.nan
+        seq = Sequence(dev, "check")
+        try:
+            mm.record_mul_mat(seq, wb, t, xb, yb, M, N, K, path="coopmat", coop_variant=name)
+            seq.run()
+        finally:
+            seq.close()
+        got = y.reshape(M, N).astype(np.float64)
+    finally:
+        for b in bufs:
+            b.close()
+    ref = x @ W.T
+    bound = (2.0 ** -10 + 2 * K * 2.0 ** -23) * (np.abs(x) @ abs_weights(raw, t, W).T)
+    if np.isnan(got).any():
+        return False, f"{int(np.isnan(got).sum())} NaN (unwritten) elements, M={M} N={N} K={K}"
+    ratio = float(np.max(np.abs(got - ref) / np.maximum(bound, 1e-300)))
+    return ratio <= 1.0, f"M={M} N={N} K={K}, worst error / bound {ratio:.3f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small shapes; emulated variants without coopmat")
+    ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 10, --quick 1)")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    dev = Device.open()
+    real = mm.coopmat_available(dev)
+    print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), coopmat={real}\n")
+    if not real and not args.quick:
+        print("this device has no usable cooperative matrices; use --quick for the emulated smoke run",
+              file=sys.stderr)
+        return 2
+    emulate = not real
+    rng = np.random.default_rng(0)
+    reps = args.reps or (1 if args.quick else 10)
+
+    # 1. correctness of every variant
+    print("## check against numpy (x, W rounded to f16, f32 accumulation bound)\n")
+    print("| type | variant | result | detail |\n|---|---|---|---|")
+    failed = 0
+    for t in TYPES:
+        for name in variants(t, emulate):
+            try:
+                ok, detail = check_variant(dev, rng, t, name)
+            except VkxError as exc:
+                ok, detail = False, str(exc).splitlines()[0]
+            failed += not ok
+            print(f"| {t} | {name} | {'PASS' if ok else 'FAIL'} | {detail} |")
+
+    # 2. timings
+    M = 64 if args.quick else 512
+    shapes = {t: [(128, 256)] if args.quick else [(4096, 4096), (14336, 4096)] for t in TYPES}
+    if not args.quick:
+        shapes["f16"].append((4096, 14336))
+    print(f"\n## mat-mat timings, M = {M} (N x K = output rows x inner dimension)\n")
+    print("| type | N x K | variant | tile | ms | TFLOP/s |\n|---|---|---|---|---:|---:|")
+    best: dict[tuple[str, int, int], tuple[float, str]] = {}
+    per_variant: dict[tuple[str, str], list[float]] = {}
+    for t in TYPES:
+        for n, k in shapes[t]:
+            wbytes = n * row_bytes(t, k)
+            w = dev.memory.alloc(wbytes, "device", "w")
+            w.write(rng.integers(0, 64, wbytes, dtype=np.uint8))
+            x = dev.memory.alloc(M * k * 4, "device", "x")
+            x.write((rng.standard_normal(M * k) * 0.01).astype(np.float32))
+            y = dev.memory.alloc(M * n * 4, "device", "y")
+            flop = 2.0 * M * n * k
+            for name in [*variants(t, emulate), "tiled"]:
+                kw = {"path": "tiled"} if name == "tiled" else {"path": "coopmat", "coop_variant": name}
+                tile = "64x64 f32" if name == "tiled" else mm.COOP_VARIANT_TILES[name].name
+                try:
+                    sec = timed(dev, lambda s, w=w, x=x, y=y, n=n, k=k, t=t, kw=kw:
+                                mm.record_mul_mat(s, w, t, x, y, M, n, k, **kw), reps)
+                except VkxError as exc:
+                    print(f"| {t} | {n}x{k} | {name} | {tile} | - | {str(exc)[:60]} |")
+                    continue
+                tf = flop / sec / 1e12
+                print(f"| {t} | {n}x{k} | {name} | {tile} | {sec * 1e3:.3f} | {tf:.3g} |")
+                if name != "tiled":
+                    per_variant.setdefault((t, name), []).append(tf)
+                    if tf > best.get((t, n, k), (0.0, ""))[0]:
+                        best[(t, n, k)] = (tf, name)
+            for b in (w, x, y):
+                b.close()
+
+    print("\n## fastest coopmat variant per type and shape\n")
+    print("| type | N x K | fastest | TFLOP/s | default TFLOP/s |\n|---|---|---|---:|---:|")
+    for (t, n, k), (tf, name) in best.items():
+        dflt = per_variant.get((t, mm.coop_variant_name(t, emulate=emulate)), [])
+        d = dflt[shapes[t].index((n, k))] if len(dflt) == len(shapes[t]) else float("nan")
+        print(f"| {t} | {n}x{k} | {name} | {tf:.3g} | {d:.3g} |")
+    print("\n## fastest per type (geometric mean over its shapes) -> COOP_CONFIG\n")
+    print("| type | variant | tile | geomean TFLOP/s |\n|---|---|---|---:|")
+    for t in TYPES:
+        cands = [(math.exp(sum(map(math.log, v)) / len(v)), name) for (tt, name), v in per_variant.items()
+                 if tt == t and len(v) == len(shapes[t]) and min(v) > 0]
+        if cands:
+            g, name = max(cands)
+            print(f"| {t} | {name} | {mm.COOP_VARIANT_TILES[name].name} | {g:.3g} |")
+    dev.close()
+    print(f"\nchecks: {'all PASS' if not failed else f'{failed} FAIL'}; {time.perf_counter() - t_start:.1f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

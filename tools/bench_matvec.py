@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Mat-vec kernel sweep (shaders/mul_mat_vec.comp) on the hub device, GPU timestamps, markdown.
+
+For each weight type and N x K shape it times the default mat-vec variant and every sweep
+variant of the type (``vkxsplit.ops.mul_mat.VEC_SWEEP``) at M = 1, and the default at M = 4:
+
+- weights rotate through enough copies of the matrix to total >= 256 MiB (over 2x the H200's
+  50 MB L2), so the bandwidth is DRAM's, not L2's;
+- ``barrier`` mode: dispatches back to back with a full barrier after each (what a decode
+  step does); ``no-barrier`` mode: the same dispatches writing different y buffers with no
+  barrier between them, so they may overlap (launch / barrier latency separated from the
+  kernel's own time);
+- GB/s = weight bytes / time, and % of the compute-shader copy bandwidth (copy_vec4, read +
+  write bytes / time) measured in the same run;
+- every variant is first checked once against a float64 numpy reference on a small shape
+  (PASS / FAIL), so a variant that is wrong on this device is caught.
+
+Usage: python tools/bench_matvec.py [--quick] [--types q4_0,q8_0] [--reps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vkxsplit.errors import VkxError  # noqa: E402
+from vkxsplit.ops import mul_mat as mm  # noqa: E402
+from vkxsplit.ops.copy import record_copy  # noqa: E402
+from vkxsplit.ops.quant import row_bytes, weight_type  # noqa: E402
+from vkxsplit.vk.command import Sequence, Timestamps  # noqa: E402
+from vkxsplit.vk.device import Device  # noqa: E402
+from vkxsplit.vk.kernel import View  # noqa: E402
+
+TYPES = ("q4_0", "q8_0", "q4_1", "q4_k", "q6_k", "f16")
+SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
+QUICK_SHAPES = ((256, 1024),)
+ROTATE_BYTES = 256 << 20
+
+
+def timed(dev: Device, record: Callable[[Sequence, int], None], reps: int, barrier: bool) -> float:
+    """Seconds per repetition of ``record(seq, i)`` (i = 0..reps-1) from GPU timestamps, after
+    one warm-up pass over all reps; a barrier after each rep when ``barrier``."""
+    ts = Timestamps(dev, 2)
+    seq = Sequence(dev, "bench")
+    try:
+        for i in range(reps):  # warm-up (pipelines, TLB), same submit
+            record(seq, i)
+        seq.barrier()
+        seq.write_timestamp(ts, 0)
+        for i in range(reps):
+            record(seq, i)
+            if barrier:
+                seq.barrier()
+        seq.barrier()
+        seq.write_timestamp(ts, 1)
+        seq.run(timeout=600)
+        t = ts.read()
+        return (t[1] - t[0]) * 1e-9 / reps
+    finally:
+        seq.close()
+        ts.close()
+
+
+def time_variant(dev: Device, t: str, v: str, m: int, n: int, k: int, ws: list, x, y, ystride: int,
+                 reps: int) -> tuple[float, float]:
+    """(barrier-mode, no-barrier-mode) seconds per dispatch of variant ``v``; rep i reads weight
+    copy i % len(ws); in no-barrier mode it writes its own y slot (no hazard, no barrier)."""
+    slot = 8 * ystride * 4
+
+    def rec(s: Sequence, i: int, sep: bool) -> None:
+        yv = View(y, (i if sep else 0) * slot, slot)
+        mm.record_mul_mat(s, ws[i % len(ws)], t, x, yv, m, n, k, y_stride=ystride, vec_variant=v)
+
+    tb = timed(dev, lambda s, i: rec(s, i, False), reps, True)
+    tn = timed(dev, lambda s, i: rec(s, i, True), reps, False)
+    return tb, tn
+
+
+def reference_weights(rng: np.random.Generator, t: str, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw ggml bytes, float64 dequantized reference): quantize() where gguf has it, else
+    random blocks with finite f16 scales (K-quants)."""
+    from gguf.quants import dequantize, quantize
+
+    wt = weight_type(t)
+    if t in ("f16", "q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "bf16", "f32"):
+        if t == "f32":
+            w = rng.standard_normal((rows, k)).astype(np.float32)
+            return w.view(np.uint8).reshape(rows, -1), w.astype(np.float64)
+        raw = np.ascontiguousarray(quantize(rng.standard_normal((rows, k)).astype(np.float32), wt.ggml))
+        raw = raw.view(np.uint8).reshape(rows, -1)
+    else:
+        nb = k // wt.block_size
+        raw = rng.integers(0, 256, size=(rows, nb, wt.block_bytes), dtype=np.uint8)
+        offs = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[t]
+        for off in offs:
+            d = (rng.uniform(0.001, 0.01, (rows, nb)) * rng.choice([-1.0, 1.0], (rows, nb))).astype(np.float16)
+            raw[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, nb, 2)
+        raw = raw.reshape(rows, -1)
+    ref = dequantize(raw.view(np.float16) if t == "f16" else raw, wt.ggml)
+    return raw, np.asarray(ref, dtype=np.float64).reshape(rows, k)
+
+
+def verify(dev: Device, rng: np.random.Generator, t: str, variants: list[str]) -> dict[str, str]:
+    """PASS / FAIL (with the worst error ratio) per variant on a small shape: rows not a
+    multiple of any NR, K a multiple of 256 (wide units) plus an odd block count."""
+    out: dict[str, str] = {}
+    n, k = 37, 1280
+    raw, w = reference_weights(rng, t, n, k)
+    x = rng.standard_normal((4, k))
+    wb = dev.memory.alloc(raw.nbytes, "host", "verify_w")
+    xb = dev.memory.alloc(x.size * 4, "host", "verify_x")
+    yb = dev.memory.alloc(4 * 4 * n, "host", "verify_y")
+    try:
+        wb.numpy(np.uint8, (raw.nbytes,))[:] = raw.ravel()
+        xb.numpy(np.float32, (x.size,))[:] = x.ravel()
+        for v in variants:
+            m = min(4, mm.vec_variant_maxm(v))
+            y = yb.numpy(np.float32, (4 * n,))
+            y[:] = np.nan
+            seq = Sequence(dev, "verify")
+            try:
+                mm.record_mul_mat(seq, wb, t, xb, yb, m, n, k, vec_variant=v)
+                seq.run()
+            except VkxError as exc:
+                out[v] = f"FAIL ({str(exc)[:60]})"
+                continue
+            finally:
+                seq.close()
+            got = y[:m * n].astype(np.float64).reshape(m, n)
+            ref = x[:m] @ w.T
+            # loose (a broken kernel is off by O(1)); tests/test_mul_mat.py holds the tight bound
+            bound = 1e-4 * (np.abs(x[:m]) @ np.abs(w).T) + 1e-6
+            err = np.abs(got - ref)
+            ratio = float(np.nanmax(err / bound)) if not np.isnan(got).any() else float("inf")
+            out[v] = "PASS" if ratio <= 1.0 else f"FAIL (err/bound {ratio:.3g})"
+    finally:
+        for b in (wb, xb, yb):
+            b.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small shapes, two variants per type (lavapipe smoke run)")
+    ap.add_argument("--types", default=",".join(TYPES), help="comma-separated weight types")
+    ap.add_argument("--reps", type=int, default=0, help="dispatches per timing (default 50, --quick 3)")
+    args = ap.parse_args()
+    types = [t for t in args.types.split(",") if t]
+    reps = args.reps or (3 if args.quick else 50)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    rotate = (8 << 20) if args.quick else ROTATE_BYTES
+    t0 = time.time()
+    dev = Device.open()
+    print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), "
+          f"subgroup size {dev.physical.subgroup_size}\n")
+    rng = np.random.default_rng(0)
+
+    # copy reference (same kernel and accounting as tools/bench_kernels.py)
+    nbytes = (16 if args.quick else 1024) << 20
+    a = dev.memory.alloc(nbytes, "device", "copy_a")
+    b = dev.memory.alloc(nbytes, "device", "copy_b")
+    copy_bw = 2 * nbytes / timed(dev, lambda s, i: record_copy(s, a, b, nbytes), max(3, reps // 5), True) / 1e9
+    a.close()
+    b.close()
+    print(f"compute-shader copy (copy_vec4, read + write): {copy_bw:.0f} GB/s\n")
+
+    by_type: dict[str, list[str]] = {}
+    for t in types:
+        sweep = [n for n, (ty, _) in mm.VEC_SWEEP.items() if ty == t]
+        by_type[t] = [mm.vec_kernel_name(t, 1)] + (sweep[:1] if args.quick else sweep)
+
+    print("## correctness (small shape, float64 reference)\n\n| type | variant | check |\n|---|---|---|")
+    failed: set[str] = set()
+    for t in types:
+        for v, res in verify(dev, rng, t, by_type[t] + [mm.vec_kernel_name(t, 4)]).items():
+            print(f"| {t} | `{v}` | {res} |")
+            if res != "PASS":
+                failed.add(v)
+    print()
+
+    print("## timings: M columns, N x K = output rows x inner dimension; GB/s = weight bytes / time\n")
+    print("| type | N x K | M | variant | shape | us (barrier) | GB/s | % copy | us (no barrier) | GB/s | % copy |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    best: dict[str, dict[str, float]] = {t: {} for t in types}
+    for t in types:
+        for n, k in shapes:
+            wbytes = n * row_bytes(t, k)
+            copies = max(2, -(-rotate // wbytes))
+            host = rng.integers(0, 64, wbytes, dtype=np.uint8)  # f16 fields < 2: finite
+            ws = []
+            try:
+                for _ in range(copies):
+                    w = dev.memory.alloc(wbytes, "device", "w")
+                    w.write(host)
+                    ws.append(w)
+            except VkxError as exc:
+                print(f"| {t} | {n}x{k} | - | - | - | {str(exc)[:60]} | | | | | |")
+                for w in ws:
+                    w.close()
+                continue
+            x = dev.memory.alloc(8 * k * 4, "device", "x")
+            x.write(rng.standard_normal(8 * k).astype(np.float32) * 0.01)
+            ystride = -(-n // 64) * 64  # 256-byte aligned y slots
+            y = dev.memory.alloc(reps * 8 * ystride * 4, "device", "y")
+            runs = [(v, 1) for v in by_type[t]] + [(mm.vec_kernel_name(t, 4), 4)]
+            for v, m in runs:
+                if v in failed:
+                    continue
+                cfg = mm.vec_config(v)
+                try:
+                    tb, tn = time_variant(dev, t, v, m, n, k, ws, x, y, ystride, reps)
+                except VkxError as exc:
+                    print(f"| {t} | {n}x{k} | {m} | `{v}` | {cfg.tag} | {str(exc)[:60]} | | | | | |")
+                    continue
+                gb, gn = wbytes / tb / 1e9, wbytes / tn / 1e9
+                print(f"| {t} | {n}x{k} | {m} | `{v}` | {cfg.tag} | {tb * 1e6:.1f} | {gb:.0f} | "
+                      f"{100 * gb / copy_bw:.0f}% | {tn * 1e6:.1f} | {gn:.0f} | {100 * gn / copy_bw:.0f}% |")
+                if m == 1:
+                    best[t][v] = best[t].get(v, 0.0) + tb  # summed over the shapes
+            for buf in (*ws, x, y):
+                buf.close()
+    print("\n## fastest M = 1 variant per type (sum of barrier-mode times over the shapes)\n")
+    for t in types:
+        if best[t]:
+            v = min(best[t], key=best[t].get)
+            d = best[t].get(mm.vec_kernel_name(t, 1))
+            rel = f", default {d / best[t][v]:.2f}x its time" if d else ""
+            print(f"- {t}: `{v}` ({mm.vec_config(v).tag}){rel}")
+    if failed:
+        print(f"\nFAILED variants: {', '.join(sorted(failed))}")
+    print(f"\n(total {time.time() - t0:.0f} s)")
+    dev.close()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
