@@ -409,3 +409,30 @@ def test_prediction_counts_the_hosts_enqueue_time():
     prof.put(cm.scope("cpu"), "enqueue", 1e-2)
     slow = simulate(plan.schedule, cm).total_s
     assert slow >= jobs * 1e-2 > quick
+
+
+def test_a_backends_own_clock_is_its_job_cost(device, monkeypatch):
+    """A backend with time_job (CUDA events on the H200) is costed by it, not by host timing of
+    queued jobs (which carried host round trips and made CUDA jobs look 10x slower)."""
+    from vkxsplit.attach import SharedArena
+    from vkxsplit.backend import create_backend
+    from vkxsplit.plan import CostModel, Profile
+
+    b = create_backend("cpu", device)
+    calls = []
+
+    def time_job(job, reps):
+        calls.append((job.N, job.K, job.M, reps))
+        return 4.25e-3
+
+    monkeypatch.setattr(b, "time_job", time_job)
+    monkeypatch.setattr(type(b), "implements", classmethod(lambda cls, hook: hook == "time_job"))
+    arena = SharedArena(device, [b])
+    try:
+        cm = CostModel(Profile(), device=device, arena=arena, backends=[b], reps=2)
+        cm._measure_job("cpu", "f32", 48, 64, 3)
+        assert calls == [(48, 64, 3, 2)]
+        assert cm.job("cpu", "f32", 48, 64, 3) == 4.25e-3 and cm.estimated == set()
+    finally:
+        arena.close()
+        b.close()

@@ -65,6 +65,17 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def fd_targets() -> dict[str, str]:
+    """fd -> what it refers to (for naming a leak)."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+
 def put(arena, a, name=""):
     """A shared buffer holding ``a`` (written through the hub buffer: device-local export
     memory on a discrete GPU gets a staging copy)."""
@@ -489,9 +500,10 @@ def test_close_leaves_no_fds_or_hub_memory(device, seqs, rng):
     them for the process (NVIDIA's did on the H200: +2 after the first round); the second
     round must then leave the count exactly where it found it, and memory where it was."""
     for _round in range(2):
-        fds0, bytes0 = open_fds(), device.memory.allocated_bytes
+        fds0, bytes0 = fd_targets(), device.memory.allocated_bytes
         _peer_round(device, rng, bytes0)
-    assert open_fds() == fds0
+    new = {fd: t for fd, t in fd_targets().items() if fds0.get(fd) != t}
+    assert not new, f"fds left open by a second peer round: {sorted(new.values())}"
 
 
 def _peer_round(device, rng, bytes0):

@@ -278,6 +278,9 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
          "whether the backend wants this op/type/batch (default: from `caps`)"),
     Hook("run_op", False, "run_op(op: str, job: Any, wait: Point, signal: Point) -> None",
          "enqueue another op listed in caps.ops (default: KernelError)"),
+    Hook("time_job", False, "time_job(job: MatMulJob, reps: int) -> float | None",
+         "seconds of the job's own work, from the device's clock (default: None: the planner "
+         "times queued jobs on the host)"),
     Hook("calibrate", False, "calibrate() -> dict[str, float]",
          "measure throughput for the planner, e.g. {'mul_mat_gflops': 12.5} (default: {})"),
     Hook("unload", False, "unload(weight: SharedView) -> None",
@@ -332,6 +335,12 @@ class Backend:
         """OPTIONAL. Enqueue another op (one listed in ``caps.ops``)."""
         raise KernelError(f"backend {self.name} does not implement op {op}",
                           "plan this op on the hub (or another backend)")
+
+    def time_job(self, job: MatMulJob, reps: int) -> float | None:
+        """OPTIONAL. Seconds one ``job`` takes on the backend's own clock (e.g. CUDA events),
+        the mean of ``reps`` runs after a warm-up, without waits or signals; None where the
+        backend has no clock of its own (the planner then times queued jobs on the host)."""
+        return None
 
     def calibrate(self) -> dict[str, float]:
         """OPTIONAL. Measured rates for the planner (``{}`` when the backend does not measure)."""

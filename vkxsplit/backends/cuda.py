@@ -568,6 +568,23 @@ class CudaBackend(Backend):
             raise VkxError(f"{self.API.fns[role]} failed: {self.rt._describe(err)}",
                            f"check the {self.API.name} driver")
 
+    def time_job(self, job: MatMulJob, reps: int) -> float | None:
+        """The job's GPU time from CUDA events around ``reps`` runs (after a warm-up run)."""
+        if self.bridge is not None:
+            return None
+        self.check_job(job)
+        prep = self._prepare(job)
+        cp = self.cp
+        with cp.cuda.Device(self.device_id), self.stream:
+            self._run(prep)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(self.stream)
+            for _ in range(max(1, reps)):
+                self._run(prep)
+            e1.record(self.stream)
+            e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / max(1, reps)
+
     def _signal_only(self, value: int) -> None:
         sp = self.rt.struct("signal_params")
         sp.params.fence.value = value

@@ -68,11 +68,15 @@ class VecConfig:
 # mat-vec shape per type (designed for an H200: >= 128 threads per workgroup so 32 resident
 # workgroups fill an SM, rows per workgroup to reuse each x load, 2 units per iteration for
 # loads in flight; tools/bench_matvec.py sweeps the alternatives in VEC_SWEEP)
+# (set from the H200 sweep of 2026-11-29, docs/PERFORMANCE.md: the fastest M = 1 shape per type
+# summed over 4096x4096, 4096x14336 and 14336x4096; Q5_* and BF16/F32 follow their nearest swept type)
 VEC_CONFIG: dict[str, VecConfig] = {
-    **{t: VecConfig(128, 4, 2) for t in ("f32", "f16", "bf16", "q5_0", "q5_1")},
-    **{t: VecConfig(128, 4, 2, 2) for t in ("q4_0", "q4_1", "q8_0")},
-    **{t: VecConfig(128, 2, 1, 8) for t in ("q4_k", "q5_k")},
-    "q6_k": VecConfig(128, 2, 1),
+    **{t: VecConfig(128, 4, 4) for t in ("f32", "f16", "bf16")},
+    **{t: VecConfig(128, 4, 2) for t in ("q5_0", "q5_1")},
+    **{t: VecConfig(128, 4, 4, 2) for t in ("q4_0", "q8_0")},
+    "q4_1": VecConfig(128, 8, 1, 2),
+    **{t: VecConfig(128, 2, 1, 4) for t in ("q4_k", "q5_k")},
+    "q6_k": VecConfig(128, 2, 2),
 }
 # mat-vec variants by the most columns of x they handle (fewer columns, fewer registers);
 # the 8-column one is mul_mat_vec_<type>_f32, the others carry an _m<n> suffix
@@ -192,7 +196,9 @@ COOP_TILES = {t.name: t for t in (
     CoopTile(64, 128, 32, 32, 64),    # 4 subgroups of 2 x 4; twice the workgroups
     CoopTile(128, 128, 64, 32, 64, stages=1),  # 8 subgroups of 2 x 4, BK 64, one stage; 44 KiB
 )}
-COOP_DEFAULT = "t128x128_k32_w32x64"
+# the H200 sweep of 2026-11-29 (tools/bench_coopmat.py): BK 64 with one stage was fastest by the
+# geometric mean over the swept shapes for every swept type (docs/PERFORMANCE.md)
+COOP_DEFAULT = "t128x128_k64_w32x64_s1"
 # tiling of mul_mat_coopmat_<type>_f32, by type (retune from the sweep's "fastest" table)
 COOP_CONFIG: dict[str, str] = {t: COOP_DEFAULT for t in TYPES}
 COOP_SWEEP_TYPES = ("f16", "q4_0", "q8_0", "q4_k", "q6_k")
