@@ -66,3 +66,16 @@ def test_bench_matvec_quick(tmp_path):
     for t in ("q4_0", "q8_0", "q4_1", "q4_k", "q6_k", "f16"):
         assert f"- {t}: `mul_mat_vec_{t}_f32" in r.stdout, r.stdout[-2000:]
         assert f"| {t} | 256x1024 | 1 |" in r.stdout and f"| {t} | 256x1024 | 4 |" in r.stdout
+
+
+def test_bench_multigpu_quick(tmp_path):
+    """The one-vs-two-GPU bench, with the peer as a second logical device on lavapipe."""
+    r = run_tool(["tools/bench_multigpu.py", "--quick", "--splits", "tensor:1,1", "--dir", str(tmp_path / "m")],
+                 tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    row = [ln for ln in r.stdout.splitlines() if ln.startswith("| `tensor:1,1` |")]
+    assert row, r.stdout[-2000:]
+    cells = [c.strip() for c in row[0].split("|")]
+    assert float(cells[3]) > 0 and float(cells[4]) > 0  # pp, tg t/s
+    jobs = cells[7].split(" / ")
+    assert int(jobs[0]) > 0 and int(jobs[1]) > 0  # the peer took part in both steps

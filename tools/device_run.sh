@@ -2,7 +2,7 @@
 # Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [mulmat-tests]
+#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [mulmat-tests] [multigpu] [peer-tests]
 # (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS)
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
@@ -30,6 +30,11 @@ for w in $what; do
       timeout 300 python3 tools/bench_matvec.py ${MATVEC_ARGS:-} 2>&1 | tee "$OUT/bench_matvec.md" ;;
     coopmat)
       timeout 300 python3 tools/bench_coopmat.py ${COOPMAT_ARGS:-} 2>&1 | tee "$OUT/bench_coopmat.md" ;;
+    multigpu)
+      timeout 400 python3 tools/bench_multigpu.py ${MULTIGPU_ARGS:-} 2>&1 | tee "$OUT/bench_multigpu.md" ;;
+    peer-tests)
+      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 200 python3 -m pytest -q -ra -p no:cacheprovider \
+        -o addopts="" tests/test_vulkan_peer.py 2>&1 | tee "$OUT/tests_peer.log" | tail -15 ;;
     mulmat-tests)
       VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 300 python3 -m pytest -q -ra -p no:cacheprovider \
         -o addopts="" tests/test_mul_mat.py 2>&1 | tee "$OUT/tests_mul_mat.log" | tail -15 ;;
