@@ -32,7 +32,19 @@ def main() -> int:
         lib.vkGetPhysicalDeviceProperties(arr[i], props)
         print(f"device {i}: {string(props.deviceName)} api {props.apiVersion >> 22}.{(props.apiVersion >> 12) & 1023}",
               flush=True)
+    from vkxsplit.vk import instance as vi
+
+    for i in range(n[0]):
+        print(f"device {i}: coopmat shapes", flush=True)
+        print(f"device {i}: {len(vi._query_coopmat_shapes(inst[0], arr[i]))} shapes", flush=True)
+    for i in range(n[0]):
+        print(f"device {i}: _query_device", flush=True)
+        info = vi._query_device(i, arr[i], inst[0])
+        print(f"device {i}: {info.name}, {len(info.extensions)} extensions", flush=True)
     lib.vkDestroyInstance(inst[0], NULL)
+    print("vkxsplit Instance().physical_devices()", flush=True)
+    with vi.Instance(validation=False) as inst2:
+        print([d.name for d in inst2.physical_devices()], flush=True)
     print("ok", flush=True)
     return 0
 
