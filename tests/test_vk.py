@@ -244,3 +244,16 @@ def test_validation_findings_from_a_too_old_layer_are_set_apart():
         assert inst.messages == []
     finally:
         inst.close()
+
+
+def test_enumerated_items_outlive_the_call():
+    """enumerate_ returns items it owns: reusing the call's freed memory (zero-filled arrays of
+    the same size) changes nothing. It used to return a slice of a freed array, which read
+    garbage physical-device handles on the 2-GPU machine (a crash in the driver)."""
+    from vkxsplit.vk.api import NULL, enumerate_, ffi, lib, string
+
+    exts = enumerate_(lib.vkEnumerateInstanceExtensionProperties, "VkExtensionProperties", NULL)
+    before = [(string(e.extensionName), e.specVersion) for e in exts]
+    churn = [ffi.new(f"VkExtensionProperties[{len(exts)}]") for _ in range(64)]  # zero-filled
+    assert churn and [(string(e.extensionName), e.specVersion) for e in exts] == before
+    assert all(name.startswith("VK_") for name, _ in before)

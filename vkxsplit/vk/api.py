@@ -95,18 +95,29 @@ def version_str(v: int) -> str:
     return f"{v >> 22 & 0x7F}.{v >> 12 & 0x3FF}.{v & 0xFFF}"
 
 
-def enumerate_(fn: Any, ctype: str, *args: Any) -> Any:
-    """The two-call enumerate idiom: returns a cdata array (len in ``len()``)."""
+def enumerate_(fn: Any, ctype: str, *args: Any) -> list[Any]:
+    """The two-call enumerate idiom: a list of owned items (handles as values, structs each in
+    its own allocation). Never a slice of the call's array: a cffi slice does not keep the
+    array alive, and reading it after the array is freed read garbage handles (a crash in
+    vkGetPhysicalDeviceProperties on the 2-GPU H200 machine)."""
     n = ffi.new("uint32_t*")
     check(fn(*args, n, NULL), getattr(fn, "__name__", "vkEnumerate"))
+    if not n[0]:
+        return []
     arr = ffi.new(f"{ctype}[{n[0]}]")
-    if n[0]:
-        st = _stype(ctype)
-        if st is not None:
-            for i in range(n[0]):
-                arr[i].sType = st
-        check(fn(*args, n, arr), getattr(fn, "__name__", "vkEnumerate"))
-    return arr[0:n[0]] if n[0] else []
+    st = _stype(ctype)
+    if st is not None:
+        for i in range(n[0]):
+            arr[i].sType = st
+    check(fn(*args, n, arr), getattr(fn, "__name__", "vkEnumerate"))
+    if ffi.typeof(arr).item.kind == "struct":
+        out = []
+        for i in range(n[0]):
+            item = ffi.new(f"{ctype}*")
+            item[0] = arr[i]  # a copy the list owns
+            out.append(item)
+        return out
+    return [arr[i] for i in range(n[0])]  # handles / scalars: values
 
 
 def make_version(major: int, minor: int, patch: int = 0) -> int:
