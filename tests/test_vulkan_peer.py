@@ -47,7 +47,10 @@ FAKE_UUID = bytes(range(0xA0, 0xB0))
 
 @pytest.fixture(scope="module")
 def peer(device):
-    b = create_backend("vulkan-peer", device, timeout=TIMEOUT, traffic=PeerTraffic())
+    """A peer on the hub's own physical device (shared memory), also on a multi-GPU host, where
+    the default peer is another GPU (split mode: tests/test_vulkan_peer.py's split_peer covers
+    that path on any machine)."""
+    b = create_backend("vulkan-peer", device, device=device.physical.index, timeout=TIMEOUT, traffic=PeerTraffic())
     yield b
     b.close()
 
@@ -507,7 +510,7 @@ def test_close_leaves_no_fds_or_hub_memory(device, seqs, rng):
 
 
 def _peer_round(device, rng, bytes0):
-    b = create_backend("vulkan-peer", device, timeout=TIMEOUT, traffic=PeerTraffic())
+    b = create_backend("vulkan-peer", device, device=device.physical.index, timeout=TIMEOUT, traffic=PeerTraffic())
     peer_dev = b.peer
     arena = SharedArena(device, [b])
     M, N, K = 2, 64, 64
@@ -543,7 +546,8 @@ def test_gpu_side_events_chain(device, seqs, rng, caller_waits):
     why = peer_timeline_support(device, device.physical)
     if why is not None:
         pytest.skip(f"no GPU-side events between two devices here: {why}")
-    b = create_backend("vulkan-peer", device, events="timeline_opaque_fd", timeout=TIMEOUT, traffic=PeerTraffic())
+    b = create_backend("vulkan-peer", device, device=device.physical.index, events="timeline_opaque_fd",
+                       timeout=TIMEOUT, traffic=PeerTraffic())
     arena = SharedArena(device, [b])
     try:
         assert b.events.kind == "timeline_opaque_fd" and b.bridge is None
