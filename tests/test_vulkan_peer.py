@@ -480,6 +480,9 @@ def test_planner_places_layers_and_rows_on_the_peer(device, tmp_path, mode):
         try:
             with load_model(path, device=device, n_ctx=64, ubatch=16, profile_dir=tmp_path, backends=[b],
                             split=spec) as m:
+                # split mode loads its own rows (from the file's bytes): the weights stay in the
+                # hub's device memory, never in the shared host pages the hub would read over a bus
+                assert all(t.shared != (mode == "split") for t in m.weights.values())
                 for step in range(2):
                     b.traffic.begin_step()
                     out = m.logits(ids)
@@ -489,7 +492,10 @@ def test_planner_places_layers_and_rows_on_the_peer(device, tmp_path, mode):
                     moved = st["crossed_bytes" if mode == "split" else "inplace_bytes"]
                     assert moved > 0 and st["crossed_bytes" if mode == "shared" else "inplace_bytes"] == 0
                     assert m.stats["host_waits_in_step"] == 0
+                if mode == "split":
+                    assert b.resident_weight_bytes > 0
             assert b.imports == 0  # the model's arena is gone: so are the peer's imports
+            assert b.resident_weight_bytes == 0  # and its copies of the model's weights
         finally:
             b.close()
 

@@ -191,6 +191,9 @@ class MatMulJob:
       stride ``x_stride`` elements (default ``K``)
     - ``y``: f32, row stride ``y_stride`` elements (default ``N``); only columns ``[r0, r1)``
       are written, so several backends can fill one ``y`` (tensor split)
+    - ``weight_host``: for a backend with ``private_weights`` (it loads its own copy of the rows
+      it computes), the weight may instead stay in the hub's private memory (a plain ``View``)
+      with its raw bytes on the host here (rows from ``w_row0``; the model file's mapping)
     """
 
     weight: SharedView
@@ -207,6 +210,7 @@ class MatMulJob:
     r1: int = -1
     w_row0: int = 0
     name: str = ""
+    weight_host: Any = None
 
     def __post_init__(self) -> None:
         if self.x_stride <= 0:
@@ -224,7 +228,14 @@ class MatMulJob:
             raise KernelError(f"{what}: x type must be one of {', '.join(_ELEM)}")
         if self.x_stride < self.K or self.y_stride < self.N:
             raise KernelError(f"{what}: strides ({self.x_stride}, {self.y_stride}) shorter than rows")
-        for v, n in ((self.weight, "weight"), (self.x, "x"), (self.y, "y")):
+        if not isinstance(self.weight, SharedView):
+            if self.weight_host is None:
+                raise KernelError(f"{what}: weight must be a SharedView (memory shared with the backend) or "
+                                  f"come with weight_host bytes, got {type(self.weight).__name__}")
+            if self.weight_host.nbytes < (self.r1 - self.w_row0) * row_bytes(self.w_type, self.K):
+                raise KernelError(f"{what}: weight_host ({self.weight_host.nbytes} bytes) does not hold rows "
+                                  f"[{self.w_row0}, {self.r1})")
+        for v, n in ((self.x, "x"), (self.y, "y")):
             if not isinstance(v, SharedView):
                 raise KernelError(f"{what}: {n} must be a SharedView (memory shared with the backend), "
                                   f"got {type(v).__name__}")
@@ -251,10 +262,18 @@ class MatMulJob:
         return row_bytes(self.w_type, self.K)
 
     @property
-    def weight_key(self) -> tuple[int, int, int, str, int]:
-        """Identifies the loaded weight (a "kernel"): chunk, offset, rows held, type, K."""
-        return (self.weight.chunk.id, self.weight.chunk_offset, self.weight.size // self.weight_row_bytes,
-                self.w_type, self.K)
+    def weight_key(self) -> tuple[Any, ...]:
+        """Identifies the loaded weight (a "kernel"): chunk (or hub block), offset, rows held,
+        type, K."""
+        return (*weight_place(self.weight), self.weight.size // self.weight_row_bytes, self.w_type, self.K)
+
+
+def weight_place(v: Any) -> tuple[Any, int]:
+    """(memory identity, byte offset) of a weight view: the arena chunk of a SharedView, or
+    ``("hub", block serial)`` of a weight in the hub's private memory."""
+    if isinstance(v, SharedView):
+        return v.chunk.id, v.chunk_offset
+    return ("hub", v.buffer.block._serial), v.buffer.offset + v.offset
 
 
 # ---------------------------------------------------------------------------------------------

@@ -262,9 +262,10 @@ class BackendOp:
     def job(self) -> MatMulJob:
         from .backend import MatMulJob
 
+        host = None if self.weight.shared or self.converted_weight else self.weight.host
         return MatMulJob(self.weight.buffer, self.weight.dtype, self.x.buffer, self.y.buffer,  # type: ignore[arg-type]
                          self.M, self.N, self.K, x_type=self.x.dtype, r0=self.r0, r1=self.r1,
-                         w_row0=self.w_row0, name=self.name)
+                         w_row0=self.w_row0, name=self.name, weight_host=host)
 
     def __repr__(self) -> str:
         return f"BackendOp({self.backend} {self.name} rows {self.r0}:{self.r1})"

@@ -149,10 +149,17 @@ class Model:
         done = 0
         from .attach import SharedBuffer
 
+        # Weights go to the shared arena when some backend reads them in place. When every
+        # attached backend loads its own copy (a split-mode vulkan peer on another GPU: its
+        # arena is host pages), they stay in the hub's device memory, and the backends load
+        # their rows from the file's mapping (Tensor.host): the hub never reads its weights
+        # over the bus.
+        shared = any(not getattr(b, "private_weights", False) for b in self.backends.values())
         for name, ti in items:
-            buf = self._alloc(ti.nbytes, "device", name, shared=True)
+            buf = self._alloc(ti.nbytes, "device", name, shared=shared)
             (buf.buffer if isinstance(buf, SharedBuffer) else buf).write(ti.data)  # staged when device-only
-            self.weights[name] = Tensor(name, ti.shape, _type_name(ti.ggml_type), self._view(buf), weight=True)
+            self.weights[name] = Tensor(name, ti.shape, _type_name(ti.ggml_type), self._view(buf), weight=True,
+                                        host=ti.data)
             done += ti.nbytes
             if progress:
                 progress(done, total)
@@ -477,6 +484,11 @@ class Model:
     def close(self) -> None:
         self._io_views = None  # views of buffers freed below
         self._drop_executors()
+        for be in self.backends.values():  # copies a backend made of weights the hub keeps private
+            if getattr(be, "private_weights", False) and be not in self._owned_backends:
+                for t in getattr(self, "weights", {}).values():
+                    if not t.shared:
+                        be.unload(t.buffer)
         if self.workspace is not None:
             self.workspace.close()
             self.workspace = None

@@ -1306,7 +1306,8 @@ class Planner:
         if soft and M < caps.min_batch:
             return "soft", f"M={M} is under {b.name}'s min_batch {caps.min_batch}"
         if self.require_shared:
-            need = [node.output] + ([] if conv else [w]) + ([x] if caps.x_dtype == "f32" else [])
+            own_copy = getattr(b, "private_weights", False) and w.host is not None  # loads its own rows
+            need = [node.output] + ([] if conv or own_copy else [w]) + ([x] if caps.x_dtype == "f32" else [])
             unshared = [t.name for t in need if not t.shared]
             if unshared:
                 return "soft", f"{', '.join(unshared)} not in memory shared with backends"

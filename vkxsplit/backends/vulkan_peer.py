@@ -66,7 +66,7 @@ from ..attach import (
     hub_memory_support,
     relay,
 )
-from ..backend import Availability, Backend, Capabilities, MatMulJob
+from ..backend import Availability, Backend, Capabilities, MatMulJob, weight_place
 from ..errors import EnvironmentProblem, KernelError, VkxError, WaitTimeout
 from ..ops.quant import TYPES, row_bytes, weight_type
 from ..vk.api import NULL, check, ffi, new, next_serial, vk
@@ -257,6 +257,7 @@ class _LocalWeight:
     load: Sequence | None
     plans: set[tuple[Any, ...]] = field(default_factory=set)
     last_use: int = 0
+    staging: Buffer | None = None  # host bytes on their way in (a weight the hub keeps private)
 
 
 @dataclass
@@ -274,8 +275,8 @@ class _Plan:
     closed: bool = False
 
 
-def _vkey(v: SharedView) -> tuple[int, int, int]:
-    return (v.chunk.id, v.chunk_offset, v.size)
+def _vkey(v: SharedView | View) -> tuple[Any, int, int]:
+    return (*weight_place(v), v.size)
 
 
 def _empty_submit(device: Device, waits: list[Point], signals: list[Point]) -> None:
@@ -525,7 +526,7 @@ class VulkanPeerBackend(Backend):
                     record_mul_mat(seq, lw.buffer, job.w_type, x_local, yv, job.M, job.rows, job.K,
                                    x_stride=job.x_stride, y_stride=job.y_stride, w_row_offset=0,
                                    y_col_offset=job.r0)
-                    imports = (wimp.key, ximp.key, yimp.key)
+                    imports = ((wimp.key,) if wimp is not None else ()) + (ximp.key, yimp.key)
                     crossed, inplace = x_span + y_bytes, 0
                 seq.end()
             except BaseException:
@@ -545,8 +546,9 @@ class VulkanPeerBackend(Backend):
     def _local_weight(self, job: MatMulJob) -> tuple[_LocalWeight, _Import]:
         """``split`` mode: the job's weight rows in peer memory, with a pending load the first time."""
         assert self.peer is not None
-        wimp, wv = self._peer_view(job.weight)
-        key = ("w", job.weight.chunk.id, job.weight.chunk_offset, job.w_row0, job.r0, job.r1, job.w_type, job.K)
+        in_arena = isinstance(job.weight, SharedView)
+        wimp, wv = self._peer_view(job.weight) if in_arena else (None, None)
+        key = ("w", *weight_place(job.weight), job.w_row0, job.r0, job.r1, job.w_type, job.K)
         lw = self._weights.get(key)
         if lw is not None:
             return lw, wimp
@@ -554,19 +556,30 @@ class VulkanPeerBackend(Backend):
         first, n = (job.r0 - job.w_row0) * rb, job.rows * rb
         buf = self.peer.memory.alloc(n, "device", name=f"{self.name}:w[{job.r0}:{job.r1}]")
         load = Sequence(self.peer, f"{self.name}:load")
+        staging = None
         try:
-            load.copy(View(wv.buffer, wv.offset + first, n), buf, n)
+            if in_arena:
+                assert wv is not None
+                load.copy(View(wv.buffer, wv.offset + first, n), buf, n)
+            else:  # the hub keeps the weight in its own memory: load the rows from the host bytes
+                src = np.asarray(job.weight_host).reshape(-1).view(np.uint8)[first:first + n]
+                staging = self.peer.memory.alloc(n, "host", name=f"{self.name}:w-staging")
+                staging.numpy(np.uint8)[:] = src
+                load.copy(staging, buf, n)
             load.end()
         except BaseException:
             load.close()
             buf.close()
+            if staging is not None:
+                staging.close()
             raise
-        lw = _LocalWeight(key, buf, n, load)
+        lw = _LocalWeight(key, buf, n, load, staging=staging)
         self._weights[key] = lw
-        wimp.weights.add(key)
-        # the hub buffer may be freed and its place reused by another tensor while the chunk
-        # lives on: the peer's copy must go with the buffer, not with the chunk
-        job.weight.shared.on_close.append(lambda _sb, key=key: self._forget_weight(key))
+        if wimp is not None:
+            wimp.weights.add(key)
+            # the hub buffer may be freed and its place reused by another tensor while the chunk
+            # lives on: the peer's copy must go with the buffer, not with the chunk
+            job.weight.shared.on_close.append(lambda _sb, key=key: self._forget_weight(key))
         return lw, wimp
 
     def _forget_weight(self, key: tuple[Any, ...]) -> None:
@@ -586,6 +599,9 @@ class VulkanPeerBackend(Backend):
                 lv = lw.load.submit(waits=waits)
                 self._retired.append((lv, lw.load.close))
                 lw.load = None
+                if lw.staging is not None:
+                    self._retired.append((lv, lw.staging.close))
+                    lw.staging = None
                 self.traffic.add(loaded_bytes=lw.nbytes)
             v = plan.seq.submit(waits=waits, signals=signals)
             plan.last_use = v
@@ -718,6 +734,8 @@ class VulkanPeerBackend(Backend):
             last = max(last, self._drop_plan(pk, out))
         if lw.load is not None:
             out.append(lw.load)
+        if lw.staging is not None:
+            out.append(lw.staging)
         out.append(lw.buffer)
         return last
 
@@ -750,9 +768,9 @@ class VulkanPeerBackend(Backend):
             out.append(imp.block)
         self._release_after(last, out, f"the import of hub chunk {key}")
 
-    def unload(self, weight: SharedView) -> None:
+    def unload(self, weight: SharedView | View) -> None:
         """Drop the peer copies of ``weight`` (``split``) and the sequences naming it."""
-        cid, off = weight.chunk.id, weight.chunk_offset
+        cid, off = weight_place(weight)
         out: list[Any] = []
         last = 0
         with self._lock:
@@ -763,6 +781,13 @@ class VulkanPeerBackend(Backend):
         self._release_after(last, out, "an unloaded weight")
 
     # -- stats and lifetime --------------------------------------------------------------------
+
+    @property
+    def private_weights(self) -> bool:
+        """``split`` mode loads its own copy of the rows it computes: the model may keep its
+        weights in the hub's device memory (not in the shared host pages) and hand the rows'
+        bytes over in ``MatMulJob.weight_host``."""
+        return getattr(self, "mode", "") == "split"
 
     @property
     def resident_weight_bytes(self) -> int:
