@@ -257,3 +257,35 @@ def test_enumerated_items_outlive_the_call():
     churn = [ffi.new(f"VkExtensionProperties[{len(exts)}]") for _ in range(64)]  # zero-filled
     assert churn and [(string(e.extensionName), e.specVersion) for e in exts] == before
     assert all(name.startswith("VK_") for name, _ in before)
+
+
+def test_gate_holds_queued_work_until_released_or_the_watchdog(device, rng):
+    """A gated submission does not run before release(); a gate nobody releases is opened by
+    its watchdog, and release() then says it came too late."""
+    from vkxsplit.vk.event import Gate
+
+    gate = Gate(device)
+    src, dst = device.memory.alloc(256, "host"), device.memory.alloc(256, "host")
+    seq = Sequence(device, "gated")
+    try:
+        src.numpy(np.float32)[:] = rng.standard_normal(64).astype(np.float32)
+        dst.numpy(np.float32)[:] = 0
+        record_convert(seq, src, dst, 64, "f32", "f32")
+        seq.end()
+        hold = gate.hold(30.0)
+        v = seq.submit(waits=[hold.point])
+        time.sleep(0.1)
+        assert seq.timeline.value < v and not dst.numpy(np.float32).any()  # held
+        assert hold.release() is True
+        seq.wait(5)
+        assert (dst.numpy(np.float32) == src.numpy(np.float32)).all()
+        late = gate.hold(0.05)
+        v = seq.submit(waits=[late.point])
+        seq.timeline.wait(v, 5)  # the watchdog released it
+        assert late.release() is False
+        assert gate.hold(None).point[0].value >= 3  # ungated: released at once
+    finally:
+        seq.close()
+        src.close()
+        dst.close()
+        gate.close()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops.convert import record_convert  # noqa: E402
 from vkxsplit.vk.command import Sequence, Timestamps  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
-from vkxsplit.vk.event import Timeline  # noqa: E402
+from vkxsplit.vk.event import Gate  # noqa: E402
 
 
 def main() -> int:
@@ -61,7 +60,7 @@ def main() -> int:
     s1.end()
     s2.end()
 
-    gate = Timeline(dev, name="gate")
+    gate = Gate(dev, name="gate")
 
     blocked: list[float] = []  # host enqueue times of gated chains that the watchdog had to open
 
@@ -80,27 +79,13 @@ def main() -> int:
 
     def chain(mode: str, gated: bool = True) -> tuple[float, float]:
         """mode: cuda (hub -> cuda GEMM -> hub), empty (hub -> cuda, no work -> hub), relay
-        (hub -> relay submit -> hub), hub (hub -> hub)."""
-        # Gated: the whole chain is queued behind a host-signalled gate, so the GPU gap measures
-        # the GPU-side hand-off, not how long the host takes to enqueue the CUDA part. If
-        # enqueueing the CUDA part synchronised with the GPU (a first-use effect: module load,
-        # memory import, pool growth) it would wait for the gate forever: a watchdog opens the
-        # gate after 10 s and the chain is reported as blocked instead of hanging.
-        g = gate.next()
-        opened = threading.Lock()
-
-        def open_gate() -> None:
-            if opened.acquire(blocking=False):
-                gate.signal(g)
-
-        dog = threading.Timer(10.0, open_gate)
-        if gated:
-            dog.start()
-        else:
-            open_gate()
+        (hub -> relay submit -> hub), hub (hub -> hub). Gated: the chain is queued behind a
+        host-signalled gate (with a watchdog: vkxsplit.vk.event.Gate), so the GPU gap measures
+        the GPU-side hand-off, not how long the host takes to enqueue the CUDA part."""
+        hold = gate.hold(10.0 if gated else None)
         t0 = time.perf_counter()
         stats.begin_step()
-        v1 = s1.submit(waits=[(gate, g)])
+        v1 = s1.submit(waits=[hold.point])
         if mode == "cuda":
             p = gpu.next_point()
             gpu.mul_mat(job, (s1.timeline, v1), p)
@@ -117,12 +102,8 @@ def main() -> int:
             s2.submit(waits=[(s1.timeline, v1)])
         host = time.perf_counter() - t0
         assert stats.host_waits_in_step == 0
-        dog.cancel()
-        if gated:
-            if opened.acquire(blocking=False):
-                gate.signal(g)
-            else:  # the watchdog opened it: the enqueue waited for the GPU
-                blocked.append(host)
+        if gated and not hold.release():  # the watchdog opened it: the enqueue waited for the GPU
+            blocked.append(host)
         s2.wait(30)
         gpu.check()
         t = ts.read()

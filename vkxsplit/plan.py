@@ -852,15 +852,13 @@ class CostModel:
         return _median(ts) - 2 * self.submit()
 
     def _gpu_round_trip(self, b: Any, job: Any, s1: Any, s2: Any, enq: list[float]) -> float | None:
-        import threading
-
         from .attach import host_wait
         from .vk.command import Timestamps
-        from .vk.event import Timeline
+        from .vk.event import Gate
 
         dev = self.device
         ts = Timestamps(dev, 2)  # type: ignore[arg-type]
-        gate = Timeline(dev, name="probe-gate")  # type: ignore[arg-type]
+        gate = Gate(dev, name="probe-gate")  # type: ignore[arg-type]
         try:
             s1.write_timestamp(ts, 0)
             s2.write_timestamp(ts, 1)
@@ -868,19 +866,8 @@ class CostModel:
             s2.end()
 
             def gap(via_backend: bool, gated: bool) -> float | None:
-                g = gate.next()
-                opened = threading.Lock()
-
-                def open_gate() -> None:
-                    if opened.acquire(blocking=False):
-                        gate.signal(g)
-
-                dog = threading.Timer(5.0, open_gate)
-                if gated:
-                    dog.start()
-                else:
-                    open_gate()
-                v1 = s1.submit(waits=[(gate, g)])
+                hold = gate.hold(5.0 if gated else None)
+                v1 = s1.submit(waits=[hold.point])
                 if via_backend:
                     p = b.next_point()
                     t = time.perf_counter()
@@ -889,10 +876,7 @@ class CostModel:
                     s2.submit(waits=[p])
                 else:
                     s2.submit(waits=[(s1.timeline, v1)])
-                dog.cancel()
-                late = gated and not opened.acquire(blocking=False)
-                if gated and not late:
-                    gate.signal(g)
+                late = gated and not hold.release()
                 host_wait((s2.timeline, s2.last_value))
                 b.check()
                 t01 = ts.read()

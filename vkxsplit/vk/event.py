@@ -124,3 +124,52 @@ class Timeline:
 
     def __repr__(self) -> str:
         return f"Timeline({self.name!r}, last={self._last})"
+
+
+class Gate:
+    """Holds queued GPU work back until the host releases it: a host-signalled timeline point
+    to put in a submission's waits (benchmarks queue a whole chain behind one, then release
+    it, so timestamps see only GPU-side time).
+
+    A watchdog releases the point after ``watchdog_s`` seconds: if enqueueing part of the
+    chain itself waited for the GPU (a first-use effect in some drivers), it would otherwise
+    wait for the gate forever. :meth:`release` says whether the caller got there first."""
+
+    def __init__(self, device: Device, name: str = "gate") -> None:
+        self.timeline = Timeline(device, name=name)
+
+    def hold(self, watchdog_s: float | None = 10.0) -> GateHold:
+        """A new held point (``watchdog_s=None``: released at once, for ungated runs)."""
+        h = GateHold(self.timeline, self.timeline.next())
+        if watchdog_s is None:
+            h.release()
+        else:
+            h._dog = threading.Timer(watchdog_s, h._open)
+            h._dog.daemon = True
+            h._dog.start()
+        return h
+
+    def close(self) -> None:
+        self.timeline.close()
+
+
+class GateHold:
+    """One held point of a :class:`Gate` (``point`` goes in the submission's waits)."""
+
+    def __init__(self, timeline: Timeline, value: int) -> None:
+        self.point = (timeline, value)
+        self._opened = threading.Lock()
+        self._dog: threading.Timer | None = None
+
+    def _open(self) -> bool:
+        if not self._opened.acquire(blocking=False):
+            return False
+        self.point[0].signal(self.point[1])
+        return True
+
+    def release(self) -> bool:
+        """Signal the point; False when the watchdog had already done it (the enqueue behind
+        the gate waited for the GPU)."""
+        if self._dog is not None:
+            self._dog.cancel()
+        return self._open()
