@@ -611,3 +611,93 @@ def test_cpu_devices_get_the_small_decode_shapes(device):
     assert mm.device_vec_variant(cpu, "q5_k", 1) is None  # no sweep shape: the default
     expect_cpu = device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
     assert (mm.device_vec_variant(device, "q4_1", 1) is not None) == expect_cpu
+
+
+# ------------------------------------------------------------------------------------------
+# wide mat-vec variants (shaders/mul_mat_vec_wide.comp, VEC_WIDE; sweep only): Q4_0 / Q8_0
+# rows of whole 8-block groups (K % 256 == 0) read with uvec4 loads.
+
+WIDE_NAMES = sorted(mm.VEC_WIDE)
+
+
+def _wide_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, w_off=0, x_off=0, random_bits=False):
+    """Rows [r0, r0 + n) of an n_total x K weight (at byte w_off of its buffer) times M columns
+    of x (x_off elements in, rows K + x_off apart) into y columns [y_col, y_col + n) of rows
+    y_col + n + 2 apart; y is poisoned with NaN and must be written exactly there."""
+    raw, W = make_weights(rng, t, n_total, K, random_bits=random_bits)
+    wbuf = bufs.new(w_off + raw.nbytes, np.concatenate([np.zeros(w_off, np.uint8), raw.ravel()]))
+    wv = View(wbuf, w_off, raw.nbytes)
+    xs = K + x_off
+    x = rng.standard_normal((M, K))
+    xfull = np.full(x_off + M * xs, np.nan)
+    for m in range(M):
+        xfull[x_off + m * xs: x_off + m * xs + K] = x[m]
+    xb = bufs.new(4 * xfull.size, xfull.astype(np.float32))
+    ys = y_col + n + 2
+    yb = bufs.new(4 * M * ys)
+    y = yb.numpy(np.float32, (M * ys,))
+    y[:] = np.nan
+    seq = Sequence(device, "mm")
+    try:
+        took = mm.record_mul_mat(seq, wv, t, xb, yb, M, n, K, x_stride=xs, x_offset=x_off, y_stride=ys,
+                                 w_row_offset=r0, y_col_offset=y_col, vec_variant=name)
+        seq.run()
+    finally:
+        seq.close()
+    assert took == "vec"
+    y2 = y.reshape(M, ys)
+    outside = np.ones_like(y2, bool)
+    outside[:, y_col:y_col + n] = False
+    assert np.isnan(y2[outside]).all(), "wrote outside the target columns"
+    check(y2[:, y_col:y_col + n], x @ W[r0:r0 + n].T, bound_f32(x, abs_terms(raw, t, W)[r0:r0 + n]))
+
+
+@pytest.mark.parametrize("name", WIDE_NAMES)
+def test_vec_wide_variant(device, bufs, rng, name):
+    """Every wide variant: N not a multiple of its rows per workgroup, row ranges with y
+    column offsets, vec4 and scalar x, few groups per row (idle lanes) and enough groups for
+    several loop iterations per lane plus a remainder."""
+    t, cfg, maxm = mm.VEC_WIDE[name]
+    lanes = cfg.wg // cfg.nr
+    Ms = (1,) if maxm == 1 else (3, 4)
+    for M in Ms:
+        # aligned: one row range from row 0, 16-aligned binding offset, vec4 x
+        _wide_run(device, bufs, rng, t, name, M, n_total=cfg.nr + 3, r0=0, n=cfg.nr + 3, K=512, y_col=0,
+                  w_off=32)
+        # row range, y column offset, scalar x, few groups
+        _wide_run(device, bufs, rng, t, name, M, n_total=2 * cfg.nr + 5, r0=3, n=cfg.nr + 2, K=1280, y_col=5,
+                  w_off=16, x_off=3)
+    # several iterations per lane plus a remainder; random quant bytes
+    K = 256 * (2 * cfg.unr * lanes + 3)
+    _wide_run(device, bufs, rng, t, name, Ms[-1], n_total=cfg.nr + 1, r0=1, n=cfg.nr, K=K, y_col=2,
+              random_bits=True)
+
+
+def test_vec_wide_variant_errors(device, bufs, seq):
+    """K not a multiple of 256: the wide variants refuse (rows not whole 16-aligned groups)."""
+    for t in ("q4_0", "q8_0"):
+        K, N = 288, 4
+        wb = bufs.new(row_bytes(t, K) * N)
+        xb = bufs.new(4 * 4 * K)
+        yb = bufs.new(4 * 4 * N)
+        for name in (n for n, (ty, _, _) in mm.VEC_WIDE.items() if ty == t):
+            with pytest.raises(KernelError, match="K % 256"):
+                mm.record_mul_mat(seq, wb, t, xb, yb, 1, N, K, vec_variant=name)
+        other = next(n for n, (ty, _, _) in mm.VEC_WIDE.items() if ty != t)
+        with pytest.raises(KernelError, match="vec_variant"):  # another type's variant
+            mm.record_mul_mat(seq, wb, t, xb, yb, 1, N, K, vec_variant=other)
+        m1 = next(n for n, (ty, _, mx) in mm.VEC_WIDE.items() if ty == t and mx == 1)
+        with pytest.raises(KernelError, match="vec_variant"):  # too many columns
+            mm.record_mul_mat(seq, wb, t, xb, yb, 2, N, K, vec_variant=m1)
+    assert seq.dispatches == 0
+
+
+def test_vec_wide_tables():
+    for name, (t, cfg, maxm) in mm.VEC_WIDE.items():
+        assert t in ("q4_0", "q8_0") and name == f"mul_mat_vec_{t}_f32_m{maxm}_{cfg.tag}"
+        assert mm.vec_config(name) == cfg and mm.vec_variant_maxm(name) == maxm
+        assert cfg.wg % cfg.nr == 0 and cfg.nr * maxm <= cfg.wg and name not in mm.VEC_SWEEP
+        assert (not cfg.xsh or maxm == 1) and cfg.unr * (cfg.wg // cfg.nr) * 1024 * cfg.xsh <= 16384
+    assert sum(mx == 4 for _, _, mx in mm.VEC_WIDE.values()) == 2
+    # sweep only: no default or CPU shape is a wide one
+    assert not any(isinstance(c, mm.WideConfig) for c in (*mm.VEC_CONFIG.values(), *mm.VEC_CPU_M1.values()))

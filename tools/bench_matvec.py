@@ -2,7 +2,9 @@
 """Mat-vec kernel sweep (shaders/mul_mat_vec.comp) on the hub device, GPU timestamps, markdown.
 
 For each weight type and N x K shape it times the default mat-vec variant and every sweep
-variant of the type (``vkxsplit.ops.mul_mat.VEC_SWEEP``) at M = 1, and the default at M = 4:
+variant of the type (``vkxsplit.ops.mul_mat.VEC_SWEEP``, and for Q4_0 / Q8_0 the wide
+variants of ``VEC_WIDE``, shaders/mul_mat_vec_wide.comp, K % 256 == 0 only) at M = 1, and the
+default and the wide M = 4 variant at M = 4:
 
 - weights rotate through enough copies of the matrix to total >= 256 MiB (over 2x the H200's
   50 MB L2), so the bandwidth is DRAM's, not L2's;
@@ -171,15 +173,19 @@ def main() -> int:
     b.close()
     print(f"compute-shader copy (copy_vec4, read + write): {copy_bw:.0f} GB/s\n")
 
-    by_type: dict[str, list[str]] = {}
+    by_type: dict[str, list[str]] = {}   # M = 1 variants
+    m4_by_type: dict[str, list[str]] = {}  # M = 4 variants
     for t in types:
         sweep = [n for n, (ty, _) in mm.VEC_SWEEP.items() if ty == t]
-        by_type[t] = [mm.vec_kernel_name(t, 1)] + (sweep[:1] if args.quick else sweep)
+        wide = [n for n, (ty, _, mx) in mm.VEC_WIDE.items() if ty == t and mx == 1]
+        by_type[t] = [mm.vec_kernel_name(t, 1)] + (sweep[:1] + wide[:1] if args.quick else sweep + wide)
+        m4_by_type[t] = [mm.vec_kernel_name(t, 4)] + [n for n, (ty, _, mx) in mm.VEC_WIDE.items()
+                                                      if ty == t and mx == 4]
 
     print("## correctness (small shape, float64 reference)\n\n| type | variant | check |\n|---|---|---|")
     failed: set[str] = set()
     for t in types:
-        for v, res in verify(dev, rng, t, by_type[t] + [mm.vec_kernel_name(t, 4)]).items():
+        for v, res in verify(dev, rng, t, by_type[t] + m4_by_type[t]).items():
             print(f"| {t} | `{v}` | {res} |")
             if res != "PASS":
                 failed.add(v)
@@ -209,9 +215,9 @@ def main() -> int:
             x.write(rng.standard_normal(8 * k).astype(np.float32) * 0.01)
             ystride = -(-n // 64) * 64  # 256-byte aligned y slots
             y = dev.memory.alloc(reps * 8 * ystride * 4, "device", "y")
-            runs = [(v, 1) for v in by_type[t]] + [(mm.vec_kernel_name(t, 4), 4)]
+            runs = [(v, 1) for v in by_type[t]] + [(v, 4) for v in m4_by_type[t]]
             for v, m in runs:
-                if v in failed:
+                if v in failed or (v in mm.VEC_WIDE and k % mm.WIDE_K):
                     continue
                 cfg = mm.vec_config(v)
                 try:

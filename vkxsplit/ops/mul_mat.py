@@ -105,6 +105,41 @@ VEC_SWEEP: dict[str, tuple[str, VecConfig]] = {
     f"mul_mat_vec_{t}_f32_m1_{c.tag}": (t, c) for t, cs in _SWEEP_SHAPES.items() for c in cs}
 
 
+@dataclass(frozen=True)
+class WideConfig:
+    """Shape of a wide mat-vec kernel (``shaders/mul_mat_vec_wide.comp``, Q4_0 / Q8_0 rows
+    that are 16-byte aligned, K % 256 == 0): ``wg`` threads per workgroup, ``nr`` rows per
+    workgroup (thread t works on row t % nr, so ``wg // nr`` threads per row), ``unr`` 8-block
+    groups per thread per loop iteration (each a run of 9 / 17 uvec4 loads), ``xsh``: x staged
+    in shared memory (1) or read from global memory (0)."""
+
+    wg: int
+    nr: int
+    unr: int = 1
+    xsh: int = 0
+
+    @property
+    def tag(self) -> str:
+        return f"wide_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "") + (
+            "_xs" if self.xsh else "")
+
+    def defines(self) -> dict[str, str]:
+        return {"WG": str(self.wg), "NR": str(self.nr), "UNR": str(self.unr), "XSH": str(self.xsh)}
+
+
+WIDE_K = 256            # the wide variants need K % WIDE_K == 0 (whole 16-byte-aligned groups)
+# wide mat-vec variants (sweep only; no default uses them): M = 1 shapes per type, plus one
+# M = 4 shape (compiled with MAXM 4); names mul_mat_vec_<type>_f32_m<1|4>_<shape tag>
+_WIDE_SHAPES = [WideConfig(128, 4), WideConfig(128, 8), WideConfig(128, 2), WideConfig(256, 8),
+                WideConfig(64, 4), WideConfig(128, 4, 2), WideConfig(128, 8, 2), WideConfig(128, 8, 1, 1)]
+_WIDE_M4 = WideConfig(128, 4)
+#: wide variant name -> (type, shape, most columns of x)
+VEC_WIDE: dict[str, tuple[str, WideConfig, int]] = {
+    **{f"mul_mat_vec_{t}_f32_m1_{c.tag}": (t, c, 1) for t in ("q4_0", "q8_0") for c in _WIDE_SHAPES},
+    **{f"mul_mat_vec_{t}_f32_m4_{_WIDE_M4.tag}": (t, _WIDE_M4, 4) for t in ("q4_0", "q8_0")},
+}
+
+
 #: M = 1 (decode) mat-vec shapes for CPU Vulkan devices: lavapipe runs a workgroup's invocations
 #: on one core, where the GPU shapes above (128 threads, several units in flight) are 2-5x
 #: slower than these (measured on llvmpipe at SmolLM2's shapes); all are VEC_SWEEP variants
@@ -129,10 +164,12 @@ def vec_kernel_name(t: str, M: int) -> str:
     return f"mul_mat_vec_{t}_f32" + ("" if mm == MAX_VEC_M else f"_m{mm}")
 
 
-def vec_config(name: str) -> VecConfig:
-    """The shape of a mat-vec variant (a default one or a VEC_SWEEP one) by name."""
+def vec_config(name: str) -> VecConfig | WideConfig:
+    """The shape of a mat-vec variant (a default one, a VEC_SWEEP or a VEC_WIDE one) by name."""
     if name in VEC_SWEEP:
         return VEC_SWEEP[name][1]
+    if name in VEC_WIDE:
+        return VEC_WIDE[name][1]
     t = name.removeprefix("mul_mat_vec_").split("_f32")[0]
     return VEC_CONFIG[t]
 
@@ -141,12 +178,20 @@ def vec_variant_maxm(name: str) -> int:
     """The most columns of x a mat-vec variant handles."""
     if name in VEC_SWEEP:
         return 1
+    if name in VEC_WIDE:
+        return VEC_WIDE[name][2]
     tail = name.split("_f32")[-1]
     return int(tail[2:]) if tail.startswith("_m") else MAX_VEC_M
 
 
 def _vec_variant(name: str, wt: WeightType, cfg: VecConfig, maxm: int) -> Variant:
     return Variant(name=name, source="mul_mat_vec.comp",
+                   defines={"WTYPE": str(wt.id), "MAXM": str(maxm), **cfg.defines()},
+                   bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1), requires=_STORAGE)
+
+
+def _wide_variant(name: str, wt: WeightType, cfg: WideConfig, maxm: int) -> Variant:
+    return Variant(name=name, source="mul_mat_vec_wide.comp",
                    defines={"WTYPE": str(wt.id), "MAXM": str(maxm), **cfg.defines()},
                    bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1), requires=_STORAGE)
 
@@ -257,6 +302,7 @@ _COOP_VARIANTS, COOP_VARIANT_TILES = _coop_variants()
 VARIANTS = (
     [_vec_variant(vec_kernel_name(t, mm), wt, VEC_CONFIG[t], mm) for t, wt in TYPES.items() for mm in VEC_MAXM]
     + [_vec_variant(name, TYPES[t], cfg, 1) for name, (t, cfg) in VEC_SWEEP.items()]
+    + [_wide_variant(name, TYPES[t], cfg, maxm) for name, (t, cfg, maxm) in VEC_WIDE.items()]
     + [Variant(name=f"mul_mat_{t}_f32", source="mul_mat.comp", defines={"WTYPE": str(wt.id)},
                bindings=3, writes=(2,), push=PUSH, local_size=(256, 1, 1), requires=_STORAGE)
        for t, wt in TYPES.items()]
@@ -383,7 +429,8 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     without cooperative matrices).
 
     ``vec_variant`` (benchmarks and tests only; the path must be ``vec``): run this mat-vec
-    variant of the weight type (e.g. a VEC_SWEEP one) instead of the default one for M."""
+    variant of the weight type (e.g. a VEC_SWEEP one) instead of the default one for M. The
+    VEC_WIDE variants (``shaders/mul_mat_vec_wide.comp``) need K % 256 == 0."""
     wt = weight_type(w_type)
     dev = seq.device
     if vec_variant is not None:
@@ -400,6 +447,9 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
                               f"{wt.name.upper()} weights (and path must be 'coopmat')")
     emulated = coop_variant is not None and coop_variant.startswith("mul_mat_coopmat_emu_")
     path = check_mul_mat(wt, M, N, K, path=path, device=None if emulated else dev)
+    if vec_variant in VEC_WIDE and K % WIDE_K:
+        raise KernelError(f"vec_variant {vec_variant!r} needs K % {WIDE_K} == 0 (16-byte aligned rows "
+                          f"of whole 8-block groups), got K = {K}")
     if path == "vec" and vec_variant is None:
         vec_variant = device_vec_variant(dev, wt.name, M)
     name = f"mul_mat[{wt.name.upper()}, M={M}, N={N}, K={K}]"
@@ -459,6 +509,6 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     return path
 
 
-__all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VecConfig", "check_mul_mat", "coopmat_available",
-           "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+__all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VecConfig", "WideConfig",
+           "check_mul_mat", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
