@@ -17,6 +17,7 @@ from vkxsplit.attach import SharedArena, stats
 from vkxsplit.backend import MatMulJob, create_backend
 from vkxsplit.errors import BackendDied, KernelError, WaitTimeout
 from vkxsplit.ops.convert import record_convert
+from vkxsplit.vk.command import Sequence
 from vkxsplit.vk.event import Timeline
 
 TIMEOUT = 20.0
@@ -494,4 +495,68 @@ def test_cuda_mul_mat_chain(device, seqs, rng, wtype, caller_waits):
         assert np.all(np.abs(got - ref) <= rel * scale + 1e-4)
     finally:
         gpu.close()
+        arena.close()
+
+
+# --------------------------------------------------------------------------------------------
+# NODE_OPS through run_op (norms, SwiGLU, add): cpu here, cuda where CUDA is
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_node_ops_through_run_op(device, rng, name, caller_waits):
+    """rms_norm, add_rms_norm (x += res in place), swiglu (in place), add (row and broadcast)
+    on the backend's stream against float64, queued back to back behind one hub point."""
+    from vkxsplit.backend import OpJob
+
+    if name == "cuda":
+        _cuda_or_skip()
+    b = create_backend(name, device, timeout=TIMEOUT)
+    arena = SharedArena(device, [b])
+    try:
+        R, C, eps = 5, 300, 1e-5
+        x, res, g, u = (rng.standard_normal((R, C)).astype(np.float32) for _ in range(4))
+        w, brow = rng.standard_normal(C).astype(np.float32), rng.standard_normal(C).astype(np.float32)
+        bufs = {}
+        for k, a in (("x", x), ("res", res), ("w", w), ("g", g), ("u", u), ("brow", brow), ("x2", x)):
+            bufs[k] = arena.alloc(a.nbytes, k)
+            bufs[k].buffer.write(a)
+        for k in ("n1", "n2"):
+            bufs[k] = arena.alloc(R * C * 4, k)
+            bufs[k].buffer.write(np.full(R * C, np.nan, np.float32))
+        v = {k: sb.view() for k, sb in bufs.items()}
+        jobs = [OpJob("rms_norm", (v["x2"], v["w"]), (v["n1"],), R, C, eps=eps),
+                OpJob("add_rms_norm", (v["x"], v["res"], v["w"]), (v["n2"], v["x"]), R, C, eps=eps),
+                OpJob("swiglu", (v["g"], v["u"]), (v["g"],), R, C),
+                OpJob("add", (v["x2"], v["brow"]), (v["x2"],), R, C, b_rows=1)]
+        s1 = Sequence(device, "ops-in")
+        s1.end()
+        caller_waits.clear()
+        v1 = s1.submit()
+        p = None
+        for job in jobs:
+            p = b.next_point()
+            b.run_op(job.op, job, (s1.timeline, v1), p)
+        assert caller_waits == []
+        b.wait(p, TIMEOUT)
+        s1.close()
+
+        def got(k):
+            return bufs[k].buffer.read(np.float32)[:R * C].reshape(R, C).astype(np.float64)
+
+        X, Rs, W = x.astype(np.float64), res.astype(np.float64), w.astype(np.float64)
+
+        def norm(a):
+            return a / np.sqrt(np.mean(a * a, axis=1, keepdims=True) + eps) * W
+
+        G, U = g.astype(np.float64), u.astype(np.float64)
+        tol = 1e-5
+        np.testing.assert_allclose(got("n1"), norm(X), rtol=tol, atol=tol)
+        np.testing.assert_allclose(got("x"), X + Rs, rtol=tol, atol=tol)
+        np.testing.assert_allclose(got("n2"), norm(X + Rs), rtol=tol, atol=tol)
+        np.testing.assert_allclose(got("g"), G / (1 + np.exp(-G)) * U, rtol=tol, atol=tol)
+        np.testing.assert_allclose(got("x2"), X + brow.astype(np.float64), rtol=tol, atol=tol)
+        with pytest.raises(KernelError, match="does not run op"):
+            b.run_op("rope", jobs[0], None, b.next_point())
+    finally:
+        b.close()
         arena.close()

@@ -114,7 +114,7 @@ _ELEM = {"f32": 4, "f16": 2, "bf16": 2}
 
 #: Op names a backend may list in ``Capabilities.ops`` (the hub's op vocabulary).
 KNOWN_OPS = frozenset({"mul_mat", "add", "mul", "scale", "rms_norm", "norm", "softmax", "rope", "silu",
-                       "gelu", "get_rows", "cpy", "flash_attn"})
+                       "gelu", "get_rows", "cpy", "flash_attn", "add_rms_norm", "swiglu"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +266,54 @@ class MatMulJob:
         """Identifies the loaded weight (a "kernel"): chunk (or hub block), offset, rows held,
         type, K."""
         return (*weight_place(self.weight), self.weight.size // self.weight_row_bytes, self.w_type, self.K)
+
+
+#: Ops besides ``mul_mat`` a backend may take (listing them in ``caps.ops`` and implementing
+#: ``run_op``): the small ones between a layer's matmuls, so that a backend taking a whole FFN
+#: block (norm, gate/up, SwiGLU, down, residual) crosses from and to the hub once, not per matmul.
+NODE_OPS = frozenset({"rms_norm", "add_rms_norm", "swiglu", "add"})
+
+
+@dataclass
+class OpJob:
+    """One of :data:`NODE_OPS` for ``run_op``: f32 rows of ``cols`` contiguous elements, in
+    memory shared with the backend. Semantics (the hub's kernels; ``eps`` from the model):
+
+    - ``rms_norm``: inputs ``(x, w)``, outputs ``(out,)``: ``out[r] = x[r] / sqrt(mean(x[r]^2)
+      + eps) * w``
+    - ``add_rms_norm``: inputs ``(x, res, w)``, outputs ``(out, x)``: ``x[r] += res[r]`` in
+      place, then ``out[r] = rms_norm(x[r]) * w``
+    - ``swiglu``: inputs ``(g, u)``, outputs ``(g,)``: ``g[r] = silu(g[r]) * u[r]`` in place
+    - ``add``: inputs ``(x, b)``, outputs ``(x,)``: ``x[r] += b[r]`` (``b`` one row, broadcast,
+      when ``b_rows == 1``)
+
+    ``w`` (the norms' weight) is one row of ``cols``.
+    """
+
+    op: str
+    inputs: tuple[SharedView, ...]
+    outputs: tuple[SharedView, ...]
+    rows: int
+    cols: int
+    eps: float = 0.0
+    b_rows: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        what = f"{self.op} {self.name}".strip()
+        n_in, n_out = {"rms_norm": (2, 1), "add_rms_norm": (3, 2), "swiglu": (2, 1), "add": (2, 1)}.get(
+            self.op, (-1, -1))
+        if n_in < 0:
+            raise KernelError(f"{what}: not a backend op (one of {', '.join(sorted(NODE_OPS))} or mul_mat)")
+        if (len(self.inputs), len(self.outputs)) != (n_in, n_out):
+            raise KernelError(f"{what}: takes {n_in} inputs and {n_out} outputs")
+        if self.rows < 1 or self.cols < 1:
+            raise KernelError(f"{what}: empty shape")
+        for v in (*self.inputs, *self.outputs):
+            if not isinstance(v, SharedView):
+                raise KernelError(f"{what}: every tensor must be a SharedView, got {type(v).__name__}")
+        if self.b_rows <= 0:
+            self.b_rows = self.rows
 
 
 def weight_place(v: Any) -> tuple[Any, int]:
@@ -534,6 +582,6 @@ def with_caps(backend_cls: type[Backend], **changes: Any) -> Capabilities:
     return replace(backend_cls.caps, **changes)
 
 
-__all__ = ["Availability", "Backend", "Capabilities", "HOOKS", "Hook", "MatMulJob", "Point",
+__all__ = ["Availability", "Backend", "Capabilities", "HOOKS", "Hook", "MatMulJob", "NODE_OPS", "OpJob", "Point",
            "available_backends", "backend_availability", "create_backend", "ggml_type_info",
            "register_backend", "row_bytes", "with_caps"]

@@ -46,7 +46,7 @@ from .vk.command import Sequence, Timestamps, hub_timeline
 from .vk.event import default_timeout
 
 if TYPE_CHECKING:
-    from .backend import Backend, MatMulJob
+    from .backend import Backend, MatMulJob, OpJob
     from .plan import Plan
     from .vk.device import Device
 
@@ -271,7 +271,59 @@ class BackendOp:
         return f"BackendOp({self.backend} {self.name} rows {self.r0}:{self.r1})"
 
 
-Item = HubOp | BackendOp
+@dataclass(eq=False)
+class BackendNodeOp:
+    """One of the small ops (:data:`vkxsplit.backend.NODE_OPS`: norms, SwiGLU, residual add)
+    on the attached backend ``backend`` (its ``run_op``), so that a backend taking a layer's
+    matmuls also takes the glue between them and the step crosses between it and the hub
+    less often. Rows ``r0:r1`` are always the whole output (no row split)."""
+
+    backend: str
+    name: str
+    node: Node
+    group: int | None = None
+
+    participant_kind = "backend"
+
+    @property
+    def participant(self) -> str:
+        return self.backend
+
+    @property
+    def reads(self) -> list[Tensor]:
+        return self.node.reads()
+
+    @property
+    def writes(self) -> list[Tensor]:
+        return self.node.writes()
+
+    @property
+    def r0(self) -> int:
+        return 0
+
+    @property
+    def r1(self) -> int:
+        return self.node.output.rows
+
+    def job(self) -> OpJob:
+        from .backend import OpJob
+
+        n = self.node
+        ins = n.inputs
+        rows, cols = ins[0].rows, ins[0].cols
+        if n.op == "add_rms_norm":
+            outs = (n.output.buffer, ins[0].buffer)
+        else:
+            outs = (n.output.buffer,)
+        b_rows = ins[1].rows if n.op == "add" and len(ins[1].shape) > 1 else (1 if n.op == "add" else rows)
+        return OpJob(n.op, tuple(t.buffer for t in ins), outs, rows, cols,  # type: ignore[arg-type]
+                     eps=float(n.params.get("eps", 0.0)), b_rows=b_rows, name=self.name)
+
+    def __repr__(self) -> str:
+        return f"BackendNodeOp({self.backend} {self.name} {self.node.op})"
+
+
+Item = HubOp | BackendOp | BackendNodeOp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +345,7 @@ class Job:
     """A backend op; starts after hub segment ``wait`` and signals its backend's timeline."""
 
     index: int
-    op: BackendOp
+    op: BackendOp | BackendNodeOp
     wait: int
 
 
@@ -520,7 +572,11 @@ class Executor:
                 b = self.backends[jb.op.backend]
                 p = b.next_point()
                 job_pts[i] = p
-                b.mul_mat(self._jobs[i], (tl, seg_vals[jb.wait]), p)
+                job = self._jobs[i]
+                if isinstance(jb.op, BackendNodeOp):
+                    b.run_op(job.op, job, (tl, seg_vals[jb.wait]), p)
+                else:
+                    b.mul_mat(job, (tl, seg_vals[jb.wait]), p)
         step.host_waits = stats.host_waits_in_step
         if self.steps == 0:
             step.recordings = self.recordings
@@ -729,11 +785,12 @@ class Step:
             start = max(seg_end.get(jb.wait, self._t0), free.get(jb.op.backend, self._t0))
             start = min(start, end)
             free[jb.op.backend] = end
-            ev.append({"ph": "X", "name": jb.op.name, "cat": "mul_mat", "pid": 1, "tid": tid[jb.op.backend],
-                       "ts": us(start), "dur": (end - start) / 1000.0,
-                       "args": {"rows": [jb.op.r0, jb.op.r1], "waits_hub_segment": jb.wait,
-                                "M": jb.op.M, "N": jb.op.N, "K": jb.op.K, "w_type": jb.op.weight.dtype,
-                                "x_type": jb.op.x.dtype}})
+            op = jb.op
+            args: dict[str, Any] = {"rows": [op.r0, op.r1], "waits_hub_segment": jb.wait}
+            if isinstance(op, BackendOp):
+                args.update(M=op.M, N=op.N, K=op.K, w_type=op.weight.dtype, x_type=op.x.dtype)
+            ev.append({"ph": "X", "name": op.name, "cat": op.node.op, "pid": 1, "tid": tid[op.backend],
+                       "ts": us(start), "dur": (end - start) / 1000.0, "args": args})
         return {"traceEvents": ev, "displayTimeUnit": "ms",
                 "otherData": {"plan": ex.plan.label, "T": ex.plan.T, "submits": self.submits,
                               "host_waits_in_step": self.host_waits}}
@@ -753,5 +810,5 @@ class Step:
         return out
 
 
-__all__ = ["BackendOp", "Executor", "HUB_OPS", "HubOp", "Item", "Job", "Schedule", "Segment", "Step",
+__all__ = ["BackendNodeOp", "BackendOp", "Executor", "HUB_OPS", "HubOp", "Item", "Job", "Schedule", "Segment", "Step",
            "build_schedule", "record_graph"]

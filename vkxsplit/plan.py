@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .backend import NODE_OPS
 from .errors import PlanError, VkxError
-from .executor import BackendOp, HubOp, Item, Schedule, build_schedule
+from .executor import BackendNodeOp, BackendOp, HubOp, Item, Schedule, build_schedule
 from .graph import Graph, Node, Span, Tensor, any_overlap, span
 
 if TYPE_CHECKING:
@@ -690,8 +691,20 @@ class CostModel:
             return DEFAULTS["enqueue_s"]
         return float(v)
 
-    def backend_item(self, op: BackendOp) -> float:
+    def backend_item(self, op: BackendOp | BackendNodeOp) -> float:
+        if isinstance(op, BackendNodeOp):
+            return self.node_on(op.backend, op.node)
         return self.job(op.backend, op.weight.dtype, op.N, op.K, op.M) * (op.r1 - op.r0) / op.N
+
+    def node_on(self, backend: str, node: Node) -> float:
+        """Seconds of a small op (norm, SwiGLU, add) on a backend: not measured; the hub's
+        time for it (the same memory-bound work) on a backend sharing the hub's GPU, else
+        from its bytes at the default bandwidth."""
+        self.estimated.add(f"{backend} {node.op}")
+        if self.resource(backend) == HUB:
+            return self.hub_node(node)
+        nbytes = sum(t.rows * t.cols * 4 for t in (*node.inputs, *node.writes()))
+        return nbytes / (DEFAULTS["hub_gbs"] * 1e9)
 
     # -- measuring ----------------------------------------------------------------------------
 
@@ -1108,7 +1121,8 @@ class Plan:
             "conversions": self.conversions(),
             "segments": [{"index": s.index, "ops": [op.name for op in s.ops], "waits": s.waits} for s in sch.segments],
             "jobs": [{"index": j.index, "backend": j.op.backend, "op": j.op.name, "rows": [j.op.r0, j.op.r1],
-                      "N": j.op.N, "K": j.op.K, "M": j.op.M, "w_type": j.op.weight.dtype, "x_type": j.op.x.dtype,
+                      **({"N": j.op.N, "K": j.op.K, "M": j.op.M, "w_type": j.op.weight.dtype, "x_type": j.op.x.dtype}
+                         if isinstance(j.op, BackendOp) else {"node_op": j.op.node.op}),
                       "waits_segment": j.wait} for j in sch.jobs],
             "order": [f"{k}{i}" for k, i in sch.order],
             "notes": self.notes,
@@ -1277,6 +1291,16 @@ class Planner:
     def why_not(self, b: Any, node: Node, *, soft: bool = True) -> tuple[str, str] | None:
         """Why ``node`` cannot run on ``b``: ``("hard", reason)`` (never), ``("soft", reason)``
         (not at this batch size / memory), or None when it can."""
+        if node.op in NODE_OPS:
+            if node.op not in b.caps.ops or not type(b).implements("run_op"):
+                return "hard", f"{node.op} runs on the hub only ({b.name} does not take it)"
+            if "f32" not in b.caps.compute_dtypes:
+                return "hard", f"{node.op} computes in f32, {b.name} does not"
+            if self.require_shared:
+                unshared = sorted({t.name for t in (*node.inputs, *node.writes()) if not t.shared})
+                if unshared:
+                    return "soft", f"{', '.join(unshared)} not in memory shared with backends"
+            return None
         if node.op not in OFFLOADABLE_OPS:
             return "hard", f"{node.op} runs on the hub only"
         w, x = node.inputs
@@ -1337,7 +1361,7 @@ class Planner:
 
     def _place(self, assign: dict[int, list[Part]], node: Node, p: str, notes: list[str], *, why: str,
                soft: bool = True) -> None:
-        N = node.inputs[0].shape[0]
+        N = node.output.rows if node.op in NODE_OPS else node.inputs[0].shape[0]
         if p == HUB:
             assign.pop(node.index, None)
             return
@@ -1468,12 +1492,29 @@ class Planner:
         explicit = any(o.backend == rule.backend and o.explicit for o in spec.rules)
         for n in self._filtered(graph, spec, rule.filter):
             self._place(assign, n, rule.backend, notes, why=f"mode rule {rule.describe()}", soft=not explicit)
+        if rule.filter is None:
+            self._add_glue(graph, assign, rule.backend)
+        return assign
+
+    def _add_glue(self, graph: Graph, assign: dict[int, list[Part]], name: str) -> dict[int, list[Part]]:
+        """Put the glue between the matmuls (norms, SwiGLU, residual adds) on backend ``name``
+        too, where it runs them (``caps.ops`` and ``run_op``). Why: every hand-off between hub
+        and backend costs a round trip (~0.3 ms hub <-> cuda on the H200); with the glue on the
+        backend a decoder layer crosses once (attention stays on the hub) instead of four
+        times."""
+        b = self.backends.get(name)
+        if b is not None and b.caps.ops & NODE_OPS and type(b).implements("run_op"):
+            for n in graph.nodes:
+                if n.op in NODE_OPS and self.why_not(b, n) is None:
+                    assign[n.index] = [Part(b.name, 0, n.output.rows)]
         return assign
 
     def _kernel_keys(self, graph: Graph, assign: dict[int, list[Part]]) -> dict[str, set[tuple[Any, ...]]]:
         out: dict[str, set[tuple[Any, ...]]] = {}
         for idx, parts in assign.items():
             n = graph.nodes[idx]
+            if n.op in NODE_OPS:  # no weight matrix: nothing resident
+                continue
             for part in parts:
                 if part.participant == HUB:
                     continue
@@ -1509,6 +1550,10 @@ class Planner:
             parts = assign.get(n.index)
             if not parts:
                 items.append(HubOp("node", n.name, n.reads(), n.writes(), node=n))
+                invalidate(n.writes())
+                continue
+            if n.op in NODE_OPS:
+                items.append(BackendNodeOp(parts[0].participant, n.name, n))
                 invalidate(n.writes())
                 continue
             w, x = n.inputs
@@ -1550,7 +1595,8 @@ class Planner:
         return items
 
     def _job_needs(self, sch: Schedule) -> set[tuple[str, str, int, int, int]]:
-        return {(j.op.backend, j.op.weight.dtype, j.op.N, j.op.K, j.op.M) for j in sch.jobs}
+        return {(j.op.backend, j.op.weight.dtype, j.op.N, j.op.K, j.op.M) for j in sch.jobs
+                if isinstance(j.op, BackendOp)}
 
     # -- auto ---------------------------------------------------------------------------------
 
@@ -1592,7 +1638,7 @@ class Planner:
             choice = {n.index: name for n in mms if name in able[n.index]}
             if choice:
                 only = {i: {HUB: c[HUB], name: c[name]} for i, c in costs.items() if name in c}
-                cands.append((f"mode:{name}", self._cap_fit(graph, choice, only)))
+                cands.append((f"mode:{name}", self._add_glue(graph, self._cap_fit(graph, choice, only), name)))
         # layer-like: each mul_mat on its cheapest participant
         best = {i: min(c, key=c.get) for i, c in costs.items()}  # type: ignore[arg-type]
         greedy = self._cap_fit(graph, {i: p for i, p in best.items() if p != HUB}, costs)

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..attach import AttachStats, HostBridge, Point, SharedBuffer, SharedView
-from ..backend import Availability, Backend, Capabilities, MatMulJob
+from ..backend import NODE_OPS, Availability, Backend, Capabilities, MatMulJob, OpJob
+from ..errors import KernelError, VkxError
 
 if TYPE_CHECKING:
     from ..vk.device import Device
@@ -65,7 +66,7 @@ _NP = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16}
 
 class CpuBackend(Backend):
     name = "cpu"
-    caps = Capabilities(ops={"mul_mat"}, weight_types=dequantizable_types(),
+    caps = Capabilities(ops={"mul_mat", *NODE_OPS}, weight_types=dequantizable_types(),
                         compute_dtypes={"f32", "bf16", "f16"},
                         memory_handles=("dma_buf", "host_allocation"), event_handles=("host",))
 
@@ -86,6 +87,17 @@ class CpuBackend(Backend):
     def mul_mat(self, job: MatMulJob, wait: Point, signal: Point) -> None:
         try:
             self.check_job(job, signal)
+        except Exception as exc:
+            raise self.refuse(signal, exc) from None
+        self.bridge.enqueue(wait, signal[1], job)  # type: ignore[union-attr]
+
+    def run_op(self, op: str, job: OpJob, wait: Point, signal: Point) -> None:
+        """The NODE_OPS in numpy on the shared buffers, on the bridge thread like mul_mat."""
+        try:
+            if op not in self.caps.ops or not isinstance(job, OpJob) or job.op != op:
+                raise KernelError(f"backend {self.name} does not run op {op!r} ({type(job).__name__})")
+            if signal[0] is not self.timeline:
+                raise VkxError(f"backend {self.name} signals its own timeline, not {signal[0].name}")
         except Exception as exc:
             raise self.refuse(signal, exc) from None
         self.bridge.enqueue(wait, signal[1], job)  # type: ignore[union-attr]
@@ -139,7 +151,41 @@ class CpuBackend(Backend):
         self.cache_misses += 1
         return w
 
-    def _run(self, job: MatMulJob) -> None:
+    def _run_op(self, job: OpJob) -> None:
+        rows, cols = job.rows, job.cols
+        views = (*job.inputs, *job.outputs)
+        chunks = {v.chunk.id: v.chunk for v in views}
+        written = {v.chunk.id for v in job.outputs}
+        with contextlib.ExitStack() as stack:
+            for cid, ch in chunks.items():
+                stack.enter_context(ch.cpu_access(write=cid in written))
+
+            def arr(v: SharedView, n_rows: int) -> np.ndarray:
+                v.shared.stage_in(v.offset, n_rows * cols * 4)
+                return v.backend_array(np.float32, n_rows * cols).reshape(n_rows, cols)
+
+            if job.op in ("rms_norm", "add_rms_norm"):
+                w = arr(job.inputs[-1], 1)[0]
+                x = arr(job.inputs[0], rows)
+                if job.op == "add_rms_norm":
+                    x += arr(job.inputs[1], rows)
+                ms = np.mean(np.square(x, dtype=np.float32), axis=1, dtype=np.float32, keepdims=True)
+                arr(job.outputs[0], rows)[:] = x / np.sqrt(ms + np.float32(job.eps)) * w
+            elif job.op == "swiglu":
+                g, u = arr(job.inputs[0], rows), arr(job.inputs[1], rows)
+                g *= u / (np.float32(1) + np.exp(-g))  # g = silu(g) * u = g / (1 + e^-g) * u
+            else:  # add
+                x = arr(job.inputs[0], rows)
+                x += arr(job.inputs[1], job.b_rows)
+            for v in job.outputs:
+                if v.shared.kind == "staged":
+                    v.shared.stage_out(v.offset, rows * cols * 4)
+        self.jobs_done += 1
+
+    def _run(self, job: MatMulJob | OpJob) -> None:
+        if isinstance(job, OpJob):
+            self._run_op(job)
+            return
         M, K, xs, ys, r0, r1 = job.M, job.K, job.x_stride, job.y_stride, job.r0, job.r1
         chunks = {v.chunk.id: v.chunk for v in (job.weight, job.x, job.y)}
         with contextlib.ExitStack() as stack:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..attach import AttachStats, Chunk, HostBridge, Point, Relay, SharedBuffer, SharedView
-from ..backend import Availability, Backend, Capabilities, MatMulJob
+from ..backend import NODE_OPS, Availability, Backend, Capabilities, MatMulJob, OpJob
 from ..errors import EnvironmentProblem, KernelError, VkxError
 from ..vk.event import Timeline
 
@@ -146,6 +146,44 @@ extern "C" __global__ void dequant_q8_0(const unsigned char* __restrict__ src, f
     dst[i] = (float)(signed char)b[2 + (i & 31)] * d;
 }
 
+// NODE_OPS (vkxsplit.backend.OpJob): f32 rows of `cols`; one block of 256 threads per row
+extern "C" __global__ void vkx_rms_norm(const float* x, const float* __restrict__ res,
+                                        const float* __restrict__ w, float* __restrict__ out, float* xout,
+                                        int cols, float eps, int add) {
+    __shared__ float sh[256];
+    long long base = (long long)blockIdx.x * cols;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = x[base + c];
+        if (add) { v += res[base + c]; xout[base + c] = v; }  // x += res in place (xout is x)
+        s += v * v;
+    }
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+        __syncthreads();
+    }
+    float scale = rsqrtf(sh[0] / (float)cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = add ? xout[base + c] : x[base + c];  // this thread's own element
+        out[base + c] = v * scale * w[c];
+    }
+}
+
+extern "C" __global__ void vkx_swiglu(float* g, const float* __restrict__ u, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = g[i];
+    g[i] = v / (1.0f + expf(-v)) * u[i];
+}
+
+extern "C" __global__ void vkx_add(float* x, const float* __restrict__ b, long long n, int cols, int bcast) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    x[i] += b[bcast ? (i % cols) : i];
+}
+
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ src, unsigned short* __restrict__ dst,
                                        int M, int K, long long xs) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -230,10 +268,11 @@ def available_hip() -> Availability:
 @dataclass
 class _Prepared:
     """A job's per-step work, worked out once: the x conversion (callable, args) or None, and
-    the cublasGemmEx arguments after the handle."""
+    the cublasGemmEx arguments after the handle; for a NODE_OPS job, its kernel launch in
+    ``conv`` and no GEMM."""
 
     conv: Any
-    gemm: tuple[Any, ...]
+    gemm: tuple[Any, ...] | None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +282,7 @@ class _Prepared:
 class CudaBackend(Backend):
     name = "cuda"
     API: RuntimeApi = CUDA
-    caps = Capabilities(ops={"mul_mat"}, weight_types=set(WEIGHT_TYPES), compute_dtypes={"f32"},
+    caps = Capabilities(ops={"mul_mat", *NODE_OPS}, weight_types=set(WEIGHT_TYPES), compute_dtypes={"f32"},
                         memory_handles=("opaque_fd", "host_allocation"),
                         event_handles=("timeline_opaque_fd", "host"))
 
@@ -266,6 +305,7 @@ class CudaBackend(Backend):
         self._k_q4_0 = self._module.get_function("dequant_q4_0")
         self._k_q8_0 = self._module.get_function("dequant_q8_0")
         self._k_bf16 = self._module.get_function("f32_to_bf16")
+        self._k_ops = {n: self._module.get_function(f"vkx_{n}") for n in ("rms_norm", "swiglu", "add")}
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
         self._lock = threading.Lock()
@@ -512,8 +552,60 @@ class CudaBackend(Backend):
         if prep.conv is not None:
             fn, args = prep.conv
             fn(*args)
+        if prep.gemm is None:  # a NODE_OPS job: the kernel above was all of it
+            return
         cublas.setStream(self.cublas, self.stream.ptr)
         cublas.gemmEx(self.cublas, *prep.gemm)
+
+    def _prepare_op(self, job: OpJob) -> _Prepared:
+        """A NODE_OPS job as one kernel launch with its arguments worked out once."""
+        got = self._prepared.get(id(job))
+        if got is not None and got[0] is job:
+            return got[1]
+        ptr = [np.uint64(self._pointer(v)) for v in (*job.inputs, *job.outputs)]
+        rows, cols = job.rows, job.cols
+        n = rows * cols
+        flat = ((n + 255) // 256,), (256,)
+        if job.op == "rms_norm":  # inputs x, w; outputs out
+            x, w, out = ptr
+            call = ((rows,), (256,), (x, x, w, out, out, np.int32(cols), np.float32(job.eps), np.int32(0)))
+            fn = self._k_ops["rms_norm"]
+        elif job.op == "add_rms_norm":  # inputs x, res, w; outputs out, x
+            x, res, w, out, _x = ptr
+            call = ((rows,), (256,), (x, res, w, out, x, np.int32(cols), np.float32(job.eps), np.int32(1)))
+            fn = self._k_ops["rms_norm"]
+        elif job.op == "swiglu":  # inputs g, u; outputs g
+            g, u, _g = ptr
+            call = (*flat, (g, u, np.int64(n)))
+            fn = self._k_ops["swiglu"]
+        else:  # add: inputs x, b; outputs x
+            x, b, _x = ptr
+            call = (*flat, (x, b, np.int64(n), np.int32(cols), np.int32(1 if job.b_rows == 1 else 0)))
+            fn = self._k_ops["add"]
+        prep = _Prepared((fn, call), None)
+        if len(self._prepared) >= 1024:
+            self._prepared.pop(next(iter(self._prepared)))
+        self._prepared[id(job)] = (job, prep)  # type: ignore[assignment]
+        return prep
+
+    def run_op(self, op: str, job: OpJob, wait: Point, signal: Point) -> None:
+        """NODE_OPS (norms, SwiGLU, add) as CUDA kernels on the stream, waits and signals as
+        mul_mat's: with them a mode split crosses between hub and CUDA once per layer."""
+        got = self._prepared.get(id(job))
+        if got is None or got[0] is not job or self.bridge is not None or signal[0] is not self.timeline:
+            try:
+                if op not in self.caps.ops or op == "mul_mat" or not isinstance(job, OpJob) or job.op != op:
+                    raise KernelError(f"backend {self.name} does not run op {op!r} ({type(job).__name__})")
+                if signal[0] is not self.timeline:
+                    raise VkxError(f"backend {self.name} signals its own timeline, not {signal[0].name}")
+            except Exception as exc:
+                if self.bridge is None and signal[0] is self.timeline:
+                    self._signal_only(signal[1])
+                raise self.refuse(signal, exc) from None
+            if self.bridge is not None:
+                self.bridge.enqueue(wait, signal[1], job)
+                return
+        self._launch(job, wait, signal[1])
 
     def mul_mat(self, job: MatMulJob, wait: Point, signal: Point) -> None:
         got = self._prepared.get(id(job))
@@ -529,7 +621,7 @@ class CudaBackend(Backend):
                 return
         self._launch(job, wait, signal[1])
 
-    def _launch(self, job: MatMulJob, wait: Point, value: int) -> None:
+    def _launch(self, job: MatMulJob | OpJob, wait: Point, value: int) -> None:
         """Wait for ``wait`` on the stream, run the job, signal ``value``: the per-step path,
         a handful of C calls once the job is prepared."""
         if self._retired:
@@ -558,7 +650,7 @@ class CudaBackend(Backend):
             try:
                 if sem is not None:
                     self._check(self._wait_fn([sem], [self._wp], 1, self.stream.ptr), "wait_semaphores")
-                self._run(self._prepare(job))
+                self._run(self._prepare_op(job) if isinstance(job, OpJob) else self._prepare(job))
             finally:  # signalled even when enqueueing failed: the hub never waits forever
                 self._check(self._signal_fn([self._own_sem], [self._sp], 1, self.stream.ptr), "signal_semaphores")
 
@@ -594,7 +686,7 @@ class CudaBackend(Backend):
 
     def _run_bridged(self, job: MatMulJob) -> None:
         with self.cp.cuda.Device(self.device_id), self.stream:  # the bridge thread's own device context
-            self._run(self._prepare(job))
+            self._run(self._prepare_op(job) if isinstance(job, OpJob) else self._prepare(job))
         self.stream.synchronize()
         self._sweep()
 
