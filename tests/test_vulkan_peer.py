@@ -483,6 +483,10 @@ def test_planner_places_layers_and_rows_on_the_peer(device, tmp_path, mode):
                 # split mode loads its own rows (from the file's bytes): the weights stay in the
                 # hub's device memory, never in the shared host pages the hub would read over a bus
                 assert all(t.shared != (mode == "split") for t in m.weights.values())
+                # and so do the activations: the plan stages each job's x and y through shadows
+                from vkxsplit.attach import SharedBuffer
+
+                assert all(isinstance(a, SharedBuffer) != (mode == "split") for a in m.act.values())
                 for step in range(2):
                     b.traffic.begin_step()
                     out = m.logits(ids)

@@ -169,8 +169,10 @@ def record_graph(seq: Sequence, graph: Graph, ops: dict[str, Any] | None = None)
 @dataclass(eq=False)
 class HubOp:
     """One hub command: ``kind`` is ``node`` (a graph node), ``rows`` (output rows
-    ``[r0, r1)`` of a split ``mul_mat``, written into y's columns ``[r0, r1)``) or
-    ``convert`` (``src`` -> ``dst`` element type, e.g. x f32 -> bf16 for a bf16 backend)."""
+    ``[r0, r1)`` of a split ``mul_mat``, written into y's columns ``[r0, r1)``, or into
+    ``dst`` when set: the arena shadow of y for a backend that stages activations) or
+    ``convert`` (``src`` -> ``dst`` element type, e.g. x f32 -> bf16 for a bf16 backend, or an
+    f32 copy between an activation and its shadow)."""
 
     kind: str
     name: str
@@ -197,7 +199,8 @@ class HubOp:
 
             assert self.node is not None
             w, x = self.node.inputs
-            record_mul_mat(seq, w.buffer, w.dtype, x.buffer, self.node.output.buffer, M=x.rows,
+            y = self.dst if self.dst is not None else self.node.output  # dst: a staging shadow of y
+            record_mul_mat(seq, w.buffer, w.dtype, x.buffer, y.buffer, M=x.rows,
                            N=self.r1 - self.r0, K=w.shape[-1], w_row_offset=self.r0, y_col_offset=self.r0,
                            y_stride=w.shape[0])
         elif self.kind == "convert":

@@ -181,14 +181,17 @@ class Model:
         E, F = hp.n_embd, hp.n_ff
         sizes = {"x": E, "h": E, "q": hp.n_embd_q, "k": hp.n_embd_k_gqa, "v": hp.n_embd_v_gqa,
                  "attn": hp.n_head * hp.head_dim_v, "o": E, "gate": F, "up": F}
-        self.act = {k: self._alloc(T * c * f32, "device", k, shared=True) for k, c in sizes.items()}
+        # (not when every backend stages activations, i.e. a vulkan peer on another GPU: then
+        # they stay in device memory and the plan copies x/y through arena shadows at each job)
+        act_shared = any(not getattr(b, "stages_activations", False) for b in self.backends.values())
+        self.act = {k: self._alloc(T * c * f32, "device", k, shared=act_shared) for k, c in sizes.items()}
         from .ops.attention import attention_scratch_bytes, attention_splits
 
         # decode attention splits the KV length over workgroups (flash-decoding)
         self.decode_splits = attention_splits(1, hp.n_head, hp.n_head_kv, self.n_ctx)
         self.attn_scratch = self._alloc(
             attention_scratch_bytes(1, hp.n_head, hp.head_dim_v, self.decode_splits), "device", "attn_scratch")
-        self.logits_buf = self._alloc(T * hp.n_vocab * f32, "host", "logits", shared=True)
+        self.logits_buf = self._alloc(T * hp.n_vocab * f32, "host", "logits", shared=act_shared)
         self.argmax_buf = self._alloc(T * 4, "host", "argmax")
 
     # -- graph ----------------------------------------------------------------------------

@@ -790,6 +790,12 @@ class VulkanPeerBackend(Backend):
         return getattr(self, "mode", "") == "split"
 
     @property
+    def stages_activations(self) -> bool:
+        """``split`` mode reaches only host pages: the model keeps its activations in the hub's
+        device memory and the plan stages each job's x out and y back through arena shadows."""
+        return getattr(self, "mode", "") == "split"
+
+    @property
     def resident_weight_bytes(self) -> int:
         """Bytes of weights held in peer memory (``split`` mode)."""
         with self._lock:
