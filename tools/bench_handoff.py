@@ -151,6 +151,14 @@ def main() -> int:
     print(f"| pipelined chain throughput (us per chain) | {pipelined:.1f} |")
     print(f"| host waits inside a step | {stats.host_waits_in_step} |")
     print(f"| gated chains whose CUDA enqueue blocked on the GPU | {len(blocked)} of {reps} |")
+    flag = flag_handoff(dev, gpu, arena, gate, ts, s2, (x_in, xa, M * K), reps)
+    if isinstance(flag, str):
+        print(f"| hub -> cuda by a memory flag: not measured | {flag} |")
+    else:
+        print(f"| ... hub -> cuda by a memory flag (cuStreamWaitValue32), cuda -> hub by the semaphore, "
+              f"no work (us) | {flag:.1f} |")
+        print(f"| the semaphore's extra cost in the hub -> cuda direction (empty - flag, us) | "
+              f"{g['empty'] - flag:.1f} |")
     for s in (s1, s2):
         s.close()
     ts.close()
@@ -161,6 +169,66 @@ def main() -> int:
     arena.close()
     dev.close()
     return 0
+
+
+def flag_handoff(dev: Device, gpu, arena: SharedArena, gate: Gate, ts: Timestamps, s2: Sequence,
+                 x: tuple, reps: int) -> float | str:
+    """The GPU gap of hub -> cuda (no work) -> hub when CUDA waits for the hub through a word of
+    shared memory instead of the imported semaphore: the producer's last command copies the
+    chain's number (written by the host into a host-visible buffer before the submit) into a
+    flag in the hub's exported memory, and the CUDA stream waits on it with
+    cuStreamWaitValue32 (GEQ); CUDA still signals the hub through its semaphore. Median over
+    ``reps`` gated chains, or the reason it could not be measured. A wait the flag never
+    satisfies is unblocked by writing the largest value into the flag from the hub."""
+    try:
+        from cuda.bindings import driver as cu
+    except Exception as exc:  # noqa: BLE001 - a report, not a failure
+        return f"cuda.bindings.driver unavailable ({exc})"
+    x_in, xa, n = x
+    flag = arena.alloc(256, "flag")
+    val = dev.memory.alloc(256, "host", "flag-value")
+    s1f = Sequence(dev, "producer-flag")
+    try:
+        flag.buffer.write(np.zeros(64, np.uint32))
+        record_convert(s1f, x_in.view(), xa.view(), n, "f32", "f32")
+        s1f.write_timestamp(ts, 0)
+        s1f.copy(val, flag.view(), 4)
+        s1f.end()
+        fptr = gpu._pointer(flag.view())
+        gaps: list[float] = []
+        for i in range(1, reps + 11):
+            val.numpy(np.uint32)[0] = i
+            hold = gate.hold(10.0)
+            s1f.submit(waits=[hold.point])
+            p = gpu.next_point()
+            with gpu.cp.cuda.Device(gpu.device_id):
+                (err,) = cu.cuStreamWaitValue32(cu.CUstream(gpu.stream.ptr), cu.CUdeviceptr(fptr), i,
+                                                cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    hold.release()
+                    s1f.wait(10)
+                    return f"cuStreamWaitValue32 failed: {err}"
+                gpu._sp.params.fence.value = p[1]
+                gpu._check(gpu._signal_fn([gpu._own_sem], [gpu._sp], 1, gpu.stream.ptr), "signal_semaphores")
+            s2.submit(waits=[p])
+            hold.release()
+            try:
+                s2.wait(10)
+            except VkxError as exc:  # the flag never satisfied the wait: unblock the stream
+                unblock = Sequence(dev, "flag-unblock")
+                unblock.fill(flag.view(), 0x7FFFFFFF)
+                unblock.run(timeout=10)
+                unblock.close()
+                s2.wait(30)
+                return f"the CUDA wait never saw the flag ({str(exc).splitlines()[0]})"
+            t = ts.read()
+            if i > 10:
+                gaps.append((t[1] - t[0]) * 1e-3)
+        return statistics.median(gaps)
+    finally:
+        s1f.close()
+        val.close()
+        flag.close()
 
 
 if __name__ == "__main__":
