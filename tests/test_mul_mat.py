@@ -701,3 +701,212 @@ def test_vec_wide_tables():
     assert sum(mx == 4 for _, _, mx in mm.VEC_WIDE.values()) == 2
     # sweep only: no default or CPU shape is a wide one
     assert not any(isinstance(c, mm.WideConfig) for c in (*mm.VEC_CONFIG.values(), *mm.VEC_CPU_M1.values()))
+
+
+# --- integer-dot-product mat-vec (x quantized to 8-bit blocks; mul_mat_vecq.comp) -------------
+#
+# x is rounded by quantize_q8_1 (d = fl32(max|x| * fl32(1/127)) per 32-block, q = round(x / d)
+# half away from zero, exactly) and the reference q8_1_reference reproduces it bit for bit
+# (checked on the scratch buffer). Bounds, fixed before any run:
+# (a) against the float64 product of the SAME quantized x (d q) and the dequantized weights:
+#     per block the kernels sum exact integers and add (d_w * d_x) * s to an f32 accumulator,
+#     then reduce the lanes' partials: at most 2 + (blocks per lane) + (non-zero partials)
+#     <= 2 nb + 2 roundings on any term, so |y - ref_q| <= (2 nb + 8) u (|d q| @ |W|^T);
+# (b) against the float64 product of the unquantized x: |x - d q| <= d / 2 per element, so
+#     |y - x @ W^T| <= (d / 2) @ |W|^T (1 + 2^-20) + bound (a).
+VECQ_NAMES = sorted(mm.VECQ_SWEEP)
+
+
+def _vecq_skip(device, name):
+    req = [f for f in shaders_requires(name) if not device.features.get(f)]
+    if req:
+        pytest.skip(f"'{device.name}' lacks {', '.join(req)}")
+
+
+def shaders_requires(name):
+    from vkxsplit.shaders import all_variants
+
+    return all_variants()[name].requires
+
+
+def _vecq_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, x_off=0, random_bits=False, x=None):
+    """Rows [r0, r0 + n) of an n_total x K weight times M columns of x (x_off elements in,
+    rows K + x_off apart) into y columns [y_col, y_col + n) of rows y_col + n + 2 apart; y
+    poisoned with NaN. Checks the scratch against q8_1_reference bit for bit, and bounds (a)
+    and (b). Returns y's target block."""
+    raw, W = make_weights(rng, t, n_total, K, random_bits=random_bits)
+    wb = bufs.new(raw.nbytes, raw)
+    xs = K + x_off
+    if x is None:
+        x = rng.standard_normal((M, K)).astype(np.float32)
+    xfull = np.full(x_off + M * xs, np.nan, np.float32)
+    for m in range(M):
+        xfull[x_off + m * xs: x_off + m * xs + K] = x[m]
+    xb = bufs.new(4 * xfull.size, xfull)
+    qbytes = mm.vecq_scratch_bytes(M, K)
+    qb = bufs.new(qbytes + 64)
+    qb.numpy(np.uint8, (qbytes + 64,))[:] = 0xAB
+    ys = y_col + n + 2
+    yb = bufs.new(4 * M * ys)
+    y = yb.numpy(np.float32, (M * ys,))
+    y[:] = np.nan
+    seq = Sequence(device, "mmq")
+    try:
+        mm.record_mul_mat_vecq(seq, wb, t, xb, qb, yb, M, n, K, x_stride=xs, x_offset=x_off, y_stride=ys,
+                               w_row_offset=r0, y_col_offset=y_col, variant=name)
+        assert seq.dispatches == 2
+        seq.run()
+    finally:
+        seq.close()
+    # the scratch: bit-exact quantization, nothing written past it
+    q, d, s = mm.q8_1_reference(x)
+    nblk = M * (K // 32)
+    scratch = qb.numpy(np.uint8, (qbytes + 64,))
+    assert (scratch[qbytes:] == 0xAB).all(), "quantize_q8_1 wrote past its scratch"
+    assert np.array_equal(scratch[:32 * nblk].view(np.int8).reshape(M, K), q)
+    meta = scratch[32 * nblk:qbytes].view(np.uint32).reshape(nblk, 2)
+    assert np.array_equal(meta[:, 0], d.ravel().view(np.uint32))
+    assert np.array_equal(meta[:, 1].view(np.int32), s.ravel())
+    y2 = y.reshape(M, ys)
+    outside = np.ones_like(y2, bool)
+    outside[:, y_col:y_col + n] = False
+    assert np.isnan(y2[outside]).all(), "wrote outside the target columns"
+    got = y2[:, y_col:y_col + n]
+    Wr, Aw = W[r0:r0 + n], np.abs(W[r0:r0 + n])
+    dfull = np.repeat(d.astype(np.float64), 32, axis=1)
+    xdq = q.astype(np.float64) * dfull
+    bound_a = (2 * (K // 32) + 8) * U * (np.abs(xdq) @ Aw.T)
+    check(got, xdq @ Wr.T, bound_a)
+    check(got, x.astype(np.float64) @ Wr.T, 0.5 * (dfull @ Aw.T) * (1 + 2.0 ** -20) + bound_a)
+    return got
+
+
+@pytest.mark.parametrize("name", VECQ_NAMES)
+def test_mat_vecq_variant(device, bufs, rng, name):
+    """Every vecq variant (skipped where the device lacks its features): N not a multiple of
+    its rows per workgroup, row ranges with y column offsets, x with an offset and a stride,
+    an odd number of blocks per row (single-block variants: both halfword parities in each
+    row position), and enough blocks for several loop iterations per lane plus a remainder
+    with random quant bytes (Q8_0 codes -128)."""
+    _vecq_skip(device, name)
+    t, cfg, maxm = mm.VECQ_SWEEP[name]
+    lanes = cfg.wg // cfg.nr
+    Ms = (1,) if maxm == 1 else (3, 4)
+    unit = 256 if cfg.blk == 8 else 32
+    for M in Ms:
+        _vecq_run(device, bufs, rng, t, name, M, n_total=cfg.nr + 3, r0=0, n=cfg.nr + 3, K=512, y_col=0)
+        _vecq_run(device, bufs, rng, t, name, M, n_total=2 * cfg.nr + 5, r0=3, n=cfg.nr + 2,
+                  K=1280 if cfg.blk == 8 else 288, y_col=5, x_off=3)
+    K = unit * (2 * cfg.unr * lanes + 3)
+    _vecq_run(device, bufs, rng, t, name, Ms[-1], n_total=cfg.nr + 1, r0=1, n=cfg.nr, K=K, y_col=2,
+              random_bits=True)
+
+
+def test_q8_1_quantize_edge_cases(device, bufs, rng):
+    """quantize_q8_1 bit for bit against q8_1_reference on blocks with exact ties (x / d = k +
+    1/2, both signs: rounded away from zero), an all-zero block, a block of subnormals (d not
+    normal: all zero), subnormal and signed-zero elements in a normal block, and a block whose
+    maximum is negative."""
+    K = 32 * 6
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    blk = x.reshape(6, 32)
+    # block 0: ties. An amax with d = fl(amax C) = 2^-4 exactly, then (k + 1/2) 2^-4 (exact)
+    d0 = np.float32(2.0 ** -4)
+    amax = np.float32(127 * d0)
+    for _ in range(200):
+        if amax * np.float32(1.0 / 127.0) == d0:
+            break
+        amax = np.nextafter(amax, np.float32(np.inf if amax * np.float32(1.0 / 127.0) < d0 else 0))
+    assert amax * np.float32(1.0 / 127.0) == d0, "no amax with a round scale"
+    exact = [k + 0.5 for k in range(-120, 121, 9)]
+    blk[0, :] = 0.25
+    blk[0, 0] = amax
+    blk[0, 1:1 + len(exact)] = np.array(exact) * np.float64(d0)
+    blk[1, :] = 0.0                                               # all zero
+    blk[2, :] = np.float32(1e-40) * rng.uniform(-1, 1, 32).astype(np.float32)  # subnormal block
+    blk[3, :5] = [np.float32(1e-42), -np.float32(1e-39), 0.0, -0.0, np.float32(2.0 ** -126)]
+    blk[4, 7] = -10.0                                             # negative maximum
+    blk[5, :] = rng.standard_normal(32).astype(np.float32) * np.float32(1e-30)
+    q, d, _ = mm.q8_1_reference(x)
+    # the stated rounding: half away from zero
+    assert d[0, 0] == d0
+    for i, v in enumerate(exact):
+        assert q[0, 1 + i] == int(np.sign(v) * np.floor(abs(v) + 0.5))  # e.g. 2.5 -> 3, -2.5 -> -3
+    assert d[0, 1] == 0 and d[0, 2] == 0 and not q[0, 32:96].any()
+    name = "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr4_emu"
+    _vecq_run(device, bufs, rng, "q8_0", name, 1, n_total=3, r0=0, n=3, K=K, y_col=0, x=x)
+
+
+def test_mat_vecq_real_matches_emulated(device, bufs, rng):
+    """The packed dot-product instructions give the same bits as the int multiply-add
+    fallback (exact integer block sums, same float operations in the same order)."""
+    for t in mm.VECQ_TYPES:
+        for tag in ("b8_wg128_nr4", "b1_wg128_nr4"):
+            real, emu = f"mul_mat_vecq_{t}_q8_1_m1_{tag}", f"mul_mat_vecq_{t}_q8_1_m1_{tag}_emu"
+            _vecq_skip(device, real)
+            x = rng.standard_normal((1, 1024)).astype(np.float32)
+            seed = int(rng.integers(1 << 30))
+            a = _vecq_run(device, bufs, np.random.default_rng(seed), t, real, 1, 9, 0, 9, 1024, 0, x=x)
+            b = _vecq_run(device, bufs, np.random.default_rng(seed), t, emu, 1, 9, 0, 9, 1024, 0, x=x)
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_mat_vecq_errors(device, bufs, seq):
+    t, K, N = "q4_0", 288, 4
+    wb = bufs.new(row_bytes(t, K) * N)
+    xb = bufs.new(4 * 4 * K)
+    yb = bufs.new(4 * 4 * N)
+    qb = bufs.new(mm.vecq_scratch_bytes(4, K) + 16)
+    b1 = "mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr4_emu"
+    cases = [
+        (dict(variant="mul_mat_vecq_q4_0_q8_1_m1_b8_wg128_nr4_emu"), "K % 256"),
+        (dict(variant="mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr4_emu"), "not an integer-dot"),
+        (dict(variant="mul_mat_vec_q4_0_f32_m1"), "not an integer-dot"),
+        (dict(variant=b1, M=2), "not an integer-dot"),
+        (dict(variant=b1, xq=View(qb, 8)), "16-byte aligned"),
+        (dict(variant=b1, xq=View(qb, 0, mm.vecq_scratch_bytes(1, K) - 8)), "scratch has"),
+        (dict(variant=b1, xq=xb), "overlaps"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(KernelError, match=match):
+            mm.record_mul_mat_vecq(seq, wb, t, xb, kw.get("xq", qb), yb, kw.get("M", 1), N, K,
+                                   variant=kw["variant"])
+    with pytest.raises(KernelError, match="block size"):
+        mm.record_mul_mat_vecq(seq, wb, t, xb, qb, yb, 1, N, 100, variant=b1)
+    assert seq.dispatches == 0
+
+
+def test_mat_vecq_one_barrier(device, bufs):
+    """quantize -> barrier -> dot product: the sequence records exactly one barrier between."""
+    t, K, N = "q8_0", 256, 8
+    raw, _ = make_weights(np.random.default_rng(1), t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    xb = bufs.new(4 * K, np.ones(K, np.float32))
+    qb = bufs.new(mm.vecq_scratch_bytes(1, K))
+    yb = bufs.new(4 * N)
+    s = Sequence(device, "mmq")
+    try:
+        before = s.barriers
+        mm.record_mul_mat_vecq(s, wb, t, xb, qb, yb, 1, N, K, variant="mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr4_emu")
+        assert (s.dispatches, s.barriers - before) == (2, 1)
+        s.run()
+    finally:
+        s.close()
+
+
+def test_vecq_tables():
+    from vkxsplit.shaders import all_variants
+
+    allv = all_variants()
+    assert mm.VECQ_QUANTIZE in allv and not allv[mm.VECQ_QUANTIZE].requires
+    for name, (t, cfg, maxm) in mm.VECQ_SWEEP.items():
+        assert t in mm.VECQ_TYPES and name == f"mul_mat_vecq_{t}_q8_1_m{maxm}_{cfg.tag}"
+        assert mm.vec_config(name) == cfg and cfg.wg % cfg.nr == 0 and cfg.nr * maxm <= cfg.wg
+        assert cfg.blk in (1, 8) and not (cfg.sat and not cfg.idp)
+        v = allv[name]
+        assert ("shaderIntegerDotProduct" in v.requires) == bool(cfg.idp)
+        assert {"storageBuffer16BitAccess", "storageBuffer8BitAccess"} <= set(v.requires)
+        assert name not in mm.VEC_SWEEP and name not in mm.VEC_WIDE
+    # every type has an emulated (feature-free) single-block variant
+    assert all(any(ty == t and not c.idp and c.blk == 1 for ty, c, _ in mm.VECQ_SWEEP.values())
+               for t in mm.VECQ_TYPES)

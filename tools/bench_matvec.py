@@ -15,7 +15,13 @@ default and the wide M = 4 variant at M = 4:
 - GB/s = weight bytes / time, and % of the compute-shader copy bandwidth (copy_vec4, read +
   write bytes / time) measured in the same run;
 - every variant is first checked once against a float64 numpy reference on a small shape
-  (PASS / FAIL), so a variant that is wrong on this device is caught.
+  (PASS / FAIL), so a variant that is wrong on this device is caught;
+- for Q4_0 / Q8_0 also the integer-dot-product variants (``VECQ_SWEEP``,
+  shaders/mul_mat_vecq.comp, ggml's MMVQ scheme): each timed dispatch is the quantize-x kernel
+  (quantize_q8_1), the barrier after it and the dot-product kernel, so the time includes the
+  quantization (a ``quantize_q8_1 only`` row gives that part alone). Their check is against
+  the float64 product of the same 8-bit-rounded x (vkxsplit.ops.mul_mat.q8_1_reference);
+  variants needing a feature the device lacks (shaderIntegerDotProduct) are SKIPped.
 
 Usage: python tools/bench_matvec.py [--quick] [--types q4_0,q8_0] [--reps 50]
 """
@@ -148,6 +154,71 @@ def verify(dev: Device, rng: np.random.Generator, t: str, variants: list[str]) -
     return out
 
 
+def verify_vecq(dev: Device, rng: np.random.Generator, t: str, variants: list[str]) -> dict[str, str]:
+    """PASS / FAIL / SKIP per integer-dot-product variant on a small shape (as verify()),
+    against the float64 product of the same quantized x; x is rounded to 8 bits, so the
+    unquantized product is no reference here."""
+    out: dict[str, str] = {}
+    n, k = 37, 1280
+    raw, w = reference_weights(rng, t, n, k)
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    wb = dev.memory.alloc(raw.nbytes, "host", "verify_w")
+    xb = dev.memory.alloc(x.size * 4, "host", "verify_x")
+    qb = dev.memory.alloc(mm.vecq_scratch_bytes(4, k), "host", "verify_xq")
+    yb = dev.memory.alloc(4 * 4 * n, "host", "verify_y")
+    try:
+        wb.numpy(np.uint8, (raw.nbytes,))[:] = raw.ravel()
+        xb.numpy(np.float32, (x.size,))[:] = x.ravel()
+        for v in variants:
+            _, _, maxm = mm.VECQ_SWEEP[v]
+            m = min(4, maxm)
+            y = yb.numpy(np.float32, (4 * n,))
+            y[:] = np.nan
+            seq = Sequence(dev, "verify")
+            try:
+                mm.record_mul_mat_vecq(seq, wb, t, xb, qb, yb, m, n, k, variant=v)
+                seq.run()
+            except VkxError as exc:
+                msg = str(exc)
+                out[v] = f"SKIP ({msg[:60]})" if "needs device feature" in msg else f"FAIL ({msg[:60]})"
+                continue
+            finally:
+                seq.close()
+            q, d, _ = mm.q8_1_reference(x[:m])
+            xdq = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
+            got = y[:m * n].astype(np.float64).reshape(m, n)
+            bound = 1e-4 * (np.abs(xdq) @ np.abs(w).T) + 1e-6
+            err = np.abs(got - xdq @ w.T)
+            ratio = float(np.nanmax(err / bound)) if not np.isnan(got).any() else float("inf")
+            out[v] = "PASS" if ratio <= 1.0 else f"FAIL (err/bound {ratio:.3g})"
+    finally:
+        for b in (wb, xb, qb, yb):
+            b.close()
+    return out
+
+
+def time_vecq(dev: Device, t: str, v: str | None, m: int, n: int, k: int, ws: list, x, xq, y, ystride: int,
+              reps: int) -> tuple[float, float]:
+    """(barrier-mode, no-barrier-mode) seconds per quantize-x + barrier + dot-product pair of
+    vecq variant ``v`` (``v`` None: the quantize-x dispatch alone); in no-barrier mode rep i
+    uses its own scratch and y slots (no hazard between reps; the barrier inside a rep stays)."""
+    slot = 8 * ystride * 4
+    qslot = -(-mm.vecq_scratch_bytes(8, k) // 256) * 256
+
+    def rec(s: Sequence, i: int, sep: bool) -> None:
+        j = i if sep else 0
+        qv = View(xq, j * qslot, qslot)
+        if v is None:
+            mm.record_quantize_q8_1(s, x, qv, m, k, k, 0)
+            return
+        yv = View(y, j * slot, slot)
+        mm.record_mul_mat_vecq(s, ws[i % len(ws)], t, x, qv, yv, m, n, k, y_stride=ystride, variant=v)
+
+    tb = timed(dev, lambda s, i: rec(s, i, False), reps, True)
+    tn = timed(dev, lambda s, i: rec(s, i, True), reps, False)
+    return tb, tn
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes, two variants per type (lavapipe smoke run)")
@@ -181,14 +252,27 @@ def main() -> int:
         by_type[t] = [mm.vec_kernel_name(t, 1)] + (sweep[:1] + wide[:1] if args.quick else sweep + wide)
         m4_by_type[t] = [mm.vec_kernel_name(t, 4)] + [n for n, (ty, _, mx) in mm.VEC_WIDE.items()
                                                       if ty == t and mx == 4]
+    vecq_by_type: dict[str, list[tuple[str, int]]] = {}  # (variant, M)
+    for t in types:
+        q1 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 1]
+        q4 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 4]
+        vecq_by_type[t] = [(n, 1) for n in (q1[:2] if args.quick else q1)] + [(n, 4) for n in q4[:1]]
 
     print("## correctness (small shape, float64 reference)\n\n| type | variant | check |\n|---|---|---|")
     failed: set[str] = set()
+    skipped: set[str] = set()
     for t in types:
         for v, res in verify(dev, rng, t, by_type[t] + m4_by_type[t]).items():
             print(f"| {t} | `{v}` | {res} |")
             if res != "PASS":
                 failed.add(v)
+        if vecq_by_type[t]:
+            for v, res in verify_vecq(dev, rng, t, [v for v, _ in vecq_by_type[t]]).items():
+                print(f"| {t} | `{v}` (x as q8_1) | {res} |")
+                if res.startswith("SKIP"):
+                    skipped.add(v)
+                elif res != "PASS":
+                    failed.add(v)
     print()
 
     print("## timings: M columns, N x K = output rows x inner dimension; GB/s = weight bytes / time\n")
@@ -230,6 +314,28 @@ def main() -> int:
                       f"{100 * gb / copy_bw:.0f}% | {tn * 1e6:.1f} | {gn:.0f} | {100 * gn / copy_bw:.0f}% |")
                 if m == 1:
                     best[t][v] = best[t].get(v, 0.0) + tb  # summed over the shapes
+            if vecq_by_type[t] and k % 32 == 0:
+                xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
+                qruns = [(None, 1)] + [(v, m) for v, m in vecq_by_type[t] if v not in failed and v not in skipped
+                                       and not (mm.VECQ_SWEEP[v][1].blk == 8 and k % mm.WIDE_K)]
+                for v, m in qruns:
+                    label = f"`{v}`" if v else "`quantize_q8_1` only"
+                    tag = mm.VECQ_SWEEP[v][1].tag + " +q8_1" if v else "-"
+                    try:
+                        tb, tn = time_vecq(dev, t, v, m, n, k, ws, x, xq, y, ystride, reps)
+                    except VkxError as exc:
+                        print(f"| {t} | {n}x{k} | {m} | {label} | {tag} | {str(exc)[:60]} | | | | | |")
+                        continue
+                    if v is None:  # not a weight-streaming kernel: no GB/s
+                        print(f"| {t} | {n}x{k} | {m} | {label} | {tag} | {tb * 1e6:.1f} | - | - | "
+                              f"{tn * 1e6:.1f} | - | - |")
+                        continue
+                    gb, gn = wbytes / tb / 1e9, wbytes / tn / 1e9
+                    print(f"| {t} | {n}x{k} | {m} | {label} | {tag} | {tb * 1e6:.1f} | {gb:.0f} | "
+                          f"{100 * gb / copy_bw:.0f}% | {tn * 1e6:.1f} | {gn:.0f} | {100 * gn / copy_bw:.0f}% |")
+                    if v and m == 1:
+                        best[t][v] = best[t].get(v, 0.0) + tb
+                xq.close()
             for buf in (*ws, x, y):
                 buf.close()
     print("\n## fastest M = 1 variant per type (sum of barrier-mode times over the shapes)\n")
@@ -238,7 +344,8 @@ def main() -> int:
             v = min(best[t], key=best[t].get)
             d = best[t].get(mm.vec_kernel_name(t, 1))
             rel = f", default {d / best[t][v]:.2f}x its time" if d else ""
-            print(f"- {t}: `{v}` ({mm.vec_config(v).tag}){rel}")
+            note = " (x rounded to q8_1: integer dot products)" if v in mm.VECQ_SWEEP else ""
+            print(f"- {t}: `{v}` ({mm.vec_config(v).tag}){rel}{note}")
     if failed:
         print(f"\nFAILED variants: {', '.join(sorted(failed))}")
     print(f"\n(total {time.time() - t0:.0f} s)")

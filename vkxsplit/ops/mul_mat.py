@@ -164,12 +164,14 @@ def vec_kernel_name(t: str, M: int) -> str:
     return f"mul_mat_vec_{t}_f32" + ("" if mm == MAX_VEC_M else f"_m{mm}")
 
 
-def vec_config(name: str) -> VecConfig | WideConfig:
+def vec_config(name: str) -> VecConfig | WideConfig | VecqConfig:
     """The shape of a mat-vec variant (a default one, a VEC_SWEEP or a VEC_WIDE one) by name."""
     if name in VEC_SWEEP:
         return VEC_SWEEP[name][1]
     if name in VEC_WIDE:
         return VEC_WIDE[name][1]
+    if name in VECQ_SWEEP:
+        return VECQ_SWEEP[name][1]
     t = name.removeprefix("mul_mat_vec_").split("_f32")[0]
     return VEC_CONFIG[t]
 
@@ -194,6 +196,161 @@ def _wide_variant(name: str, wt: WeightType, cfg: WideConfig, maxm: int) -> Vari
     return Variant(name=name, source="mul_mat_vec_wide.comp",
                    defines={"WTYPE": str(wt.id), "MAXM": str(maxm), **cfg.defines()},
                    bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1), requires=_STORAGE)
+
+
+@dataclass(frozen=True)
+class VecqConfig:
+    """Shape of an integer-dot-product mat-vec kernel (``shaders/mul_mat_vecq.comp``, Q4_0 /
+    Q8_0 weights times x quantized to 8-bit blocks by ``quantize_q8_1.comp``): ``wg`` threads
+    per workgroup, ``nr`` rows per workgroup (``wg // nr`` threads per row), ``blk`` weight
+    blocks per load unit (8: 16-byte aligned 8-block groups, K % 256 == 0; 1: single blocks,
+    any K % 32 == 0), ``unr`` units per thread per loop iteration, ``idp`` 1: packed 4x8 dot
+    products (OpSDot; needs shaderIntegerDotProduct), 0: the same sums with int multiply-adds
+    of unpacked bytes (``_emu``), ``sat``: OpSDotAccSat instead of OpSDot + add."""
+
+    wg: int
+    nr: int
+    blk: int = 8
+    unr: int = 1
+    idp: int = 1
+    sat: int = 0
+
+    @property
+    def tag(self) -> str:
+        return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
+                + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
+
+    def defines(self) -> dict[str, str]:
+        return {"WG": str(self.wg), "NR": str(self.nr), "BLK": str(self.blk), "UNR": str(self.unr),
+                "IDP": str(self.idp), "IDP_SAT": str(self.sat)}
+
+
+VECQ_QUANTIZE = "quantize_q8_1"   # the quantize-x kernel (shaders/quantize_q8_1.comp)
+VECQ_QUANTIZE_WG = 256            # its workgroup: 8 threads per 32-element block
+VECQ_BLOCK_BYTES = 40             # scratch bytes per block of x: 32 int8 + f32 d + int32 sum
+VECQ_TYPES = ("q4_0", "q8_0")
+_VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), VecqConfig(256, 8),
+                VecqConfig(64, 4), VecqConfig(128, 4, unr=2), VecqConfig(128, 4, sat=1),
+                VecqConfig(128, 4, blk=1), VecqConfig(128, 4, blk=1, unr=2), VecqConfig(256, 4, blk=1, unr=2),
+                VecqConfig(128, 8, blk=1), VecqConfig(32, 4, blk=1),
+                # fallbacks (no shaderIntegerDotProduct): the same logic with int multiply-adds
+                VecqConfig(128, 4, idp=0), VecqConfig(128, 4, blk=1, idp=0)]
+_VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
+#: integer-dot-product mat-vec variants (sweep only; nothing picks them by default), name ->
+#: (type, shape, most columns of x); names mul_mat_vecq_<type>_q8_1_m<1|4>_<shape tag>
+VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
+    **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES},
+    **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4},
+}
+_IDP_REQUIRES = ("shaderIntegerDotProduct",)
+
+
+def vecq_scratch_bytes(M: int, K: int) -> int:
+    """Bytes of the quantized-x scratch of :func:`record_mul_mat_vecq` (M columns of K)."""
+    return M * (K // 32) * VECQ_BLOCK_BYTES
+
+
+def _vecq_variant(name: str, wt: WeightType, cfg: VecqConfig, maxm: int) -> Variant:
+    return Variant(name=name, source="mul_mat_vecq.comp",
+                   defines={"WTYPE": str(wt.id), "MAXM": str(maxm), **cfg.defines()},
+                   bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1),
+                   requires=(*(_IDP_REQUIRES if cfg.idp else ()), *_STORAGE))
+
+
+def q8_1_reference(x):  # type: ignore[no-untyped-def]
+    """numpy model of ``quantize_q8_1.comp`` (bit-exact): x (f32-representable, [M, K], K %
+    32 == 0) -> (q int8 [M, K], d float32 [M, K // 32], sum int32 [M, K // 32]) with d =
+    fl32(max|x| * fl32(1/127)) (0 unless a normal float), q = round(x / d) half away from zero
+    (exact quotient), clipped to +-127, sum = the block sums of q."""
+    import numpy as np
+
+    xb = np.asarray(x, dtype=np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(axis=-1)
+    d = amax * np.float32(1.0 / 127.0)
+    d[~(d >= np.float32(2.0 ** -126)) | ~np.isfinite(d)] = 0
+    safe = np.where(d > 0, d, 1).astype(np.float64)[..., None]
+    mag = np.floor(np.abs(xb.astype(np.float64)) / safe + 0.5)
+    q = np.where(d[..., None] > 0, np.sign(xb) * np.minimum(mag, 127), 0).astype(np.int8)
+    return q.reshape(x.shape), d.astype(np.float32), q.astype(np.int32).sum(axis=-1)
+
+
+def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x: Bindable,
+                        xq_scratch: Bindable, y: Bindable, M: int, N: int, K: int,
+                        x_stride: int | None = None, y_stride: int | None = None, x_offset: int = 0,
+                        y_offset: int = 0, w_row_offset: int = 0, y_col_offset: int | None = None, *,
+                        variant: str) -> None:
+    """``y = x @ W^T`` as :func:`record_mul_mat` (same arguments and layout), with x first
+    quantized to 8-bit blocks (ggml's MMVQ): records ``quantize_q8_1`` (x -> ``xq_scratch``,
+    at least :func:`vecq_scratch_bytes` bytes, 16-byte aligned, overlapping nothing else),
+    a compute barrier (inserted by the sequence's hazard tracking: the second dispatch reads
+    what the first wrote) and ``variant`` (a VECQ_SWEEP name for the weight type; benchmarks
+    and tests only). Not bit-comparable with the f32 path: x is rounded to 8 bits per element
+    with a per-32-block scale. Raises KernelError for anything the kernels do not handle."""
+    wt = weight_type(w_type)
+    dev = seq.device
+    spec = VECQ_SWEEP.get(variant)
+    if spec is None or spec[0] != wt.name or M > spec[2]:
+        raise KernelError(f"vecq variant {variant!r} is not an integer-dot-product mat-vec variant for "
+                          f"{wt.name.upper()} weights and M = {M}")
+    _, cfg, _ = spec
+    check_mul_mat(wt, M, N, K, path="vec")
+    name = f"mul_mat_vecq[{wt.name.upper()}, M={M}, N={N}, K={K}]"
+    if cfg.blk == 8 and K % WIDE_K:
+        raise KernelError(f"{name}: variant {variant!r} needs K % {WIDE_K} == 0 (16-byte aligned rows of "
+                          "whole 8-block groups)")
+    x_stride = K if x_stride is None else x_stride
+    y_col = w_row_offset if y_col_offset is None else y_col_offset
+    y_stride = y_col + N if y_stride is None else y_stride
+    for what, v in (("x_stride", x_stride), ("y_stride", y_stride), ("x_offset", x_offset),
+                    ("y_offset", y_offset), ("w_row_offset", w_row_offset), ("y_col_offset", y_col)):
+        if not isinstance(v, int) or v < 0:
+            raise KernelError(f"{name}: {what} must be a non-negative integer, got {v!r}")
+    if M > 1 and x_stride < K:
+        raise KernelError(f"{name}: x_stride {x_stride} < K")
+    if M > 1 and y_stride < y_col + N:
+        raise KernelError(f"{name}: y_stride {y_stride} < y_col_offset + N = {y_col + N} (rows would overlap)")
+    _, w_off, w_size, _ = as_range(w)
+    _, x_off, x_size, _ = as_range(x)
+    _, q_off, q_size, _ = as_range(xq_scratch)
+    _, y_off, y_size, _ = as_range(y)
+    if w_off % 16 or q_off % 16:
+        raise KernelError(f"{name}: the weight and scratch bindings must be 16-byte aligned "
+                          f"(bytes {w_off}, {q_off})")
+    if x_off % 4 or y_off % 4:
+        raise KernelError(f"{name}: x/y bindings must be 4-byte aligned")
+    if (w_row_offset + N) * wt.row_bytes(K) > w_size:
+        raise KernelError(f"{name}: rows {w_row_offset}..{w_row_offset + N} do not fit the weight binding "
+                          f"({w_size} bytes)")
+    if M and (x_offset + (M - 1) * x_stride + K) * 4 > x_size:
+        raise KernelError(f"{name}: x ({M} rows of stride {x_stride} from {x_offset}) does not fit its binding")
+    if M and (y_offset + (M - 1) * y_stride + y_col + N) * 4 > y_size:
+        raise KernelError(f"{name}: y does not fit its binding ({y_size} bytes)")
+    if vecq_scratch_bytes(M, K) > q_size:
+        raise KernelError(f"{name}: the x scratch has {q_size} bytes, needs {vecq_scratch_bytes(M, K)}")
+    if _overlap(y, w) or _overlap(y, x) or any(_overlap(xq_scratch, b) for b in (w, x, y)):
+        raise KernelError(f"{name}: y or the x scratch overlaps another operand")
+    for v in (x_offset + (M - 1) * x_stride + K, y_offset + (M - 1) * y_stride + y_col + N):
+        if v >= 1 << 32:
+            raise KernelError(f"{name}: element offsets exceed 32 bits")
+    gx, gy, _ = _grid("vec", wt, M, N, variant)
+    nq = -(-M * (K // 32) // (VECQ_QUANTIZE_WG // 8))
+    if gy > MAX_GROUPS or nq > MAX_GROUPS:
+        raise KernelError(f"{name}: too large for one dispatch")
+    if M == 0 or N == 0:
+        return
+    kd = Kernel.get(dev, variant)  # raises when the device lacks a required feature
+    record_quantize_q8_1(seq, x, xq_scratch, M, K, x_stride, x_offset)
+    seq.dispatch(kd, [w, xq_scratch, y], (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col, 0),
+                 (gx, gy, 1))
+
+
+def record_quantize_q8_1(seq: Sequence, x: Bindable, xq_scratch: Bindable, M: int, K: int, x_stride: int,
+                         x_offset: int) -> None:
+    """The quantize-x dispatch of :func:`record_mul_mat_vecq` alone (arguments checked there;
+    benchmarks call it directly to time it)."""
+    nq = -(-M * (K // 32) // (VECQ_QUANTIZE_WG // 8))
+    seq.dispatch(Kernel.get(seq.device, VECQ_QUANTIZE), [x, xq_scratch],
+                 (M, 0, K, x_stride, 0, x_offset, 0, 0, 0, 0), (nq, 1, 1))
 
 
 TILED_BM, TILED_BN = 64, 64       # mul_mat.comp tile (rows of x, rows of W)
@@ -303,6 +460,9 @@ VARIANTS = (
     [_vec_variant(vec_kernel_name(t, mm), wt, VEC_CONFIG[t], mm) for t, wt in TYPES.items() for mm in VEC_MAXM]
     + [_vec_variant(name, TYPES[t], cfg, 1) for name, (t, cfg) in VEC_SWEEP.items()]
     + [_wide_variant(name, TYPES[t], cfg, maxm) for name, (t, cfg, maxm) in VEC_WIDE.items()]
+    + [_vecq_variant(name, TYPES[t], cfg, maxm) for name, (t, cfg, maxm) in VECQ_SWEEP.items()]
+    + [Variant(name=VECQ_QUANTIZE, source="quantize_q8_1.comp", defines={"WG": str(VECQ_QUANTIZE_WG)},
+               bindings=2, writes=(1,), push=PUSH, local_size=(VECQ_QUANTIZE_WG, 1, 1))]
     + [Variant(name=f"mul_mat_{t}_f32", source="mul_mat.comp", defines={"WTYPE": str(wt.id)},
                bindings=3, writes=(2,), push=PUSH, local_size=(256, 1, 1), requires=_STORAGE)
        for t, wt in TYPES.items()]
@@ -509,6 +669,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     return path
 
 
-__all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VecConfig", "WideConfig",
+__all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
+           "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_mul_mat", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]

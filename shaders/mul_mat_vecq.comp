@@ -1,0 +1,275 @@
+#version 450
+// mul_mat_vecq_<q4_0|q8_0>_q8_1_m<MAXM>_*: y[m, c0 + n] = sum_b d_w d_x[m, b] * sum_i wq_i xq_i
+// for M <= MAXM columns of x quantized to 8-bit blocks by quantize_q8_1.comp (binding 1, its
+// scratch layout: 32 int8 per block as two uvec4, then a uvec2 (d bits, integer sum) per
+// block), Q4_0 / Q8_0 weights (binding 0). ggml's MMVQ scheme: the weight quants stay 8-bit
+// integers, 4 products per packed dot-product instruction, an exact integer sum per block,
+// then one float FMA per block with the two scales.
+//   Q8_0: s = sum_i q_w,i q_x,i                  (signed x signed bytes)
+//   Q4_0: s = sum_i n_i q_x,i - 8 sum_i q_x,i    (nibbles 0..15 are valid signed bytes; the
+//                                                 -8 offset via the block sum of x)
+//   acc += (d_w * d_x) * float(s)                (|s| < 2^17: exact in f32)
+//
+// IDP 1: the packed 4x8 dot products of SPV_KHR_integer_dot_product (OpSDot, or with
+// IDP_SAT 1 OpSDotAccSat), declared with GL_EXT_spirv_intrinsics (the GLSL extension
+// GL_EXT_integer_dot_product is newer than the glslc / glslang here); needs the device feature
+// shaderIntegerDotProduct. IDP 0: the same sums with unpacked bytes and int multiply-adds
+// (bitfieldExtract), for devices without it; results are identical.
+//
+// Layout as mul_mat_vec_wide.comp: a workgroup of WG threads computes NR rows; thread tid
+// works on row tid % NR as lane tid / NR of that row's team of L = WG / NR threads (a warp's
+// lanes at the same block index read the same x block: broadcast). Lanes take whole weight
+// blocks:
+//   BLK 8 (K % 256 == 0, 16-byte aligned rows): 8-block groups g = lane, lane + L, ... read
+//         with GW (9 / 17) uvec4 loads each (UNR groups per loop iteration), decoded from
+//         registers (block b of a group: scale in the low half of a word and quants 2 bytes
+//         past a word boundary for even b, scale in a high half and aligned quants for odd b)
+//   BLK 1 (any K % 32 == 0): blocks g = lane, lane + L, ... (UNR per iteration), each read
+//         with QW 32-bit loads from the word holding its first byte plus two 16-bit loads for
+//         its last word (never past the block, so never past the binding), the 2-byte shift
+//         selected by the parity of the block's halfword index
+// Partial sums are reduced through shared memory (any subgroup size).
+//
+// Defines: WTYPE (Q4_0 or Q8_0), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT.
+// Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
+// Workgroups: ceil(N / NR) folded into (x, y) as x + y * gl_NumWorkGroups.x.
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_shader_8bit_storage : require
+#extension GL_EXT_control_flow_attributes : require
+#ifndef IDP
+#define IDP 1
+#endif
+#if IDP
+#extension GL_EXT_spirv_intrinsics : require
+#endif
+
+#define W_BINDING 0
+#include "dequant.glsl"
+
+#if WTYPE == WT_Q4_0
+#define QW 4u    // quant words per block
+#define GW 9u    // uvec4 per group of 8 blocks (144 bytes)
+#elif WTYPE == WT_Q8_0
+#define QW 8u
+#define GW 17u   // 272 bytes
+#else
+#error "mul_mat_vecq: Q4_0 and Q8_0 only"
+#endif
+#define GQ (4u * GW)  // words per group
+#define HB (QBYTES / 2u)  // halfwords per block
+
+#ifndef WG
+#define WG 128
+#endif
+#ifndef NR
+#define NR 4
+#endif
+#ifndef UNR
+#define UNR 1
+#endif
+#ifndef BLK
+#define BLK 8
+#endif
+#ifndef MAXM
+#define MAXM 1
+#endif
+#ifndef IDP_SAT
+#define IDP_SAT 0
+#endif
+#if WG % NR != 0
+#error "WG must be a multiple of NR"
+#endif
+#define L (WG / NR)  // threads per row
+#if NR * MAXM > WG
+#error "the final reduction needs a thread per (row, column): NR * MAXM <= WG"
+#endif
+#if BLK != 1 && BLK != 8
+#error "BLK: 1 or 8"
+#endif
+
+#if IDP
+// OpSDot / OpSDotAccSat with PackedVectorFormat4x8Bit (0): capabilities DotProduct (6019),
+// DotProductInput4x8BitPacked (6018)
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
+int sdot_4x8_packed(uint a, uint b, spirv_literal int fmt);
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4453)
+int sdot_4x8_packed_acc_sat(uint a, uint b, int acc, spirv_literal int fmt);
+#endif
+
+// acc + the dot product of the four signed bytes of a and b
+int dot4(uint a, uint b, int acc) {
+#if IDP && IDP_SAT
+    return sdot_4x8_packed_acc_sat(a, b, acc, 0);
+#elif IDP
+    return acc + sdot_4x8_packed(a, b, 0);
+#else
+    int s = acc;
+    [[unroll]] for (int i = 0; i < 4; ++i) {
+        s += bitfieldExtract(int(a), 8 * i, 8) * bitfieldExtract(int(b), 8 * i, 8);
+    }
+    return s;
+#endif
+}
+
+layout(local_size_x = WG) in;
+
+layout(std430, binding = 1) readonly buffer XQ4 { uvec4 xq4[]; };
+layout(std430, binding = 1) readonly buffer XQM { uvec2 xqm[]; };
+layout(std430, binding = 2) writeonly buffer Y { float y[]; };
+
+layout(push_constant) uniform Push {
+    uint M; uint N; uint K; uint x_stride; uint y_stride; uint x_offset; uint y_offset;
+    uint w_row0; uint y_col0; uint flags;
+} p;
+
+shared float red[MAXM][WG];
+
+uint xbk[MAXM];      // first x block of each column (columns >= M repeat M - 1)
+uint mbase;          // first meta uvec2 (4 * M * nb)
+float acc[MAXM];
+
+// one weight block (scale dw, quant words q) at block index g of the row
+void block(float dw, const uint q[QW], uint g) {
+    [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+        const uint xb = xbk[m] + g;
+        const uvec4 x0 = xq4[2u * xb];
+        const uvec4 x1 = xq4[2u * xb + 1u];
+        const uvec2 meta = xqm[mbase + xb];
+        const uint X[8] = uint[8](x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w);
+        int s = 0;
+#if WTYPE == WT_Q4_0
+        [[unroll]] for (uint j = 0u; j < 4u; ++j) {
+            s = dot4(q[j] & 0x0F0F0F0Fu, X[j], s);              // elements 4j..4j+3
+            s = dot4((q[j] >> 4) & 0x0F0F0F0Fu, X[j + 4u], s);  // elements 16+4j..
+        }
+        s -= 8 * int(meta.y);
+#else
+        [[unroll]] for (uint j = 0u; j < 8u; ++j) {
+            s = dot4(q[j], X[j], s);
+        }
+#endif
+        acc[m] = fma(dw * uintBitsToFloat(meta.x), float(s), acc[m]);
+    }
+}
+
+// bytes 2..5 of the 8 bytes lo | hi << 32
+uint funnel16(uint lo, uint hi) {
+    return (lo >> 16) | (hi << 16);
+}
+
+#if BLK == 8
+// one group of 8 blocks (words from the group's first byte), first block index g0
+void group(const uvec4 q4[GW], uint g0) {
+    uint w[GQ];
+    [[unroll]] for (uint i = 0u; i < GW; ++i) {
+        w[4u * i] = q4[i].x;
+        w[4u * i + 1u] = q4[i].y;
+        w[4u * i + 2u] = q4[i].z;
+        w[4u * i + 3u] = q4[i].w;
+    }
+    [[unroll]] for (uint b = 0u; b < 8u; ++b) {
+        const bool odd = (b & 1u) != 0u;
+        // block b at byte QBYTES b: word (QBYTES / 2) (b / 2) (even b), or the high half of
+        // word (QBYTES / 2) (b / 2) + QW (odd b)
+        const uint w0 = (QBYTES / 2u) * (b >> 1) + (odd ? QW : 0u);
+        const vec2 dd = unpackHalf2x16(w[w0]);
+        uint q[QW];
+        [[unroll]] for (uint j = 0u; j < QW; ++j) {
+            q[j] = odd ? w[w0 + 1u + j] : funnel16(w[w0 + j], w[w0 + j + 1u]);
+        }
+        block(odd ? dd.y : dd.x, q, g0 + b);
+    }
+}
+#else
+// the QW + 1 words of block G of the weight tensor (G: global block index) from the word
+// holding its first byte; the last word from two halfwords (never past the block)
+void load_block(uint G, out uint w[QW + 1u]) {
+    const uint hb = HB * G;  // halfword index of the block
+    const uint wb = hb >> 1;
+    [[unroll]] for (uint i = 0u; i < QW; ++i) {
+        w[i] = w_u32[wb + i];
+    }
+    const uint lo = uint(w_u16[hb + HB - 2u]);
+    const uint hi = uint(w_u16[hb + HB - 1u]);
+    w[QW] = (hb & 1u) != 0u ? (lo | (hi << 16)) : hi;
+}
+
+void decode_block(const uint w[QW + 1u], uint G, uint g) {
+    const bool odd = ((HB * G) & 1u) != 0u;  // block starts 2 bytes past a word boundary
+    const vec2 dd = unpackHalf2x16(w[0]);
+    uint q[QW];
+    [[unroll]] for (uint j = 0u; j < QW; ++j) {
+        q[j] = odd ? w[j + 1u] : funnel16(w[j], w[j + 1u]);
+    }
+    block(odd ? dd.y : dd.x, q, g);
+}
+#endif
+
+void main() {
+    const uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+    const uint row0 = wg * NR;
+    if (row0 >= p.N) {
+        return;  // whole workgroup: the padding of the folded grid
+    }
+    const uint tid = gl_LocalInvocationID.x;
+    const uint r = tid % NR;     // this thread's row (of the workgroup's NR)
+    const uint lane = tid / NR;  // lane in the row's team of L
+    const uint nb = p.K / 32u;   // blocks per row
+    const uint row = p.w_row0 + min(row0 + r, p.N - 1u);  // rows past N: computed, not written
+    mbase = 4u * p.M * nb;
+
+    [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+        xbk[m] = min(m, p.M - 1u) * nb;
+        acc[m] = 0.0;
+    }
+
+#if BLK == 8
+    const uint ng = nb / 8u;          // groups per row
+    const uint gb = row * (ng * GW);  // first uvec4 of the row
+    for (uint g0 = lane; g0 < ng; g0 += UNR * L) {
+        uvec4 q[UNR][GW];
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            const uint g = min(g0 + u * L, ng - 1u);  // past the row: a valid address, unused
+            [[unroll]] for (uint i = 0u; i < GW; ++i) {
+                q[u][i] = w_u128[gb + g * GW + i];
+            }
+        }
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            const uint g = g0 + u * L;
+            if (u == 0u || g < ng) {
+                group(q[u], 8u * g);
+            }
+        }
+    }
+#else
+    const uint G0 = row * nb;  // global index of the row's first block
+    for (uint g0 = lane; g0 < nb; g0 += UNR * L) {
+        uint w[UNR][QW + 1u];
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            load_block(G0 + min(g0 + u * L, nb - 1u), w[u]);
+        }
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            const uint g = g0 + u * L;
+            if (u == 0u || g < nb) {
+                decode_block(w[u], G0 + g, g);
+            }
+        }
+    }
+#endif
+
+    [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+        red[m][tid] = acc[m];
+    }
+    barrier();
+    if (tid < NR * MAXM) {
+        const uint rr = tid % NR;
+        const uint m = tid / NR;
+        if (m < p.M && row0 + rr < p.N) {
+            float s = 0.0;
+            [[unroll]] for (uint i = 0u; i < L; ++i) {
+                s += red[m][i * NR + rr];
+            }
+            y[p.y_offset + m * p.y_stride + p.y_col0 + row0 + rr] = s;
+        }
+    }
+}
