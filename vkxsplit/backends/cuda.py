@@ -591,27 +591,26 @@ class CudaBackend(Backend):
     def run_op(self, op: str, job: OpJob, wait: Point, signal: Point) -> None:
         """NODE_OPS (norms, SwiGLU, add) as CUDA kernels on the stream, waits and signals as
         mul_mat's: with them a mode split crosses between hub and CUDA once per layer."""
-        got = self._prepared.get(id(job))
-        if got is None or got[0] is not job or self.bridge is not None or signal[0] is not self.timeline:
-            try:
-                if op not in self.caps.ops or op == "mul_mat" or not isinstance(job, OpJob) or job.op != op:
-                    raise KernelError(f"backend {self.name} does not run op {op!r} ({type(job).__name__})")
-                if signal[0] is not self.timeline:
-                    raise VkxError(f"backend {self.name} signals its own timeline, not {signal[0].name}")
-            except Exception as exc:
-                if self.bridge is None and signal[0] is self.timeline:
-                    self._signal_only(signal[1])
-                raise self.refuse(signal, exc) from None
-            if self.bridge is not None:
-                self.bridge.enqueue(wait, signal[1], job)
-                return
-        self._launch(job, wait, signal[1])
+
+        def validate() -> None:
+            if op not in self.caps.ops or op == "mul_mat" or not isinstance(job, OpJob) or job.op != op:
+                raise KernelError(f"backend {self.name} does not run op {op!r} ({type(job).__name__})")
+            if signal[0] is not self.timeline:
+                raise VkxError(f"backend {self.name} signals its own timeline, not {signal[0].name}")
+
+        self._submit(job, wait, signal, validate)
 
     def mul_mat(self, job: MatMulJob, wait: Point, signal: Point) -> None:
+        self._submit(job, wait, signal, lambda: self.check_job(job, signal))
+
+    def _submit(self, job: MatMulJob | OpJob, wait: Point, signal: Point, validate: Any) -> None:
+        """A job prepared before (a step replays its job objects) goes straight to the stream;
+        a new one is validated first: refused, its signal point is still signalled in stream
+        order; with host events it goes to the bridge thread."""
         got = self._prepared.get(id(job))
         if got is None or got[0] is not job or self.bridge is not None or signal[0] is not self.timeline:
             try:
-                self.check_job(job, signal)
+                validate()
             except Exception as exc:
                 if self.bridge is None and signal[0] is self.timeline:  # keep the stream's order
                     self._signal_only(signal[1])

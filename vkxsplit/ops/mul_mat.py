@@ -298,17 +298,8 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
     if cfg.blk == 8 and K % WIDE_K:
         raise KernelError(f"{name}: variant {variant!r} needs K % {WIDE_K} == 0 (16-byte aligned rows of "
                           "whole 8-block groups)")
-    x_stride = K if x_stride is None else x_stride
-    y_col = w_row_offset if y_col_offset is None else y_col_offset
-    y_stride = y_col + N if y_stride is None else y_stride
-    for what, v in (("x_stride", x_stride), ("y_stride", y_stride), ("x_offset", x_offset),
-                    ("y_offset", y_offset), ("w_row_offset", w_row_offset), ("y_col_offset", y_col)):
-        if not isinstance(v, int) or v < 0:
-            raise KernelError(f"{name}: {what} must be a non-negative integer, got {v!r}")
-    if M > 1 and x_stride < K:
-        raise KernelError(f"{name}: x_stride {x_stride} < K")
-    if M > 1 and y_stride < y_col + N:
-        raise KernelError(f"{name}: y_stride {y_stride} < y_col_offset + N = {y_col + N} (rows would overlap)")
+    x_stride, y_col, y_stride = _layout(name, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset,
+                                        y_col_offset)
     _, w_off, w_size, _ = as_range(w)
     _, x_off, x_size, _ = as_range(x)
     _, q_off, q_size, _ = as_range(xq_scratch)
@@ -565,6 +556,24 @@ def check_mul_mat(w_type: TypeLike | WeightType, M: int, N: int, K: int, path: s
     return path
 
 
+def _layout(name: str, M: int, N: int, K: int, x_stride: int | None, y_stride: int | None, x_offset: int,
+            y_offset: int, w_row_offset: int, y_col_offset: int | None) -> tuple[int, int, int]:
+    """The defaulted (x_stride, y_col_offset, y_stride) of a mat-mul's layout, checked: offsets
+    and strides non-negative integers, rows of x and y not overlapping."""
+    x_stride = K if x_stride is None else x_stride
+    y_col = w_row_offset if y_col_offset is None else y_col_offset
+    y_stride = y_col + N if y_stride is None else y_stride
+    for what, v in (("x_stride", x_stride), ("y_stride", y_stride), ("x_offset", x_offset),
+                    ("y_offset", y_offset), ("w_row_offset", w_row_offset), ("y_col_offset", y_col)):
+        if not isinstance(v, int) or v < 0:
+            raise KernelError(f"{name}: {what} must be a non-negative integer, got {v!r}")
+    if M > 1 and x_stride < K:
+        raise KernelError(f"{name}: x_stride {x_stride} < K")
+    if M > 1 and y_stride < y_col + N:
+        raise KernelError(f"{name}: y_stride {y_stride} < y_col_offset + N = {y_col + N} (rows would overlap)")
+    return x_stride, y_col, y_stride
+
+
 def _overlap(a: Bindable, b: Bindable) -> bool:
     _, oa, sa, ba = as_range(a)
     _, ob, sb, bb = as_range(b)
@@ -613,17 +622,8 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     if path == "vec" and vec_variant is None:
         vec_variant = device_vec_variant(dev, wt.name, M)
     name = f"mul_mat[{wt.name.upper()}, M={M}, N={N}, K={K}]"
-    x_stride = K if x_stride is None else x_stride
-    y_col = w_row_offset if y_col_offset is None else y_col_offset
-    y_stride = y_col + N if y_stride is None else y_stride
-    for what, v in (("x_stride", x_stride), ("y_stride", y_stride), ("x_offset", x_offset),
-                    ("y_offset", y_offset), ("w_row_offset", w_row_offset), ("y_col_offset", y_col)):
-        if not isinstance(v, int) or v < 0:
-            raise KernelError(f"{name}: {what} must be a non-negative integer, got {v!r}")
-    if M > 1 and x_stride < K:
-        raise KernelError(f"{name}: x_stride {x_stride} < K")
-    if M > 1 and y_stride < y_col + N:
-        raise KernelError(f"{name}: y_stride {y_stride} < y_col_offset + N = {y_col + N} (rows would overlap)")
+    x_stride, y_col, y_stride = _layout(name, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset,
+                                        y_col_offset)
 
     _, w_off, w_size, _ = as_range(w)
     _, x_off, x_size, _ = as_range(x)
