@@ -134,12 +134,28 @@ def bufs(device):
     b.close()
 
 
+def strided_x(bufs, x, stride, offset):
+    """A new f32 buffer holding the rows of ``x`` ``stride`` elements apart from element
+    ``offset``; everything else is NaN (padding must never be read)."""
+    M, K = x.shape
+    full = np.full(offset + M * stride, np.nan, np.float32)
+    for m in range(M):
+        full[offset + m * stride: offset + m * stride + K] = x[m]
+    return bufs.new(full.nbytes, full)
+
+
+def nan_y(bufs, n):
+    """A new f32 buffer of ``n`` elements poisoned with NaN, and its numpy view."""
+    yb = bufs.new(4 * n)
+    y = yb.numpy(np.float32, (n,))
+    y[:] = np.nan
+    return yb, y
+
+
 def run_mm(device, bufs, w_buf, t, x, M, N, K, y_elems, path, **kw):
     """Run one mul_mat with y poisoned by NaN; returns (y as float32 array, path taken)."""
     xb = bufs.new(x.nbytes, x.astype(np.float32))
-    yb = bufs.new(4 * y_elems)
-    y = yb.numpy(np.float32, (y_elems,))
-    y[:] = np.nan
+    yb, y = nan_y(bufs, y_elems)
     seq = Sequence(device, "mm")
     try:
         took = mm.record_mul_mat(seq, w_buf, t, xb, yb, M, N, K, path=path, **kw)
@@ -198,16 +214,10 @@ def test_row_range_and_strides(device, bufs, rng, t, path):
     wb = bufs.new(raw.nbytes, raw)
     xs, xo = K + 3, 5
     ys, yo = n_total + 2, 3
-    xfull = np.full(xo + M * xs, np.nan)  # padding between rows is NaN: it must never be read
     x = rng.standard_normal((M, K))
-    for m in range(M):
-        xfull[xo + m * xs: xo + m * xs + K] = x[m]
-    xf = xfull.astype(np.float32)
-    xb = bufs.new(xf.nbytes, xf)
+    xb = strided_x(bufs, x, xs, xo)
     y_elems = yo + M * ys
-    yb = bufs.new(4 * y_elems)
-    y = yb.numpy(np.float32, (y_elems,))
-    y[:] = np.nan
+    yb, y = nan_y(bufs, y_elems)
     seq = Sequence(device, "mm")
     try:
         mm.record_mul_mat(seq, wb, t, xb, yb, M, n, K, x_stride=xs, y_stride=ys, x_offset=xo,
@@ -427,16 +437,10 @@ def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned):
         xs, xo, ys, yo, c0 = K + 4, 8, n_total + 12, 4, 16
     else:
         xs, xo, ys, yo, c0 = K + 3, 5, n_total + 2, 3, r0
-    xfull = np.full(xo + M * xs, np.nan)  # padding between rows is NaN: it must never be read
     x = rng.standard_normal((M, K))
-    for m in range(M):
-        xfull[xo + m * xs: xo + m * xs + K] = x[m]
-    xf = xfull.astype(np.float32)
-    xb = bufs.new(xf.nbytes, xf)
+    xb = strided_x(bufs, x, xs, xo)
     y_elems = yo + M * ys
-    yb = bufs.new(4 * y_elems)
-    y = yb.numpy(np.float32, (y_elems,))
-    y[:] = np.nan
+    yb, y = nan_y(bufs, y_elems)
     seq = Sequence(device, "mm")
     try:
         mm.record_mul_mat(seq, wb, t, xb, yb, M, n, K, x_stride=xs, y_stride=ys, x_offset=xo,
@@ -511,14 +515,9 @@ def _vec_run(device, bufs, rng, t, M, n_total, r0, n, K, w_off=0, x_off=0, varia
     wv = View(wbuf, w_off, raw.nbytes)
     xs = K + x_off
     x = rng.standard_normal((M, K))
-    xfull = np.full(x_off + M * xs, np.nan)
-    for m in range(M):
-        xfull[x_off + m * xs: x_off + m * xs + K] = x[m]
-    xb = bufs.new(4 * xfull.size, xfull.astype(np.float32))
+    xb = strided_x(bufs, x, xs, x_off)
     ys = n_total + 1
-    yb = bufs.new(4 * M * ys)
-    y = yb.numpy(np.float32, (M * ys,))
-    y[:] = np.nan
+    yb, y = nan_y(bufs, M * ys)
     seq = Sequence(device, "mm")
     try:
         took = mm.record_mul_mat(seq, wv, t, xb, yb, M, n, K, x_stride=xs, x_offset=x_off, y_stride=ys,
@@ -629,14 +628,9 @@ def _wide_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, w_off=0, 
     wv = View(wbuf, w_off, raw.nbytes)
     xs = K + x_off
     x = rng.standard_normal((M, K))
-    xfull = np.full(x_off + M * xs, np.nan)
-    for m in range(M):
-        xfull[x_off + m * xs: x_off + m * xs + K] = x[m]
-    xb = bufs.new(4 * xfull.size, xfull.astype(np.float32))
+    xb = strided_x(bufs, x, xs, x_off)
     ys = y_col + n + 2
-    yb = bufs.new(4 * M * ys)
-    y = yb.numpy(np.float32, (M * ys,))
-    y[:] = np.nan
+    yb, y = nan_y(bufs, M * ys)
     seq = Sequence(device, "mm")
     try:
         took = mm.record_mul_mat(seq, wv, t, xb, yb, M, n, K, x_stride=xs, x_offset=x_off, y_stride=ys,
@@ -739,17 +733,12 @@ def _vecq_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, x_off=0, 
     xs = K + x_off
     if x is None:
         x = rng.standard_normal((M, K)).astype(np.float32)
-    xfull = np.full(x_off + M * xs, np.nan, np.float32)
-    for m in range(M):
-        xfull[x_off + m * xs: x_off + m * xs + K] = x[m]
-    xb = bufs.new(4 * xfull.size, xfull)
+    xb = strided_x(bufs, x, xs, x_off)
     qbytes = mm.vecq_scratch_bytes(M, K)
     qb = bufs.new(qbytes + 64)
     qb.numpy(np.uint8, (qbytes + 64,))[:] = 0xAB
     ys = y_col + n + 2
-    yb = bufs.new(4 * M * ys)
-    y = yb.numpy(np.float32, (M * ys,))
-    y[:] = np.nan
+    yb, y = nan_y(bufs, M * ys)
     seq = Sequence(device, "mmq")
     try:
         mm.record_mul_mat_vecq(seq, wb, t, xb, qb, yb, M, n, K, x_stride=xs, x_offset=x_off, y_stride=ys,
