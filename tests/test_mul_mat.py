@@ -506,32 +506,36 @@ VEC_NAMES = sorted(n for n in mm.VEC_SWEEP) + sorted(
     mm.vec_kernel_name(t, m) for t in ALL for m in mm.VEC_MAXM)
 
 
-def _vec_run(device, bufs, rng, t, M, n_total, r0, n, K, w_off=0, x_off=0, variant=None):
+def _vec_run(device, bufs, rng, t, M, n_total, r0, n, K, w_off=0, x_off=0, variant=None, y_col=None,
+             random_bits=False):
     """Rows [r0, r0 + n) of an n_total x K weight (bound at byte w_off of its buffer) times M
-    columns of x (starting x_off elements into the x buffer, rows K + x_off apart); y is
-    poisoned with NaN and must be written exactly at the target columns."""
-    raw, W = make_weights(rng, t, n_total, K)
+    columns of x (starting x_off elements into the x buffer, rows K + x_off apart) into y
+    columns [y_col, y_col + n) (default: y column = weight row, rows n_total + 1 apart; with
+    y_col, rows y_col + n + 2 apart); y is poisoned with NaN and must be written exactly at the
+    target columns."""
+    raw, W = make_weights(rng, t, n_total, K, random_bits=random_bits)
     wbuf = bufs.new(w_off + raw.nbytes, np.concatenate([np.zeros(w_off, np.uint8), raw.ravel()]))
     wv = View(wbuf, w_off, raw.nbytes)
     xs = K + x_off
     x = rng.standard_normal((M, K))
     xb = strided_x(bufs, x, xs, x_off)
-    ys = n_total + 1
+    ys = n_total + 1 if y_col is None else y_col + n + 2
     yb, y = nan_y(bufs, M * ys)
     seq = Sequence(device, "mm")
     try:
         took = mm.record_mul_mat(seq, wv, t, xb, yb, M, n, K, x_stride=xs, x_offset=x_off, y_stride=ys,
-                                 w_row_offset=r0, path="vec" if variant is None else None,
+                                 w_row_offset=r0, y_col_offset=y_col, path="vec" if variant is None else None,
                                  vec_variant=variant)
         seq.run()
     finally:
         seq.close()
     assert took == "vec"
+    c0 = r0 if y_col is None else y_col
     y2 = y.reshape(M, ys)
     outside = np.ones_like(y2, bool)
-    outside[:, r0:r0 + n] = False
+    outside[:, c0:c0 + n] = False
     assert np.isnan(y2[outside]).all(), "wrote outside the target columns"
-    check(y2[:, r0:r0 + n], x @ W[r0:r0 + n].T, bound_f32(x, abs_terms(raw, t, W)[r0:r0 + n]))
+    check(y2[:, c0:c0 + n], x @ W[r0:r0 + n].T, bound_f32(x, abs_terms(raw, t, W)[r0:r0 + n]))
 
 
 @pytest.mark.parametrize("t", ALL)
@@ -620,30 +624,9 @@ WIDE_NAMES = sorted(mm.VEC_WIDE)
 
 
 def _wide_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, w_off=0, x_off=0, random_bits=False):
-    """Rows [r0, r0 + n) of an n_total x K weight (at byte w_off of its buffer) times M columns
-    of x (x_off elements in, rows K + x_off apart) into y columns [y_col, y_col + n) of rows
-    y_col + n + 2 apart; y is poisoned with NaN and must be written exactly there."""
-    raw, W = make_weights(rng, t, n_total, K, random_bits=random_bits)
-    wbuf = bufs.new(w_off + raw.nbytes, np.concatenate([np.zeros(w_off, np.uint8), raw.ravel()]))
-    wv = View(wbuf, w_off, raw.nbytes)
-    xs = K + x_off
-    x = rng.standard_normal((M, K))
-    xb = strided_x(bufs, x, xs, x_off)
-    ys = y_col + n + 2
-    yb, y = nan_y(bufs, M * ys)
-    seq = Sequence(device, "mm")
-    try:
-        took = mm.record_mul_mat(seq, wv, t, xb, yb, M, n, K, x_stride=xs, x_offset=x_off, y_stride=ys,
-                                 w_row_offset=r0, y_col_offset=y_col, vec_variant=name)
-        seq.run()
-    finally:
-        seq.close()
-    assert took == "vec"
-    y2 = y.reshape(M, ys)
-    outside = np.ones_like(y2, bool)
-    outside[:, y_col:y_col + n] = False
-    assert np.isnan(y2[outside]).all(), "wrote outside the target columns"
-    check(y2[:, y_col:y_col + n], x @ W[r0:r0 + n].T, bound_f32(x, abs_terms(raw, t, W)[r0:r0 + n]))
+    """_vec_run with the wide variant ``name`` and y columns [y_col, y_col + n)."""
+    _vec_run(device, bufs, rng, t, M, n_total, r0, n, K, w_off=w_off, x_off=x_off, variant=name, y_col=y_col,
+             random_bits=random_bits)
 
 
 @pytest.mark.parametrize("name", WIDE_NAMES)
