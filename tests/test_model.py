@@ -180,3 +180,83 @@ def test_fusion_kill_switch_gives_the_same_logits(device, tmp_path, monkeypatch)
     assert nodes["1"]["rope"] == 2 * nodes[""]["rope"]
     scale = np.abs(out["1"]).max()
     assert np.abs(out[""] - out["1"]).max() <= 1e-3 * scale  # the same math, other f32 roundings
+
+
+
+def _q8_1_round(x):
+    """x rounded as the q8_1 blocks of ggml's MMVQ: per 32 elements d = max|x| / 127 (in f32),
+    x / d rounded half away from zero (written here from the format, not taken from vkxsplit)."""
+    xb = np.asarray(x, np.float64).reshape(x.shape[0], -1, 32)
+    d = (np.abs(xb).max(axis=-1, keepdims=True).astype(np.float32) * np.float32(1 / 127)).astype(np.float64)
+    q = np.sign(xb) * np.floor(np.abs(xb) / np.where(d > 0, d, 1) + 0.5)
+    return (np.where(d > 0, q, 0) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
+    """Decode (T = 1) reads Q4_0 / Q8_0 weights with x quantized to q8_1 once per x (shared by
+    q/k/v and by gate/up). Checked: the graph's quantize nodes; the wiring, exactly: after a
+    step, ffn_down's output and the logits equal float64 products of the dequantized weights
+    with q8_1-rounded copies of the f32 x they read; the decoded logits near the float64
+    reference; VKXSPLIT_DISABLE_VECQ: no quantize nodes and the tight f32 bound again."""
+    from reference import KVCache, reference_forward
+
+    from vkxsplit.gguf_model import load_model as load_gguf
+    from vkxsplit.model import load_model
+    from vkxsplit.ops.mul_mat import vecq_variant
+    from vkxsplit.synth import write_synthetic
+
+    if vecq_variant(device, qtype, 1) is None:
+        pytest.skip(f"{device.name} has no shaderIntegerDotProduct (the f32-x mat-vec is kept)")
+    L = 2
+    path = write_synthetic(tmp_path / f"dq-{qtype}.gguf", "smol135m", qtype, seed=6, n_vocab=700, n_layer=L)
+    ids = [int(i) for i in np.random.default_rng(8).integers(0, 700, 10)]
+    mf = load_gguf(path)
+    got, quantized = {}, {}
+    for off in ("", "1"):
+        monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ", off)
+        with load_model(path, device=device, n_ctx=32, ubatch=8) as m:
+            g = m._build_graph(1, False)
+            quantized[off] = {n.name for n in g.mul_mats() if "xq" in n.params}
+            m.prefill(ids[:6])
+            rows = []
+            for t in ids[6:]:
+                m._run([t], all_logits=False)
+                rows.append(m.last_logits())
+            got[off] = np.stack(rows)
+            if off:
+                continue
+            assert {n.name for n in g.mul_mats() if n.layer is not None} <= quantized[off]
+            q_nodes = [n for n in g.nodes if n.op == "quantize_q8_1"]
+            # one per x: the attention input, its output, the ffn input, the swiglu output
+            assert len(q_nodes) == 4 * L + ("output" in quantized[off])
+            assert len({n.name for n in q_nodes}) == len(q_nodes)
+            hp = m.hp
+            gate = m.act["gate"].read()[:4 * hp.n_ff].view(np.float32)[None]
+            o = m.act["o"].read()[:4 * hp.n_embd].view(np.float32)
+            w_down = mf.tensor(f"blk.{L - 1}.ffn_down.weight").dequantize().astype(np.float64)
+            want_o = (_q8_1_round(gate) @ w_down.T)[0]
+            assert np.abs(o - want_o).max() <= 1e-5 * np.abs(want_o).max()
+            if "output" in quantized[off]:
+                h_out = m.act["h"].read()[:4 * hp.n_embd].view(np.float32)[None]
+                w_out = mf.tensor("output.weight" if "output.weight" in mf.tensors else "token_embd.weight")
+                want_l = (_q8_1_round(h_out) @ w_out.dequantize().astype(np.float64).T)[0]
+                assert np.abs(rows[-1] - want_l).max() <= 1e-5 * np.abs(want_l).max()
+    assert not quantized["1"]
+    cache = KVCache.empty(L)
+    reference_forward(mf, ids[:6], cache, last_only=True)
+    want = np.concatenate([reference_forward(mf, [t], cache, last_only=True) for t in ids[6:]])
+    mf.close()
+    scale = np.abs(want).max()
+    # f32 x: the f32 bound of the other synthetic tests
+    assert np.abs(got["1"] - want).max() <= 2e-3 * scale + 1e-3
+    # q8_1 x: each element off by up to half a step, 1/254 of its block's max; through two
+    # layers that moves logits by ~1% of their scale (3% allowed; a skipped or misread block
+    # moves them by the whole scale). Its reference cannot round like the runtime: the f16 KV
+    # cache perturbs x, and rounding to 8 bits turns that into whole steps.
+    err = np.abs(got[""] - want).max()
+    assert err <= 3e-2 * scale, (err, scale)
+    srt = np.sort(want, axis=1)
+    clear = (srt[:, -1] - srt[:, -2]) > 2 * err  # top-1 agrees wherever the margin allows
+    assert (got[""].argmax(1) == want.argmax(1))[clear].all()
+    assert np.abs(got[""] - got["1"]).max() > 1e-4 * scale  # the rounding is visible

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_kernels import timed  # noqa: E402
+from benchutil import spin_up  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
@@ -116,6 +117,7 @@ def main() -> int:
     args = ap.parse_args()
     t_start = time.perf_counter()
     dev = Device.open()
+    spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
     real = mm.coopmat_available(dev)
     print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), coopmat={real}\n")
     if not real and not args.quick:

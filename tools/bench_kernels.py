@@ -18,6 +18,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchutil import spin_up  # noqa: E402
+
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.mul_mat import record_mul_mat  # noqa: E402
@@ -51,6 +53,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes (lavapipe smoke run)")
     args = ap.parse_args()
     dev = Device.open()
+    spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
     print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), "
           f"coopmat={dev.coopmat}\n")
     rng = np.random.default_rng(0)

@@ -38,6 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchutil import spin_up  # noqa: E402
+
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
@@ -231,6 +233,7 @@ def main() -> int:
     rotate = (8 << 20) if args.quick else ROTATE_BYTES
     t0 = time.time()
     dev = Device.open()
+    spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
     print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), "
           f"subgroup size {dev.physical.subgroup_size}\n")
     rng = np.random.default_rng(0)

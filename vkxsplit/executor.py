@@ -55,12 +55,33 @@ if TYPE_CHECKING:
 # hub recorders of graph nodes
 
 
-def _mul_mat(seq: Sequence, n: Node) -> None:
-    from .ops.mul_mat import record_mul_mat
+def _mul_mat(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None, y: Tensor | None = None) -> None:
+    """Output rows ``[r0, r1)`` of a ``mul_mat`` node (all by default) into y's columns
+    ``[r0, r1)`` (y: the node's output, or a staging shadow of it). A node with an ``xq``
+    param reads x quantized by an earlier ``quantize_q8_1`` node: only the integer-dot-product
+    kernel ``params["vecq"]`` is recorded."""
+    from .ops.mul_mat import record_mul_mat, record_mul_mat_vecq
 
     w, x = n.inputs
-    y = n.output
-    record_mul_mat(seq, w.buffer, w.dtype, x.buffer, y.buffer, M=x.rows, N=w.shape[0], K=w.shape[-1])
+    y = n.output if y is None else y
+    N = w.shape[0]
+    r1 = N if r1 is None else r1
+    xq = n.params.get("xq")
+    if xq is not None:
+        record_mul_mat_vecq(seq, w.buffer, w.dtype, x.buffer, xq.buffer, y.buffer, M=x.rows, N=r1 - r0,
+                            K=w.shape[-1], w_row_offset=r0, y_col_offset=r0, y_stride=N,
+                            variant=n.params["vecq"], quantize=False)
+    else:
+        record_mul_mat(seq, w.buffer, w.dtype, x.buffer, y.buffer, M=x.rows, N=r1 - r0, K=w.shape[-1],
+                       w_row_offset=r0, y_col_offset=r0, y_stride=N)
+
+
+def _quantize_q8_1(seq: Sequence, n: Node) -> None:
+    """x (f32 rows) -> the q8_1 scratch the following integer-dot-product mat-vecs read."""
+    from .ops.mul_mat import record_quantize_q8_1
+
+    (x,) = n.inputs
+    record_quantize_q8_1(seq, x.buffer, n.output.buffer, x.rows, x.cols, x.cols, 0)
 
 
 def _get_rows(seq: Sequence, n: Node) -> None:
@@ -140,6 +161,7 @@ def _argmax(seq: Sequence, n: Node) -> None:
 
 HUB_OPS: dict[str, Callable[[Sequence, Node], None]] = {
     "mul_mat": _mul_mat,
+    "quantize_q8_1": _quantize_q8_1,
     "get_rows": _get_rows,
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,
@@ -195,14 +217,8 @@ class HubOp:
                 raise KernelError(f"no hub kernel for op {self.node.op} (node {self.node.name})")
             fn(seq, self.node)
         elif self.kind == "rows":
-            from .ops.mul_mat import record_mul_mat
-
             assert self.node is not None
-            w, x = self.node.inputs
-            y = self.dst if self.dst is not None else self.node.output  # dst: a staging shadow of y
-            record_mul_mat(seq, w.buffer, w.dtype, x.buffer, y.buffer, M=x.rows,
-                           N=self.r1 - self.r0, K=w.shape[-1], w_row_offset=self.r0, y_col_offset=self.r0,
-                           y_stride=w.shape[0])
+            _mul_mat(seq, self.node, self.r0, self.r1, self.dst)  # dst: a staging shadow of y
         elif self.kind == "convert":
             from .ops.convert import record_convert
 

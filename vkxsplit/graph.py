@@ -79,6 +79,10 @@ def any_overlap(xs: list[Span], ys: list[Span]) -> bool:
     return any(overlap(x, y) for x in xs for y in ys)
 
 
+#: params that name tensors a node only reads
+READ_ONLY_PARAMS = frozenset({"xq"})
+
+
 @dataclass(eq=False)
 class Node:
     op: str
@@ -97,8 +101,10 @@ class Node:
 
     def writes(self) -> list[Tensor]:
         """Tensors the node writes: its output, and tensors passed as params (the V cache of
-        ``kv_store``, the scratch of ``attention``), conservatively."""
-        return [self.output, *self._param_tensors()]
+        ``kv_store``, the scratch of ``attention``), conservatively; not the read-only ones
+        (``xq``: the quantized x a ``mul_mat`` reads, which the q, k and v projections share:
+        counted as written it would order them one after another)."""
+        return [self.output, *(v for k, v in self.params.items() if isinstance(v, Tensor) and k not in READ_ONLY_PARAMS)]
 
     @property
     def weight(self) -> Tensor | None:

@@ -37,7 +37,7 @@ from .errors import ModelError, VkxError
 from .executor import Executor, Step
 from .gguf_model import ModelFile, default_model_path
 from .gguf_model import load_model as load_gguf
-from .graph import Graph, Tensor
+from .graph import Graph, Tensor, overlap, span
 from .plan import ArenaWorkspace, CostModel, Plan, Planner, Profile, SplitSpec, hub_node_times, parse_backends
 from .tokenizer import Tokenizer
 from .vk.device import Device
@@ -191,6 +191,11 @@ class Model:
         self.decode_splits = attention_splits(1, hp.n_head, hp.n_head_kv, self.n_ctx)
         self.attn_scratch = self._alloc(
             attention_scratch_bytes(1, hp.n_head, hp.head_dim_v, self.decode_splits), "device", "attn_scratch")
+        # decode: x quantized to q8_1 for the integer-dot-product mat-vecs (hub only; one
+        # scratch reused by every quantize node: each one's readers come before the next)
+        from .ops.mul_mat import vecq_scratch_bytes
+
+        self.xq_buf = self._alloc(vecq_scratch_bytes(1, max(sizes.values())), "device", "xq")
         self.logits_buf = self._alloc(T * hp.n_vocab * f32, "host", "logits", shared=act_shared)
         self.argmax_buf = self._alloc(T * 4, "host", "argmax")
 
@@ -215,6 +220,29 @@ class Model:
         if T == 1:
             split_kv = {"n_splits": self.decode_splits,
                         "scratch": Tensor("attn_scratch", (1,), "f32", self.attn_scratch)}
+        # Decode (T = 1): mat-vecs of Q4_0 / Q8_0 weights read x quantized to q8_1 (integer
+        # dot products, ggml's MMVQ): one quantize_q8_1 node per x, inserted before its first
+        # such reader and shared by the rest (q/k/v, gate/up) until something rewrites x.
+        from .ops.mul_mat import VECQ_TYPES, vecq_scratch_bytes, vecq_variant
+
+        vecq = {t: v for t in VECQ_TYPES if (v := vecq_variant(self.device, t, T)) is not None}
+        quantized: list[Any] = []  # [x, index of its quantize node] while the scratch holds x
+
+        def mul_mat(name: str, w: Tensor, x: Tensor, out: Tensor) -> Tensor:
+            v = vecq.get(w.dtype)
+            if v is None or x.cols % 32:
+                return g.add("mul_mat", name, [w, x], out)
+            xs = span(x)
+            if not quantized or quantized[0] is not x or any(
+                    overlap(xs, span(t)) for n in g.nodes[quantized[1] + 1:] for t in n.writes()):
+                xq = Tensor(f"xq:{x.name}", (1, vecq_scratch_bytes(1, x.cols) // 4), "q8_1",
+                            V(self.xq_buf, 0, vecq_scratch_bytes(1, x.cols)))
+                nq = sum(n.op == "quantize_q8_1" for n in g.nodes)  # unique names: blk.N.quantize.K
+                g.add("quantize_q8_1", (name.rsplit(".", 1)[0] + "." if "." in name else "") + f"quantize.{nq}",
+                      [x], xq)
+                quantized[:] = [x, len(g.nodes) - 1]
+            return g.add("mul_mat", name, [w, x], out, xq=g.nodes[quantized[1]].output, vecq=v)
+
         x = act("x", hp.n_embd)
         g.add("get_rows", "embd", [W["token_embd.weight"], ids], x)
         for il in range(hp.n_layer):
@@ -223,9 +251,9 @@ class Model:
                 h = g.add("rms_norm", p + "attn_norm", [x, W[p + "attn_norm.weight"]], act("h", hp.n_embd),
                           eps=hp.rms_norm_eps)
             # (later layers: h came from the previous layer's fused residual add + norm)
-            q = g.add("mul_mat", p + "attn_q", [W[p + "attn_q.weight"], h], act("q", hp.n_embd_q))
-            k = g.add("mul_mat", p + "attn_k", [W[p + "attn_k.weight"], h], act("k", hp.n_embd_k_gqa))
-            v = g.add("mul_mat", p + "attn_v", [W[p + "attn_v.weight"], h], act("v", hp.n_embd_v_gqa))
+            q = mul_mat(p + "attn_q", W[p + "attn_q.weight"], h, act("q", hp.n_embd_q))
+            k = mul_mat(p + "attn_k", W[p + "attn_k.weight"], h, act("k", hp.n_embd_k_gqa))
+            v = mul_mat(p + "attn_v", W[p + "attn_v.weight"], h, act("v", hp.n_embd_v_gqa))
             for t, nm in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")):
                 bias = W.get(p + nm + ".bias")
                 if bias is not None:
@@ -244,7 +272,7 @@ class Model:
             a = g.add("attention", p + "attn", [q, cache_k, cache_v, pos], act("attn", hp.n_head * hp.head_dim_v),
                       n_heads=hp.n_head, n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, n_ctx=self.n_ctx,
                       **split_kv)
-            o = g.add("mul_mat", p + "attn_output", [W[p + "attn_output.weight"], a], act("o", hp.n_embd))
+            o = mul_mat(p + "attn_output", W[p + "attn_output.weight"], a, act("o", hp.n_embd))
             # residual add fused with the next norm: x += o; h = rms_norm(x) * w (x_out: x is
             # written in place, which the executor's hazard analysis must see)
             if fuse:
@@ -254,10 +282,10 @@ class Model:
                 g.add("add", p + "attn_residual", [x, o], x)
                 h = g.add("rms_norm", p + "ffn_norm", [x, W[p + "ffn_norm.weight"]], act("h", hp.n_embd),
                           eps=hp.rms_norm_eps)
-            gate = g.add("mul_mat", p + "ffn_gate", [W[p + "ffn_gate.weight"], h], act("gate", hp.n_ff))
-            up = g.add("mul_mat", p + "ffn_up", [W[p + "ffn_up.weight"], h], act("up", hp.n_ff))
+            gate = mul_mat(p + "ffn_gate", W[p + "ffn_gate.weight"], h, act("gate", hp.n_ff))
+            up = mul_mat(p + "ffn_up", W[p + "ffn_up.weight"], h, act("up", hp.n_ff))
             g.add("swiglu", p + "ffn_swiglu", [gate, up], gate)
-            o = g.add("mul_mat", p + "ffn_down", [W[p + "ffn_down.weight"], gate], act("o", hp.n_embd))
+            o = mul_mat(p + "ffn_down", W[p + "ffn_down.weight"], gate, act("o", hp.n_embd))
             if il + 1 < hp.n_layer and fuse:
                 nxt = f"blk.{il + 1}."
                 h = g.add("add_rms_norm", nxt + "attn_norm", [x, o, W[nxt + "attn_norm.weight"]],
@@ -272,7 +300,7 @@ class Model:
         g.add("rms_norm", "output_norm", [xl, W["output_norm.weight"]], hl, eps=hp.rms_norm_eps)
         out_w = W["output.weight"] if "output.weight" in W else W["token_embd.weight"]
         logits = Tensor("logits", (rows, hp.n_vocab), "f32", V(self.logits_buf, 0, rows * hp.n_vocab * f32))
-        g.add("mul_mat", "output", [out_w, hl], logits)
+        mul_mat("output", out_w, hl, logits)
         g.add("argmax", "argmax", [logits], Tensor("argmax", (rows,), "i32", V(self.argmax_buf, 0, rows * 4)))
         return g
 

@@ -598,16 +598,18 @@ class CudaBackend(Backend):
             if signal[0] is not self.timeline:
                 raise VkxError(f"backend {self.name} signals its own timeline, not {signal[0].name}")
 
-        self._submit(job, wait, signal, validate)
+        # a prepared job skips validation, but only for the op it was prepared as
+        self._submit(job, wait, signal, validate, fast=getattr(job, "op", None) == op)
 
     def mul_mat(self, job: MatMulJob, wait: Point, signal: Point) -> None:
-        self._submit(job, wait, signal, lambda: self.check_job(job, signal))
+        self._submit(job, wait, signal, lambda: self.check_job(job, signal), fast=isinstance(job, MatMulJob))
 
-    def _submit(self, job: MatMulJob | OpJob, wait: Point, signal: Point, validate: Any) -> None:
-        """A job prepared before (a step replays its job objects) goes straight to the stream;
-        a new one is validated first: refused, its signal point is still signalled in stream
-        order; with host events it goes to the bridge thread."""
-        got = self._prepared.get(id(job))
+    def _submit(self, job: MatMulJob | OpJob, wait: Point, signal: Point, validate: Any, fast: bool) -> None:
+        """A job prepared before (a step replays its job objects) goes straight to the stream
+        (``fast``: it is the kind of job the caller asked for); a new one is validated first:
+        refused, its signal point is still signalled in stream order; with host events it goes
+        to the bridge thread."""
+        got = self._prepared.get(id(job)) if fast else None
         if got is None or got[0] is not job or self.bridge is not None or signal[0] is not self.timeline:
             try:
                 validate()

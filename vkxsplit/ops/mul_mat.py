@@ -236,13 +236,38 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # fallbacks (no shaderIntegerDotProduct): the same logic with int multiply-adds
                 VecqConfig(128, 4, idp=0), VecqConfig(128, 4, blk=1, idp=0)]
 _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
-#: integer-dot-product mat-vec variants (sweep only; nothing picks them by default), name ->
-#: (type, shape, most columns of x); names mul_mat_vecq_<type>_q8_1_m<1|4>_<shape tag>
+#: integer-dot-product mat-vec variants, name -> (type, shape, most columns of x); names
+#: mul_mat_vecq_<type>_q8_1_m<1|4>_<shape tag>; :func:`vecq_variant` picks the default ones
 VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
     **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES},
     **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4},
 }
 _IDP_REQUIRES = ("shaderIntegerDotProduct",)
+#: the decode (M = 1) default per device kind: the fastest of the sweep on the H200 (2.0x /
+#: 1.6x the f32-x kernels summed over the llama8b shapes for Q4_0 / Q8_0, docs/KERNELS.md)
+#: and on llvmpipe (1.5-2.9x at SmolLM2 and 2048-square shapes: wg32, one core per workgroup)
+VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(32, 4, blk=1)}
+
+
+def vecq_disabled() -> bool:
+    """``VKXSPLIT_DISABLE_VECQ=1`` switches the integer-dot-product decode path off (x stays
+    f32 in every mat-vec: for bisecting, or to compare with the f32-x kernels)."""
+    return env_flag("VKXSPLIT_DISABLE_VECQ")
+
+
+def vecq_variant(device: Device, t: str, M: int) -> str | None:
+    """The integer-dot-product mat-vec variant a graph uses for ``M`` columns of x times ``t``
+    weights on ``device`` (x quantized to q8_1 once, shared by every mat-vec reading it), or
+    None where the f32-x kernels stay: other types, M > 1, no shaderIntegerDotProduct, or
+    VKXSPLIT_DISABLE_VECQ."""
+    from ..vk.api import vk
+
+    if t not in VECQ_TYPES or M != 1 or vecq_disabled() or not vec_supported(device):
+        return None
+    if not device.features.get("shaderIntegerDotProduct"):
+        return None
+    cpu = getattr(device.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+    return f"mul_mat_vecq_{t}_q8_1_m1_{VECQ_DEFAULT_M1['cpu' if cpu else 'gpu'].tag}"
 
 
 def vecq_scratch_bytes(M: int, K: int) -> int:
@@ -278,14 +303,17 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
                         xq_scratch: Bindable, y: Bindable, M: int, N: int, K: int,
                         x_stride: int | None = None, y_stride: int | None = None, x_offset: int = 0,
                         y_offset: int = 0, w_row_offset: int = 0, y_col_offset: int | None = None, *,
-                        variant: str) -> None:
+                        variant: str, quantize: bool = True) -> None:
     """``y = x @ W^T`` as :func:`record_mul_mat` (same arguments and layout), with x first
     quantized to 8-bit blocks (ggml's MMVQ): records ``quantize_q8_1`` (x -> ``xq_scratch``,
     at least :func:`vecq_scratch_bytes` bytes, 16-byte aligned, overlapping nothing else),
     a compute barrier (inserted by the sequence's hazard tracking: the second dispatch reads
     what the first wrote) and ``variant`` (a VECQ_SWEEP name for the weight type; benchmarks
-    and tests only). Not bit-comparable with the f32 path: x is rounded to 8 bits per element
-    with a per-32-block scale. Raises KernelError for anything the kernels do not handle."""
+    and tests; graphs take :func:`vecq_variant`). Not bit-comparable with the f32 path: x is
+    rounded to 8 bits per element with a per-32-block scale. ``quantize=False``: the scratch
+    already holds x quantized (:func:`record_quantize_q8_1`, e.g. once for the q, k and v
+    projections of one x); only the dot-product kernel is recorded, x is used for the checks.
+    Raises KernelError for anything the kernels do not handle."""
     wt = weight_type(w_type)
     dev = seq.device
     spec = VECQ_SWEEP.get(variant)
@@ -330,15 +358,28 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
     if M == 0 or N == 0:
         return
     kd = Kernel.get(dev, variant)  # raises when the device lacks a required feature
-    record_quantize_q8_1(seq, x, xq_scratch, M, K, x_stride, x_offset)
+    if quantize:
+        record_quantize_q8_1(seq, x, xq_scratch, M, K, x_stride, x_offset)
     seq.dispatch(kd, [w, xq_scratch, y], (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col, 0),
                  (gx, gy, 1))
 
 
 def record_quantize_q8_1(seq: Sequence, x: Bindable, xq_scratch: Bindable, M: int, K: int, x_stride: int,
                          x_offset: int) -> None:
-    """The quantize-x dispatch of :func:`record_mul_mat_vecq` alone (arguments checked there;
-    benchmarks call it directly to time it)."""
+    """The quantize-x dispatch of :func:`record_mul_mat_vecq` alone: M rows of K elements of
+    x (``x_stride`` apart from element ``x_offset``) into ``xq_scratch`` (graphs record it
+    once per x that several mat-vecs read; benchmarks time it alone)."""
+    name = f"quantize_q8_1[M={M}, K={K}]"
+    _, x_off, x_size, _ = as_range(x)
+    _, q_off, q_size, _ = as_range(xq_scratch)
+    if K <= 0 or K % 32:
+        raise KernelError(f"{name}: K must be a positive multiple of 32")
+    if q_off % 16 or x_off % 4:
+        raise KernelError(f"{name}: the scratch must be 16-byte aligned and x 4-byte aligned")
+    if vecq_scratch_bytes(M, K) > q_size:
+        raise KernelError(f"{name}: the x scratch has {q_size} bytes, needs {vecq_scratch_bytes(M, K)}")
+    if M and (x_offset + (M - 1) * x_stride + K) * 4 > x_size:
+        raise KernelError(f"{name}: x ({M} rows of stride {x_stride} from {x_offset}) does not fit its binding")
     nq = -(-M * (K // 32) // (VECQ_QUANTIZE_WG // 8))
     seq.dispatch(Kernel.get(seq.device, VECQ_QUANTIZE), [x, xq_scratch],
                  (M, 0, K, x_stride, 0, x_offset, 0, 0, 0, 0), (nq, 1, 1))
@@ -671,5 +712,6 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
+           "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1",
            "check_mul_mat", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]

@@ -1,0 +1,41 @@
+"""Shared by the benchmark scripts: bring the GPU to its working clocks before timing.
+
+GPUs idle at low clocks and take a while under load to ramp up; a benchmark whose first
+shapes run on a cold GPU reports them slow (session 2's H200 tables: the first shape of
+bench_matvec and bench_coopmat timed 1.5-5x slower than larger later ones). ``spin_up`` keeps
+the device busy with copies for ``seconds`` first.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vkxsplit.ops.copy import record_copy
+from vkxsplit.vk.command import Sequence
+from vkxsplit.vk.device import Device
+
+
+def spin_up(dev: Device, seconds: float = 1.5, nbytes: int = 256 << 20) -> int:
+    """Run device-to-device copies back to back for about ``seconds``; returns the number of
+    submits. A CPU Vulkan device (lavapipe) gets one short submit (it has no clocks to raise)."""
+    from vkxsplit.vk.api import vk
+
+    if getattr(dev.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+        nbytes, seconds = 1 << 20, 0.0
+    a = dev.memory.alloc(nbytes, "device", "spin_a")
+    b = dev.memory.alloc(nbytes, "device", "spin_b")
+    seq = Sequence(dev, "spin-up")
+    try:
+        for _ in range(16):
+            record_copy(seq, a, b, nbytes)
+            record_copy(seq, b, a, nbytes)
+        t0, n = time.perf_counter(), 0
+        while True:
+            seq.run(timeout=60)
+            n += 1
+            if time.perf_counter() - t0 >= seconds:
+                return n
+    finally:
+        seq.close()
+        a.close()
+        b.close()
