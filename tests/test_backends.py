@@ -560,3 +560,34 @@ def test_node_ops_through_run_op(device, rng, name, caller_waits):
     finally:
         b.close()
         arena.close()
+
+
+def test_close_retires_the_backend_timeline(device):
+    """A closed backend's stream timeline is destroyed (each one held a driver fd on the
+    H200): at close when nothing can use it any more, else at the next retire once queued hub
+    work that waits on it has run. The validation layer fails the test on a semaphore destroyed
+    while a submission still uses it."""
+    from vkxsplit.backend import retire_timeline
+
+    b = create_backend("cpu", device, timeout=TIMEOUT)
+    tl = b.timeline
+    b.next_point()  # handed out, never enqueued: close() signals it
+    b.close()
+    assert tl.handle is None
+    b2 = create_backend("cpu", device, timeout=TIMEOUT)
+    tl2 = b2.timeline
+    gate = Timeline(device, name="gate")
+    s = Sequence(device, "waits-on-backend")
+    try:
+        s.end()
+        p = b2.next_point()
+        s.submit(waits=[(gate, 1), p])  # hub work naming the backend's timeline, held by the gate
+        b2.close()  # signals p; the submission is still queued behind the gate
+        assert tl2.handle is not None, "destroyed while a queued submission waits on it"
+        gate.signal(1)
+        s.wait(TIMEOUT)
+        retire_timeline(device, None)
+        assert tl2.handle is None
+    finally:
+        s.close()
+        gate.close()

@@ -289,3 +289,30 @@ def test_gate_holds_queued_work_until_released_or_the_watchdog(device, rng):
         src.close()
         dst.close()
         gate.close()
+
+
+def test_sequence_close_waits_for_its_last_submission(device, monkeypatch, caplog):
+    """close() never frees a pending command buffer: it waits (bounded) for the last submit,
+    which another party may have completed without the host looking (a CUDA stream that
+    waited on its point); still pending after the bound, it logs and leaves the buffer to the
+    pool. The validation layer (on in the suite) fails the test if a pending one is freed."""
+    monkeypatch.setenv("VKXSPLIT_TIMEOUT_S", "0.3")
+    gate = Timeline(device, name="gate")
+    try:
+        s = Sequence(device, "late")
+        s.end()
+        s.submit(waits=[(gate, 1)])
+        threading.Timer(0.1, gate.signal, args=(1,)).start()
+        s.close()  # returns once the gate opened and the submit completed
+        assert s.cb is None and s.timeline.value >= s.last_value
+        stuck = Sequence(device, "stuck")
+        stuck.end()
+        stuck.submit(waits=[(gate, 2)])
+        t0 = time.monotonic()
+        stuck.close()
+        assert 0.25 <= time.monotonic() - t0 < 3
+        assert "stuck" in caplog.text and "pending" in caplog.text
+        gate.signal(2)  # let the queue drain before the device closes
+        device.wait_idle()
+    finally:
+        gate.close()

@@ -426,14 +426,17 @@ class Backend:
     def close(self) -> None:
         """OPTIONAL (has a default). Stop; every pending timeline value ends up signalled.
 
-        The timeline itself belongs to the hub device (queued hub work may still name it) and
-        is destroyed with it.
+        The timeline is retired (:func:`retire_timeline`): destroyed now when nothing can use
+        it any more, else once that is so (queued hub work may still wait on it). Kept until
+        the hub closed, one timeline per backend ever made held a driver handle each (on the
+        H200: an fd to /dev/nvidia0, tools/diag_peer_fds.py).
         """
         if self._closed:
             return
         self._closed = True
         if self.bridge is not None:
             self.bridge.close()
+        retire_timeline(self.hub, self.timeline)
         self.hub.disown(self)
 
     # -- provided helpers ----------------------------------------------------------------
@@ -562,6 +565,30 @@ def backend_availability(names: Iterable[str] | None = None) -> dict[str, Availa
 def available_backends() -> list[str]:
     """Names of the registered backends that can run on this machine."""
     return [n for n, a in backend_availability().items() if a]
+
+
+def retire_timeline(hub: Device, tl: Timeline | None) -> None:
+    """Destroy ``tl`` (a timeline on ``hub``) once nothing can use it: every value handed out
+    is signalled and the hub's queue has passed every submission made before this call (they
+    may wait on it). Safe now (the usual case at close): destroyed now; otherwise kept on the
+    hub's list and tried again at the next call (and destroyed with the hub at the latest).
+    Never blocks."""
+    from .vk.command import hub_timeline
+
+    pending: list[tuple[Timeline, int]] = hub.__dict__.setdefault("_retiring_timelines", [])
+    htl = hub_timeline(hub)
+    if tl is not None and tl.handle is not None:
+        pending.append((tl, htl.last))
+    now = htl.value if htl.handle is not None else 0
+    keep = []
+    for t, after in pending:
+        if t.handle is None:
+            continue
+        if t.value >= t.last and now >= after:
+            t.close()
+        else:
+            keep.append((t, after))
+    pending[:] = keep
 
 
 def create_backend(name: str, hub: Device, **opts: Any) -> Backend:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..attach import AttachStats, Chunk, HostBridge, Point, Relay, SharedBuffer, SharedView
-from ..backend import NODE_OPS, Availability, Backend, Capabilities, MatMulJob, OpJob
+from ..backend import NODE_OPS, Availability, Backend, Capabilities, MatMulJob, OpJob, retire_timeline
 from ..errors import EnvironmentProblem, KernelError, VkxError
 from ..vk.event import Timeline
 
@@ -732,6 +732,9 @@ class CudaBackend(Backend):
             for _tl, sem in self._sems.values():
                 self.rt.call("destroy_semaphore", sem)
             self._sems.clear()
+            # the stream is synchronized: retry the stream timeline, retire the relay's
+            retire_timeline(self.hub, getattr(self, "relay_timeline", None))
+            self.relay_timeline = None
 
 
 class HipBackend(CudaBackend):

@@ -66,7 +66,7 @@ from ..attach import (
     hub_memory_support,
     relay,
 )
-from ..backend import Availability, Backend, Capabilities, MatMulJob, weight_place
+from ..backend import Availability, Backend, Capabilities, MatMulJob, retire_timeline, weight_place
 from ..errors import EnvironmentProblem, KernelError, VkxError, WaitTimeout
 from ..ops.quant import TYPES, row_bytes, weight_type
 from ..vk.api import NULL, check, ffi, new, next_serial, vk
@@ -875,6 +875,9 @@ class VulkanPeerBackend(Backend):
             self._sems.clear()
         if self._owns_peer and peer is not None and drained:
             peer.close()
+        if drained:  # the hub-side timelines this peer used (self.timeline: retried after the drain)
+            retire_timeline(self.hub, self.relay_timeline)
+            self.relay_timeline = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,14 +10,17 @@ semaphores are built once and only their values change per submit.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import VkxError
 from .api import NULL, check, ffi, lib, new, next_serial, vk
-from .event import Timeline
+from .event import Timeline, default_timeout
 from .kernel import Bindable, Kernel, as_range
+
+log = logging.getLogger("vkxsplit.vk")
 
 if TYPE_CHECKING:
     from .device import Device
@@ -259,8 +262,23 @@ class Sequence:
         self.wait(timeout)
 
     def close(self) -> None:
+        """Free the command buffer, once its last submission has completed: freeing a pending
+        one is undefined. Another API may have seen it complete (a CUDA stream that waited on
+        its point), Vulkan has not until the host looks: so look, bounded; still pending after
+        that (a stuck wait on a dead backend), the buffer is left to the pool (freed with the
+        device) and an error logged, rather than freed under the GPU."""
         if self.cb is None or self.device.handle is None:
             return
+        tl = self.timeline
+        if self.last_value and tl.handle is not None and tl.value < self.last_value:
+            try:
+                tl.wait(self.last_value, min(5.0, default_timeout()))
+            except VkxError as exc:
+                log.error("sequence %s closed while its last submission is pending (%s): its command "
+                          "buffer stays allocated until the device closes", self.name, exc)
+                self.cb = None
+                self.device.disown(self)
+                return
         with self.device._pool_lock:
             cbs = ffi.new("VkCommandBuffer[1]", [self.cb])
             lib.vkFreeCommandBuffers(self.device.handle, self.device.command_pool, 1, cbs)
