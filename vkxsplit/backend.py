@@ -354,8 +354,11 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
          "drop a resident kernel / cached dequantized weight (default: nothing)"),
     Hook("check", False, "check() -> None",
          "raise the error recorded by asynchronous work (default: the host bridge's)"),
+    Hook("release", False, "release() -> None",
+         "the backend's own teardown, called once by close(): drain, free imports, stop a process; "
+         "values it handed out must end up signalled (default: nothing)"),
     Hook("close", False, "close() -> None",
-         "release everything; pending timeline values must end up signalled (default: bridge close)"),
+         "default: bridge close, release(), the timeline retired; override only to act before the bridge closes"),
 )}
 
 
@@ -434,10 +437,20 @@ class Backend:
         if self._closed:
             return
         self._closed = True
-        if self.bridge is not None:
-            self.bridge.close()
-        retire_timeline(self.hub, self.timeline)
-        self.hub.disown(self)
+        try:
+            if self.bridge is not None:
+                self.bridge.close()
+            self.release()
+        finally:
+            hub = getattr(self, "hub", None)  # (construction may have failed half-way)
+            if hub is not None:
+                retire_timeline(hub, getattr(self, "timeline", None))
+                hub.disown(self)
+
+    def release(self) -> None:
+        """OPTIONAL (default: nothing). The backend's own teardown, called once by close()
+        after the host bridge closed and before the timeline is retired (so it may still
+        signal values it handed out): drain the stream, free imports, stop a process."""
 
     # -- provided helpers ----------------------------------------------------------------
 

@@ -704,10 +704,7 @@ class CudaBackend(Backend):
         except Exception as exc:
             raise VkxError(f"{self.name} stream failed: {exc}") from exc
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        super().close()
+    def release(self) -> None:
         if not hasattr(self, "_sems"):  # construction failed half-way
             return
         try:
@@ -732,7 +729,7 @@ class CudaBackend(Backend):
             for _tl, sem in self._sems.values():
                 self.rt.call("destroy_semaphore", sem)
             self._sems.clear()
-            # the stream is synchronized: retry the stream timeline, retire the relay's
+            # the stream is synchronized: the relay's timeline goes too (the stream's: by close())
             retire_timeline(self.hub, getattr(self, "relay_timeline", None))
             self.relay_timeline = None
 

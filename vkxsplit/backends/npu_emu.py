@@ -162,15 +162,17 @@ class NpuEmuBackend(Backend):
     def close(self) -> None:
         if self._closed:
             return
-        if not hasattr(self, "_reader"):  # construction failed half-way
-            super().close()
+        if hasattr(self, "_reader"):  # (not when construction failed half-way)
+            self._closing = True
+            try:
+                self._send({"op": "stop"})
+            except Exception:  # already gone
+                pass
+        super().close()  # the bridge, then release(), then the timeline retired
+
+    def release(self) -> None:
+        if not hasattr(self, "_reader"):
             return
-        self._closing = True
-        try:
-            self._send({"op": "stop"})
-        except Exception:  # already gone
-            pass
-        super().close()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

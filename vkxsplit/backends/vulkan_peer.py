@@ -837,12 +837,10 @@ class VulkanPeerBackend(Backend):
                     b.close()
         return {"mul_mat_gflops": self._gflops}
 
-    def close(self) -> None:
-        """Stop: pending stream values are signalled, the peer's queue drains (bounded), every
-        import, recorded sequence and peer buffer is released, and an owned peer device closed."""
-        if self._closed:
-            return
-        super().close()  # closes the bridge: every value it handed out ends up signalled
+    def release(self) -> None:
+        """Stop (close() closed the bridge: every value it handed out is signalled): pending
+        stream values are signalled, the peer's queue drains (bounded), every import, recorded
+        sequence and peer buffer is released, and an owned peer device closed."""
         peer = self.peer
         if peer is not None:
             peer.disown(self)
@@ -875,7 +873,7 @@ class VulkanPeerBackend(Backend):
             self._sems.clear()
         if self._owns_peer and peer is not None and drained:
             peer.close()
-        if drained:  # the hub-side timelines this peer used (self.timeline: retried after the drain)
+        if drained:  # the relay's hub timeline (the stream's: by close())
             retire_timeline(self.hub, self.relay_timeline)
             self.relay_timeline = None
 
