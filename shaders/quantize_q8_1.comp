@@ -20,6 +20,7 @@
 //   bytes [32 J, 40 J):   block j's (floatBitsToUint(d), uint(sum)) as uvec2 4J + j
 //
 // x is read as raw bits (uint), so subnormal inputs are decoded exactly (never flushed).
+// The block code is shaders/q8_1.glsl (rms_norm.comp with Q8 = 1 uses it too).
 // Layout: 8 threads per block (4 elements each), WG / 8 blocks per workgroup; amax and sum
 // are combined through shared memory (no subgroup operations: any subgroup size).
 // Push constants as mul_mat_vec.comp (M, K, x_stride, x_offset used).
@@ -42,35 +43,8 @@ layout(push_constant) uniform Push {
     uint w_row0; uint y_col0; uint flags;
 } p;
 
-shared uint s_amax[WG];
-shared int s_sum[WG];
-
-// round(|x| / d) half away from zero for the bits a = |x| (< inf) and a normal d (exponent
-// field ed, mantissa md with the implicit bit): floor(2 |x| / d) by integer division, then
-// (n + 1) / 2 = floor(|x| / d + 1/2)
-uint quant_mag(uint a, uint ed, uint md) {
-    if (a == 0u) {
-        return 0u;
-    }
-    uint ex = a >> 23;
-    uint mx = a & 0x7FFFFFu;
-    if (ex == 0u) {
-        ex = 1u;  // subnormal: no implicit bit, exponent of the smallest normal
-    } else {
-        mx |= 0x800000u;
-    }
-    // 2 |x| / d = mx / md * 2^s
-    const int s = min(int(ex) - int(ed) + 1, 8);  // <= 8 for |x| <= amax (mx << 8 < 2^32)
-    uint n;
-    if (s >= 0) {
-        n = (mx << uint(s)) / md;
-    } else if (s > -25) {
-        n = (mx >> uint(-s)) / md;  // floor(floor(mx / 2^-s) / md) = floor(mx / (2^-s md))
-    } else {
-        n = 0u;
-    }
-    return min((n + 1u) >> 1, 127u);
-}
+#define Q8_WG WG
+#include "q8_1.glsl"
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -81,51 +55,16 @@ void main() {
     const bool live = j < nblk;
 
     uint u[4];
-    uint am = 0u;
     if (live) {
         const uint m = j / nb;
         const uint e = p.x_offset + m * p.x_stride + 32u * (j - m * nb) + 4u * sub;
         [[unroll]] for (uint i = 0u; i < 4u; ++i) {
             u[i] = xu[e + i];
-            am = max(am, u[i] & 0x7FFFFFFFu);
         }
     } else {
         [[unroll]] for (uint i = 0u; i < 4u; ++i) {
             u[i] = 0u;
         }
     }
-    s_amax[tid] = am;
-    barrier();
-    uint amax = 0u;
-    [[unroll]] for (uint i = 0u; i < 8u; ++i) {
-        amax = max(amax, s_amax[(tid & ~7u) + i]);
-    }
-    precise float d = uintBitsToFloat(amax) * uintBitsToFloat(0x3C010204u);
-    uint db = floatBitsToUint(d);
-    if (db < 0x00800000u || db >= 0x7F800000u) {
-        db = 0u;  // not a normal float: an all-zero (or tiny) block
-    }
-    const uint ed = db >> 23;
-    const uint md = (db & 0x7FFFFFu) | 0x800000u;
-
-    uint word = 0u;
-    int sum = 0;
-    [[unroll]] for (uint i = 0u; i < 4u; ++i) {
-        const int qa = db == 0u ? 0 : int(quant_mag(u[i] & 0x7FFFFFFFu, ed, md));
-        const int q = (u[i] & 0x80000000u) != 0u ? -qa : qa;
-        sum += q;
-        word |= (uint(q) & 0xFFu) << (8u * i);
-    }
-    s_sum[tid] = sum;
-    barrier();
-    if (live) {
-        xq[8u * j + sub] = word;
-        if (sub == 0u) {
-            int total = 0;
-            [[unroll]] for (uint i = 0u; i < 8u; ++i) {
-                total += s_sum[tid + i];
-            }
-            xqm[4u * nblk + j] = uvec2(db, uint(total));
-        }
-    }
+    q8_1_store(tid, j, nblk, live, u);
 }

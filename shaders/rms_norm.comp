@@ -5,9 +5,19 @@
 // shared-memory tree reduction. In-place use (dst == x) is allowed.
 // add_rms_norm_mul_f32 (FUSE_ADD = 1, with FUSE_MUL): first x += r (the residual add, written
 // back to x), then y = rms_norm(x) * w: one dispatch, one barrier level, instead of two.
+// *_q8_1_f32 (Q8 = 1, with FUSE_MUL; ncols % 32 == 0): y is also written as q8_1 blocks into
+// the scratch at the last binding (shaders/q8_1.glsl: the same bits quantize_q8_1.comp makes
+// from y), for the integer-dot-product mat-vecs that read y next: one dispatch (and barrier
+// level) fewer per quantized x. Rows are processed in chunks of 4 * WG elements there, four
+// consecutive ones per invocation, 8 invocations per 32-element block.
+
+#extension GL_EXT_control_flow_attributes : require
 
 layout(local_size_x = 256) in;
 #define WG 256u
+#ifndef Q8
+#define Q8 0
+#endif
 
 #if FUSE_ADD
 layout(std430, binding = 0) buffer X { float x[]; };
@@ -23,6 +33,18 @@ layout(std430, binding = 1) readonly buffer W { float w[]; };
 layout(std430, binding = 2) writeonly buffer Dst { float d[]; };
 #else
 layout(std430, binding = 1) writeonly buffer Dst { float d[]; };
+#endif
+
+#if Q8
+#if FUSE_ADD
+#define Q8_BINDING 4
+#else
+#define Q8_BINDING 3
+#endif
+layout(std430, binding = Q8_BINDING) writeonly buffer XQ { uint xq[]; };
+layout(std430, binding = Q8_BINDING) writeonly buffer XQM { uvec2 xqm[]; };
+#define Q8_WG WG
+#include "q8_1.glsl"
 #endif
 
 layout(push_constant) uniform Push {
@@ -68,6 +90,23 @@ void main() {
         }
         float scale = 1.0 / sqrt(red[0] / float(p.ncols) + p.eps);
         barrier();  // red[] is reused by the next row
+#if Q8
+        const uint nb = p.ncols >> 5;
+        for (uint c0 = 0u; c0 < p.ncols; c0 += 4u * WG) {  // uniform: q8_1_store has barriers
+            const uint c = c0 + 4u * tid;
+            const bool live = c < p.ncols;
+            uint u[4];
+            [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+                u[i] = 0u;
+                if (live) {
+                    const float v = (x[xb + c + i] * scale) * w[p.w_off + c + i];
+                    d[db + c + i] = v;
+                    u[i] = floatBitsToUint(v);  // the bits written are the bits quantized
+                }
+            }
+            q8_1_store(tid, row * nb + (c >> 5), p.nrows * nb, live, u);
+        }
+#else
         for (uint c = tid; c < p.ncols; c += WG) {
 #if FUSE_MUL
             d[db + c] = (x[xb + c] * scale) * w[p.w_off + c];
@@ -75,5 +114,6 @@ void main() {
             d[db + c] = x[xb + c] * scale;
 #endif
         }
+#endif
     }
 }

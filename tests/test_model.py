@@ -195,8 +195,9 @@ def _q8_1_round(x):
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
     """Decode (T = 1) reads Q4_0 / Q8_0 weights with x quantized to q8_1 once per x (shared by
-    q/k/v and by gate/up). Checked: the graph's quantize nodes; the wiring, exactly: after a
-    step, ffn_down's output and the logits equal float64 products of the dequantized weights
+    q/k/v and by gate/up; by the norm that makes x, else a quantize node). Checked: the graph's
+    quantize points; the wiring, exactly: after a step, ffn_down's output (a quantize node's x)
+    and the logits (the output norm's q8_1) equal float64 products of the dequantized weights
     with q8_1-rounded copies of the f32 x they read; the decoded logits near the float64
     reference; VKXSPLIT_DISABLE_VECQ: no quantize nodes and the tight f32 bound again."""
     from reference import KVCache, reference_forward
@@ -228,9 +229,16 @@ def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
                 continue
             assert {n.name for n in g.mul_mats() if n.layer is not None} <= quantized[off]
             q_nodes = [n for n in g.nodes if n.op == "quantize_q8_1"]
-            # one per x: the attention input, its output, the ffn input, the swiglu output
-            assert len(q_nodes) == 4 * L + ("output" in quantized[off])
+            norms = [n for n in g.nodes if "xq" in n.params and n.op != "mul_mat"]
+            # one per x: the attention input and the ffn input (written by their norms as q8_1
+            # too), the attention output and the swiglu output (quantize nodes), the output norm
+            assert {n.op for n in norms} <= {"rms_norm", "add_rms_norm"} and len(q_nodes) == 2 * L
+            assert len(norms) == 2 * L + ("output" in quantized[off])
             assert len({n.name for n in q_nodes}) == len(q_nodes)
+            for mm_node in (n for n in g.mul_mats() if "xq" in n.params):  # the q8_1 of its own x, made before
+                src = next(n for n in g.nodes if n.index < mm_node.index and n.op != "mul_mat"
+                           and mm_node.params["xq"] in (n.output, n.params.get("xq")))
+                assert mm_node.inputs[1] is (src.inputs[0] if src.op == "quantize_q8_1" else src.output)
             hp = m.hp
             gate = m.act["gate"].read()[:4 * hp.n_ff].view(np.float32)[None]
             o = m.act["o"].read()[:4 * hp.n_embd].view(np.float32)

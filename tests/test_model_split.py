@@ -272,3 +272,29 @@ def test_cli_plan_and_bench_sweep(synth, capsys, monkeypatch, tmp_path):
                                                         ("tensor:1,1", "tg2")]
     assert main(["plan", "-m", str(synth), "--split", "tensor:1,1,1", "--backends", "cpu"]) == 2
     assert "gives 3 ratios for 2 participants" in capsys.readouterr().err
+
+
+def test_norms_writing_q8_1_stay_on_the_hub(split_model):
+    """At T = 1 the norms that also write the q8_1 x of the hub's integer-dot-product mat-vecs
+    never go to a backend (a backend's norm would not write that x: the hub would read a stale
+    one); the rest of the glue follows the matmuls as usual. Checked on the plan of a split
+    that sends decode to the cpu, and by running it (decode logits finite, argmax agrees with
+    the hub-only decode of the same tokens where the margin is clear)."""
+    from vkxsplit.ops.mul_mat import vecq_variant
+
+    m = split_model
+    if vecq_variant(m.device, "q4_0", 1) is None:
+        pytest.skip("no integer-dot-product decode on this device")
+    m.set_split("mode:cpu<=1")
+    try:
+        plan = m.plan(1)
+        q8_norms = [n for n in plan.graph.nodes if "xq" in n.params and n.op != "mul_mat"]
+        assert q8_norms and all(n.index not in plan.assign for n in q8_norms)
+        assert all(plan.assign[n.index][0].participant == "cpu" for n in plan.graph.mul_mats())
+        m.reset()
+        m.prefill(IDS[:12])
+        for t in IDS[12:15]:
+            m._run([t], all_logits=False)
+            assert np.isfinite(m.last_logits()).all()
+    finally:
+        m.set_split("none")

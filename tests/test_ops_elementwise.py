@@ -257,6 +257,67 @@ def test_add_rms_norm_rejects_dst_overlap(seq, bufs):
         record_add_rms_norm(seq, X, R, W, X, 1, 64)
 
 
+def _q8_1_blocks(y):
+    """y (f32 [rows, cols]) as q8_1 scratch bytes, written here from the format: per 32
+    elements d = fl32(max|y| * fl32(1/127)) (0 unless normal), q = round(y / d) half away from
+    zero, sum = the block's sum of q; layout 32 int8 per block, then (d bits, sum) per block."""
+    yb = y.astype(np.float32).reshape(-1, 32)
+    d = np.abs(yb).max(axis=1) * np.float32(1 / 127)
+    d[~(d >= np.float32(2.0 ** -126)) | ~np.isfinite(d)] = 0
+    mag = np.floor(np.abs(yb.astype(np.float64)) / np.where(d > 0, d, 1).astype(np.float64)[:, None] + 0.5)
+    q = np.where(d[:, None] > 0, np.sign(yb) * np.minimum(mag, 127), 0).astype(np.int8)
+    meta = np.stack([d.view(np.uint32), q.astype(np.int32).sum(axis=1, dtype=np.int32).view(np.uint32)], axis=1)
+    return np.concatenate([q.view(np.uint8).ravel(), meta.astype(np.uint32).view(np.uint8).ravel()])
+
+
+@pytest.mark.parametrize("fused_add", [False, True])
+@pytest.mark.parametrize("rows,cols", [(1, 576), (3, 2080), (2, 32)])
+def test_rms_norm_q8_1_output(device, seq, bufs, rng, fused_add, rows, cols):
+    """rms_norm * w (optionally after x += r) that also writes its output as q8_1 blocks: the
+    f32 output as the plain kernel's, the blocks exactly the quantization of that output (a
+    numpy model written here, and the separate quantize_q8_1 kernel on the same output),
+    nothing written past the scratch. 2080 columns: three chunks of 1024, the last partial."""
+    from vkxsplit.ops.mul_mat import record_quantize_q8_1, vecq_scratch_bytes
+
+    x = (rng.standard_normal((rows, cols)) * 2).astype(np.float32)
+    r = rng.standard_normal((rows, cols)).astype(np.float32)
+    w = rng.standard_normal(cols).astype(np.float32)
+    nq = vecq_scratch_bytes(rows, cols)
+    X, R, W, D = bufs(x.size), bufs(r.size), bufs(cols), bufs(x.size)
+    Q, Q2 = bufs(nq // 4 + 16), bufs(nq // 4 + 16)
+    for b, a in ((X, x), (R, r), (W, w)):
+        put(b, a)
+    poison(D)
+    Q.numpy(np.uint8)[:] = 0xAB
+    if fused_add:
+        record_add_rms_norm(seq, X, R, W, D, rows, cols, 1e-5, xq=Q)
+    else:
+        record_rms_norm(seq, X, D, rows, cols, 1e-5, W, xq=Q)
+    record_quantize_q8_1(seq, D, Q2, rows, cols, cols, 0)
+    run(seq)
+    y = get(D, x.size).reshape(rows, cols)
+    s64 = (x + r if fused_add else x).astype(np.float64)
+    ref = s64 / np.sqrt((s64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * w
+    assert_close(y, ref, 1e-5, 1e-6 * np.abs(ref).max(), "rms_norm q8_1")
+    got = Q.numpy(np.uint8)
+    assert np.array_equal(got[:nq], _q8_1_blocks(y)), "q8_1 blocks differ from the model of the format"
+    assert np.array_equal(got[:nq], Q2.numpy(np.uint8)[:nq]), "fused and separate quantization differ"
+    assert (got[nq:] == 0xAB).all(), "wrote past the scratch"
+
+
+def test_rms_norm_q8_1_refusals(seq, bufs):
+    X, W, D, Q = bufs(96), bufs(96), bufs(96), bufs(256)
+    with pytest.raises(KernelError, match="cols % 32"):
+        record_rms_norm(seq, X, D, 1, 40, 1e-5, W, xq=Q)
+    with pytest.raises(KernelError, match="needs the weight"):
+        record_rms_norm(seq, X, D, 1, 64, 1e-5, None, xq=Q)
+    with pytest.raises(KernelError, match="scratch has"):
+        record_rms_norm(seq, X, D, 3, 32, 1e-5, W, xq=View(Q, 0, 64))
+    with pytest.raises(KernelError, match="overlaps dst"):
+        record_rms_norm(seq, X, D, 1, 32, 1e-5, W, xq=D)
+    assert seq.dispatches == 0
+
+
 # -- softmax --------------------------------------------------------------------------------
 
 def _softmax_ref(x, scale, mask):

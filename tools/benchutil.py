@@ -3,7 +3,10 @@
 GPUs idle at low clocks and take a while under load to ramp up; a benchmark whose first
 shapes run on a cold GPU reports them slow (session 2's H200 tables: the first shape of
 bench_matvec and bench_coopmat timed 1.5-5x slower than larger later ones). ``spin_up`` keeps
-the device busy with copies for ``seconds`` first.
+the device busy with copies for ``seconds`` first, and ``replay_warm`` replays a recorded
+benchmark sequence for a while before the run that is timed: the checks and host-side set-up
+between timings leave the GPU idle long enough to drop its clocks again (session 3: the first
+shapes timed after the numpy checks stayed 1.5-5x slow even after a spin-up at start).
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ from vkxsplit.vk.device import Device
 def spin_up(dev: Device, seconds: float = 1.5, nbytes: int = 256 << 20) -> int:
     """Run device-to-device copies back to back for about ``seconds``; returns the number of
     submits. A CPU Vulkan device (lavapipe) gets one short submit (it has no clocks to raise)."""
-    from vkxsplit.vk.api import vk
-
-    if getattr(dev.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+    if _cpu(dev):
         nbytes, seconds = 1 << 20, 0.0
     a = dev.memory.alloc(nbytes, "device", "spin_a")
     b = dev.memory.alloc(nbytes, "device", "spin_b")
@@ -39,3 +40,19 @@ def spin_up(dev: Device, seconds: float = 1.5, nbytes: int = 256 << 20) -> int:
         seq.close()
         a.close()
         b.close()
+
+
+def _cpu(dev: Device) -> bool:
+    from vkxsplit.vk.api import vk
+
+    return getattr(dev.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+
+
+def replay_warm(seq: Sequence, seconds: float = 0.2) -> None:
+    """Submit the recorded ``seq`` back to back for about ``seconds`` (not on CPU devices),
+    then return: the caller's next ``seq.run()`` is the timed one."""
+    if _cpu(seq.device):
+        return
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        seq.run(timeout=60)

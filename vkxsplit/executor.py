@@ -95,14 +95,18 @@ def _rms_norm(seq: Sequence, n: Node) -> None:
     from .ops.norm import record_rms_norm
 
     x, w = n.inputs
-    record_rms_norm(seq, x.buffer, n.output.buffer, x.rows, x.cols, n.params["eps"], w.buffer)
+    xq = n.params.get("xq")  # the output also as q8_1 for the mat-vecs that read it
+    record_rms_norm(seq, x.buffer, n.output.buffer, x.rows, x.cols, n.params["eps"], w.buffer,
+                    xq=None if xq is None else xq.buffer)
 
 
 def _add_rms_norm(seq: Sequence, n: Node) -> None:
     from .ops.norm import record_add_rms_norm
 
     x, r, w = n.inputs  # x += r in place, then output = rms_norm(x) * w
-    record_add_rms_norm(seq, x.buffer, r.buffer, w.buffer, n.output.buffer, x.rows, x.cols, n.params["eps"])
+    xq = n.params.get("xq")
+    record_add_rms_norm(seq, x.buffer, r.buffer, w.buffer, n.output.buffer, x.rows, x.cols, n.params["eps"],
+                        xq=None if xq is None else xq.buffer)
 
 
 def _add(seq: Sequence, n: Node) -> None:

@@ -221,12 +221,13 @@ class Model:
             split_kv = {"n_splits": self.decode_splits,
                         "scratch": Tensor("attn_scratch", (1,), "f32", self.attn_scratch)}
         # Decode (T = 1): mat-vecs of Q4_0 / Q8_0 weights read x quantized to q8_1 (integer
-        # dot products, ggml's MMVQ): one quantize_q8_1 node per x, inserted before its first
-        # such reader and shared by the rest (q/k/v, gate/up) until something rewrites x.
+        # dot products, ggml's MMVQ): x is quantized once, before its first such reader, and
+        # shared by the rest (q/k/v, gate/up) until something rewrites x: by the norm that
+        # makes x (its q8_1 output) where there is one, else by a quantize_q8_1 node.
         from .ops.mul_mat import VECQ_TYPES, vecq_scratch_bytes, vecq_variant
 
         vecq = {t: v for t in VECQ_TYPES if (v := vecq_variant(self.device, t, T)) is not None}
-        quantized: list[Any] = []  # [x, index of its quantize node] while the scratch holds x
+        quantized: list[Any] = []  # [x, index of the node that quantized it, its xq] while valid
 
         def mul_mat(name: str, w: Tensor, x: Tensor, out: Tensor) -> Tensor:
             v = vecq.get(w.dtype)
@@ -235,13 +236,23 @@ class Model:
             xs = span(x)
             if not quantized or quantized[0] is not x or any(
                     overlap(xs, span(t)) for n in g.nodes[quantized[1] + 1:] for t in n.writes()):
-                xq = Tensor(f"xq:{x.name}", (1, vecq_scratch_bytes(1, x.cols) // 4), "q8_1",
-                            V(self.xq_buf, 0, vecq_scratch_bytes(1, x.cols)))
-                nq = sum(n.op == "quantize_q8_1" for n in g.nodes)  # unique names: blk.N.quantize.K
-                g.add("quantize_q8_1", (name.rsplit(".", 1)[0] + "." if "." in name else "") + f"quantize.{nq}",
-                      [x], xq)
-                quantized[:] = [x, len(g.nodes) - 1]
-            return g.add("mul_mat", name, [w, x], out, xq=g.nodes[quantized[1]].output, vecq=v)
+                nbytes = vecq_scratch_bytes(1, x.cols)
+                xq = Tensor(f"xq:{x.name}", (1, nbytes // 4), "q8_1", V(self.xq_buf, 0, nbytes))
+                prod = next((i for i in range(len(g.nodes) - 1, -1, -1)
+                             if any(overlap(xs, span(t)) for t in g.nodes[i].writes())), None)
+                pn = g.nodes[prod] if prod is not None else None
+                if (fuse and pn is not None and pn.output is x and "xq" not in pn.params
+                        and pn.op in ("rms_norm", "add_rms_norm") and pn.weight is not None):
+                    # the norm that makes x writes it as q8_1 too (rms_norm.comp, Q8 = 1): no
+                    # separate quantize dispatch (and barrier level)
+                    pn.params.update(xq=xq, q8=1)
+                    quantized[:] = [x, prod, xq]
+                else:
+                    nq = sum(n.op == "quantize_q8_1" for n in g.nodes)  # unique names: blk.N.quantize.K
+                    g.add("quantize_q8_1", (name.rsplit(".", 1)[0] + "." if "." in name else "") + f"quantize.{nq}",
+                          [x], xq)
+                    quantized[:] = [x, len(g.nodes) - 1, xq]
+            return g.add("mul_mat", name, [w, x], out, xq=quantized[2], vecq=v)
 
         x = act("x", hp.n_embd)
         g.add("get_rows", "embd", [W["token_embd.weight"], ids], x)

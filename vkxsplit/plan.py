@@ -1294,6 +1294,8 @@ class Planner:
         if node.op in NODE_OPS:
             if node.op not in b.caps.ops or not type(b).implements("run_op"):
                 return "hard", f"{node.op} runs on the hub only ({b.name} does not take it)"
+            if "xq" in node.params:  # its q8_1 output feeds the hub's integer-dot-product mat-vecs
+                return "hard", f"{node.name} also writes the q8_1 x of the hub's mat-vecs (hub only)"
             if "f32" not in b.caps.compute_dtypes:
                 return "hard", f"{node.op} computes in f32, {b.name} does not"
             if self.require_shared:

@@ -21,17 +21,45 @@ VARIANTS = [
             bindings=3, writes=(2,), push="IIIIIIIfII", local_size=(WG, 1, 1)),
     Variant(name="add_rms_norm_mul_f32", source="rms_norm.comp", defines={"FUSE_MUL": "1", "FUSE_ADD": "1"},
             bindings=4, writes=(0, 3), push="IIIIIIIfII", local_size=(WG, 1, 1)),
+    # the output also as q8_1 blocks (the x of the integer-dot-product mat-vecs that read it)
+    Variant(name="rms_norm_mul_q8_1_f32", source="rms_norm.comp",
+            defines={"FUSE_MUL": "1", "FUSE_ADD": "0", "Q8": "1"},
+            bindings=4, writes=(2, 3), push="IIIIIIIfII", local_size=(WG, 1, 1)),
+    Variant(name="add_rms_norm_mul_q8_1_f32", source="rms_norm.comp",
+            defines={"FUSE_MUL": "1", "FUSE_ADD": "1", "Q8": "1"},
+            bindings=5, writes=(0, 3, 4), push="IIIIIIIfII", local_size=(WG, 1, 1)),
 ]
+
+
+def _check_q8(op: str, xq: Bindable, rows: int, cols: int, others: list[tuple[str, Bindable]]) -> None:
+    """The q8_1 scratch of a fused norm: cols % 32 == 0, 16-byte aligned, large enough."""
+    from ..vk.kernel import as_range
+    from .mul_mat import vecq_scratch_bytes
+
+    _, off, size, _ = as_range(xq)
+    if cols % 32:
+        raise KernelError(f"{op}: the q8_1 output needs cols % 32 == 0, got {cols}")
+    if off % 16:
+        raise KernelError(f"{op}: the q8_1 scratch must be 16-byte aligned (byte {off})")
+    if size < vecq_scratch_bytes(rows, cols):
+        raise KernelError(f"{op}: the q8_1 scratch has {size} bytes, needs {vecq_scratch_bytes(rows, cols)}")
+    for name, b in others:
+        _, o2, s2, blk2 = as_range(b)
+        if blk2 == as_range(xq)[3] and off < o2 + s2 and o2 < off + size:
+            raise KernelError(f"{op}: the q8_1 scratch overlaps {name}")
 
 
 def record_rms_norm(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: int,
                     eps: float = 1e-6, weight: Bindable | None = None, *, src_offset: int = 0,
                     src_stride: int | None = None, weight_offset: int = 0, dst_offset: int = 0,
-                    dst_stride: int | None = None, dtype: str = "f32") -> None:
+                    dst_stride: int | None = None, dtype: str = "f32", xq: Bindable | None = None) -> None:
     """``dst[r] = src[r] / sqrt(mean(src[r]^2) + eps) (* weight)`` for ``rows x cols``.
 
     ``weight`` (optional) is one f32 row of ``cols`` elements at ``weight_offset``. Offsets and
-    strides are in elements; ``dst`` may be ``src`` (in place)."""
+    strides are in elements; ``dst`` may be ``src`` (in place). ``xq`` (with ``weight``): also
+    write dst as q8_1 blocks there, the bits ``record_quantize_q8_1`` would make of it."""
+    if xq is not None and weight is None:
+        raise KernelError("rms_norm: the q8_1 output (xq) needs the weight (rms_norm_mul_q8_1)")
     op = "rms_norm_mul" if weight is not None else "rms_norm"
     shape = (rows, cols)
     check_dtype(op, dtype, shape)
@@ -49,6 +77,10 @@ def record_rms_norm(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols
         check_operand(f"{op}_{dtype}", w, shape)
         check_alias(f"{op}_{dtype}", d, w, shape)
         bufs = [src, weight, dst]
+    if xq is not None:
+        _check_q8(f"{op}_q8_1_{dtype}", xq, rows, cols, [("src", src), ("weight", weight), ("dst", dst)])
+        op += "_q8_1"
+        bufs.append(xq)
     if rows == 0 or cols == 0:
         return
     k = Kernel.get(seq.device, f"{op}_{dtype}")
@@ -60,10 +92,11 @@ def record_add_rms_norm(seq: Sequence, x: Bindable, residual: Bindable, weight: 
                         rows: int, cols: int, eps: float = 1e-6, *, x_offset: int = 0,
                         x_stride: int | None = None, residual_offset: int = 0,
                         residual_stride: int | None = None, weight_offset: int = 0, dst_offset: int = 0,
-                        dst_stride: int | None = None, dtype: str = "f32") -> None:
+                        dst_stride: int | None = None, dtype: str = "f32", xq: Bindable | None = None) -> None:
     """``x[r] += residual[r]`` (in place), then ``dst[r] = rms_norm(x[r]) * weight`` for
     ``rows x cols``: the residual add of a decoder block fused with the next norm (one dispatch
-    and one barrier level fewer). ``dst`` must not overlap ``x`` or ``residual``."""
+    and one barrier level fewer). ``dst`` must not overlap ``x`` or ``residual``. ``xq``: also
+    write dst as q8_1 blocks there (as :func:`record_rms_norm`)."""
     op = "add_rms_norm_mul"
     shape = (rows, cols)
     check_dtype(op, dtype, shape)
@@ -81,10 +114,16 @@ def record_add_rms_norm(seq: Sequence, x: Bindable, residual: Bindable, weight: 
     for other in (xs, rs, w):
         if _overlaps(d, other):
             raise KernelError(f"{op}_{dtype}: dst overlaps {other.name} (shape {list(shape)})")
+    bufs: list[Bindable] = [x, residual, weight, dst]
+    if xq is not None:
+        _check_q8(f"{op}_q8_1_{dtype}", xq, rows, cols,
+                  [("x", x), ("residual", residual), ("weight", weight), ("dst", dst)])
+        op += "_q8_1"
+        bufs.append(xq)
     if rows == 0 or cols == 0:
         return
     k = Kernel.get(seq.device, f"{op}_{dtype}")
-    seq.dispatch(k, [x, residual, weight, dst],
+    seq.dispatch(k, bufs,
                  (cols, rows, xs.offset, xs.stride, weight_offset, d.offset, d.stride, float(eps),
                   rs.offset, rs.stride), min(rows, MAX_GROUPS))
 
