@@ -243,9 +243,10 @@ VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
     **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4},
 }
 _IDP_REQUIRES = ("shaderIntegerDotProduct",)
-#: the decode (M = 1) default per device kind: the fastest of the sweep on the H200 (2.0x /
-#: 1.6x the f32-x kernels summed over the llama8b shapes for Q4_0 / Q8_0, docs/KERNELS.md)
-#: and on llvmpipe (1.5-2.9x at SmolLM2 and 2048-square shapes: wg32, one core per workgroup)
+#: the decode (M = 1) default per device kind: the fastest vecq shape of the H200 sweep (with
+#: warm clocks 1.2-2.9x the f32-x kernel for Q4_0, on par for Q8_0; llama8b decode +19% with
+#: the quantization fused into the norms, docs/PERFORMANCE.md) and of llvmpipe (1.5-2.9x at
+#: SmolLM2 and 2048-square shapes: wg32, one core per workgroup)
 VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(32, 4, blk=1)}
 
 
