@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,24 @@ def test_bench_multigpu_quick(tmp_path):
     assert float(cells[3]) > 0 and float(cells[4]) > 0  # pp, tg t/s
     jobs = cells[7].split(" / ")
     assert int(jobs[0]) > 0 and int(jobs[1]) > 0  # the peer took part in both steps
+
+
+def test_bench_warm_up_runs_until_the_gpu_is_warm(monkeypatch):
+    """bench's warm-up: one run on a CPU device (no clocks to raise), repeated runs for
+    WARMUP_S on a GPU (a short step after an idle phase runs at low clocks)."""
+    import types
+
+    from vkxsplit import runner
+    from vkxsplit.vk.api import vk
+
+    monkeypatch.setattr(runner, "WARMUP_S", 0.05)
+    for kind, at_least in ((vk.VK_PHYSICAL_DEVICE_TYPE_CPU, 1), (vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU, 3)):
+        model = types.SimpleNamespace(device=types.SimpleNamespace(physical=types.SimpleNamespace(device_type=kind)))
+        calls = []
+
+        def run(calls=calls):
+            calls.append(time.perf_counter())
+            time.sleep(0.01)
+
+        runner._warm(model, run)
+        assert len(calls) >= at_least and (kind != vk.VK_PHYSICAL_DEVICE_TYPE_CPU or len(calls) == 1)

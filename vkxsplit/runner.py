@@ -83,13 +83,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+#: seconds of warm-up runs before timing on a GPU: a short step (a 1B model's 512-token prefill
+#: is ~20 ms) after an idle host phase runs at low clocks; one warm-up run was not enough
+#: (session 3: llama1b pp512 0.21-0.30x hub-only vs 0.80x after the planner's calibration)
+WARMUP_S = 1.0
+
+
+def _warm(model: Any, run: Any) -> None:
+    """``run()`` once (records the sequences), then again until WARMUP_S passed on a GPU."""
+    from .vk.api import vk
+
+    t0 = time.perf_counter()
+    run()
+    if getattr(model.device.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+        return
+    while time.perf_counter() - t0 < WARMUP_S:
+        run()
+
+
 def bench_model(model: Any, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> list[dict[str, Any]]:
-    """pp (prefill of n_prompt random ids) and tg (n_gen decode steps) tok/s over ``reps`` runs."""
+    """pp (prefill of n_prompt random ids) and tg (n_gen decode steps) tok/s over ``reps`` runs,
+    each after warm-up runs (at least one; on a GPU for WARMUP_S)."""
     rng = np.random.default_rng(seed)
     results = []
     if n_prompt:
         ids = rng.integers(0, model.hp.n_vocab, n_prompt).tolist()
-        model.prefill(ids)  # warm-up: records the sequences
+        _warm(model, lambda: model.prefill(ids))
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -97,17 +116,17 @@ def bench_model(model: Any, n_prompt: int, n_gen: int, reps: int, seed: int = 0)
             ts.append(n_prompt / (time.perf_counter() - t0))
         results.append({"test": f"pp{n_prompt}", "tps": ts})
     if n_gen:
-        ts = []
-        for r in range(reps + 1):
+        def gen() -> float:
             model.prefill([int(rng.integers(0, model.hp.n_vocab))])
             tok = model.last_argmax()
             t0 = time.perf_counter()
             for _ in range(n_gen):
                 model._run([tok], all_logits=False)
                 tok = model.last_argmax()
-            if r:  # the first run is the warm-up
-                ts.append(n_gen / (time.perf_counter() - t0))
-        results.append({"test": f"tg{n_gen}", "tps": ts})
+            return n_gen / (time.perf_counter() - t0)
+
+        _warm(model, gen)
+        results.append({"test": f"tg{n_gen}", "tps": [gen() for _ in range(reps)]})
     return results
 
 
