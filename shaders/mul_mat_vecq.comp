@@ -1,5 +1,5 @@
 #version 450
-// mul_mat_vecq_<q4_0|q8_0>_q8_1_m<MAXM>_*: y[m, c0 + n] = sum_b d_w d_x[m, b] * sum_i wq_i xq_i
+// mul_mat_vecq_<q4_0|q4_1|q8_0>_q8_1_m<MAXM>_*: y[m, c0 + n] = sum_b d_w d_x[m, b] * sum_i wq_i xq_i
 // for M <= MAXM columns of x quantized to 8-bit blocks by quantize_q8_1.comp (binding 1, its
 // scratch layout: 32 int8 per block as two uvec4, then a uvec2 (d bits, integer sum) per
 // block), Q4_0 / Q8_0 weights (binding 0). ggml's MMVQ scheme: the weight quants stay 8-bit
@@ -8,6 +8,8 @@
 //   Q8_0: s = sum_i q_w,i q_x,i                  (signed x signed bytes)
 //   Q4_0: s = sum_i n_i q_x,i - 8 sum_i q_x,i    (nibbles 0..15 are valid signed bytes; the
 //                                                 -8 offset via the block sum of x)
+//   Q4_1: s = sum_i n_i q_x,i, plus m_w d_x sum_i q_x,i (the block's min through the x sum;
+//         20-byte blocks, word-aligned: BLK 1 only)
 //   acc += (d_w * d_x) * float(s)                (|s| < 2^17: exact in f32)
 //
 // IDP 1: the packed 4x8 dot products of SPV_KHR_integer_dot_product (OpSDot, or with
@@ -30,7 +32,7 @@
 //         selected by the parity of the block's halfword index
 // Partial sums are reduced through shared memory (any subgroup size).
 //
-// Defines: WTYPE (Q4_0 or Q8_0), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT.
+// Defines: WTYPE (Q4_0, Q4_1 or Q8_0), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / NR) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -49,11 +51,14 @@
 #if WTYPE == WT_Q4_0
 #define QW 4u    // quant words per block
 #define GW 9u    // uvec4 per group of 8 blocks (144 bytes)
+#elif WTYPE == WT_Q4_1
+#define QW 4u    // (d, m) word, then 4 quant words: 20-byte blocks, always word-aligned
+#define GW 10u
 #elif WTYPE == WT_Q8_0
 #define QW 8u
 #define GW 17u   // 272 bytes
 #else
-#error "mul_mat_vecq: Q4_0 and Q8_0 only"
+#error "mul_mat_vecq: Q4_0, Q4_1 and Q8_0 only"
 #endif
 #define GQ (4u * GW)  // words per group
 #define HB (QBYTES / 2u)  // halfwords per block
@@ -85,6 +90,9 @@
 #endif
 #if BLK != 1 && BLK != 8
 #error "BLK: 1 or 8"
+#endif
+#if WTYPE == WT_Q4_1 && BLK != 1
+#error "Q4_1: BLK 1 only"
 #endif
 
 #if IDP
@@ -128,8 +136,8 @@ uint xbk[MAXM];      // first x block of each column (columns >= M repeat M - 1)
 uint mbase;          // first meta uvec2 (4 * M * nb)
 float acc[MAXM];
 
-// one weight block (scale dw, quant words q) at block index g of the row
-void block(float dw, const uint q[QW], uint g) {
+// one weight block (scale dw, Q4_1's min mw, quant words q) at block index g of the row
+void block(float dw, float mw, const uint q[QW], uint g) {
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
         const uint xb = xbk[m] + g;
         const uvec4 x0 = xq4[2u * xb];
@@ -143,6 +151,13 @@ void block(float dw, const uint q[QW], uint g) {
             s = dot4((q[j] >> 4) & 0x0F0F0F0Fu, X[j + 4u], s);  // elements 16+4j..
         }
         s -= 8 * int(meta.y);
+#elif WTYPE == WT_Q4_1
+        // w_i = dw n_i + mw: sum_i w_i x_i = dw dx sum_i n_i q_i + mw dx sum_i q_i
+        [[unroll]] for (uint j = 0u; j < 4u; ++j) {
+            s = dot4(q[j] & 0x0F0F0F0Fu, X[j], s);
+            s = dot4((q[j] >> 4) & 0x0F0F0F0Fu, X[j + 4u], s);
+        }
+        acc[m] = fma(mw * uintBitsToFloat(meta.x), float(int(meta.y)), acc[m]);
 #else
         [[unroll]] for (uint j = 0u; j < 8u; ++j) {
             s = dot4(q[j], X[j], s);
@@ -177,13 +192,19 @@ void group(const uvec4 q4[GW], uint g0) {
         [[unroll]] for (uint j = 0u; j < QW; ++j) {
             q[j] = odd ? w[w0 + 1u + j] : funnel16(w[w0 + j], w[w0 + j + 1u]);
         }
-        block(odd ? dd.y : dd.x, q, g0 + b);
+        block(odd ? dd.y : dd.x, 0.0, q, g0 + b);
     }
 }
 #else
 // the QW + 1 words of block G of the weight tensor (G: global block index) from the word
 // holding its first byte; the last word from two halfwords (never past the block)
 void load_block(uint G, out uint w[QW + 1u]) {
+#if WTYPE == WT_Q4_1
+    [[unroll]] for (uint i = 0u; i <= QW; ++i) {
+        w[i] = w_u32[5u * G + i];  // (d, m), then the quants
+    }
+    return;
+#endif
     const uint hb = HB * G;  // halfword index of the block
     const uint wb = hb >> 1;
     [[unroll]] for (uint i = 0u; i < QW; ++i) {
@@ -195,13 +216,19 @@ void load_block(uint G, out uint w[QW + 1u]) {
 }
 
 void decode_block(const uint w[QW + 1u], uint G, uint g) {
+#if WTYPE == WT_Q4_1
+    const vec2 dm = unpackHalf2x16(w[0]);
+    const uint q1[QW] = uint[QW](w[1], w[2], w[3], w[4]);
+    block(dm.x, dm.y, q1, g);
+    return;
+#endif
     const bool odd = ((HB * G) & 1u) != 0u;  // block starts 2 bytes past a word boundary
     const vec2 dd = unpackHalf2x16(w[0]);
     uint q[QW];
     [[unroll]] for (uint j = 0u; j < QW; ++j) {
         q[j] = odd ? w[j + 1u] : funnel16(w[j], w[j + 1u]);
     }
-    block(odd ? dd.y : dd.x, q, g);
+    block(odd ? dd.y : dd.x, 0.0, q, g);
 }
 #endif
 

@@ -192,9 +192,9 @@ def _q8_1_round(x):
     return (np.where(d > 0, q, 0) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
 def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
-    """Decode (T = 1) reads Q4_0 / Q8_0 weights with x quantized to q8_1 once per x (shared by
+    """Decode (T = 1) reads Q4_0 / Q4_1 / Q8_0 weights with x quantized to q8_1 once per x (shared by
     q/k/v and by gate/up; by the norm that makes x, else a quantize node). Checked: the graph's
     quantize points; the wiring, exactly: after a step, ffn_down's output (a quantize node's x)
     and the logits (the output norm's q8_1) equal float64 products of the dequantized weights

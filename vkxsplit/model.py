@@ -220,7 +220,7 @@ class Model:
         if T == 1:
             split_kv = {"n_splits": self.decode_splits,
                         "scratch": Tensor("attn_scratch", (1,), "f32", self.attn_scratch)}
-        # Decode (T = 1): mat-vecs of Q4_0 / Q8_0 weights read x quantized to q8_1 (integer
+        # Decode (T = 1): mat-vecs of Q4_0 / Q4_1 / Q8_0 weights read x quantized to q8_1 (integer
         # dot products, ggml's MMVQ): x is quantized once, before its first such reader, and
         # shared by the rest (q/k/v, gate/up) until something rewrites x: by the norm that
         # makes x (its q8_1 output) where there is one, else by a quantize_q8_1 node.

@@ -201,9 +201,9 @@ def _wide_variant(name: str, wt: WeightType, cfg: WideConfig, maxm: int) -> Vari
 @dataclass(frozen=True)
 class VecqConfig:
     """Shape of an integer-dot-product mat-vec kernel (``shaders/mul_mat_vecq.comp``, Q4_0 /
-    Q8_0 weights times x quantized to 8-bit blocks by ``quantize_q8_1.comp``): ``wg`` threads
-    per workgroup, ``nr`` rows per workgroup (``wg // nr`` threads per row), ``blk`` weight
-    blocks per load unit (8: 16-byte aligned 8-block groups, K % 256 == 0; 1: single blocks,
+    Q4_1 / Q8_0 weights times x quantized to 8-bit blocks by ``quantize_q8_1.comp``): ``wg``
+    threads per workgroup, ``nr`` rows per workgroup (``wg // nr`` threads per row), ``blk`` weight
+    blocks per load unit (8: 16-byte aligned 8-block groups, K % 256 == 0, not Q4_1; 1: single blocks,
     any K % 32 == 0), ``unr`` units per thread per loop iteration, ``idp`` 1: packed 4x8 dot
     products (OpSDot; needs shaderIntegerDotProduct), 0: the same sums with int multiply-adds
     of unpacked bytes (``_emu``), ``sat``: OpSDotAccSat instead of OpSDot + add."""
@@ -228,7 +228,7 @@ class VecqConfig:
 VECQ_QUANTIZE = "quantize_q8_1"   # the quantize-x kernel (shaders/quantize_q8_1.comp)
 VECQ_QUANTIZE_WG = 256            # its workgroup: 8 threads per 32-element block
 VECQ_BLOCK_BYTES = 40             # scratch bytes per block of x: 32 int8 + f32 d + int32 sum
-VECQ_TYPES = ("q4_0", "q8_0")
+VECQ_TYPES = ("q4_0", "q4_1", "q8_0")
 _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), VecqConfig(256, 8),
                 VecqConfig(64, 4), VecqConfig(128, 4, unr=2), VecqConfig(128, 4, sat=1),
                 VecqConfig(128, 4, blk=1), VecqConfig(128, 4, blk=1, unr=2), VecqConfig(256, 4, blk=1, unr=2),
@@ -239,8 +239,9 @@ _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
 #: integer-dot-product mat-vec variants, name -> (type, shape, most columns of x); names
 #: mul_mat_vecq_<type>_q8_1_m<1|4>_<shape tag>; :func:`vecq_variant` picks the default ones
 VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
-    **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES},
-    **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4},
+    **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES
+       if c.blk == 1 or t != "q4_1"},  # Q4_1's 20-byte blocks: single-block loads only
+    **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4 if t != "q4_1"},
 }
 _IDP_REQUIRES = ("shaderIntegerDotProduct",)
 #: the decode (M = 1) default per device kind: the fastest vecq shape of the H200 sweep (with
