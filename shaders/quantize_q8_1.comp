@@ -20,7 +20,8 @@
 //   bytes [32 J, 40 J):   block j's (floatBitsToUint(d), uint(sum)) as uvec2 4J + j
 //
 // x is read as raw bits (uint), so subnormal inputs are decoded exactly (never flushed).
-// The block code is shaders/q8_1.glsl (rms_norm.comp with Q8 = 1 uses it too).
+// The block code is shaders/q8_1.glsl (rms_norm.comp with Q8 = 1 uses it too). SWIGLU = 1:
+// swiglu_q8_1_f32, the SwiGLU of gate and up computed, written and quantized in one pass.
 // Layout: 8 threads per block (4 elements each), WG / 8 blocks per workgroup; amax and sum
 // are combined through shared memory (no subgroup operations: any subgroup size).
 // Push constants as mul_mat_vec.comp (M, K, x_stride, x_offset used).
@@ -34,9 +35,23 @@
 
 layout(local_size_x = WG) in;
 
+#ifndef SWIGLU
+#define SWIGLU 0
+#endif
+#if SWIGLU
+// swiglu_q8_1_f32: x = silu(gate) * up computed here (as elementwise.comp's swiglu), written
+// as f32 to binding 2 (may be gate: each invocation reads its elements before writing them)
+// and quantized from the same bits; gate, up and the output share the row layout.
+layout(std430, binding = 0) readonly buffer G { float gate[]; };
+layout(std430, binding = 1) readonly buffer U { float up[]; };
+layout(std430, binding = 2) writeonly buffer D { float dst[]; };
+#define XQ_BINDING 3
+#else
 layout(std430, binding = 0) readonly buffer X { uint xu[]; };
-layout(std430, binding = 1) writeonly buffer XQ { uint xq[]; };
-layout(std430, binding = 1) writeonly buffer XQM { uvec2 xqm[]; };
+#define XQ_BINDING 1
+#endif
+layout(std430, binding = XQ_BINDING) writeonly buffer XQ { uint xq[]; };
+layout(std430, binding = XQ_BINDING) writeonly buffer XQM { uvec2 xqm[]; };
 
 layout(push_constant) uniform Push {
     uint M; uint N; uint K; uint x_stride; uint y_stride; uint x_offset; uint y_offset;
@@ -59,7 +74,14 @@ void main() {
         const uint m = j / nb;
         const uint e = p.x_offset + m * p.x_stride + 32u * (j - m * nb) + 4u * sub;
         [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+#if SWIGLU
+            const float g = gate[e + i];
+            const float v = g / (1.0 + exp(-g)) * up[e + i];
+            dst[e + i] = v;
+            u[i] = floatBitsToUint(v);  // the bits written are the bits quantized
+#else
             u[i] = xu[e + i];
+#endif
         }
     } else {
         [[unroll]] for (uint i = 0u; i < 4u; ++i) {

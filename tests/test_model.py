@@ -195,9 +195,9 @@ def _q8_1_round(x):
 @pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
 def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
     """Decode (T = 1) reads Q4_0 / Q4_1 / Q8_0 weights with x quantized to q8_1 once per x (shared by
-    q/k/v and by gate/up; by the norm that makes x, else a quantize node). Checked: the graph's
-    quantize points; the wiring, exactly: after a step, ffn_down's output (a quantize node's x)
-    and the logits (the output norm's q8_1) equal float64 products of the dequantized weights
+    q/k/v and by gate/up; by the norm or SwiGLU that makes x, else a quantize node). Checked:
+    the graph's quantize points; the wiring, exactly: after a step, ffn_down's output (x from
+    the SwiGLU's q8_1) and the logits (the output norm's q8_1) equal float64 products of the dequantized weights
     with q8_1-rounded copies of the f32 x they read; the decoded logits near the float64
     reference; VKXSPLIT_DISABLE_VECQ: no quantize nodes and the tight f32 bound again."""
     from reference import KVCache, reference_forward
@@ -230,10 +230,11 @@ def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
             assert {n.name for n in g.mul_mats() if n.layer is not None} <= quantized[off]
             q_nodes = [n for n in g.nodes if n.op == "quantize_q8_1"]
             norms = [n for n in g.nodes if "xq" in n.params and n.op != "mul_mat"]
-            # one per x: the attention input and the ffn input (written by their norms as q8_1
-            # too), the attention output and the swiglu output (quantize nodes), the output norm
-            assert {n.op for n in norms} <= {"rms_norm", "add_rms_norm"} and len(q_nodes) == 2 * L
-            assert len(norms) == 2 * L + ("output" in quantized[off])
+            # one per x: the attention input, the ffn input and the ffn_down input (written by
+            # their norm / SwiGLU as q8_1 too), the attention output (a quantize node), the
+            # output norm's
+            assert {n.op for n in norms} == {"rms_norm", "add_rms_norm", "swiglu"} and len(q_nodes) == L
+            assert len(norms) == 3 * L + ("output" in quantized[off])
             assert len({n.name for n in q_nodes}) == len(q_nodes)
             for mm_node in (n for n in g.mul_mats() if "xq" in n.params):  # the q8_1 of its own x, made before
                 src = next(n for n in g.nodes if n.index < mm_node.index and n.op != "mul_mat"

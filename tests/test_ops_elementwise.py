@@ -305,6 +305,40 @@ def test_rms_norm_q8_1_output(device, seq, bufs, rng, fused_add, rows, cols):
     assert (got[nq:] == 0xAB).all(), "wrote past the scratch"
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("rows,cols", [(1, 1536), (3, 96)])
+def test_swiglu_q8_1(seq, bufs, rng, in_place, rows, cols):
+    """silu(gate) * up written as f32 (in place over gate, or not) and as q8_1 blocks: the f32
+    against float64, the blocks exactly the format's model of that output and the separate
+    quantize kernel's bits, nothing written past the scratch."""
+    from vkxsplit.ops.mul_mat import record_quantize_q8_1, record_swiglu_q8_1, vecq_scratch_bytes
+
+    g = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
+    u = rng.standard_normal((rows, cols)).astype(np.float32)
+    nq = vecq_scratch_bytes(rows, cols)
+    G, U, D, Q, Q2 = bufs(g.size), bufs(u.size), bufs(g.size), bufs(nq // 4 + 16), bufs(nq // 4 + 16)
+    put(G, g)
+    put(U, u)
+    poison(D)
+    Q.numpy(np.uint8)[:] = 0xAB
+    out = G if in_place else D
+    record_swiglu_q8_1(seq, G, U, out, Q, rows, cols)
+    record_quantize_q8_1(seq, out, Q2, rows, cols, cols, 0)
+    run(seq)
+    y = get(out, g.size).reshape(rows, cols)
+    g64 = g.astype(np.float64)
+    ref = g64 / (1 + np.exp(-g64)) * u
+    assert_close(y, ref, 1e-5, 1e-6 * np.abs(ref).max(), "swiglu q8_1")
+    got = Q.numpy(np.uint8)
+    assert np.array_equal(got[:nq], _q8_1_blocks(y))
+    assert np.array_equal(got[:nq], Q2.numpy(np.uint8)[:nq])
+    assert (got[nq:] == 0xAB).all(), "wrote past the scratch"
+    with pytest.raises(KernelError, match="multiple of 32"):
+        record_swiglu_q8_1(seq, G, U, D, Q, 1, 40)
+    with pytest.raises(KernelError, match="overlaps"):
+        record_swiglu_q8_1(seq, G, U, D, G, rows, cols)
+
+
 def test_rms_norm_q8_1_refusals(seq, bufs):
     X, W, D, Q = bufs(96), bufs(96), bufs(96), bufs(256)
     with pytest.raises(KernelError, match="cols % 32"):

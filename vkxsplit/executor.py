@@ -120,6 +120,12 @@ def _swiglu(seq: Sequence, n: Node) -> None:
     from .ops.elementwise import record_swiglu
 
     g, u = n.inputs
+    xq = n.params.get("xq")
+    if xq is not None:  # the output also as q8_1 for the mat-vec that reads it (ffn_down)
+        from .ops.mul_mat import record_swiglu_q8_1
+
+        record_swiglu_q8_1(seq, g.buffer, u.buffer, n.output.buffer, xq.buffer, g.rows, g.cols)
+        return
     record_swiglu(seq, g.buffer, u.buffer, n.output.buffer, g.rows, g.cols)
 
 

@@ -222,8 +222,9 @@ class Model:
                         "scratch": Tensor("attn_scratch", (1,), "f32", self.attn_scratch)}
         # Decode (T = 1): mat-vecs of Q4_0 / Q4_1 / Q8_0 weights read x quantized to q8_1 (integer
         # dot products, ggml's MMVQ): x is quantized once, before its first such reader, and
-        # shared by the rest (q/k/v, gate/up) until something rewrites x: by the norm that
-        # makes x (its q8_1 output) where there is one, else by a quantize_q8_1 node.
+        # shared by the rest (q/k/v, gate/up) until something rewrites x: by the norm or
+        # SwiGLU that makes x (its q8_1 output) where there is one, else by a quantize_q8_1
+        # node (the attention output).
         from .ops.mul_mat import VECQ_TYPES, vecq_scratch_bytes, vecq_variant
 
         vecq = {t: v for t in VECQ_TYPES if (v := vecq_variant(self.device, t, T)) is not None}
@@ -242,9 +243,9 @@ class Model:
                              if any(overlap(xs, span(t)) for t in g.nodes[i].writes())), None)
                 pn = g.nodes[prod] if prod is not None else None
                 if (fuse and pn is not None and pn.output is x and "xq" not in pn.params
-                        and pn.op in ("rms_norm", "add_rms_norm") and pn.weight is not None):
-                    # the norm that makes x writes it as q8_1 too (rms_norm.comp, Q8 = 1): no
-                    # separate quantize dispatch (and barrier level)
+                        and (pn.op == "swiglu" or pn.op in ("rms_norm", "add_rms_norm") and pn.weight is not None)):
+                    # the norm or SwiGLU that makes x writes it as q8_1 too (rms_norm.comp with
+                    # Q8, swiglu_q8_1): no separate quantize dispatch (and barrier level)
                     pn.params.update(xq=xq, q8=1)
                     quantized[:] = [x, prod, xq]
                 else:

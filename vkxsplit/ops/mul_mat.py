@@ -387,6 +387,35 @@ def record_quantize_q8_1(seq: Sequence, x: Bindable, xq_scratch: Bindable, M: in
                  (M, 0, K, x_stride, 0, x_offset, 0, 0, 0, 0), (nq, 1, 1))
 
 
+def record_swiglu_q8_1(seq: Sequence, gate: Bindable, up: Bindable, dst: Bindable, xq_scratch: Bindable,
+                       M: int, K: int) -> None:
+    """``dst = silu(gate) * up`` over M contiguous rows of K (K % 32 == 0), also written as q8_1
+    blocks into ``xq_scratch`` (the same bits :func:`record_quantize_q8_1` would make of dst):
+    the SwiGLU and the quantization of the ffn_down mat-vec's x in one dispatch. ``dst`` may
+    be ``gate``; the scratch overlaps nothing else."""
+    name = f"swiglu_q8_1[M={M}, K={K}]"
+    if K <= 0 or K % 32:
+        raise KernelError(f"{name}: K must be a positive multiple of 32")
+    ranges = {n: as_range(b) for n, b in (("gate", gate), ("up", up), ("dst", dst), ("scratch", xq_scratch))}
+    if any(r[1] % 4 for r in ranges.values()) or ranges["scratch"][1] % 16:
+        raise KernelError(f"{name}: bindings must be 4-byte aligned (the scratch 16-byte)")
+    for n in ("gate", "up", "dst"):
+        if ranges[n][2] < 4 * M * K:
+            raise KernelError(f"{name}: {n} has {ranges[n][2]} bytes, needs {4 * M * K}")
+    if ranges["scratch"][2] < vecq_scratch_bytes(M, K):
+        raise KernelError(f"{name}: the x scratch has {ranges['scratch'][2]} bytes, needs {vecq_scratch_bytes(M, K)}")
+    for n in ("gate", "up", "dst"):
+        if _overlap(xq_scratch, {"gate": gate, "up": up, "dst": dst}[n]):
+            raise KernelError(f"{name}: the x scratch overlaps {n}")
+    if _overlap(dst, up):
+        raise KernelError(f"{name}: dst overlaps up")
+    if M == 0:
+        return
+    nq = -(-M * (K // 32) // (VECQ_QUANTIZE_WG // 8))
+    seq.dispatch(Kernel.get(seq.device, "swiglu_q8_1_f32"), [gate, up, dst, xq_scratch],
+                 (M, 0, K, K, 0, 0, 0, 0, 0, 0), (nq, 1, 1))
+
+
 TILED_BM, TILED_BN = 64, 64       # mul_mat.comp tile (rows of x, rows of W)
 COOP_SUBGROUP = 32
 FLAG_YVEC = 4           # coopmat: y rows 16-byte aligned (binding, offset, column offset, stride)
@@ -496,7 +525,10 @@ VARIANTS = (
     + [_wide_variant(name, TYPES[t], cfg, maxm) for name, (t, cfg, maxm) in VEC_WIDE.items()]
     + [_vecq_variant(name, TYPES[t], cfg, maxm) for name, (t, cfg, maxm) in VECQ_SWEEP.items()]
     + [Variant(name=VECQ_QUANTIZE, source="quantize_q8_1.comp", defines={"WG": str(VECQ_QUANTIZE_WG)},
-               bindings=2, writes=(1,), push=PUSH, local_size=(VECQ_QUANTIZE_WG, 1, 1))]
+               bindings=2, writes=(1,), push=PUSH, local_size=(VECQ_QUANTIZE_WG, 1, 1)),
+       Variant(name="swiglu_q8_1_f32", source="quantize_q8_1.comp",
+               defines={"WG": str(VECQ_QUANTIZE_WG), "SWIGLU": "1"},
+               bindings=4, writes=(2, 3), push=PUSH, local_size=(VECQ_QUANTIZE_WG, 1, 1))]
     + [Variant(name=f"mul_mat_{t}_f32", source="mul_mat.comp", defines={"WTYPE": str(wt.id)},
                bindings=3, writes=(2,), push=PUSH, local_size=(256, 1, 1), requires=_STORAGE)
        for t, wt in TYPES.items()]
@@ -714,6 +746,6 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
-           "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1",
+           "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "record_swiglu_q8_1",
            "check_mul_mat", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
