@@ -1,5 +1,5 @@
 #version 450
-// mul_mat_vecq_<q4_0|q4_1|q8_0>_q8_1_m<MAXM>_*: y[m, c0 + n] = sum_b d_w d_x[m, b] * sum_i wq_i xq_i
+// mul_mat_vecq_<q4_0|q4_1|q8_0|q4_k>_q8_1_m<MAXM>_*: y[m, c0 + n] = sum_b d_w d_x[m, b] * sum_i wq_i xq_i
 // for M <= MAXM columns of x quantized to 8-bit blocks by quantize_q8_1.comp (binding 1, its
 // scratch layout: 32 int8 per block as two uvec4, then a uvec2 (d bits, integer sum) per
 // block), Q4_0 / Q8_0 weights (binding 0). ggml's MMVQ scheme: the weight quants stay 8-bit
@@ -10,6 +10,8 @@
 //                                                 -8 offset via the block sum of x)
 //   Q4_1: s = sum_i n_i q_x,i, plus m_w d_x sum_i q_x,i (the block's min through the x sum;
 //         20-byte blocks, word-aligned: BLK 1 only)
+//   Q4_K: per 32-weight sub-block j of a 256-weight super-block, d sc_j d_x sum n q minus
+//         dmin m_j d_x sum q (superblock(); one super-block per load unit: "BLK 1")
 //   acc += (d_w * d_x) * float(s)                (|s| < 2^17: exact in f32)
 //
 // IDP 1: the packed 4x8 dot products of SPV_KHR_integer_dot_product (OpSDot, or with
@@ -32,7 +34,7 @@
 //         selected by the parity of the block's halfword index
 // Partial sums are reduced through shared memory (any subgroup size).
 //
-// Defines: WTYPE (Q4_0, Q4_1 or Q8_0), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT.
+// Defines: WTYPE (Q4_0, Q4_1, Q8_0 or Q4_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / NR) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -57,8 +59,11 @@
 #elif WTYPE == WT_Q8_0
 #define QW 8u
 #define GW 17u   // 272 bytes
+#elif WTYPE == WT_Q4_K
+#define QW 4u    // (unused: Q4_K reads whole 144-byte super-blocks, see superblock())
+#define GW 9u
 #else
-#error "mul_mat_vecq: Q4_0, Q4_1 and Q8_0 only"
+#error "mul_mat_vecq: Q4_0, Q4_1, Q8_0 and Q4_K only"
 #endif
 #define GQ (4u * GW)  // words per group
 #define HB (QBYTES / 2u)  // halfwords per block
@@ -91,8 +96,8 @@
 #if BLK != 1 && BLK != 8
 #error "BLK: 1 or 8"
 #endif
-#if WTYPE == WT_Q4_1 && BLK != 1
-#error "Q4_1: BLK 1 only"
+#if (WTYPE == WT_Q4_1 || WTYPE == WT_Q4_K) && BLK != 1
+#error "Q4_1, Q4_K: BLK 1 only"
 #endif
 
 #if IDP
@@ -232,6 +237,56 @@ void decode_block(const uint w[QW + 1u], uint G, uint g) {
 }
 #endif
 
+#if WTYPE == WT_Q4_K
+// byte b (0..11) of the packed 6-bit scales and mins
+uint scb(const uint sc[3], uint b) {
+    return (sc[b >> 2] >> (8u * (b & 3u))) & 0xFFu;
+}
+
+// one Q4_K super-block (256 weights, 144 bytes as 9 uvec4: (d, dmin), 12 bytes of 6-bit
+// sub-block scales and mins, 128 bytes of nibbles) at super-block index sb of the row; its 8
+// sub-blocks of 32 line up with 8 q8_1 blocks of x. Sub-block j: w = d sc_j n - dmin m_j, so
+// sum w x = d sc_j dx sum n q - dmin m_j dx sum q (the x block sum). Bytes 32c..32c+31 of the
+// nibbles hold sub-block 2c (low nibbles) and 2c + 1 (high nibbles).
+void superblock(const uvec4 v[9], uint sb) {
+    const vec2 dm = unpackHalf2x16(v[0].x);
+    const uint sc[3] = uint[3](v[0].y, v[0].z, v[0].w);
+    [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+        uint W[8];
+        [[unroll]] for (uint k = 0u; k < 8u; ++k) {
+            W[k] = v[1u + 2u * c + (k >> 2)][k & 3u];
+        }
+        [[unroll]] for (uint h = 0u; h < 2u; ++h) {
+            const uint j = 2u * c + h;
+            uint scj, mj;
+            if (j < 4u) {
+                scj = scb(sc, j) & 63u;
+                mj = scb(sc, j + 4u) & 63u;
+            } else {
+                scj = (scb(sc, j + 4u) & 0xFu) | ((scb(sc, j - 4u) >> 6) << 4);
+                mj = (scb(sc, j + 4u) >> 4) | ((scb(sc, j) >> 6) << 4);
+            }
+            const float dsc = dm.x * float(scj);
+            const float dmn = dm.y * float(mj);
+            [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+                const uint xb = xbk[m] + 8u * sb + j;
+                const uvec4 x0 = xq4[2u * xb];
+                const uvec4 x1 = xq4[2u * xb + 1u];
+                const uvec2 meta = xqm[mbase + xb];
+                const uint X[8] = uint[8](x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w);
+                int s = 0;
+                [[unroll]] for (uint k = 0u; k < 8u; ++k) {
+                    s = dot4((W[k] >> (4u * h)) & 0x0F0F0F0Fu, X[k], s);
+                }
+                const float dx = uintBitsToFloat(meta.x);
+                acc[m] = fma(dsc * dx, float(s), acc[m]);
+                acc[m] = fma(-dmn * dx, float(int(meta.y)), acc[m]);
+            }
+        }
+    }
+}
+#endif
+
 void main() {
     const uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
     const uint row0 = wg * NR;
@@ -265,6 +320,24 @@ void main() {
             const uint g = g0 + u * L;
             if (u == 0u || g < ng) {
                 group(q[u], 8u * g);
+            }
+        }
+    }
+#elif WTYPE == WT_Q4_K
+    const uint nsb = nb / 8u;          // super-blocks per row (K % 256 == 0)
+    const uint sbase = row * (nsb * 9u);  // first uvec4 of the row
+    for (uint g0 = lane; g0 < nsb; g0 += UNR * L) {
+        uvec4 v[UNR][9];
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            const uint g = min(g0 + u * L, nsb - 1u);
+            [[unroll]] for (uint i = 0u; i < 9u; ++i) {
+                v[u][i] = w_u128[sbase + g * 9u + i];
+            }
+        }
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            const uint g = g0 + u * L;
+            if (u == 0u || g < nsb) {
+                superblock(v[u], g);
             }
         }
     }

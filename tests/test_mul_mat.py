@@ -744,7 +744,7 @@ def _vecq_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, x_off=0, 
     outside[:, y_col:y_col + n] = False
     assert np.isnan(y2[outside]).all(), "wrote outside the target columns"
     got = y2[:, y_col:y_col + n]
-    Wr, Aw = W[r0:r0 + n], np.abs(W[r0:r0 + n])
+    Wr, Aw = W[r0:r0 + n], abs_terms(raw, t, W)[r0:r0 + n]  # (K-quants: |d sc q| + |dmin m|)
     dfull = np.repeat(d.astype(np.float64), 32, axis=1)
     xdq = q.astype(np.float64) * dfull
     bound_a = (2 * (K // 32) + 8) * U * (np.abs(xdq) @ Aw.T)
@@ -764,11 +764,11 @@ def test_mat_vecq_variant(device, bufs, rng, name):
     t, cfg, maxm = mm.VECQ_SWEEP[name]
     lanes = cfg.wg // cfg.nr
     Ms = (1,) if maxm == 1 else (3, 4)
-    unit = 256 if cfg.blk == 8 else 32
+    unit = 256 if cfg.blk == 8 or t == "q4_k" else 32  # (Q4_K: one super-block per unit)
     for M in Ms:
         _vecq_run(device, bufs, rng, t, name, M, n_total=cfg.nr + 3, r0=0, n=cfg.nr + 3, K=512, y_col=0)
         _vecq_run(device, bufs, rng, t, name, M, n_total=2 * cfg.nr + 5, r0=3, n=cfg.nr + 2,
-                  K=1280 if cfg.blk == 8 else 288, y_col=5, x_off=3)
+                  K=1280 if unit == 256 else 288, y_col=5, x_off=3)
     K = unit * (2 * cfg.unr * lanes + 3)
     _vecq_run(device, bufs, rng, t, name, Ms[-1], n_total=cfg.nr + 1, r0=1, n=cfg.nr, K=K, y_col=2,
               random_bits=True)
@@ -876,7 +876,7 @@ def test_vecq_tables():
     for name, (t, cfg, maxm) in mm.VECQ_SWEEP.items():
         assert t in mm.VECQ_TYPES and name == f"mul_mat_vecq_{t}_q8_1_m{maxm}_{cfg.tag}"
         assert mm.vec_config(name) == cfg and cfg.wg % cfg.nr == 0 and cfg.nr * maxm <= cfg.wg
-        assert cfg.blk in (1, 8) and not (cfg.sat and not cfg.idp) and (cfg.blk == 1 or t != "q4_1")
+        assert cfg.blk in (1, 8) and not (cfg.sat and not cfg.idp) and (cfg.blk == 1 or t not in ("q4_1", "q4_k"))
         v = allv[name]
         assert ("shaderIntegerDotProduct" in v.requires) == bool(cfg.idp)
         assert {"storageBuffer16BitAccess", "storageBuffer8BitAccess"} <= set(v.requires)
@@ -884,3 +884,23 @@ def test_vecq_tables():
     # every type has an emulated (feature-free) single-block variant
     assert all(any(ty == t and not c.idp and c.blk == 1 for ty, c, _ in mm.VECQ_SWEEP.values())
                for t in mm.VECQ_TYPES)
+
+
+def test_vecq_default_policy(device, monkeypatch):
+    """Which decode mat-vecs take x as q8_1: Q4_0/Q4_1/Q8_0 everywhere with integer dot
+    products, Q4_K on CPU devices only (not yet swept on a GPU), never at M > 1, never with
+    the kill switch; the variant's shape is the device kind's."""
+    from vkxsplit.vk.api import vk
+
+    if not device.features.get("shaderIntegerDotProduct"):
+        assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)
+        return
+    cpu = device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+    tag = mm.VECQ_DEFAULT_M1["cpu" if cpu else "gpu"].tag
+    for t in mm.VECQ_TYPES:
+        want = f"mul_mat_vecq_{t}_q8_1_m1_{tag}" if cpu or t in mm.VECQ_GPU_TYPES else None
+        assert mm.vecq_variant(device, t, 1) == want and (want is None or want in mm.VECQ_SWEEP)
+        assert mm.vecq_variant(device, t, 2) is None
+    assert mm.vecq_variant(device, "q6_k", 1) is None and mm.vecq_variant(device, "f16", 1) is None
+    monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ", "1")
+    assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)

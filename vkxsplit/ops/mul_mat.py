@@ -228,7 +228,8 @@ class VecqConfig:
 VECQ_QUANTIZE = "quantize_q8_1"   # the quantize-x kernel (shaders/quantize_q8_1.comp)
 VECQ_QUANTIZE_WG = 256            # its workgroup: 8 threads per 32-element block
 VECQ_BLOCK_BYTES = 40             # scratch bytes per block of x: 32 int8 + f32 d + int32 sum
-VECQ_TYPES = ("q4_0", "q4_1", "q8_0")
+VECQ_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k")
+_VECQ_SINGLE = ("q4_1", "q4_k")  # single-block (one super-block for Q4_K) loads only
 _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), VecqConfig(256, 8),
                 VecqConfig(64, 4), VecqConfig(128, 4, unr=2), VecqConfig(128, 4, sat=1),
                 VecqConfig(128, 4, blk=1), VecqConfig(128, 4, blk=1, unr=2), VecqConfig(256, 4, blk=1, unr=2),
@@ -240,8 +241,9 @@ _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
 #: mul_mat_vecq_<type>_q8_1_m<1|4>_<shape tag>; :func:`vecq_variant` picks the default ones
 VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
     **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES
-       if c.blk == 1 or t != "q4_1"},  # Q4_1's 20-byte blocks: single-block loads only
-    **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4 if t != "q4_1"},
+       if c.blk == 1 or t not in _VECQ_SINGLE},
+    **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4
+       if t not in _VECQ_SINGLE},
 }
 _IDP_REQUIRES = ("shaderIntegerDotProduct",)
 #: the decode (M = 1) default per device kind: the fastest vecq shape of the H200 sweep (with
@@ -249,6 +251,10 @@ _IDP_REQUIRES = ("shaderIntegerDotProduct",)
 #: the quantization fused into the norms, docs/PERFORMANCE.md) and of llvmpipe (1.5-2.9x at
 #: SmolLM2 and 2048-square shapes: wg32, one core per workgroup)
 VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(32, 4, blk=1)}
+#: types whose vecq path GPUs take by default; Q4_K (one super-block per thread: a 4096-wide
+#: row has 16 for 32 lanes) only on CPU devices until a GPU sweep picks its shape (llvmpipe:
+#: 10x the f32-x kernel at SmolLM2-like shapes)
+VECQ_GPU_TYPES = ("q4_0", "q4_1", "q8_0")
 
 
 def vecq_disabled() -> bool:
@@ -269,6 +275,8 @@ def vecq_variant(device: Device, t: str, M: int) -> str | None:
     if not device.features.get("shaderIntegerDotProduct"):
         return None
     cpu = getattr(device.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+    if not cpu and t not in VECQ_GPU_TYPES:
+        return None
     return f"mul_mat_vecq_{t}_q8_1_m1_{VECQ_DEFAULT_M1['cpu' if cpu else 'gpu'].tag}"
 
 
@@ -746,6 +754,6 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
-           "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "record_swiglu_q8_1",
+           "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
