@@ -269,3 +269,52 @@ def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
     clear = (srt[:, -1] - srt[:, -2]) > 2 * err  # top-1 agrees wherever the margin allows
     assert (got[""].argmax(1) == want.argmax(1))[clear].all()
     assert np.abs(got[""] - got["1"]).max() > 1e-4 * scale  # the rounding is visible
+
+
+def test_decode_q8_placement_rules():
+    """DecodeQ8 on hand-made graphs (tensors without memory: each is its own span): one q8_1
+    per x shared by its readers; written by the norm / SwiGLU that made x when that is safe,
+    else by a quantize node; re-quantized after x is rewritten; never fused into a producer
+    that readers of the previous x's q8_1 come after (they share one scratch); other types
+    read f32 x."""
+    from vkxsplit.graph import Graph, Tensor
+    from vkxsplit.model import DecodeQ8
+
+    def t(name, cols=64, dtype="f32", weight=False):
+        return Tensor(name, (1, cols) if not weight else (cols, 64), dtype, weight=weight)
+
+    g = Graph("t", T=1)
+    q8 = DecodeQ8(g, {"q4_0": "vq4"}, lambda nbytes: None)
+    x, h, a, o, w = t("x"), t("h"), t("a"), t("o"), t("norm.w", weight=True)
+    wq, wk, w6 = t("wq", dtype="q4_0", weight=True), t("wk", dtype="q4_0", weight=True), t("w6", dtype="q6_k", weight=True)
+    g.add("rms_norm", "blk.0.attn_norm", [x, w], h, eps=1e-5)
+    norm = g.nodes[-1]
+    q8.mul_mat("blk.0.attn_q", wq, h, t("q"))
+    q8.mul_mat("blk.0.attn_k", wk, h, t("k"))
+    q8.mul_mat("blk.0.attn_v", w6, h, t("v"))  # a type without a vecq variant: f32 x
+    mms = g.mul_mats()
+    assert norm.params.get("xq") is not None and "quantize_q8_1" not in g.ops()
+    assert mms[0].params["xq"] is mms[1].params["xq"] is norm.params["xq"] and "xq" not in mms[2].params
+    # a producer that cannot write q8_1 (attention): a quantize node after it
+    g.add("attention", "blk.0.attn", [t("q")], a)
+    q8.mul_mat("blk.0.attn_output", wq, a, o)
+    qn = [n for n in g.nodes if n.op == "quantize_q8_1"]
+    assert len(qn) == 1 and qn[0].inputs[0] is a and g.mul_mats()[-1].params["xq"] is qn[0].output
+    # x rewritten in place after its quantization: quantized again
+    g.add("add", "blk.0.a_bias", [a, t("bias", weight=True)], a)
+    q8.mul_mat("blk.0.attn_output2", wq, a, t("o2"))
+    assert sum(n.op == "quantize_q8_1" for n in g.nodes) == 2
+    # the busy rule: a norm makes h2, then a reader of a's q8_1, then h2's first reader
+    h2 = t("h2")
+    g.add("rms_norm", "blk.1.attn_norm", [x, w], h2, eps=1e-5)
+    n2 = g.nodes[-1]
+    q8.mul_mat("blk.0.late", wk, a, t("late"))   # still reads a's q8_1, after the norm
+    q8.mul_mat("blk.1.attn_q", wq, h2, t("q2"))
+    assert "xq" not in n2.params  # fusing would overwrite a's q8_1 before blk.0.late read it
+    assert g.nodes[-2].op == "quantize_q8_1" and g.nodes[-2].inputs[0] is h2
+    # fuse off (VKXSPLIT_DISABLE_FUSION): quantize nodes only
+    g2 = Graph("t2", T=1)
+    q82 = DecodeQ8(g2, {"q4_0": "vq4"}, lambda nbytes: None, fuse=False)
+    g2.add("rms_norm", "n", [x, w], h, eps=1e-5)
+    q82.mul_mat("m", wq, h, t("y"))
+    assert "xq" not in g2.nodes[0].params and g2.ops().get("quantize_q8_1") == 1

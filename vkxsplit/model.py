@@ -51,6 +51,59 @@ def _type_name(t: Any) -> str:
     return t.name.lower()
 
 
+class DecodeQ8:
+    """Where a decode graph quantizes x for the integer-dot-product mat-vecs (ggml's MMVQ).
+
+    ``mul_mat(name, w, x, out)`` adds a ``mul_mat`` node; when ``w``'s type has a variant in
+    ``variants`` (from :func:`~vkxsplit.ops.mul_mat.vecq_variant`), the node reads x as q8_1
+    (params ``xq``, ``vecq``). x is quantized once, before its first such reader, and shared
+    by the rest (q/k/v, gate/up) until something rewrites x: by the node that made x where
+    it can write q8_1 too (a norm with a weight, add_rms_norm, swiglu: no extra dispatch or
+    barrier level; not with ``fuse`` off), else by a ``quantize_q8_1`` node. All q8_1 data
+    lives in one scratch (``scratch(nbytes)`` gives the binding): a producer after which
+    readers of the previous x's q8_1 still come cannot write the new one at its place.
+    """
+
+    FUSABLE = ("rms_norm", "add_rms_norm", "swiglu")
+
+    def __init__(self, g: Graph, variants: dict[str, str], scratch: Any, fuse: bool = True) -> None:
+        self.g, self.variants, self.scratch, self.fuse = g, variants, scratch, fuse
+        self._cur: tuple[Tensor, int, Tensor] | None = None  # (x, index of its quantizer, xq)
+
+    def _stale(self, x: Tensor) -> bool:
+        if self._cur is None or self._cur[0] is not x:
+            return True
+        xs = span(x)
+        return any(overlap(xs, span(t)) for n in self.g.nodes[self._cur[1] + 1:] for t in n.writes())
+
+    def mul_mat(self, name: str, w: Tensor, x: Tensor, out: Tensor) -> Tensor:
+        from .ops.mul_mat import vecq_scratch_bytes
+
+        g = self.g
+        v = self.variants.get(w.dtype)
+        if v is None or x.cols % 32:
+            return g.add("mul_mat", name, [w, x], out)
+        if self._stale(x):
+            nbytes = vecq_scratch_bytes(x.rows, x.cols)
+            xq = Tensor(f"xq:{x.name}", (1, nbytes // 4), "q8_1", self.scratch(nbytes))
+            xs = span(x)
+            prod = next((i for i in range(len(g.nodes) - 1, -1, -1)
+                         if any(overlap(xs, span(t)) for t in g.nodes[i].writes())), None)
+            pn = g.nodes[prod] if prod is not None else None
+            busy = pn is not None and self._cur is not None and any(
+                n.params.get("xq") is self._cur[2] for n in g.nodes[prod + 1:])
+            if (self.fuse and pn is not None and not busy and pn.output is x and "xq" not in pn.params
+                    and pn.op in self.FUSABLE and (pn.op == "swiglu" or pn.weight is not None)):
+                pn.params.update(xq=xq, q8=1)  # rms_norm.comp with Q8 / swiglu_q8_1
+                self._cur = (x, prod, xq)
+            else:
+                k = sum(n.op == "quantize_q8_1" for n in g.nodes)  # unique names: blk.N.quantize.K
+                g.add("quantize_q8_1", (name.rsplit(".", 1)[0] + "." if "." in name else "") + f"quantize.{k}",
+                      [x], xq)
+                self._cur = (x, len(g.nodes) - 1, xq)
+        return g.add("mul_mat", name, [w, x], out, xq=self._cur[2], vecq=v)
+
+
 class Model:
     """A loaded model. Use :func:`vkxsplit.load_model`.
 
@@ -220,40 +273,12 @@ class Model:
         if T == 1:
             split_kv = {"n_splits": self.decode_splits,
                         "scratch": Tensor("attn_scratch", (1,), "f32", self.attn_scratch)}
-        # Decode (T = 1): mat-vecs of Q4_0 / Q4_1 / Q8_0 weights read x quantized to q8_1 (integer
-        # dot products, ggml's MMVQ): x is quantized once, before its first such reader, and
-        # shared by the rest (q/k/v, gate/up) until something rewrites x: by the norm or
-        # SwiGLU that makes x (its q8_1 output) where there is one, else by a quantize_q8_1
-        # node (the attention output).
-        from .ops.mul_mat import VECQ_TYPES, vecq_scratch_bytes, vecq_variant
+        # decode: Q4_0/Q4_1/Q8_0 (and on CPU devices Q4_K) mat-vecs read x as q8_1 (DecodeQ8)
+        from .ops.mul_mat import VECQ_TYPES, vecq_variant
 
-        vecq = {t: v for t in VECQ_TYPES if (v := vecq_variant(self.device, t, T)) is not None}
-        quantized: list[Any] = []  # [x, index of the node that quantized it, its xq] while valid
-
-        def mul_mat(name: str, w: Tensor, x: Tensor, out: Tensor) -> Tensor:
-            v = vecq.get(w.dtype)
-            if v is None or x.cols % 32:
-                return g.add("mul_mat", name, [w, x], out)
-            xs = span(x)
-            if not quantized or quantized[0] is not x or any(
-                    overlap(xs, span(t)) for n in g.nodes[quantized[1] + 1:] for t in n.writes()):
-                nbytes = vecq_scratch_bytes(1, x.cols)
-                xq = Tensor(f"xq:{x.name}", (1, nbytes // 4), "q8_1", V(self.xq_buf, 0, nbytes))
-                prod = next((i for i in range(len(g.nodes) - 1, -1, -1)
-                             if any(overlap(xs, span(t)) for t in g.nodes[i].writes())), None)
-                pn = g.nodes[prod] if prod is not None else None
-                if (fuse and pn is not None and pn.output is x and "xq" not in pn.params
-                        and (pn.op == "swiglu" or pn.op in ("rms_norm", "add_rms_norm") and pn.weight is not None)):
-                    # the norm or SwiGLU that makes x writes it as q8_1 too (rms_norm.comp with
-                    # Q8, swiglu_q8_1): no separate quantize dispatch (and barrier level)
-                    pn.params.update(xq=xq, q8=1)
-                    quantized[:] = [x, prod, xq]
-                else:
-                    nq = sum(n.op == "quantize_q8_1" for n in g.nodes)  # unique names: blk.N.quantize.K
-                    g.add("quantize_q8_1", (name.rsplit(".", 1)[0] + "." if "." in name else "") + f"quantize.{nq}",
-                          [x], xq)
-                    quantized[:] = [x, len(g.nodes) - 1, xq]
-            return g.add("mul_mat", name, [w, x], out, xq=quantized[2], vecq=v)
+        q8 = DecodeQ8(g, {t: v for t in VECQ_TYPES if (v := vecq_variant(self.device, t, T)) is not None},
+                      lambda nbytes: V(self.xq_buf, 0, nbytes), fuse=fuse)
+        mul_mat = q8.mul_mat
 
         x = act("x", hp.n_embd)
         g.add("get_rows", "embd", [W["token_embd.weight"], ids], x)
