@@ -418,3 +418,25 @@ def test_opaque_fd_mmap_probe(device):
     buf.write(bytes(range(256)))
     assert buf.read().tobytes() == bytes(range(256))
     buf.close()
+
+
+def test_decode_q8_1_paths_are_reported(report):
+    """Which decode mat-vecs read x as q8_1: the JSON names shipped integer-dot-product
+    variants exactly where the device has the integer dot product feature (as the report
+    lists it; CPU devices add Q4_K), all usable there; the kill switch empties it and the
+    text says so."""
+    from vkxsplit.shaders import all_variants
+
+    for d in report["devices"]:
+        dq = d["kernels"]["decode_q8_1"]
+        if not d["features"].get("shaderIntegerDotProduct"):
+            assert dq == {}
+            continue
+        assert {"q4_0", "q4_1", "q8_0"} <= set(dq) <= {"q4_0", "q4_1", "q8_0", "q4_k"}
+        assert ("q4_k" in dq) == (d["type"] == "cpu")
+        for t, v in dq.items():
+            assert v in all_variants() and v.startswith(f"mul_mat_vecq_{t}_q8_1_m1_") and v in d["kernels"]["usable"]
+    off = run_info("--json", env={"VKXSPLIT_DISABLE_VECQ": "1"})
+    assert all(d["kernels"]["decode_q8_1"] == {} for d in json.loads(off.stdout)["devices"])
+    text = run_info(env={"VKXSPLIT_DISABLE_VECQ": "1"}).stdout
+    assert "decode x as q8_1" in text and "VKXSPLIT_DISABLE_VECQ" in text

@@ -847,6 +847,10 @@ def _collect_with(inst: Any, device: int | None, gl: _Glfw | None, surface_info:
         d["interop"]["opaque_fd_mappable"] = mappable
         d["interop"]["opaque_fd_mappable_detail"] = mappable_why
         d["kernels"] = kernel_report(p, variants)
+        from .ops.mul_mat import vecq_decode
+
+        # decode mat-vecs that read x as q8_1 (integer dot products), by weight type
+        d["kernels"]["decode_q8_1"] = vecq_decode(p)
         d["attach_matrix"] = attach_matrix(p, backends, d["interop"], mappable, mappable_why)
         devices.append(d)
 
@@ -1110,6 +1114,9 @@ def _render_device(d: dict[str, Any]) -> list[str]:
     for miss, vs in by_missing.items():
         L += _wrap(f"missing {miss}: {len(vs)} variant(s): " + " ".join(vs[:6])
                    + (" ..." if len(vs) > 6 else ""), "        ", "    - ")
+    dq = k.get("decode_q8_1") or {}
+    L += _kv("decode x as q8_1", (", ".join(sorted(dq)) + f" ({next(iter(dq.values())).rsplit('_m1_', 1)[1]})")
+             if dq else "no (f32 x: no integer dot products here, or VKXSPLIT_DISABLE_VECQ)", "    ")
 
     L.append(f"  Attach matrix (GPU{d['index']} as hub; under each row: why not a better path)")
     rows2 = [[row["backend"], PATH_LABELS[row["memory"]], PATH_LABELS[row["event"]]] for row in d["attach_matrix"]]

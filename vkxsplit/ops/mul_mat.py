@@ -22,7 +22,7 @@ the full tensor as ``w``); results go to y columns ``y_col_offset + n`` (default
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import KernelError
 from ..shaders import Variant
@@ -263,21 +263,26 @@ def vecq_disabled() -> bool:
     return env_flag("VKXSPLIT_DISABLE_VECQ")
 
 
+def vecq_decode(physical: Any, features: Any = None) -> dict[str, str]:
+    """weight type -> the integer-dot-product mat-vec variant decode (M = 1) uses on this
+    physical device (``features``: the enabled ones, default: what it offers); empty without
+    shaderIntegerDotProduct or subgroup arithmetic, or with VKXSPLIT_DISABLE_VECQ."""
+    from ..vk.api import vk
+
+    feats = physical.features if features is None else features
+    if vecq_disabled() or not feats.get("shaderIntegerDotProduct") or not _vec_ok(physical):
+        return {}
+    cpu = getattr(physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+    tag = VECQ_DEFAULT_M1["cpu" if cpu else "gpu"].tag
+    return {t: f"mul_mat_vecq_{t}_q8_1_m1_{tag}" for t in VECQ_TYPES if cpu or t in VECQ_GPU_TYPES}
+
+
 def vecq_variant(device: Device, t: str, M: int) -> str | None:
     """The integer-dot-product mat-vec variant a graph uses for ``M`` columns of x times ``t``
     weights on ``device`` (x quantized to q8_1 once, shared by every mat-vec reading it), or
-    None where the f32-x kernels stay: other types, M > 1, no shaderIntegerDotProduct, or
-    VKXSPLIT_DISABLE_VECQ."""
-    from ..vk.api import vk
-
-    if t not in VECQ_TYPES or M != 1 or vecq_disabled() or not vec_supported(device):
-        return None
-    if not device.features.get("shaderIntegerDotProduct"):
-        return None
-    cpu = getattr(device.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
-    if not cpu and t not in VECQ_GPU_TYPES:
-        return None
-    return f"mul_mat_vecq_{t}_q8_1_m1_{VECQ_DEFAULT_M1['cpu' if cpu else 'gpu'].tag}"
+    None where the f32-x kernels stay: other types (Q4_K on GPUs), M > 1, no
+    shaderIntegerDotProduct, or VKXSPLIT_DISABLE_VECQ."""
+    return vecq_decode(device.physical, device.features).get(t) if M == 1 else None
 
 
 def vecq_scratch_bytes(M: int, K: int) -> int:
@@ -578,7 +583,10 @@ def coopmat_available(device: Device) -> bool:
 
 def vec_supported(device: Device) -> bool:
     """The mat-vec kernel reduces with subgroup arithmetic in compute shaders."""
-    p = device.physical
+    return _vec_ok(device.physical)
+
+
+def _vec_ok(p: Any) -> bool:
     return bool(p.subgroup_ops & _SUBGROUP_ARITHMETIC) and bool(p.subgroup_stages & _STAGE_COMPUTE)
 
 
@@ -754,6 +762,6 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
-           "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
+           "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
