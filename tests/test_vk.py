@@ -316,3 +316,58 @@ def test_sequence_close_waits_for_its_last_submission(device, monkeypatch, caplo
         device.wait_idle()
     finally:
         gate.close()
+
+
+def test_wait_flag_dispatch_polls_memory(device):
+    """wait_flag (the GPU-side wait on memory of tools/bench_handoff.py): passes at once when the
+    flag is at the target (set by the host, or by a fill recorded before it), the next dispatch
+    sees its result, it gives up after max_spins polls when nobody writes; on a GPU it also
+    waits for a host write made while it runs (llvmpipe caps every shader loop at 65535
+    iterations, so a long wait cannot be shown there)."""
+    from vkxsplit.ops.copy import record_copy
+    from vkxsplit.ops.wait import GAVE_UP, record_wait_flag
+    from vkxsplit.vk.api import vk
+
+    mem = device.memory
+    flag, target, result, out = (mem.alloc(16, "host", name=n) for n in ("flag", "target", "result", "out"))
+    try:
+        def run(flag_value, target_value, max_spins=1 << 30, fill=None, write_later=None):
+            flag.numpy(np.uint32)[:] = flag_value
+            target.numpy(np.uint32)[:] = target_value
+            result.numpy(np.uint32)[:] = 7
+            out.numpy(np.uint32)[:] = 0
+            s = Sequence(device, "wait")
+            timer = None
+            try:
+                if fill is not None:
+                    s.fill(flag, fill)
+                record_wait_flag(s, flag, target, result, max_spins)
+                record_copy(s, result, out, 16)  # after the wait (reads what it wrote)
+                if write_later is not None:
+                    view = flag.numpy(np.uint32)
+                    timer = threading.Timer(0.05, view.__setitem__, args=(0, write_later))
+                    timer.start()
+                s.run(timeout=20)
+            finally:
+                if timer is not None:
+                    timer.join()
+                s.close()
+            r = int(result.numpy(np.uint32)[0])
+            assert int(out.numpy(np.uint32)[0]) == r
+            return r
+
+        assert run(5, 5) == 0
+        assert run(0, 9, fill=9) == 0
+        assert run(0, 3, max_spins=1000) == GAVE_UP
+        if device.physical.device_type != vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+            assert 0 < run(0, 3, write_later=3) < GAVE_UP
+        s = Sequence(device, "refused")
+        try:
+            with pytest.raises(VkxError, match="max_spins"):
+                record_wait_flag(s, flag, target, result, 0)
+            assert s.dispatches == 0
+        finally:
+            s.close()
+    finally:
+        for b in (flag, target, result, out):
+            b.close()

@@ -151,14 +151,20 @@ def main() -> int:
     print(f"| pipelined chain throughput (us per chain) | {pipelined:.1f} |")
     print(f"| host waits inside a step | {stats.host_waits_in_step} |")
     print(f"| gated chains whose CUDA enqueue blocked on the GPU | {len(blocked)} of {reps} |")
-    flag = flag_handoff(dev, gpu, arena, gate, ts, s2, (x_in, xa, M * K), reps)
-    if isinstance(flag, str):
-        print(f"| hub -> cuda by a memory flag: not measured | {flag} |")
-    else:
-        print(f"| ... hub -> cuda by a memory flag (cuStreamWaitValue32), cuda -> hub by the semaphore, "
-              f"no work (us) | {flag:.1f} |")
-        print(f"| the semaphore's extra cost in the hub -> cuda direction (empty - flag, us) | "
-              f"{g['empty'] - flag:.1f} |")
+    flags = {}
+    for fwd, back, label in (
+            ("flag", "semaphore", "hub -> cuda by a memory flag (cuStreamWaitValue32), cuda -> hub by the semaphore"),
+            ("semaphore", "flag", "hub -> cuda by the semaphore, cuda -> hub by a memory flag "
+                                  "(cuStreamWriteValue32, polled by a hub dispatch)"),
+            ("flag", "flag", "memory flags both ways")):
+        r = flag_handoff(dev, gpu, arena, gate, ts, s2, (x_in, xa, M * K), reps, back=back, forward=fwd)
+        flags[(fwd, back)] = r
+        print(f"| ... {label}, no work (us) | {r if isinstance(r, str) else f'{r:.1f}'} |")
+    for (fwd, back), what in ((("flag", "semaphore"), "hub -> cuda"), (("semaphore", "flag"), "cuda -> hub")):
+        r = flags[(fwd, back)]
+        if not isinstance(r, str):
+            print(f"| the semaphore's extra cost in the {what} direction (empty - that row, us) | "
+                  f"{g['empty'] - r:.1f} |")
     for s in (s1, s2):
         s.close()
     ts.close()
@@ -172,64 +178,98 @@ def main() -> int:
 
 
 def flag_handoff(dev: Device, gpu, arena: SharedArena, gate: Gate, ts: Timestamps, s2: Sequence,
-                 x: tuple, reps: int) -> float | str:
-    """The GPU gap of hub -> cuda (no work) -> hub when CUDA waits for the hub through a word of
-    shared memory instead of the imported semaphore: the producer's last command copies the
-    chain's number (written by the host into a host-visible buffer before the submit) into a
-    flag in the hub's exported memory, and the CUDA stream waits on it with
-    cuStreamWaitValue32 (GEQ); CUDA still signals the hub through its semaphore. Median over
-    ``reps`` gated chains, or the reason it could not be measured. A wait the flag never
-    satisfies is unblocked by writing the largest value into the flag from the hub."""
+                 x: tuple, reps: int, back: str = "semaphore", forward: str = "flag") -> float | str:
+    """The GPU gap of hub -> cuda (no work) -> hub with words of shared memory in place of the
+    imported semaphores, one direction or both. Forward ``flag``: the producer's last command
+    copies the chain's number (written by the host into a host-visible buffer before the
+    submit) into a flag in the hub's exported memory, and the CUDA stream waits on it with
+    cuStreamWaitValue32 (GEQ); ``semaphore``: CUDA waits on the relayed hub point as usual.
+    Back ``semaphore``: CUDA signals its timeline and the consumer waits on it; ``flag``: CUDA
+    writes the number into a second flag (cuStreamWriteValue32) and the consumer's first
+    dispatch polls it (``wait_flag``, bounded; the consumer waits on the producer's point
+    first, a same-queue dependency). Median over ``reps`` gated chains, or the reason it could
+    not be measured. A flag never satisfied is unblocked (the hub writes the largest value
+    into the forward flag; the poll gives up by itself)."""
     try:
         from cuda.bindings import driver as cu
     except Exception as exc:  # noqa: BLE001 - a report, not a failure
         return f"cuda.bindings.driver unavailable ({exc})"
+    from vkxsplit.ops.wait import GAVE_UP, record_wait_flag
+
     x_in, xa, n = x
-    flag = arena.alloc(256, "flag")
+    flag, flag2 = arena.alloc(256, "flag"), arena.alloc(256, "flag-back")
     val = dev.memory.alloc(256, "host", "flag-value")
-    s1f = Sequence(dev, "producer-flag")
+    target = dev.memory.alloc(256, "host", "flag-target")
+    result = dev.memory.alloc(256, "host", "flag-polls")
+    s1f, s2f = Sequence(dev, "producer-flag"), Sequence(dev, "consumer-flag")
+    consumer = s2
     try:
         flag.buffer.write(np.zeros(64, np.uint32))
+        flag2.buffer.write(np.zeros(64, np.uint32))
         record_convert(s1f, x_in.view(), xa.view(), n, "f32", "f32")
         s1f.write_timestamp(ts, 0)
-        s1f.copy(val, flag.view(), 4)
+        if forward == "flag":
+            s1f.copy(val, flag.view(), 4)
         s1f.end()
-        fptr = gpu._pointer(flag.view())
+        if back == "flag":
+            record_wait_flag(s2f, flag2.view(), target, result, 1 << 24)  # seconds of polls at most
+            s2f.write_timestamp(ts, 1)
+            s2f.end()
+            consumer = s2f
+        fptr, bptr = gpu._pointer(flag.view()), gpu._pointer(flag2.view())
+        stream = cu.CUstream(gpu.stream.ptr)
         gaps: list[float] = []
         for i in range(1, reps + 11):
             val.numpy(np.uint32)[0] = i
+            target.numpy(np.uint32)[0] = i
             hold = gate.hold(10.0)
-            s1f.submit(waits=[hold.point])
+            v1 = s1f.submit(waits=[hold.point])
             p = gpu.next_point()
             with gpu.cp.cuda.Device(gpu.device_id):
-                (err,) = cu.cuStreamWaitValue32(cu.CUstream(gpu.stream.ptr), cu.CUdeviceptr(fptr), i,
-                                                cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-                if err != cu.CUresult.CUDA_SUCCESS:
-                    hold.release()
-                    s1f.wait(10)
-                    return f"cuStreamWaitValue32 failed: {err}"
-                gpu._sp.params.fence.value = p[1]
+                if forward == "flag":
+                    (err,) = cu.cuStreamWaitValue32(stream, cu.CUdeviceptr(fptr), i,
+                                                    cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+                    if err != cu.CUresult.CUDA_SUCCESS:
+                        hold.release()
+                        s1f.wait(10)
+                        return f"cuStreamWaitValue32 failed: {err}"
+                else:  # the relayed hub point, as a plain hand-off
+                    rv = gpu.relay_timeline.next()
+                    gpu._relay((s1f.timeline, v1), rv)
+                    gpu._wp.params.fence.value = rv
+                    gpu._check(gpu._wait_fn([gpu._semaphore(gpu.relay_timeline)], [gpu._wp], 1, gpu.stream.ptr),
+                               "wait_semaphores")
+                if back == "flag":
+                    (err,) = cu.cuStreamWriteValue32(stream, cu.CUdeviceptr(bptr), i, 0)
+                    if err != cu.CUresult.CUDA_SUCCESS:
+                        hold.release()
+                        s1f.wait(10)
+                        return f"cuStreamWriteValue32 failed: {err}"
+                gpu._sp.params.fence.value = p[1]  # the stream's point, signalled either way
                 gpu._check(gpu._signal_fn([gpu._own_sem], [gpu._sp], 1, gpu.stream.ptr), "signal_semaphores")
-            s2.submit(waits=[p])
+            consumer.submit(waits=[p] if back == "semaphore" else [(s1f.timeline, v1)])
             hold.release()
             try:
-                s2.wait(10)
-            except VkxError as exc:  # the flag never satisfied the wait: unblock the stream
+                consumer.wait(30)
+                gpu.wait(p, 30)
+            except VkxError as exc:  # a flag never satisfied: unblock the stream
                 unblock = Sequence(dev, "flag-unblock")
                 unblock.fill(flag.view(), 0x7FFFFFFF)
                 unblock.run(timeout=10)
                 unblock.close()
-                s2.wait(30)
-                return f"the CUDA wait never saw the flag ({str(exc).splitlines()[0]})"
+                consumer.wait(30)
+                return f"a flag was never seen ({str(exc).splitlines()[0]})"
+            if back == "flag" and int(result.numpy(np.uint32)[0]) == GAVE_UP:
+                return "the hub's poll gave up: CUDA's write never became visible to it"
             t = ts.read()
             if i > 10:
                 gaps.append((t[1] - t[0]) * 1e-3)
         return statistics.median(gaps)
     finally:
         s1f.close()
-        val.close()
-        flag.close()
-
+        s2f.close()
+        for b in (val, target, result, flag, flag2):
+            b.close()
 
 if __name__ == "__main__":
     sys.exit(main())
