@@ -386,6 +386,7 @@ def test_memfd_is_sized_sealed_cloexec_and_maps() -> None:
     with native.memfd(size, "vkx-test") as m:
         assert os.fstat(m.fd).st_size == size
         assert os.readlink(f"/proc/self/fd/{m.fd}") == "/memfd:vkx-test (deleted)"
+        assert native.open_fd_targets()[str(m.fd)] == "/memfd:vkx-test (deleted)"
         assert fcntl.fcntl(m.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
         seals = fcntl.fcntl(m.fd, fcntl.F_GET_SEALS)
         assert seals & fcntl.F_SEAL_SHRINK and not seals & (fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)

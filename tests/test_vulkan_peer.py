@@ -69,14 +69,9 @@ def open_fds() -> int:
 
 
 def fd_targets() -> dict[str, str]:
-    """fd -> what it refers to (for naming a leak)."""
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return out
+    from vkxsplit.native import open_fd_targets
+
+    return open_fd_targets()
 
 
 def put(arena, a, name=""):

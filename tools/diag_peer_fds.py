@@ -19,18 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vkxsplit.attach import SharedArena  # noqa: E402
 from vkxsplit.backend import MatMulJob, create_backend  # noqa: E402
+from vkxsplit.native import open_fd_targets as fds  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
 from vkxsplit.vk.event import Timeline  # noqa: E402
 
-
-def fds() -> dict[str, str]:
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return out
 
 def main() -> int:
     hub = Device.open()
