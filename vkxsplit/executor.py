@@ -58,8 +58,9 @@ if TYPE_CHECKING:
 def _mul_mat(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None, y: Tensor | None = None) -> None:
     """Output rows ``[r0, r1)`` of a ``mul_mat`` node (all by default) into y's columns
     ``[r0, r1)`` (y: the node's output, or a staging shadow of it). A node with an ``xq``
-    param reads x quantized by an earlier ``quantize_q8_1`` node: only the integer-dot-product
-    kernel ``params["vecq"]`` is recorded."""
+    param reads x as q8_1, written earlier by the node that made x or a ``quantize_q8_1``
+    node (:class:`vkxsplit.model.DecodeQ8`): only the integer-dot-product kernel
+    ``params["vecq"]`` is recorded."""
     from .ops.mul_mat import record_mul_mat, record_mul_mat_vecq
 
     w, x = n.inputs

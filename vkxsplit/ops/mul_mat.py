@@ -343,13 +343,12 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
                           "whole 8-block groups)")
     x_stride, y_col, y_stride = _layout(name, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset,
                                         y_col_offset)
+    check_q8_1_scratch(name, xq_scratch, M, K, (("the weights", w), ("x", x), ("y", y)))
     _, w_off, w_size, _ = as_range(w)
     _, x_off, x_size, _ = as_range(x)
-    _, q_off, q_size, _ = as_range(xq_scratch)
     _, y_off, y_size, _ = as_range(y)
-    if w_off % 16 or q_off % 16:
-        raise KernelError(f"{name}: the weight and scratch bindings must be 16-byte aligned "
-                          f"(bytes {w_off}, {q_off})")
+    if w_off % 16:
+        raise KernelError(f"{name}: the weight binding must be 16-byte aligned (byte {w_off})")
     if x_off % 4 or y_off % 4:
         raise KernelError(f"{name}: x/y bindings must be 4-byte aligned")
     if (w_row_offset + N) * wt.row_bytes(K) > w_size:
@@ -359,10 +358,8 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
         raise KernelError(f"{name}: x ({M} rows of stride {x_stride} from {x_offset}) does not fit its binding")
     if M and (y_offset + (M - 1) * y_stride + y_col + N) * 4 > y_size:
         raise KernelError(f"{name}: y does not fit its binding ({y_size} bytes)")
-    if vecq_scratch_bytes(M, K) > q_size:
-        raise KernelError(f"{name}: the x scratch has {q_size} bytes, needs {vecq_scratch_bytes(M, K)}")
-    if _overlap(y, w) or _overlap(y, x) or any(_overlap(xq_scratch, b) for b in (w, x, y)):
-        raise KernelError(f"{name}: y or the x scratch overlaps another operand")
+    if _overlap(y, w) or _overlap(y, x):
+        raise KernelError(f"{name}: y overlaps x or the weights")
     for v in (x_offset + (M - 1) * x_stride + K, y_offset + (M - 1) * y_stride + y_col + N):
         if v >= 1 << 32:
             raise KernelError(f"{name}: element offsets exceed 32 bits")
@@ -379,20 +376,33 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
                  (gx, gy, 1))
 
 
+def check_q8_1_scratch(name: str, xq_scratch: Bindable, M: int, K: int,
+                       others: tuple[tuple[str, Bindable], ...] = ()) -> None:
+    """The checks every writer of q8_1 x makes (quantize_q8_1, the norms and the SwiGLU that
+    write it too): K a positive multiple of 32, the scratch 16-byte aligned, large enough for
+    M rows of K, and apart from every binding in ``others`` (name, binding)."""
+    _, q_off, q_size, _ = as_range(xq_scratch)
+    if K <= 0 or K % 32:
+        raise KernelError(f"{name}: q8_1 blocks need a row length that is a positive multiple of 32, got {K}")
+    if q_off % 16:
+        raise KernelError(f"{name}: the q8_1 scratch must be 16-byte aligned (byte {q_off})")
+    if vecq_scratch_bytes(M, K) > q_size:
+        raise KernelError(f"{name}: the q8_1 scratch has {q_size} bytes, needs {vecq_scratch_bytes(M, K)}")
+    for what, b in others:
+        if _overlap(xq_scratch, b):
+            raise KernelError(f"{name}: the q8_1 scratch overlaps {what}")
+
+
 def record_quantize_q8_1(seq: Sequence, x: Bindable, xq_scratch: Bindable, M: int, K: int, x_stride: int,
                          x_offset: int) -> None:
     """The quantize-x dispatch of :func:`record_mul_mat_vecq` alone: M rows of K elements of
     x (``x_stride`` apart from element ``x_offset``) into ``xq_scratch`` (graphs record it
     once per x that several mat-vecs read; benchmarks time it alone)."""
     name = f"quantize_q8_1[M={M}, K={K}]"
+    check_q8_1_scratch(name, xq_scratch, M, K, (("x", x),))
     _, x_off, x_size, _ = as_range(x)
-    _, q_off, q_size, _ = as_range(xq_scratch)
-    if K <= 0 or K % 32:
-        raise KernelError(f"{name}: K must be a positive multiple of 32")
-    if q_off % 16 or x_off % 4:
-        raise KernelError(f"{name}: the scratch must be 16-byte aligned and x 4-byte aligned")
-    if vecq_scratch_bytes(M, K) > q_size:
-        raise KernelError(f"{name}: the x scratch has {q_size} bytes, needs {vecq_scratch_bytes(M, K)}")
+    if x_off % 4:
+        raise KernelError(f"{name}: x must be 4-byte aligned")
     if M and (x_offset + (M - 1) * x_stride + K) * 4 > x_size:
         raise KernelError(f"{name}: x ({M} rows of stride {x_stride} from {x_offset}) does not fit its binding")
     nq = -(-M * (K // 32) // (VECQ_QUANTIZE_WG // 8))
@@ -407,19 +417,12 @@ def record_swiglu_q8_1(seq: Sequence, gate: Bindable, up: Bindable, dst: Bindabl
     the SwiGLU and the quantization of the ffn_down mat-vec's x in one dispatch. ``dst`` may
     be ``gate``; the scratch overlaps nothing else."""
     name = f"swiglu_q8_1[M={M}, K={K}]"
-    if K <= 0 or K % 32:
-        raise KernelError(f"{name}: K must be a positive multiple of 32")
-    ranges = {n: as_range(b) for n, b in (("gate", gate), ("up", up), ("dst", dst), ("scratch", xq_scratch))}
-    if any(r[1] % 4 for r in ranges.values()) or ranges["scratch"][1] % 16:
-        raise KernelError(f"{name}: bindings must be 4-byte aligned (the scratch 16-byte)")
-    for n in ("gate", "up", "dst"):
-        if ranges[n][2] < 4 * M * K:
-            raise KernelError(f"{name}: {n} has {ranges[n][2]} bytes, needs {4 * M * K}")
-    if ranges["scratch"][2] < vecq_scratch_bytes(M, K):
-        raise KernelError(f"{name}: the x scratch has {ranges['scratch'][2]} bytes, needs {vecq_scratch_bytes(M, K)}")
-    for n in ("gate", "up", "dst"):
-        if _overlap(xq_scratch, {"gate": gate, "up": up, "dst": dst}[n]):
-            raise KernelError(f"{name}: the x scratch overlaps {n}")
+    operands = (("gate", gate), ("up", up), ("dst", dst))
+    check_q8_1_scratch(name, xq_scratch, M, K, operands)
+    for what, b in operands:
+        _, off, size, _ = as_range(b)
+        if off % 4 or size < 4 * M * K:
+            raise KernelError(f"{name}: {what} must be 4-byte aligned and hold {4 * M * K} bytes ({size} at byte {off})")
     if _overlap(dst, up):
         raise KernelError(f"{name}: dst overlaps up")
     if M == 0:
@@ -762,6 +765,6 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
-           "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
+           "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]

@@ -11,6 +11,7 @@ from ..shaders import Variant
 from ..vk.command import Sequence
 from ..vk.kernel import Bindable, Kernel
 from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
+from .mul_mat import check_q8_1_scratch
 
 WG = 256
 
@@ -29,24 +30,6 @@ VARIANTS = [
             defines={"FUSE_MUL": "1", "FUSE_ADD": "1", "Q8": "1"},
             bindings=5, writes=(0, 3, 4), push="IIIIIIIfII", local_size=(WG, 1, 1)),
 ]
-
-
-def _check_q8(op: str, xq: Bindable, rows: int, cols: int, others: list[tuple[str, Bindable]]) -> None:
-    """The q8_1 scratch of a fused norm: cols % 32 == 0, 16-byte aligned, large enough."""
-    from ..vk.kernel import as_range
-    from .mul_mat import vecq_scratch_bytes
-
-    _, off, size, _ = as_range(xq)
-    if cols % 32:
-        raise KernelError(f"{op}: the q8_1 output needs cols % 32 == 0, got {cols}")
-    if off % 16:
-        raise KernelError(f"{op}: the q8_1 scratch must be 16-byte aligned (byte {off})")
-    if size < vecq_scratch_bytes(rows, cols):
-        raise KernelError(f"{op}: the q8_1 scratch has {size} bytes, needs {vecq_scratch_bytes(rows, cols)}")
-    for name, b in others:
-        _, o2, s2, blk2 = as_range(b)
-        if blk2 == as_range(xq)[3] and off < o2 + s2 and o2 < off + size:
-            raise KernelError(f"{op}: the q8_1 scratch overlaps {name}")
 
 
 def record_rms_norm(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: int,
@@ -78,7 +61,7 @@ def record_rms_norm(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols
         check_alias(f"{op}_{dtype}", d, w, shape)
         bufs = [src, weight, dst]
     if xq is not None:
-        _check_q8(f"{op}_q8_1_{dtype}", xq, rows, cols, [("src", src), ("weight", weight), ("dst", dst)])
+        check_q8_1_scratch(f"{op}_q8_1_{dtype}", xq, rows, cols, (("src", src), ("weight", weight), ("dst", dst)))
         op += "_q8_1"
         bufs.append(xq)
     if rows == 0 or cols == 0:
@@ -116,8 +99,8 @@ def record_add_rms_norm(seq: Sequence, x: Bindable, residual: Bindable, weight: 
             raise KernelError(f"{op}_{dtype}: dst overlaps {other.name} (shape {list(shape)})")
     bufs: list[Bindable] = [x, residual, weight, dst]
     if xq is not None:
-        _check_q8(f"{op}_q8_1_{dtype}", xq, rows, cols,
-                  [("x", x), ("residual", residual), ("weight", weight), ("dst", dst)])
+        check_q8_1_scratch(f"{op}_q8_1_{dtype}", xq, rows, cols,
+                           (("x", x), ("residual", residual), ("weight", weight), ("dst", dst)))
         op += "_q8_1"
         bufs.append(xq)
     if rows == 0 or cols == 0:
