@@ -134,6 +134,19 @@ def bufs(device):
     b.close()
 
 
+def target_cols(y, M, n, yo, ys, c0):
+    """Columns [c0, c0 + n) of the M rows of y (rows ys apart from element yo), after checking
+    that everything else is still NaN (nothing written outside the target columns)."""
+    region = np.zeros(y.size, bool)
+    got = np.empty((M, n), np.float32)
+    for m in range(M):
+        sl = slice(yo + m * ys + c0, yo + m * ys + c0 + n)
+        region[sl] = True
+        got[m] = y[sl]
+    assert np.isnan(y[~region]).all(), "wrote outside the target columns"
+    return got
+
+
 def strided_x(bufs, x, stride, offset):
     """A new f32 buffer holding the rows of ``x`` ``stride`` elements apart from element
     ``offset``; everything else is NaN (padding must never be read)."""
@@ -225,13 +238,7 @@ def test_row_range_and_strides(device, bufs, rng, t, path):
         seq.run()
     finally:
         seq.close()
-    region = np.zeros(y_elems, bool)
-    got = np.empty((M, n), np.float32)
-    for m in range(M):
-        sl = slice(yo + m * ys + r0, yo + m * ys + r0 + n)
-        region[sl] = True
-        got[m] = y[sl]
-    assert np.isnan(y[~region]).all(), "wrote outside the target columns"
+    got = target_cols(y, M, n, yo, ys, r0)
     Wr = W[r0:r0 + n]
     check(got, x @ Wr.T, bound_f32(x, abs_terms(raw, t, W)[r0:r0 + n]))
 
@@ -449,13 +456,7 @@ def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned):
         seq.run()
     finally:
         seq.close()
-    region = np.zeros(y_elems, bool)
-    got = np.empty((M, n), np.float32)
-    for m in range(M):
-        sl = slice(yo + m * ys + c0, yo + m * ys + c0 + n)
-        region[sl] = True
-        got[m] = y[sl]
-    assert np.isnan(y[~region]).all(), "wrote outside the target columns"
+    got = target_cols(y, M, n, yo, ys, c0)
     check(got, x @ W[r0:r0 + n].T, coop_bound(x, abs_terms(raw, t, W)[r0:r0 + n]))
 
 

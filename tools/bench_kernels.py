@@ -18,35 +18,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchutil import replay_warm, spin_up  # noqa: E402
+import benchutil  # noqa: E402
+from benchutil import spin_up  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.mul_mat import record_mul_mat  # noqa: E402
 from vkxsplit.ops.quant import row_bytes  # noqa: E402
-from vkxsplit.vk.command import Sequence, Timestamps  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
 
 
 def timed(dev: Device, record, reps: int) -> float:
     """Seconds per repetition of ``record(seq)``, from GPU timestamps (after one warm-up)."""
-    ts = Timestamps(dev, 2)
-    seq = Sequence(dev, "bench")
-    try:
-        record(seq)  # warm-up inside the same submit
-        seq.barrier()
-        seq.write_timestamp(ts, 0)
-        for _ in range(reps):
-            record(seq)
-            seq.barrier()
-        seq.write_timestamp(ts, 1)
-        replay_warm(seq)  # the GPU at working clocks for the timed run (tools/benchutil.py)
-        seq.run(timeout=600)
-        t = ts.read()
-        return (t[1] - t[0]) * 1e-9 / reps
-    finally:
-        seq.close()
-        ts.close()
+    return benchutil.timed(dev, lambda s, _i: record(s), reps, warmup=1)
 
 
 def main() -> int:

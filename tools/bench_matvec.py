@@ -31,20 +31,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchutil import replay_warm, spin_up  # noqa: E402
+from benchutil import spin_up, timed  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.quant import row_bytes, weight_type  # noqa: E402
-from vkxsplit.vk.command import Sequence, Timestamps  # noqa: E402
+from vkxsplit.vk.command import Sequence  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
 from vkxsplit.vk.kernel import View  # noqa: E402
 
@@ -52,31 +51,6 @@ TYPES = ("q4_0", "q8_0", "q4_1", "q4_k", "q6_k", "f16")
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 QUICK_SHAPES = ((256, 1024),)
 ROTATE_BYTES = 256 << 20
-
-
-def timed(dev: Device, record: Callable[[Sequence, int], None], reps: int, barrier: bool) -> float:
-    """Seconds per repetition of ``record(seq, i)`` (i = 0..reps-1) from GPU timestamps, after
-    one warm-up pass over all reps; a barrier after each rep when ``barrier``."""
-    ts = Timestamps(dev, 2)
-    seq = Sequence(dev, "bench")
-    try:
-        for i in range(reps):  # warm-up (pipelines, TLB), same submit
-            record(seq, i)
-        seq.barrier()
-        seq.write_timestamp(ts, 0)
-        for i in range(reps):
-            record(seq, i)
-            if barrier:
-                seq.barrier()
-        seq.barrier()
-        seq.write_timestamp(ts, 1)
-        replay_warm(seq)  # the GPU at working clocks for the timed run (tools/benchutil.py)
-        seq.run(timeout=600)
-        t = ts.read()
-        return (t[1] - t[0]) * 1e-9 / reps
-    finally:
-        seq.close()
-        ts.close()
 
 
 def time_variant(dev: Device, t: str, v: str, m: int, n: int, k: int, ws: list, x, y, ystride: int,

@@ -12,9 +12,10 @@ shapes timed after the numpy checks stayed 1.5-5x slow even after a spin-up at s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from vkxsplit.ops.copy import record_copy
-from vkxsplit.vk.command import Sequence
+from vkxsplit.vk.command import Sequence, Timestamps
 from vkxsplit.vk.device import Device
 
 
@@ -56,3 +57,32 @@ def replay_warm(seq: Sequence, seconds: float = 0.2) -> None:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         seq.run(timeout=60)
+
+
+def timed(dev: Device, record: Callable[[Sequence, int], None], reps: int, barrier: bool = True,
+          warmup: int | None = None) -> float:
+    """Seconds per repetition of ``record(seq, i)`` (i = 0..reps-1) from GPU timestamps: one
+    sequence with ``warmup`` untimed repetitions first (default: all ``reps``; pipelines, TLB),
+    then the timed ones, a barrier after each when ``barrier``; replayed warm
+    (:func:`replay_warm`) before the run that is read."""
+    ts = Timestamps(dev, 2)
+    seq = Sequence(dev, "bench")
+    try:
+        for i in range(reps if warmup is None else warmup):
+            record(seq, i)
+        seq.barrier()
+        seq.write_timestamp(ts, 0)
+        for i in range(reps):
+            record(seq, i)
+            if barrier:
+                seq.barrier()
+        if not barrier:
+            seq.barrier()
+        seq.write_timestamp(ts, 1)
+        replay_warm(seq)
+        seq.run(timeout=600)
+        t = ts.read()
+        return (t[1] - t[0]) * 1e-9 / reps
+    finally:
+        seq.close()
+        ts.close()
