@@ -889,7 +889,7 @@ def test_vecq_tables():
 
 def test_vecq_default_policy(device, monkeypatch):
     """Which decode mat-vecs take x as q8_1: Q4_0/Q4_1/Q8_0 everywhere with integer dot
-    products, Q4_K on CPU devices only (not yet swept on a GPU), never at M > 1, never with
+    products, Q4_K too since the H200 sweep, never at M > 1, never with
     the kill switch; the variant's shape is the device kind's."""
     from vkxsplit.vk.api import vk
 

@@ -1,14 +1,23 @@
 #!/usr/bin/env python3
-"""One GPU against two: pp and tg of a model with the second GPU attached as a ``vulkan-peer``
-backend, under layer and tensor splits, with the cross-GPU traffic of one step of each.
+"""One GPU against two: pp and tg of a model on one GPU, split over two hubs as a pipeline
+(:mod:`vkxsplit.pipeline`), and with the second GPU attached as a ``vulkan-peer`` backend
+under layer and tensor splits, with the cross-GPU traffic of one step of each.
 
-For every split (default ``none``, ``layer:1,1``, ``tensor:1,1``) the model is loaded with the
-peer on ``--peer-device`` (``vulkan-peer:device=N``), measured with ``runner.bench_model``
-(median t/s over the repetitions), then one prefill step of ``-p`` tokens and one decode step
-are run between ``traffic.begin_step()`` and ``traffic.step()``: bytes that crossed between the
-two devices (``crossed``: split mode, through host pages), bytes the peer read or wrote in place
-in the hub's memory (``in place``: shared mode, one physical device) and weight bytes loaded into
-the peer. Prints one markdown table.
+Configurations (``--splits``, separated by ``;``):
+
+- ``one-gpu``: the model on device 0 alone, no backend;
+- ``pipeline:A,B[:mN]``: layers split A:B over device 0 and ``--peer-device``, one hub each,
+  ``N`` micro-batches per prompt step (default: the pipeline's); crossed bytes = the hidden
+  state per link;
+- any planner split (``none``, ``layer:1,1``, ``tensor:1,1``): the model on device 0 with the
+  peer attached (``vulkan-peer:device=N``); one prefill step of ``-p`` tokens and one decode
+  step are run between ``traffic.begin_step()`` and ``traffic.step()``: bytes that crossed
+  between the two devices (``crossed``: split mode, through host pages), bytes the peer read or
+  wrote in place in the hub's memory (``in place``: shared mode, one physical device) and weight
+  bytes loaded into the peer.
+
+pp and tg are ``runner.bench_model``'s (median t/s over the repetitions). Prints one markdown
+table.
 
   python tools/bench_multigpu.py                      # the 2-GPU machine: llama8b q4_0 synth
   python tools/bench_multigpu.py --quick              # lavapipe: the peer is a second logical
@@ -29,6 +38,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vkxsplit.errors import VkxError  # noqa: E402
 
 
+def _bench_hubs(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int, reps: int) -> None:
+    """One GPU alone, or a pipeline over device 0 and the peer device: pp, tg and the bytes that
+    cross between the GPUs in one prefill and one decode step."""
+    from vkxsplit.model import load_model
+    from vkxsplit.pipeline import PipelineModel
+    from vkxsplit.runner import bench_model
+
+    if split == "one-gpu":
+        m = load_model(path, ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16)
+        row["peer"] = f"{m.device.name} alone"
+    else:
+        parts = split.split(":")
+        micro = int(parts[2][1:]) if len(parts) > 2 else None
+        m = PipelineModel(path, devices=["0", peer], layer_split=parts[1], ubatch=max(n_p, 1),
+                          n_ctx=n_p + n_g + 16, micro_batches=micro)
+        row["peer"] = (f"hubs on {', '.join(d.name for d in m.devices)}: layers {m.ranges}, "
+                       f"{m.micro} x {m.piece}-token micro-batches")
+    with m:
+        res = {r["test"]: statistics.median(r["tps"]) for r in bench_model(m, n_p, n_g, reps)}
+        row["pp"], row["tg"] = res[f"pp{n_p}"], res[f"tg{n_g}"]
+        m.reset()
+        m.prefill(list(range(10, 10 + n_p)))
+        pp_x = getattr(m, "last_traffic", 0)
+        m._run([m.last_argmax()], all_logits=False)
+        tg_x = getattr(m, "last_traffic", 0)
+        relays = (len(m.stages) - 1) if hasattr(m, "stages") else 0
+        row["pp_step"] = {"crossed_bytes": pp_x, "inplace_bytes": 0, "loaded_bytes": 0,
+                          "jobs": relays * -(-n_p // m.piece) if relays else 0}
+        row["tg_step"] = {"crossed_bytes": tg_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": relays}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smol135m shape, 8/2 tokens, peer on device 0")
@@ -39,7 +79,7 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=None, help="generated tokens (default 128; --quick 2)")
     ap.add_argument("-r", type=int, default=None, help="repetitions (default 3; --quick 1)")
     ap.add_argument("--peer-device", default=None, help="the peer's Vulkan device index or name (default 1; --quick 0)")
-    ap.add_argument("--splits", default="none;layer:1,1;tensor:1,1")
+    ap.add_argument("--splits", default="one-gpu;pipeline:1,1;pipeline:1,1:m1;layer:1,1;tensor:1,1")
     ap.add_argument("--dir", default=None, help="where synthetic models go (default: a temporary directory)")
     args = ap.parse_args()
     from vkxsplit.backends.vulkan_peer import traffic
@@ -77,6 +117,11 @@ def main() -> int:
         for split in (s.strip() for s in args.splits.split(";") if s.strip()):
             row: dict = {"split": split}
             try:
+                if split == "one-gpu" or split.startswith("pipeline:"):
+                    _bench_hubs(row, path, split, peer, n_p, n_g, reps)
+                    print(row, flush=True)
+                    rows.append(row)
+                    continue
                 with load_model(path, backends=f"vulkan-peer:device={peer}", split=split,
                                 ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16) as m:
                     b = m.backends.get("vulkan-peer")
@@ -100,8 +145,8 @@ def main() -> int:
     def mib(x: int) -> str:
         return f"{x / 2**20:.2f}"
 
-    print(f"\n| split | peer | pp{n_p} t/s | tg{n_g} t/s | prefill step: crossed / in place / weights loaded MiB "
-          "| decode step: crossed / in place MiB | peer jobs per prefill / decode step |")
+    print(f"\n| split | GPUs | pp{n_p} t/s | tg{n_g} t/s | prefill step: crossed / in place / weights loaded MiB "
+          "| decode step: crossed / in place MiB | peer jobs (pipeline: link relays) per prefill / decode step |")
     print("|---|---|---:|---:|---|---|---|")
     for r in rows:
         if "error" in r:

@@ -2,7 +2,7 @@
 # Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [mulmat-tests] [multigpu] [peer-tests] [peer-fds] [cuda-tests]
+#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [mulmat-tests] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
 # (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS)
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
@@ -35,6 +35,9 @@ for w in $what; do
     peer-tests)
       VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 200 python3 -m pytest -q -ra -p no:cacheprovider \
         -o addopts="" tests/test_vulkan_peer.py 2>&1 | tee "$OUT/tests_peer.log" | tail -15 ;;
+    pipeline-tests)
+      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 200 python3 -m pytest -q -ra -p no:cacheprovider \
+        -o addopts="" tests/test_pipeline.py 2>&1 | tee "$OUT/tests_pipeline.log" | tail -15 ;;
     peer-fds)
       timeout 120 python3 tools/diag_peer_fds.py 2>&1 | tee "$OUT/diag_peer_fds.md" ;;
     cuda-tests)

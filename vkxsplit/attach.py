@@ -346,6 +346,31 @@ def _memfd(size: int, name: str) -> Any:
     return fd
 
 
+def host_page_align(device: Device) -> int:
+    """The alignment (and size granule) of host pages ``device`` can import by pointer."""
+    return max(mmap.PAGESIZE, int(device.physical.min_imported_host_pointer_alignment or 0))
+
+
+def import_host_pages(device: Device, addr: int, size: int, pool: str) -> Block:
+    """``size`` bytes of host pages at ``addr`` (aligned to :func:`host_page_align`) imported
+    into ``device`` as a host-coherent Block (VkImportMemoryHostPointerInfoEXT). Several devices
+    may import the same pages: the shared arena, a vulkan peer on another GPU, and the hidden
+    state links between pipeline stages (:mod:`vkxsplit.pipeline`) do. The pages must outlive
+    the Block."""
+    ptr = ffi.cast("void*", addr)
+    props = new("VkMemoryHostPointerPropertiesEXT")
+    check(device.fn("vkGetMemoryHostPointerPropertiesEXT")(device.handle, HANDLE_HOST_ALLOCATION, ptr, props),
+          "vkGetMemoryHostPointerPropertiesEXT")
+    want = HOST_VISIBLE | HOST_COHERENT
+    types = [t.index for t in device.physical.memory_types
+             if (props.memoryTypeBits >> t.index) & 1 and t.flags & want == want]
+    if not types:
+        raise VkxError(f"'{device.name}' offers no host-coherent memory type for importing host pointers "
+                       f"(type bits {props.memoryTypeBits:#x})")
+    ii = new("VkImportMemoryHostPointerInfoEXT", handleType=HANDLE_HOST_ALLOCATION, pHostPointer=ptr)
+    return Block(device.memory, pool, size, types[0], import_info=ii)
+
+
 # ---------------------------------------------------------------------------------------------
 # chunks: one piece of memory both sides reach
 
@@ -576,7 +601,7 @@ class SharedArena:
         self.choice = choice
         self.kind = choice.kind
         alloc = device.memory
-        page = max(mmap.PAGESIZE, int(device.physical.min_imported_host_pointer_alignment or 0))
+        page = host_page_align(device)
         self.host_align = page
         self.chunk_size = _align(max(chunk_size, page), page)
         self.staged_bytes = 0
@@ -596,18 +621,11 @@ class SharedArena:
 
     def _new_host_chunk(self, size: int) -> Chunk:
         """memfd -> mmap -> VkImportMemoryHostPointerInfoEXT."""
-        dev = self.device
         fd = _memfd(size, f"vkxsplit-{self.name}")
         mapping = None
         try:
             mapping = HostMapping(fd.fd, size, self.host_align)
-            ptr = ffi.cast("void*", mapping.addr)
-            props = new("VkMemoryHostPointerPropertiesEXT")
-            check(dev.fn("vkGetMemoryHostPointerPropertiesEXT")(dev.handle, HANDLE_HOST_ALLOCATION, ptr, props),
-                  "vkGetMemoryHostPointerPropertiesEXT")
-            type_index = self._pick_type(props.memoryTypeBits, HOST_VISIBLE | HOST_COHERENT, "host pointer")
-            ii = new("VkImportMemoryHostPointerInfoEXT", handleType=HANDLE_HOST_ALLOCATION, pHostPointer=ptr)
-            block = Block(self._alloc, self._pool, size, type_index, import_info=ii)
+            block = import_host_pages(self.device, mapping.addr, size, self._pool)
         except BaseException:
             if mapping is not None:
                 mapping.close()

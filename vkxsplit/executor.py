@@ -163,6 +163,18 @@ def _attention(seq: Sequence, n: Node) -> None:
                      scratch=scratch.buffer if scratch is not None else None)
 
 
+def _cpy(seq: Sequence, n: Node) -> None:
+    """An f32 tensor copied as is (a pipeline stage's hidden state into or out of the host
+    pages it shares with the next GPU: :mod:`vkxsplit.pipeline`)."""
+    from .ops.copy import record_copy
+
+    (src,) = n.inputs
+    if src.dtype != n.output.dtype or src.shape != n.output.shape:
+        raise KernelError(f"cpy {n.name}: {src.dtype}{list(src.shape)} -> {n.output.dtype}{list(n.output.shape)} "
+                          "is not a plain copy")
+    record_copy(seq, src.buffer, n.output.buffer, src.rows * src.cols * 4)
+
+
 def _argmax(seq: Sequence, n: Node) -> None:
     from .ops.argmax import record_argmax
 
@@ -182,6 +194,7 @@ HUB_OPS: dict[str, Callable[[Sequence, Node], None]] = {
     "kv_store": _kv_store,
     "attention": _attention,
     "argmax": _argmax,
+    "cpy": _cpy,
 }
 
 
@@ -568,13 +581,16 @@ class Executor:
     def submits_per_step(self) -> int:
         return len(self.schedule.segments)
 
-    def step(self) -> Step:
-        """Submit one step: every segment and every job, without waiting on the host."""
+    def step(self, waits: Iterable[Any] = ()) -> Step:
+        """Submit one step: every segment and every job, without waiting on the host. ``waits``:
+        points (timeline, value) of this device the step's first submit waits for on the GPU
+        (a pipeline stage waits for the previous GPU's hidden state this way)."""
         sch = self.schedule
         seqs = self._seqs
+        extra = list(waits)
         if self._hub_only:  # split none: one submit per segment and nothing else (the hub path)
             _attach.stats.begin_step()
-            vals = [seq.submit() for seq in seqs]
+            vals = [seq.submit(waits=extra) if i == 0 else seq.submit() for i, seq in enumerate(seqs)]
             step = Step(self, vals, [], 0)
             step.submits = len(vals)
             if self.steps == 0:
@@ -593,8 +609,8 @@ class Executor:
         for kind, i in sch.order:
             if kind == "seg":
                 waits = [job_pts[j] for j in sch.segments[i].waits]
-                if i == 0 and carry:
-                    waits = [*carry, *waits]
+                if i == 0 and (carry or extra):
+                    waits = [*carry, *extra, *waits]
                 seg_vals[i] = seqs[i].submit(waits=waits)
                 step.submits += 1
             else:

@@ -104,20 +104,182 @@ class DecodeQ8:
         return g.add("mul_mat", name, [w, x], out, xq=self._cur[2], vecq=v)
 
 
-class Model:
+def slot_rows(ubatch: int, slots: int) -> int:
+    """Rows per slot: ``ubatch`` rounded up to 64 rows when there are several slots, so every
+    slot's offset into an i32 or f32 buffer is a multiple of 256 bytes (the largest
+    ``minStorageBufferOffsetAlignment`` the Vulkan spec allows)."""
+    return ubatch if slots <= 1 else -(-ubatch // 64) * 64
+
+
+class LanguageModel:
+    """Tokens and text in, logits and tokens out: the API a user calls, the same for a model on
+    one GPU (:class:`Model`) and one split over several GPUs
+    (:class:`vkxsplit.pipeline.PipelineModel`). Subclasses set ``hp``, ``n_ctx``, ``ubatch``,
+    ``n_past``, ``_tokenizer``/``_tokenizer_error`` and implement ``_run`` (one step of at most
+    ``ubatch`` tokens appended to the context) and ``_out`` (the :class:`Model` whose
+    ``logits_buf``/``argmax_buf`` the step's outputs land in)."""
+
+    hp: Any
+    n_ctx: int
+    ubatch: int
+    n_past: int
+    _tokenizer: Tokenizer | None
+    _tokenizer_error: ModelError | None
+
+    def _run(self, ids: list[int], all_logits: bool) -> Any:
+        raise NotImplementedError
+
+    def _out(self) -> Model:
+        raise NotImplementedError
+
+    def _read_logits(self, T: int) -> np.ndarray:
+        """The logits of every row of the last step of ``T`` tokens (all_logits)."""
+        return self._out().logits_buf.numpy(np.float32, (T, self.hp.n_vocab))
+
+    def _check_ids(self, ids: list[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.hp.n_vocab]
+        if bad:
+            raise VkxError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
+
+    def reset(self) -> None:
+        self.n_past = 0
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The file's tokenizer (raises the file's ModelError when it has no vocabulary)."""
+        if self._tokenizer is None:
+            assert self._tokenizer_error is not None
+            raise self._tokenizer_error
+        return self._tokenizer
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Teacher-forced logits (len(ids), n_vocab) float32 from an empty context."""
+        ids = list(ids)
+        self._check_ids(ids)
+        if len(ids) > self.n_ctx:
+            raise VkxError(f"{len(ids)} tokens do not fit the context of {self.n_ctx}")
+        self.reset()
+        out = np.empty((len(ids), self.hp.n_vocab), np.float32)
+        for s in range(0, len(ids), self.ubatch):
+            chunk = ids[s:s + self.ubatch]
+            self._run(chunk, all_logits=True)
+            out[s:s + len(chunk)] = self._read_logits(len(chunk))
+        return out
+
+    def prefill(self, ids: list[int]) -> None:
+        """Run ``ids`` through the model from an empty context (last logits kept)."""
+        self._check_ids(ids)
+        if not ids:
+            raise VkxError("the prompt is empty")
+        if len(ids) >= self.n_ctx:
+            raise VkxError(f"the prompt has {len(ids)} tokens; the context holds {self.n_ctx}",
+                           "shorten the prompt or raise n_ctx")
+        self.reset()
+        for s in range(0, len(ids), self.ubatch):
+            self._run(ids[s:s + self.ubatch], all_logits=False)
+
+    def last_logits(self) -> np.ndarray:
+        return self._out().logits_buf.numpy(np.float32, (self.hp.n_vocab,)).copy()
+
+    def last_argmax(self) -> int:
+        out = self._out()
+        views = out.__dict__.get("_io_views")
+        return int(views[2][0] if views is not None else out.argmax_buf.numpy(np.int32, (1,))[0])
+
+    def generate_ids(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     stop_ids: set[int] | None = None) -> Iterator[int]:
+        """Yield generated token ids (stops at an end-of-turn token or after max_tokens)."""
+        sampler = Sampler(temperature, top_k, top_p, seed)
+        stop = self.tokenizer.eot_ids if stop_ids is None else stop_ids
+        self.timings = {"prompt_tokens": len(prompt_ids), "gen_tokens": 0}
+        t0 = time.perf_counter()
+        self.prefill(list(prompt_ids))
+        self.timings["prompt_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for i in range(max_tokens):
+            tok = self.last_argmax() if sampler.greedy else sampler.sample(self.last_logits())
+            if tok in stop:
+                break
+            self.timings["gen_tokens"] = i + 1
+            yield tok
+            if i + 1 == max_tokens or self.n_past + 1 >= self.n_ctx:
+                break
+            self._run([tok], all_logits=False)
+        self.timings["gen_s"] = time.perf_counter() - t1
+
+    def generate(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
+                 chat: bool = False, top_k: int = 0, top_p: float = 1.0) -> Iterator[str]:
+        """Yield text pieces of the continuation of ``prompt`` (a chat turn when ``chat``)."""
+        if chat:
+            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        else:
+            ids = self.tokenize(prompt)
+        dec = self.tokenizer.stream()
+        for tok in self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed):
+            piece = dec.push(tok)
+            if piece:
+                yield piece
+        tail = dec.flush()
+        if tail:
+            yield tail
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> LanguageModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Model(LanguageModel):
     """A loaded model. Use :func:`vkxsplit.load_model`.
 
     ``split``: a split spec (:mod:`vkxsplit.plan`: ``none``, ``layer:...``, ``tensor:3,1``,
     ``mode:cpu>=8``, ``auto``); ``backends``: backends to attach, as ``"cpu,npu-emu:min_batch=1"``
     or a list of names / ``(name, options)`` / :class:`~vkxsplit.backend.Backend` objects (those
-    stay the caller's). ``trace``: record GPU timestamps every step (``last_trace``)."""
+    stay the caller's). ``trace``: record GPU timestamps every step (``last_trace``).
+
+    A stage of a model split over several GPUs (:class:`vkxsplit.pipeline.PipelineModel`) is a
+    Model of ``layers=(first, end)``: it holds only those layers' weights and KV cache; a stage
+    that does not start at layer 0 reads its input hidden state from ``link_in``, one that
+    does not end at the last layer writes its output hidden state to ``link_out`` (views of
+    host pages the two GPUs share, ``slots`` x :func:`slot_rows` rows of ``n_embd`` f32: a step
+    of slot ``s`` reads and writes rows ``[s*slot_rows, s*slot_rows + T)`` of them and of the
+    ids, positions and logits, so micro-batches in flight on different stages never share
+    rows)."""
 
     def __init__(self, path: str | Path | None = None, device: Device | None = None, n_ctx: int | None = None,
                  ubatch: int = 512, split: Any = None, backends: Any = None, progress: Any = None,
-                 trace: bool = False, profile_dir: str | Path | None = None) -> None:
+                 trace: bool = False, profile_dir: str | Path | None = None,
+                 layers: tuple[int, int] | None = None, link_in: Any = None, link_out: Any = None,
+                 slots: int = 1) -> None:
         self.path = Path(path) if path else default_model_path()
         self.file: ModelFile = load_gguf(self.path)
         self.hp = self.file.hparams
+        n_layer = self.hp.n_layer
+        self.layers = range(*(layers or (0, n_layer)))
+        if not (0 <= self.layers.start < self.layers.stop <= n_layer):
+            self.file.close()
+            raise VkxError(f"layers {tuple(layers or ())} are not a non-empty range of the model's {n_layer} layers")
+        self.first, self.last = self.layers.start == 0, self.layers.stop == n_layer
+        if (link_in is None) != self.first or (link_out is None) != self.last:
+            self.file.close()
+            raise VkxError(f"stage of layers [{self.layers.start}, {self.layers.stop}): a stage that does not start "
+                           "at layer 0 needs link_in, one that does not end at the last layer needs link_out "
+                           "(and only those)")
+        self.link_in, self.link_out = link_in, link_out
+        self.slots = max(1, int(slots))
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: ModelError | None = None
         try:
@@ -128,8 +290,9 @@ class Model:
         self.device = device or Device.open()
         self.n_ctx = int(n_ctx or min(self.hp.n_ctx_train or 2048, 4096))
         self.ubatch = max(1, min(ubatch, self.n_ctx))
+        self.slot_rows = slot_rows(self.ubatch, self.slots)
         self.n_past = 0
-        self._execs: OrderedDict[tuple[int, bool], Executor] = OrderedDict()
+        self._execs: OrderedDict[tuple[int, bool, int], Executor] = OrderedDict()
         self._bufs: list[Any] = []
         self._owned_backends: list[Any] = []
         self.backends: dict[str, Any] = {}
@@ -208,6 +371,8 @@ class Model:
         # their rows from the file's mapping (Tensor.host): the hub never reads its weights
         # over the bus.
         shared = any(not getattr(b, "private_weights", False) for b in self.backends.values())
+        items = [(name, ti) for name, ti in items if self._holds(name)]
+        total = sum(t.nbytes for _, t in items)
         for name, ti in items:
             buf = self._alloc(ti.nbytes, "device", name, shared=shared)
             (buf.buffer if isinstance(buf, SharedBuffer) else buf).write(ti.data)  # staged when device-only
@@ -218,17 +383,29 @@ class Model:
                 progress(done, total)
         self.weight_bytes = total
 
+    def _holds(self, name: str) -> bool:
+        """Whether this model (a pipeline stage: some of the layers) needs weight ``name``."""
+        if name.startswith("blk."):
+            return int(name.split(".")[1]) in self.layers
+        tied = "output.weight" not in self.file.tensors
+        if name == "token_embd.weight":
+            return self.first or (self.last and tied)
+        if name in ("output_norm.weight", "output.weight"):
+            return self.last
+        return True
+
     def _alloc_state(self) -> None:
         hp, T = self.hp, self.ubatch
         f32 = 4
-        self.kv: list[tuple[Any, Any]] = []
+        self.kv: dict[int, tuple[Any, Any]] = {}
         kv_row = hp.n_head_kv * hp.head_dim * 2  # f16
-        for i in range(hp.n_layer):
-            self.kv.append((self._alloc(self.n_ctx * kv_row, "device", f"cache_k.{i}"),
-                            self._alloc(self.n_ctx * hp.n_head_kv * hp.head_dim_v * 2, "device", f"cache_v.{i}")))
-        # per-step inputs, written by the host before each submit
-        self.ids_buf = self._alloc(T * 4, "host", "ids")
-        self.pos_buf = self._alloc(T * 4, "host", "positions")
+        for i in self.layers:
+            self.kv[i] = (self._alloc(self.n_ctx * kv_row, "device", f"cache_k.{i}"),
+                          self._alloc(self.n_ctx * hp.n_head_kv * hp.head_dim_v * 2, "device", f"cache_v.{i}"))
+        # per-step inputs, written by the host before each submit (one ubatch per slot)
+        S = self.slots * self.slot_rows
+        self.ids_buf = self._alloc(S * 4, "host", "ids")
+        self.pos_buf = self._alloc(S * 4, "host", "positions")
         # activations (shared by every graph: steps run one after another on one queue); the
         # ones mul_mat reads and writes are in shared memory when backends are attached
         E, F = hp.n_embd, hp.n_ff
@@ -249,15 +426,19 @@ class Model:
         from .ops.mul_mat import vecq_scratch_bytes
 
         self.xq_buf = self._alloc(vecq_scratch_bytes(1, max(sizes.values())), "device", "xq")
-        self.logits_buf = self._alloc(T * hp.n_vocab * f32, "host", "logits", shared=act_shared)
-        self.argmax_buf = self._alloc(T * 4, "host", "argmax")
+        self.logits_buf = self.argmax_buf = None
+        if self.last:  # (all logits of every slot's rows: logits() of a prompt split in micro-batches)
+            self.logits_buf = self._alloc(S * hp.n_vocab * f32, "host", "logits", shared=act_shared)
+            self.argmax_buf = self._alloc(S * 4, "host", "argmax")
 
     # -- graph ----------------------------------------------------------------------------
 
-    def _build_graph(self, T: int, all_logits: bool) -> Graph:
-        """The forward pass for ``T`` tokens as a graph over this model's buffers."""
+    def _build_graph(self, T: int, all_logits: bool, slot: int = 0) -> Graph:
+        """The forward pass for ``T`` tokens as a graph over this model's buffers (a pipeline
+        stage's: its layers, reading or writing the hidden state through its links)."""
         hp, W, A = self.hp, self.weights, self.act
-        g = Graph(f"{self.file.name}:T{T}", T=T)
+        g = Graph(f"{self.file.name}:T{T}" + (f":s{slot}" if slot else ""), T=T)
+        row0 = slot * self.slot_rows  # this slot's rows of ids, positions, links, logits
         f32 = 4
         V = self._view
         # VKXSPLIT_DISABLE_FUSION=1 builds the unfused graph (separate residual adds, norms and
@@ -267,8 +448,8 @@ class Model:
         def act(name: str, cols: int) -> Tensor:
             return Tensor(name, (T, cols), "f32", V(A[name], 0, T * cols * f32))
 
-        ids = Tensor("ids", (T,), "i32", V(self.ids_buf, 0, T * 4))
-        pos = Tensor("positions", (T,), "i32", V(self.pos_buf, 0, T * 4))
+        ids = Tensor("ids", (T,), "i32", V(self.ids_buf, row0 * 4, T * 4))
+        pos = Tensor("positions", (T,), "i32", V(self.pos_buf, row0 * 4, T * 4))
         split_kv: dict[str, Any] = {}
         if T == 1:
             split_kv = {"n_splits": self.decode_splits,
@@ -281,10 +462,15 @@ class Model:
         mul_mat = q8.mul_mat
 
         x = act("x", hp.n_embd)
-        g.add("get_rows", "embd", [W["token_embd.weight"], ids], x)
-        for il in range(hp.n_layer):
+        link_bytes = T * hp.n_embd * f32
+        if self.first:
+            g.add("get_rows", "embd", [W["token_embd.weight"], ids], x)
+        else:  # the previous GPU's hidden state, from the host pages both GPUs map
+            src = Tensor("link_in", (T, hp.n_embd), "f32", V(self.link_in, row0 * hp.n_embd * f32, link_bytes))
+            g.add("cpy", "link_in", [src], x)
+        for il in self.layers:
             p = f"blk.{il}."
-            if il == 0 or not fuse:
+            if il == self.layers.start or not fuse:
                 h = g.add("rms_norm", p + "attn_norm", [x, W[p + "attn_norm.weight"]], act("h", hp.n_embd),
                           eps=hp.rms_norm_eps)
             # (later layers: h came from the previous layer's fused residual add + norm)
@@ -323,22 +509,28 @@ class Model:
             up = mul_mat(p + "ffn_up", W[p + "ffn_up.weight"], h, act("up", hp.n_ff))
             g.add("swiglu", p + "ffn_swiglu", [gate, up], gate)
             o = mul_mat(p + "ffn_down", W[p + "ffn_down.weight"], gate, act("o", hp.n_embd))
-            if il + 1 < hp.n_layer and fuse:
+            if il + 1 < self.layers.stop and fuse:
                 nxt = f"blk.{il + 1}."
                 h = g.add("add_rms_norm", nxt + "attn_norm", [x, o, W[nxt + "attn_norm.weight"]],
                           act("h", hp.n_embd), eps=hp.rms_norm_eps, x_out=x)
             else:  # unfused, or the last residual (the output norm may take only the last row)
                 g.add("add", p + "ffn_residual", [x, o], x)
+        if not self.last:  # the hidden state goes on to the next GPU
+            dst = Tensor("link_out", (T, hp.n_embd), "f32", V(self.link_out, row0 * hp.n_embd * f32, link_bytes))
+            g.add("cpy", "link_out", [x], dst)
+            return g
         rows = T if all_logits else 1
+        out0 = row0 if all_logits else 0  # one row: slot 0's, the last writer wins (steps run in order)
         # Only the rows whose logits are wanted go through the final norm and projection.
         xl = Tensor("x_out", (rows, hp.n_embd), "f32", V(A["x"], (T - rows) * hp.n_embd * f32,
                                                               rows * hp.n_embd * f32))
         hl = Tensor("h_out", (rows, hp.n_embd), "f32", V(A["h"], 0, rows * hp.n_embd * f32))
         g.add("rms_norm", "output_norm", [xl, W["output_norm.weight"]], hl, eps=hp.rms_norm_eps)
         out_w = W["output.weight"] if "output.weight" in W else W["token_embd.weight"]
-        logits = Tensor("logits", (rows, hp.n_vocab), "f32", V(self.logits_buf, 0, rows * hp.n_vocab * f32))
+        logits = Tensor("logits", (rows, hp.n_vocab), "f32",
+                        V(self.logits_buf, out0 * hp.n_vocab * f32, rows * hp.n_vocab * f32))
         mul_mat("output", out_w, hl, logits)
-        g.add("argmax", "argmax", [logits], Tensor("argmax", (rows,), "i32", V(self.argmax_buf, 0, rows * 4)))
+        g.add("argmax", "argmax", [logits], Tensor("argmax", (rows,), "i32", V(self.argmax_buf, out0 * 4, rows * 4)))
         return g
 
     # -- plans and steps ----------------------------------------------------------------------
@@ -362,6 +554,8 @@ class Model:
             self.pos_buf.numpy(np.int32, (T,))[:] = np.arange(self.n_ctx - T, self.n_ctx, dtype=np.int32)
 
         # the calibration overwrites the outputs: keep what last_logits()/last_argmax() read
+        if self.logits_buf is None:  # a pipeline stage before the last: no outputs to keep
+            return hub_node_times(self.device, graph, before)
         keep_logits = self.logits_buf.numpy(np.float32, (self.hp.n_vocab,)).copy()
         keep_argmax = self.argmax_buf.numpy(np.int32, (1,)).copy()
         try:
@@ -381,25 +575,27 @@ class Model:
             ex.plan.prediction = simulate(ex.plan.schedule, self.cost)
         return ex.plan
 
-    def _make_plan(self, T: int, all_logits: bool) -> Plan:
-        g = self._build_graph(T, all_logits)
+    def _make_plan(self, T: int, all_logits: bool, slot: int = 0) -> Plan:
+        g = self._build_graph(T, all_logits, slot)
         if self.split.kind == "auto":
             _ = self.cost  # attaches the cost model to the planner
         return self.planner.plan(g, self.split)
 
-    def _executor(self, T: int, all_logits: bool) -> Executor:
+    def _executor(self, T: int, all_logits: bool, slot: int = 0) -> Executor:
         if T > self.ubatch:
             raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
-        key = (T, all_logits)
+        key = (T, all_logits, slot)
         hit = self._execs.get(key)
         if hit is not None:
             self._execs.move_to_end(key)
             return hit
-        plan = self._make_plan(T, all_logits)
+        plan = self._make_plan(T, all_logits, slot)
         ex = Executor(self.device, plan, self.backends, trace=self.tracing)
         self.stats["recordings"] += ex.recordings
         self._execs[key] = ex
-        while len(self._execs) > 8:  # bounded: prompts of many lengths must not pile up sequences
+        # bounded: prompts of many lengths must not pile up sequences (a pipeline stage keeps
+        # one per slot of its micro-batches in flight, plus decode)
+        while len(self._execs) > max(8, 2 * self.slots + 1):
             _, old = self._execs.popitem(last=False)
             old.close()
         return ex
@@ -433,16 +629,27 @@ class Model:
         if self.n_past + T > self.n_ctx:
             raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
                            "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
-        ex = self._executor(T, all_logits)
+        step = self._submit(ids, self.n_past, all_logits)
+        step.wait()
+        self.n_past += T
+        self._count(step)
+        return step
+
+    def _submit(self, ids: list[int], start: int, all_logits: bool, slot: int = 0, waits: Any = ()) -> Step:
+        """Write the step's token ids and positions ``start..`` into ``slot``'s rows and submit
+        it (after ``waits``: points of this device) without waiting."""
+        T = len(ids)
+        ex = self._executor(T, all_logits, slot)
         views = self.__dict__.get("_io_views")
         if views is None:  # zero-copy views of the per-step input buffers, made once
             views = self._io_views = (self.ids_buf.numpy(np.int32), self.pos_buf.numpy(np.int32),
-                                      self.argmax_buf.numpy(np.int32))
-        views[0][:T] = ids
-        views[1][:T] = np.arange(self.n_past, self.n_past + T, dtype=np.int32)
-        step = ex.step()
-        step.wait()
-        self.n_past += T
+                                      None if self.argmax_buf is None else self.argmax_buf.numpy(np.int32))
+        r0 = slot * self.slot_rows
+        views[0][r0:r0 + T] = ids
+        views[1][r0:r0 + T] = np.arange(start, start + T, dtype=np.int32)
+        return ex.step(waits)
+
+    def _count(self, step: Step) -> None:
         st = self.stats
         st["steps"] += 1
         st["submits"] += step.submits
@@ -452,102 +659,9 @@ class Model:
         self.last_step = step
         if self.tracing:
             self.last_trace = step.trace()
-        return step
 
-    def reset(self) -> None:
-        self.n_past = 0
-
-    def _check_ids(self, ids: list[int]) -> None:
-        bad = [i for i in ids if not 0 <= i < self.hp.n_vocab]
-        if bad:
-            raise VkxError(f"token id {bad[0]} is outside the vocabulary (0..{self.hp.n_vocab - 1})")
-
-    # -- public API ---------------------------------------------------------------------------
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        """The file's tokenizer (raises the file's ModelError when it has no vocabulary)."""
-        if self._tokenizer is None:
-            assert self._tokenizer_error is not None
-            raise self._tokenizer_error
-        return self._tokenizer
-
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special=add_special)
-
-    def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def logits(self, ids: list[int]) -> np.ndarray:
-        """Teacher-forced logits (len(ids), n_vocab) float32 from an empty context."""
-        ids = list(ids)
-        self._check_ids(ids)
-        if len(ids) > self.n_ctx:
-            raise VkxError(f"{len(ids)} tokens do not fit the context of {self.n_ctx}")
-        self.reset()
-        out = np.empty((len(ids), self.hp.n_vocab), np.float32)
-        for s in range(0, len(ids), self.ubatch):
-            chunk = ids[s:s + self.ubatch]
-            self._run(chunk, all_logits=True)
-            out[s:s + len(chunk)] = self.logits_buf.numpy(np.float32, (len(chunk), self.hp.n_vocab))
-        return out
-
-    def prefill(self, ids: list[int]) -> None:
-        """Run ``ids`` through the model from an empty context (last logits kept)."""
-        self._check_ids(ids)
-        if not ids:
-            raise VkxError("the prompt is empty")
-        if len(ids) >= self.n_ctx:
-            raise VkxError(f"the prompt has {len(ids)} tokens; the context holds {self.n_ctx}",
-                           "shorten the prompt or raise n_ctx")
-        self.reset()
-        for s in range(0, len(ids), self.ubatch):
-            self._run(ids[s:s + self.ubatch], all_logits=False)
-
-    def last_logits(self) -> np.ndarray:
-        return self.logits_buf.numpy(np.float32, (self.hp.n_vocab,)).copy()
-
-    def last_argmax(self) -> int:
-        views = self.__dict__.get("_io_views")
-        return int(views[2][0] if views is not None else self.argmax_buf.numpy(np.int32, (1,))[0])
-
-    def generate_ids(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
-                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                     stop_ids: set[int] | None = None) -> Iterator[int]:
-        """Yield generated token ids (stops at an end-of-turn token or after max_tokens)."""
-        sampler = Sampler(temperature, top_k, top_p, seed)
-        stop = self.tokenizer.eot_ids if stop_ids is None else stop_ids
-        self.timings = {"prompt_tokens": len(prompt_ids), "gen_tokens": 0}
-        t0 = time.perf_counter()
-        self.prefill(list(prompt_ids))
-        self.timings["prompt_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for i in range(max_tokens):
-            tok = self.last_argmax() if sampler.greedy else sampler.sample(self.last_logits())
-            if tok in stop:
-                break
-            self.timings["gen_tokens"] = i + 1
-            yield tok
-            if i + 1 == max_tokens or self.n_past + 1 >= self.n_ctx:
-                break
-            self._run([tok], all_logits=False)
-        self.timings["gen_s"] = time.perf_counter() - t1
-
-    def generate(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
-                 chat: bool = False, top_k: int = 0, top_p: float = 1.0) -> Iterator[str]:
-        """Yield text pieces of the continuation of ``prompt`` (a chat turn when ``chat``)."""
-        if chat:
-            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        else:
-            ids = self.tokenize(prompt)
-        dec = self.tokenizer.stream()
-        for tok in self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed):
-            piece = dec.push(tok)
-            if piece:
-                yield piece
-        tail = dec.flush()
-        if tail:
-            yield tail
+    def _out(self) -> Model:
+        return self
 
     def close(self) -> None:
         self._io_views = None  # views of buffers freed below
@@ -574,13 +688,6 @@ class Model:
             self.device = None  # type: ignore[assignment]
         if getattr(self, "file", None) is not None:
             self.file.close()
-
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class Sampler:
     """Greedy, temperature, top-k and top-p sampling on the host (numpy)."""

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import VkxError
+
 
 class Progress:
     """A one-line progress bar on a terminal (silent when stderr is not a tty)."""
@@ -40,6 +42,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(train, 4096))")
     p.add_argument("-ub", "--ubatch", type=int, default=512, help="tokens per prefill step")
     p.add_argument("--device", default=None, help="hub device index or name part (VKXSPLIT_DEVICE)")
+    p.add_argument("--devices", default=None,
+                   help="split the layers over several GPUs, one hub each: comma-separated device indices "
+                        "or name parts (e.g. 0,1); a pipeline, like llama.cpp's --split-mode layer")
+    p.add_argument("--layer-split", default=None,
+                   help="with --devices: share of the layers per device (e.g. 3,1; default equal)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="with --devices: pieces of a prompt step in flight on different GPUs at once "
+                        "(default twice the devices, pieces of at least 32 tokens)")
     from .plan import SPLIT_HELP
 
     p.add_argument("--split", default=None, help=SPLIT_HELP + "; `vkxsplit bench` sweeps several "
@@ -53,6 +63,15 @@ def _load(args: argparse.Namespace) -> Any:
     from .model import load_model
     from .vk.device import Device
 
+    if getattr(args, "devices", None):
+        if args.device is not None or args.backends:
+            raise VkxError("--devices puts one hub on each device: it does not take --device or --backends")
+        from .pipeline import PipelineModel
+
+        return PipelineModel(args.model, devices=args.devices, layer_split=args.layer_split, n_ctx=args.ctx_size,
+                             ubatch=args.ubatch, micro_batches=args.micro_batches, progress=Progress("loading"))
+    if getattr(args, "layer_split", None) or getattr(args, "micro_batches", None):
+        raise VkxError("--layer-split and --micro-batches go with --devices (a model split over several GPUs)")
     dev = Device.open(args.device) if args.device is not None else None
     model = load_model(args.model, split=args.split, backends=args.backends, device=dev, n_ctx=args.ctx_size,
                        ubatch=args.ubatch, progress=Progress("loading"))
@@ -76,8 +95,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         t = model.timings
         pp = t["prompt_tokens"] / t["prompt_s"] if t.get("prompt_s") else 0.0
         tg = t["gen_tokens"] / t["gen_s"] if t.get("gen_s") else 0.0
+        devs = ", ".join(d.name for d in getattr(model, "devices", [model.device]))
         print(f"\nprompt: {t['prompt_tokens']} tokens, {pp:.1f} tok/s | generation: {t['gen_tokens']} "
-              f"tokens, {tg:.1f} tok/s | device: {model.device.name}", file=sys.stderr)
+              f"tokens, {tg:.1f} tok/s | device: {devs}", file=sys.stderr)
     finally:
         model.close()
     return 0
@@ -147,9 +167,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 tps = r["tps"]
                 rows.append({
                     "model": model.file.name, "size_gib": model.weight_bytes / 2**30,
-                    "backends": "vulkan" + (f",{args.backends}" if args.backends else ""),
-                    "split": split, "test": r["test"], "tps_mean": statistics.fmean(tps),
-                    "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0, "device": model.device.name,
+                    "backends": ("vulkan" + (f",{args.backends}" if args.backends else "")
+                                 if not getattr(args, "devices", None) else f"vulkan x{len(model.stages)}"),
+                    "split": split if not getattr(args, "devices", None) else model.split, "test": r["test"], "tps_mean": statistics.fmean(tps),
+                    "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0, "device": ", ".join(d.name for d in getattr(model, "devices", [model.device])),
                 })
     finally:
         model.close()

@@ -64,19 +64,20 @@ from ..attach import (
     SharedView,
     hub_event_support,
     hub_memory_support,
+    import_host_pages,
     relay,
 )
 from ..backend import Availability, Backend, Capabilities, MatMulJob, retire_timeline, weight_place
 from ..errors import EnvironmentProblem, KernelError, VkxError, WaitTimeout
 from ..ops.quant import TYPES, row_bytes, weight_type
-from ..vk.api import NULL, check, ffi, new, next_serial, vk
+from ..vk.api import NULL, ffi, new, next_serial, vk
 from ..vk.command import Sequence, hub_timeline
 from ..vk.device import Device
 from ..vk.event import HANDLE_OPAQUE_FD as SEM_OPAQUE_FD
 from ..vk.event import Timeline
 from ..vk.instance import PhysicalDeviceInfo
 from ..vk.kernel import Bindable, View
-from ..vk.memory import HANDLE_HOST_ALLOCATION, HANDLE_OPAQUE_FD, HOST_COHERENT, HOST_VISIBLE, Block, Buffer
+from ..vk.memory import HANDLE_HOST_ALLOCATION, HANDLE_OPAQUE_FD, Block, Buffer
 
 if TYPE_CHECKING:
     from ..attach import SharedBuffer
@@ -450,19 +451,7 @@ class VulkanPeerBackend(Backend):
         if imp is not None:
             return imp
         assert self.peer is not None and ch.mapping is not None
-        peer = self.peer
-        ptr = ffi.cast("void*", ch.mapping.addr)
-        props = new("VkMemoryHostPointerPropertiesEXT")
-        check(peer.fn("vkGetMemoryHostPointerPropertiesEXT")(peer.handle, HANDLE_HOST_ALLOCATION, ptr, props),
-              "vkGetMemoryHostPointerPropertiesEXT")
-        want = HOST_VISIBLE | HOST_COHERENT
-        types = [t.index for t in peer.physical.memory_types
-                 if (props.memoryTypeBits >> t.index) & 1 and t.flags & want == want]
-        if not types:
-            raise VkxError(f"'{peer.name}' offers no host-coherent memory type for importing host pointers "
-                           f"(type bits {props.memoryTypeBits:#x})")
-        ii = new("VkImportMemoryHostPointerInfoEXT", handleType=HANDLE_HOST_ALLOCATION, pHostPointer=ptr)
-        pb = Block(peer.memory, "peer-host", ch.size, types[0], import_info=ii)
+        pb = import_host_pages(self.peer, ch.mapping.addr, ch.size, "peer-host")
         return self._adopt_import(key, pb, sb)
 
     def _adopt_import(self, key: tuple[Any, ...], pb: Block, sb: SharedBuffer) -> _Import:

@@ -251,10 +251,11 @@ _IDP_REQUIRES = ("shaderIntegerDotProduct",)
 #: the quantization fused into the norms, docs/PERFORMANCE.md) and of llvmpipe (1.5-2.9x at
 #: SmolLM2 and 2048-square shapes: wg32, one core per workgroup)
 VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(32, 4, blk=1)}
-#: types whose vecq path GPUs take by default; Q4_K (one super-block per thread: a 4096-wide
-#: row has 16 for 32 lanes) only on CPU devices until a GPU sweep picks its shape (llvmpipe:
-#: 10x the f32-x kernel at SmolLM2-like shapes)
-VECQ_GPU_TYPES = ("q4_0", "q4_1", "q8_0")
+#: types whose vecq path GPUs take by default. H200 sweep (session 4, tools/bench_matvec.py,
+#: the separate quantize included): Q4_1 vecq 18.1 us vs 21.9 for the f32-x kernel at
+#: 4096x14336; Q4_K (one 256-weight super-block per thread) 58.1 us vs 62.0 summed over the
+#: three llama8b shapes (slower only at 4096x4096: 11.6 vs 10.5)
+VECQ_GPU_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k")
 
 
 def vecq_disabled() -> bool:

@@ -1,0 +1,195 @@
+"""A model's layers split over several hubs (vkxsplit.pipeline): on lavapipe every hub is its own
+VkDevice on the one CPU device (devices "0,0"), so the whole path runs: per-stage weights and
+KV caches, the hidden state through host pages both devices import, relayed timelines,
+micro-batches in flight on different stages. Checked against the float64 reference forward
+pass (tests/reference.py: gguf's own dequantization) and a one-hub model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from reference import reference_logits
+
+from vkxsplit.errors import VkxError, WaitTimeout
+from vkxsplit.gguf_model import load_model as load_gguf
+from vkxsplit.pipeline import PipelineModel, layer_ranges
+
+
+def _device_lists():
+    """Two hubs on the first device everywhere; on a machine with two devices (the 2-GPU H200
+    machine), also one hub on each: the hidden state then really crosses between GPUs."""
+    from vkxsplit.vk.instance import Instance
+
+    with Instance(validation=False) as inst:
+        n = len(inst.physical_devices())
+    return ["0,0"] + (["0,1"] if n > 1 else [])
+
+
+def _bound(want):
+    # the models' own bound (test_model.test_synthetic_model_matches_reference): q8_0 weights,
+    # f32 accumulation, f16 KV cache
+    return 2e-3 * np.abs(want).max() + 1e-3
+
+
+def _messages(m):
+    return [msg for d in m.devices for msg in d.instance.messages]
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    from vkxsplit.synth import write_synthetic
+
+    d = tmp_path_factory.mktemp("pipe")
+    return {L: write_synthetic(d / f"pipe{L}.gguf", "smol135m", "q8_0", seed=11, n_vocab=400, n_layer=L)
+            for L in (3, 4)}
+
+
+def test_layer_ranges_follow_the_shares():
+    # cumulative shares rounded to whole layers (llama.cpp's --tensor-split rule), worked by hand
+    assert layer_ranges(30, [1, 1]) == [(0, 15), (15, 30)]
+    assert layer_ranges(8, [3, 1]) == [(0, 6), (6, 8)]
+    assert layer_ranges(32, [1, 2, 1]) == [(0, 8), (8, 24), (24, 32)]
+    # a zero share still gets one layer (every stage holds at least one)
+    assert layer_ranges(4, [1, 0]) == [(0, 3), (3, 4)]
+    assert layer_ranges(3, [0, 0, 1]) == [(0, 1), (1, 2), (2, 3)]
+    for bad in ([], [0, 0], [1, -1], [1, float("nan")]):
+        with pytest.raises(VkxError, match="layer split"):
+            layer_ranges(8, bad)
+    with pytest.raises(VkxError, match="at least one layer"):
+        layer_ranges(2, [1, 1, 1])
+
+
+@pytest.mark.parametrize("devices", _device_lists())
+@pytest.mark.parametrize("micro", [1, 3])
+def test_two_hubs_match_the_reference_and_one_hub(device, synth, micro, devices):
+    """Teacher-forced logits of a 21-token prompt in steps of 16 (3 micro-batches: pieces of 6,
+    the last step 5 tokens in one piece), then greedy decode steps checked against the float64
+    forward pass over the whole sequence: the KV caches of both stages carry over."""
+    from vkxsplit.model import load_model
+
+    path = synth[3]
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, 400, 21)]
+    with load_gguf(path) as mf:
+        want = reference_logits(mf, ids)
+    with load_model(path, device=device, n_ctx=64, ubatch=16) as one:
+        hub = one.logits(ids)
+    with PipelineModel(path, devices=devices, n_ctx=64, ubatch=16, micro_batches=micro) as m:
+        assert m.ranges == [(0, 2), (2, 3)] and m.micro == micro and m.piece == -(-16 // micro)
+        got = m.logits(ids)
+        assert np.abs(got - want).max() <= _bound(want)
+        assert np.abs(got - hub).max() <= _bound(want)
+        # the two 16- and 5-token steps: every token's hidden state crossed once
+        assert m.traffic["crossed_bytes"] == 21 * m.hp.n_embd * 4
+        assert m.traffic["relays"] == -(-16 // m.piece) + -(-5 // m.piece)
+        # greedy decode: prefill 7 tokens, 4 steps of one token
+        seq = ids[:7]
+        m.prefill(seq)
+        for _ in range(4):
+            tok = m.last_argmax()
+            assert tok == int(np.argmax(m.last_logits()))
+            seq.append(tok)
+            m._run([tok], all_logits=False)
+        with load_gguf(path) as mf:
+            ref = reference_logits(mf, seq)
+        last = m.last_logits()
+        # decode mat-vecs read x rounded to q8_1 where the device has integer dot products:
+        # test_model.test_decode_integer_dot_products' bound (3% of the logit scale)
+        assert np.abs(last - ref[-1]).max() <= 3e-2 * np.abs(ref[-1]).max()
+        assert m.last_traffic == m.hp.n_embd * 4
+        assert m.stats["host_waits_in_step"] == 0
+        msgs = _messages(m)
+    assert not msgs, msgs
+
+
+def test_three_stages_hold_only_their_layers(synth):
+    path = synth[4]
+    ids = [int(i) for i in np.random.default_rng(8).integers(0, 400, 9)]
+    with load_gguf(path) as mf:
+        want = reference_logits(mf, ids)
+        tied = "output.weight" not in mf.tensors
+    with PipelineModel(path, devices=["0", "0", "0"], layer_split="1,2,1", n_ctx=32, ubatch=9) as m:
+        assert m.ranges == [(0, 1), (1, 3), (3, 4)]
+        for st, (a, b) in zip(m.stages, m.ranges):
+            layers = {int(n.split(".")[1]) for n in st.weights if n.startswith("blk.")}
+            assert layers == set(range(a, b))
+            assert sorted(st.kv) == list(range(a, b))
+        first, mid, last = m.stages
+        assert "token_embd.weight" in first.weights and "token_embd.weight" not in mid.weights
+        assert ("token_embd.weight" in last.weights) == tied
+        assert "output_norm.weight" in last.weights and "output_norm.weight" not in first.weights
+        assert first.logits_buf is None and mid.logits_buf is None
+        got = m.logits(ids)
+        assert np.abs(got - want).max() <= _bound(want)
+        assert m.last_traffic == 9 * m.hp.n_embd * 4 * 2  # two links
+        msgs = _messages(m)
+    assert not msgs, msgs
+
+
+def test_bad_input_is_refused(synth):
+    path = synth[3]
+    with pytest.raises(VkxError, match="at least two devices"):
+        PipelineModel(path, devices="0")
+    with pytest.raises(VkxError, match="2 devices|3 shares"):
+        PipelineModel(path, devices="0,0", layer_split="1,1,1")
+    with pytest.raises(VkxError, match="at least one layer"):
+        PipelineModel(path, devices="0,0,0,0")
+    with PipelineModel(path, devices="0,0", n_ctx=16, ubatch=8) as m:
+        with pytest.raises(VkxError, match="more than ubatch"):
+            m._run(list(range(9)), all_logits=False)
+        m._run(list(range(8)), all_logits=False)
+        m._run(list(range(8)), all_logits=False)
+        with pytest.raises(VkxError, match="context is full"):
+            m._run([1], all_logits=False)
+        with pytest.raises(VkxError, match="not supported"):
+            m.set_split("tensor:1,1")
+
+
+def test_a_stuck_stage_is_reported_not_run_silently(synth):
+    """Stage 0 held behind a gate: the relay gives up after its timeout, the step raises
+    WaitTimeout (never returns logits computed from a stale hidden state), and once the stage
+    runs again the pipeline still works."""
+    from vkxsplit.vk.event import Gate
+
+    path = synth[3]
+    ids = [3, 1, 4, 1, 5]
+    with load_gguf(path) as mf:
+        want = reference_logits(mf, ids)
+    with PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, timeout=0.5) as m:
+        gate = Gate(m.devices[0])
+        hold = gate.hold(watchdog_s=30)
+        st0 = m.stages[0]
+        orig = st0._submit
+
+        def held(*a, **k):
+            return orig(*a, **dict(k, waits=[*k.get("waits", ()), hold.point]))
+
+        st0._submit = held
+        with pytest.raises(WaitTimeout):
+            m._run(ids, all_logits=True)
+        assert m.n_past == 0
+        hold.release()
+        st0._submit = orig
+        m.timeout = 60.0  # lavapipe with the validation layer: a step may take longer than 0.5 s
+        for r in m.relays:
+            r.timeout = 60.0
+        got = m.logits(ids)
+        assert np.abs(got - want).max() <= _bound(want)
+        gate.close()
+        msgs = _messages(m)
+    assert not msgs, msgs
+
+
+def test_close_leaves_no_fds(synth):
+    """Links (memfd, mapping, an import on each device), relay threads and the devices: twice,
+    the second round must leave the fd count where it found it."""
+    from vkxsplit.native import open_fd_targets
+
+    path = synth[3]
+    for _ in range(2):
+        before = open_fd_targets()
+        with PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2) as m:
+            m.logits([1, 2, 3, 4, 5, 6, 7])
+            assert m.links[0].mapping is not None
+        assert not m.links and not m.relays and not m.devices
+    new = {fd: t for fd, t in open_fd_targets().items() if before.get(fd) != t}
+    assert not new, f"fds left open: {sorted(new.values())}"
