@@ -9,7 +9,7 @@ type's default ``mul_mat_coopmat_<type>_f32`` and the sweep tilings
 4096x4096 and 14336x4096 (N x K; F16 also 4096x14336) with GPU timestamps, printing markdown
 tables and the fastest variant per type (the tiling to put in COOP_CONFIG).
 
-Usage: python tools/bench_coopmat.py [--quick] [--reps N]
+Usage: python tools/bench_coopmat.py [--quick] [--reps N] [--m 128,512] [--types q4_0] [--shapes 4096x4096]
   --quick  small shapes; on a device without cooperative matrices (lavapipe) it runs the
            emulated variants (mul_mat_coopmat_emu_*), a smoke test of the script and kernel.
 Exit status: 0, or 1 when a variant FAILs its check (2 when the device has no coopmat and
@@ -114,7 +114,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes; emulated variants without coopmat")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 10, --quick 1)")
+    ap.add_argument("--m", default=None, help="comma-separated batch sizes M to time (default 512; --quick 64)")
+    ap.add_argument("--types", default=",".join(TYPES), help="comma-separated weight types")
+    ap.add_argument("--shapes", default=None, help="comma-separated NxK shapes (default 4096x4096,14336x4096)")
     args = ap.parse_args()
+    types = [t for t in args.types.split(",") if t]
     t_start = time.perf_counter()
     dev = Device.open()
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
@@ -132,7 +136,7 @@ def main() -> int:
     print("## check against numpy (x, W rounded to f16, f32 accumulation bound)\n")
     print("| type | variant | result | detail |\n|---|---|---|---|")
     failed = 0
-    for t in TYPES:
+    for t in types:
         for name in variants(t, emulate):
             try:
                 ok, detail = check_variant(dev, rng, t, name)
@@ -142,16 +146,21 @@ def main() -> int:
             print(f"| {t} | {name} | {'PASS' if ok else 'FAIL'} | {detail} |")
 
     # 2. timings
-    M = 64 if args.quick else 512
-    shapes = {t: [(128, 256)] if args.quick else [(4096, 4096), (14336, 4096)] for t in TYPES}
-    if not args.quick:
-        shapes["f16"].append((4096, 14336))
-    print(f"\n## mat-mat timings, M = {M} (N x K = output rows x inner dimension)\n")
-    print("| type | N x K | variant | tile | ms | TFLOP/s |\n|---|---|---|---|---:|---:|")
-    best: dict[tuple[str, int, int], tuple[float, str]] = {}
+    Ms = [int(m) for m in args.m.split(",")] if args.m else [64 if args.quick else 512]
+    if args.shapes:
+        given = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        shapes = {t: [(m, n, k) for m in Ms for n, k in given] for t in TYPES}
+    else:
+        shapes = {t: [(m, n, k) for m in Ms for n, k in ([(128, 256)] if args.quick else [(4096, 4096), (14336, 4096)])]
+                  for t in TYPES}
+        if not args.quick:
+            shapes["f16"] += [(m, 4096, 14336) for m in Ms]
+    print(f"\n## mat-mat timings, M = {', '.join(map(str, Ms))} (N x K = output rows x inner dimension)\n")
+    print("| type | M | N x K | variant | tile | workgroups | ms | TFLOP/s |\n|---|---:|---|---|---|---:|---:|---:|")
+    best: dict[tuple[str, int, int, int], tuple[float, str]] = {}
     per_variant: dict[tuple[str, str], list[float]] = {}
-    for t in TYPES:
-        for n, k in shapes[t]:
+    for t in types:
+        for M, n, k in shapes[t]:
             wbytes = n * row_bytes(t, k)
             w = dev.memory.alloc(wbytes, "device", "w")
             w.write(rng.integers(0, 64, wbytes, dtype=np.uint8))
@@ -162,30 +171,32 @@ def main() -> int:
             for name in [*variants(t, emulate), "tiled"]:
                 kw = {"path": "tiled"} if name == "tiled" else {"path": "coopmat", "coop_variant": name}
                 tile = "64x64 f32" if name == "tiled" else mm.COOP_VARIANT_TILES[name].name
+                bm, bn = (64, 64) if name == "tiled" else (mm.COOP_VARIANT_TILES[name].bm, mm.COOP_VARIANT_TILES[name].bn)
+                groups = -(-M // bm) * -(-n // bn)
                 try:
-                    sec = timed(dev, lambda s, w=w, x=x, y=y, n=n, k=k, t=t, kw=kw:
+                    sec = timed(dev, lambda s, w=w, x=x, y=y, n=n, k=k, t=t, kw=kw, M=M:
                                 mm.record_mul_mat(s, w, t, x, y, M, n, k, **kw), reps)
                 except VkxError as exc:
-                    print(f"| {t} | {n}x{k} | {name} | {tile} | - | {str(exc)[:60]} |")
+                    print(f"| {t} | {M} | {n}x{k} | {name} | {tile} | {groups} | - | {str(exc)[:60]} |")
                     continue
                 tf = flop / sec / 1e12
-                print(f"| {t} | {n}x{k} | {name} | {tile} | {sec * 1e3:.3f} | {tf:.3g} |")
+                print(f"| {t} | {M} | {n}x{k} | {name} | {tile} | {groups} | {sec * 1e3:.3f} | {tf:.3g} |")
                 if name != "tiled":
                     per_variant.setdefault((t, name), []).append(tf)
-                    if tf > best.get((t, n, k), (0.0, ""))[0]:
-                        best[(t, n, k)] = (tf, name)
+                    if tf > best.get((t, M, n, k), (0.0, ""))[0]:
+                        best[(t, M, n, k)] = (tf, name)
             for b in (w, x, y):
                 b.close()
 
     print("\n## fastest coopmat variant per type and shape\n")
-    print("| type | N x K | fastest | TFLOP/s | default TFLOP/s |\n|---|---|---|---:|---:|")
-    for (t, n, k), (tf, name) in best.items():
+    print("| type | M | N x K | fastest | TFLOP/s | default TFLOP/s |\n|---|---:|---|---|---:|---:|")
+    for (t, M, n, k), (tf, name) in best.items():
         dflt = per_variant.get((t, mm.coop_variant_name(t, emulate=emulate)), [])
-        d = dflt[shapes[t].index((n, k))] if len(dflt) == len(shapes[t]) else float("nan")
-        print(f"| {t} | {n}x{k} | {name} | {tf:.3g} | {d:.3g} |")
+        d = dflt[shapes[t].index((M, n, k))] if len(dflt) == len(shapes[t]) else float("nan")
+        print(f"| {t} | {M} | {n}x{k} | {name} | {tf:.3g} | {d:.3g} |")
     print("\n## fastest per type (geometric mean over its shapes) -> COOP_CONFIG\n")
     print("| type | variant | tile | geomean TFLOP/s |\n|---|---|---|---:|")
-    for t in TYPES:
+    for t in types:
         cands = [(math.exp(sum(map(math.log, v)) / len(v)), name) for (tt, name), v in per_variant.items()
                  if tt == t and len(v) == len(shapes[t]) and min(v) > 0]
         if cands:
