@@ -29,7 +29,13 @@
 // the f16 range become inf), products accumulate in f32.
 //
 // Push constants: as mul_mat (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row0,
-// y_col0, flags). Workgroups: (ceil(N / BN), ceil(M / BM)).
+// y_col0, flags), then ksplit. Workgroups: (ceil(N / BN), ceil(M / BM), splits).
+//
+// Split K (ksplit > 0, a multiple of BK): workgroup z sums k in [z ksplit, (z + 1) ksplit) and
+// writes its partial product at y_offset + z M y_stride (reduce_splitk.comp adds the partials
+// into y afterwards). When the output tiles alone are too few workgroups to fill the GPU
+// (M = 128, N = 4096: 32 tiles for 132 SMs on the H200) each would otherwise run its whole K
+// loop while most of the GPU idles.
 //
 // Emulation (COOPMAT_EMULATE=1): a "subgroup" is invocations 32 s .. 32 s + 31 of the
 // workgroup, whatever the device's subgroup size; an accumulator fragment is 8 floats per
@@ -100,7 +106,7 @@ layout(std430, binding = 2) writeonly buffer Y { float y[]; };
 
 layout(push_constant) uniform Push {
     uint M; uint N; uint K; uint x_stride; uint y_stride; uint x_offset; uint y_offset;
-    uint w_row0; uint y_col0; uint flags;
+    uint w_row0; uint y_col0; uint flags; uint ksplit;
 } p;
 
 shared f16vec4 sm4[STAGES * STAGE4];
@@ -266,6 +272,9 @@ void main() {
     const bool xvec = (p.flags & 1u) != 0u;
     const bool wvec = (p.flags & 2u) != 0u;
     const bool yvec = (p.flags & 4u) != 0u;
+    const uint kbeg = gl_WorkGroupID.z * p.ksplit;  // ksplit 0: one split, z = 0
+    const uint kend = p.ksplit == 0u ? p.K : min(p.K, kbeg + p.ksplit);
+    const uint yoff = p.y_offset + gl_WorkGroupID.z * p.M * p.y_stride;
 
     ACC_T acc[FM][FN];
     [[unroll]] for (uint i = 0u; i < FM; ++i) {
@@ -274,13 +283,13 @@ void main() {
         }
     }
 
-    fetch(0u, m0, n0, row_bytes, xvec, wvec);
-    commit(0u, 0u);
+    fetch(kbeg, m0, n0, row_bytes, xvec, wvec);
+    commit(kbeg, 0u);
     barrier();
 
     uint st = 0u;
-    for (uint k0 = 0u; k0 < p.K; k0 += BK) {
-        const bool more = k0 + BK < p.K;
+    for (uint k0 = kbeg; k0 < kend; k0 += BK) {
+        const bool more = k0 + BK < kend;
         if (more) {
             fetch(k0 + BK, m0, n0, row_bytes, xvec, wvec);
         }
@@ -321,7 +330,7 @@ void main() {
         // interior tile: straight to y
         [[unroll]] for (uint i = 0u; i < FM; ++i) {
             [[unroll]] for (uint j = 0u; j < FN; ++j) {
-                CM_STORE_Y(acc[i][j], p.y_offset + (mb0 + 16u * i) * p.y_stride + p.y_col0 + nb0 + 16u * j);
+                CM_STORE_Y(acc[i][j], yoff + (mb0 + 16u * i) * p.y_stride + p.y_col0 + nb0 + 16u * j);
             }
         }
         return;
@@ -338,7 +347,7 @@ void main() {
                 const uint m = mb + e / 16u;
                 const uint n = nb + e % 16u;
                 if (m < p.M && n < p.N) {
-                    y[p.y_offset + m * p.y_stride + p.y_col0 + n] = cs[cbase + e];
+                    y[yoff + m * p.y_stride + p.y_col0 + n] = cs[cbase + e];
                 }
             }
             CM_SYNC();

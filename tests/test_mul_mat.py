@@ -460,6 +460,72 @@ def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned):
     check(got, x @ W[r0:r0 + n].T, coop_bound(x, abs_terms(raw, t, W)[r0:r0 + n]))
 
 
+@pytest.mark.parametrize("t", ["f16", "q4_0", "q8_0", "q4_k", "q6_k"])
+def test_coopmat_emu_split_k(device, bufs, rng, t):
+    """Split K: each workgroup z sums one K range into its partial (the device's split-K
+    scratch), reduce_splitk_f32 adds the partials into y's target columns. Ranges that are
+    whole and partial BK steps, a last range shorter than the others, a K-quant block split
+    between ranges; y with a stride, offset and column range (nothing else written); the float64
+    bound as without the split, and the result equal to the unsplit kernel's within f32
+    reassociation (the partials are added in a different order)."""
+    tile = mm.COOP_EMU_TILE
+    bs = block_size(t)
+    K = 3 * 256 + (256 if bs == 256 else 96)  # a last range of K % chunk
+    n_total, r0, n = tile.bn + 40, 8, tile.bn + 20
+    M = tile.bm + 3
+    raw, W = make_weights(rng, t, n_total, K)
+    wb = bufs.new(raw.nbytes, raw)
+    x = rng.standard_normal((M, K))
+    xb = bufs.new(x.nbytes, x.astype(np.float32))
+    ys, yo, c0 = n_total + 4, 4, r0
+    ref = x @ W[r0:r0 + n].T
+    bound = coop_bound(x, abs_terms(raw, t, W)[r0:r0 + n])
+    outs = {}
+    for split in (0, tile.bk, 4 * tile.bk, 256 + tile.bk):  # 0: unsplit
+        yb, y = nan_y(bufs, yo + M * ys)
+        seq = Sequence(device, "mm")
+        try:
+            mm.record_mul_mat(seq, wb, t, xb, yb, M, n, K, y_stride=ys, y_offset=yo, w_row_offset=r0,
+                              y_col_offset=c0, path="coopmat", coop_variant=mm.coop_variant_name(t, emulate=True),
+                              k_split=split)
+            assert seq.dispatches == (2 if split else 1)
+            seq.run()
+        finally:
+            seq.close()
+        got = target_cols(y, M, n, yo, ys, c0)
+        check(got, ref, bound)
+        outs[split] = got.astype(np.float64)
+    for got in outs.values():
+        # the same f16-rounded products; only the order of the f32 additions differs
+        assert np.abs(got - outs[0]).max() <= 4 * K * 2.0 ** -24 * (np.abs(x) @ abs_terms(raw, t, W)[r0:r0 + n].T).max()
+    with pytest.raises(KernelError, match="multiple of BK"):
+        mm.record_mul_mat(Sequence(device, "bad"), wb, t, xb, yb, M, n, K, y_stride=ys, w_row_offset=r0,
+                          path="coopmat", coop_variant=mm.coop_variant_name(t, emulate=True), k_split=tile.bk + 1)
+
+
+def test_coop_k_split_rule(monkeypatch):
+    """Split only grids under SPLITK_TARGET_GROUPS workgroups, into the fewest ranges that reach
+    it, each at least SPLITK_MIN_K long and a multiple of BK (worked by hand for the H200's
+    128 x 128 tiles, BK 64)."""
+    tile = mm.COOP_TILES["t128x128_k64_w32x64_s1"]
+    assert mm.SPLITK_TARGET_GROUPS == 256 and mm.SPLITK_MIN_K == 512
+    # M=128, N=4096, K=4096: 32 tiles -> 8 ranges of 512
+    assert mm.coop_k_split(tile, 128, 4096, 4096) == 512
+    # M=512, N=1024 (GQA k/v): 32 tiles -> 8 ranges of 512
+    assert mm.coop_k_split(tile, 512, 1024, 4096) == 512
+    # M=512, N=4096, K=14336 (ffn_down): 128 tiles -> 2 ranges of 7168
+    assert mm.coop_k_split(tile, 512, 4096, 14336) == 7168
+    # M=512, N=14336: 448 tiles, enough
+    assert mm.coop_k_split(tile, 512, 14336, 4096) == 0
+    # short K: ranges of at least 512 -> K = 1000 cannot split
+    assert mm.coop_k_split(tile, 128, 128, 1000) == 0
+    # K = 1536, 1 tile: at most 3 ranges of 512
+    assert mm.coop_k_split(tile, 16, 100, 1536) == 512
+    # the partials' scratch is bounded: M x N x 4 bytes per range
+    assert mm.coop_k_split(tile, 128, 65536, 4096) == 0 or 4 * 128 * 65536 * -(-4096 // mm.coop_k_split(
+        tile, 128, 65536, 4096)) <= mm.SPLITK_MAX_SCRATCH
+
+
 def test_coopmat_variants():
     """Every real tiling fits the shared-memory budget and the 16x16 fragment grid; every type
     has a default and an emulated variant; the sweep covers each tiling for its types."""

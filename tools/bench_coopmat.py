@@ -78,11 +78,14 @@ def abs_weights(raw: np.ndarray, t: str, w: np.ndarray) -> np.ndarray:
                              dtype=np.float64).reshape(w.shape))
 
 
-def check_variant(dev: Device, rng: np.random.Generator, t: str, name: str) -> tuple[bool, str]:
-    """One run on a small odd shape against numpy: (ok, detail)."""
+def check_variant(dev: Device, rng: np.random.Generator, t: str, name: str, k_split: int = 0) -> tuple[bool, str]:
+    """One run on a small odd shape against numpy: (ok, detail). ``k_split``: K split into
+    ranges of that many elements (partials reduced by reduce_splitk_f32), on a longer K."""
     tile = mm.COOP_VARIANT_TILES[name]
     M, N = tile.bm + 13, tile.bn + 76  # N % 4 == 0: the interior tile stores straight to y
     K = {1: 264, 32: 288, 256: 768}[block_size(t)]  # no multiple of BK 32 / 64
+    if k_split:
+        K += 4 * k_split  # (whole blocks of every type for the splits used here)
     raw, W = make_weights(rng, t, N, K)
     x = rng.standard_normal((M, K))
     bufs = [dev.memory.alloc(max(n, 4), "host", name="check") for n in (raw.nbytes, 4 * M * K, 4 * M * N)]
@@ -94,7 +97,7 @@ def check_variant(dev: Device, rng: np.random.Generator, t: str, name: str) -> t
         y[:] = np.nan
         seq = Sequence(dev, "check")
         try:
-            mm.record_mul_mat(seq, wb, t, xb, yb, M, N, K, path="coopmat", coop_variant=name)
+            mm.record_mul_mat(seq, wb, t, xb, yb, M, N, K, path="coopmat", coop_variant=name, k_split=k_split)
             seq.run()
         finally:
             seq.close()
@@ -107,7 +110,7 @@ def check_variant(dev: Device, rng: np.random.Generator, t: str, name: str) -> t
     if np.isnan(got).any():
         return False, f"{int(np.isnan(got).sum())} NaN (unwritten) elements, M={M} N={N} K={K}"
     ratio = float(np.max(np.abs(got - ref) / np.maximum(bound, 1e-300)))
-    return ratio <= 1.0, f"M={M} N={N} K={K}, worst error / bound {ratio:.3f}"
+    return ratio <= 1.0, f"M={M} N={N} K={K}{f' split K by {k_split}' if k_split else ''}, worst error / bound {ratio:.3f}"
 
 
 def main() -> int:
@@ -137,9 +140,10 @@ def main() -> int:
     print("| type | variant | result | detail |\n|---|---|---|---|")
     failed = 0
     for t in types:
-        for name in variants(t, emulate):
+        base = mm.coop_variant_name(t, emulate=emulate)
+        for name, ks in [*((n, 0) for n in variants(t, emulate)), (base, 4 * mm.COOP_VARIANT_TILES[base].bk)]:
             try:
-                ok, detail = check_variant(dev, rng, t, name)
+                ok, detail = check_variant(dev, rng, t, name, ks)
             except VkxError as exc:
                 ok, detail = False, str(exc).splitlines()[0]
             failed += not ok
@@ -168,11 +172,25 @@ def main() -> int:
             x.write((rng.standard_normal(M * k) * 0.01).astype(np.float32))
             y = dev.memory.alloc(M * n * 4, "device", "y")
             flop = 2.0 * M * n * k
-            for name in [*variants(t, emulate), "tiled"]:
-                kw = {"path": "tiled"} if name == "tiled" else {"path": "coopmat", "coop_variant": name}
-                tile = "64x64 f32" if name == "tiled" else mm.COOP_VARIANT_TILES[name].name
-                bm, bn = (64, 64) if name == "tiled" else (mm.COOP_VARIANT_TILES[name].bm, mm.COOP_VARIANT_TILES[name].bn)
+            default = mm.coop_variant_name(t, emulate=emulate)
+            for name in [*variants(t, emulate), "no-split", "tiled"]:
+                # the coopmat variants split K where mm.coop_k_split says so (real coopmat only);
+                # "no-split": the default variant with k_split=0, for the comparison
+                if name == "tiled":
+                    kw = {"path": "tiled"}
+                elif name == "no-split":
+                    kw = {"path": "coopmat", "coop_variant": default, "k_split": 0}
+                else:
+                    kw = {"path": "coopmat", "coop_variant": name}
+                ctile = mm.COOP_VARIANT_TILES[default if name == "no-split" else name] if name != "tiled" else None
+                tile = "64x64 f32" if ctile is None else ctile.name
+                bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
                 groups = -(-M // bm) * -(-n // bn)
+                if ctile is not None and name != "no-split" and not emulate and not mm.splitk_disabled():
+                    ks = mm.coop_k_split(ctile, M, n, k)
+                    if ks:
+                        tile += f" split K {-(-k // ks)}x{ks}"
+                        groups *= -(-k // ks)
                 try:
                     sec = timed(dev, lambda s, w=w, x=x, y=y, n=n, k=k, t=t, kw=kw, M=M:
                                 mm.record_mul_mat(s, w, t, x, y, M, n, k, **kw), reps)
@@ -181,7 +199,7 @@ def main() -> int:
                     continue
                 tf = flop / sec / 1e12
                 print(f"| {t} | {M} | {n}x{k} | {name} | {tile} | {groups} | {sec * 1e3:.3f} | {tf:.3g} |")
-                if name != "tiled":
+                if name not in ("tiled", "no-split"):
                     per_variant.setdefault((t, name), []).append(tf)
                     if tf > best.get((t, M, n, k), (0.0, ""))[0]:
                         best[(t, M, n, k)] = (tf, name)

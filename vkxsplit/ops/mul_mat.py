@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 MAX_VEC_M = 8           # the mat-vec kernel handles up to this many columns of x in one pass
 PUSH = "I" * 10         # M, N, K, x_stride, y_stride, x_offset, y_offset, w_row0, y_col0, flags
+PUSH_COOP = PUSH + "I"  # ... ksplit (coopmat: K elements per split, 0 = no split)
 FLAG_XVEC = 1           # x rows are vec4-aligned (x binding 16-aligned, offset/stride % 4 == 0)
 FLAG_WVEC = 2           # float W rows allow vector loads (vec: K % 8 == 0; others: K % 4 == 0)
 MAX_GROUPS = 65535      # per grid dimension (Vulkan's guaranteed minimum; lavapipe and NVIDIA)
@@ -505,9 +506,10 @@ def _coop_variant(t: str, wt: WeightType, tile: CoopTile, name: str, emulate: bo
     defines = {"WTYPE": str(wt.id), **tile.defines()}
     if emulate:
         return Variant(name=name, source="mul_mat_coopmat.comp", defines={**defines, "COOPMAT_EMULATE": "1"},
-                       bindings=3, writes=(2,), push=PUSH, local_size=(tile.threads, 1, 1),
+                       bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
                        requires=("shaderFloat16", *_STORAGE))
-    return Variant(name=name, source="mul_mat_coopmat.comp", defines=defines, bindings=3, writes=(2,), push=PUSH,
+    return Variant(name=name, source="mul_mat_coopmat.comp", defines=defines, bindings=3, writes=(2,),
+                   push=PUSH_COOP,
                    local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang",
                    subgroup_size=COOP_SUBGROUP, requires=_COOP_REQUIRES)
 
@@ -550,7 +552,69 @@ VARIANTS = (
                bindings=3, writes=(2,), push=PUSH, local_size=(256, 1, 1), requires=_STORAGE)
        for t, wt in TYPES.items()]
     + _COOP_VARIANTS
+    + [Variant(name="reduce_splitk_f32", source="reduce_splitk.comp", bindings=2, writes=(1,), push="I" * 6,
+               local_size=(256, 1, 1))]
 )
+
+# ------------------------------------------------------------------------------------------
+# split K for the coopmat path: enough workgroups to fill the GPU
+
+#: workgroups a coopmat dispatch should reach before its K is split: on the H200 (132 SMs)
+#: a workgroup's time is its K loop whatever the grid (q4_0 4096x4096: 0.17 ms at M = 128, 256
+#: and 512 alike, 32 to 128 tiles; tools/bench_coopmat.py --m 128,256,512), so a grid under
+#: ~2 waves leaves SMs idle for the whole kernel
+SPLITK_TARGET_GROUPS = 256
+#: shortest K range of one split (elements): a split runs at least this many BK steps
+SPLITK_MIN_K = 512
+#: most bytes of partial products one dispatch may stage (the device's shared scratch)
+SPLITK_MAX_SCRATCH = 64 << 20
+
+
+def splitk_disabled() -> bool:
+    """VKXSPLIT_DISABLE_SPLITK=1: never split K (kill switch for bisecting)."""
+    return env_flag("VKXSPLIT_DISABLE_SPLITK")
+
+
+def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
+    """K elements per split for a coopmat product (0: no split): the fewest splits that bring
+    the grid to SPLITK_TARGET_GROUPS, each at least SPLITK_MIN_K long and a multiple of the
+    tile's BK, the partials within SPLITK_MAX_SCRATCH."""
+    groups = -(-M // tile.bm) * -(-N // tile.bn)
+    want = -(-SPLITK_TARGET_GROUPS // max(groups, 1))
+    most = min(K // SPLITK_MIN_K, SPLITK_MAX_SCRATCH // max(4 * M * N, 1))
+    splits = min(want, most)
+    if splits < 2:
+        return 0
+    chunk = -(-K // splits)
+    chunk = -(-chunk // tile.bk) * tile.bk
+    return chunk if -(-K // chunk) >= 2 else 0
+
+
+class _SplitkScratch:
+    """The device's buffer for split-K partial products, shared by every dispatch recorded on
+    it (they run in queue order; each reduce reads its partials before the next product writes
+    them: the sequences' hazard barriers, the begin barrier between submissions). Grows by
+    replacement; buffers a recorded sequence may still bind stay until the device closes."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.buffers: list[Any] = []
+        device.adopt(self)
+
+    @classmethod
+    def get(cls, device: Device, nbytes: int) -> Any:
+        sc = device.__dict__.get("_splitk_scratch")
+        if sc is None:
+            sc = device.__dict__["_splitk_scratch"] = cls(device)
+        if not sc.buffers or sc.buffers[-1].size < nbytes:
+            sc.buffers.append(device.memory.alloc(max(nbytes, 1 << 20), "device", "splitk_scratch"))
+        return sc.buffers[-1]
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.close()
+        self.buffers.clear()
+        self.device.__dict__.pop("_splitk_scratch", None)
 
 PATHS = ("vec", "tiled", "coopmat")
 
@@ -679,7 +743,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
                    M: int, N: int, K: int, x_stride: int | None = None, y_stride: int | None = None,
                    x_offset: int = 0, y_offset: int = 0, w_row_offset: int = 0, path: str | None = None,
                    y_col_offset: int | None = None, *, coop_variant: str | None = None,
-                   vec_variant: str | None = None) -> str:
+                   vec_variant: str | None = None, k_split: int | None = None) -> str:
     """Record ``y[y_offset + m*y_stride + y_col_offset + n] = sum_k x[x_offset + m*x_stride + k]
     * W[w_row_offset + n, k]`` for m < M, n < N (offsets and strides in elements; W rows are
     raw ggml rows of K elements starting at byte 0 of ``w``). ``x_stride`` defaults to K,
@@ -694,7 +758,12 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
     ``vec_variant`` (benchmarks and tests only; the path must be ``vec``): run this mat-vec
     variant of the weight type (e.g. a VEC_SWEEP one) instead of the default one for M. The
-    VEC_WIDE variants (``shaders/mul_mat_vec_wide.comp``) need K % 256 == 0."""
+    VEC_WIDE variants (``shaders/mul_mat_vec_wide.comp``) need K % 256 == 0.
+
+    ``k_split`` (coopmat only): K elements per split, a multiple of the tile's BK; the partial
+    products go to the device's split-K scratch and ``reduce_splitk_f32`` sums them into y. None:
+    :func:`coop_k_split` decides for the real coopmat kernels (never for emulated variants;
+    ``VKXSPLIT_DISABLE_SPLITK=1`` turns it off); 0: no split."""
     wt = weight_type(w_type)
     dev = seq.device
     if vec_variant is not None:
@@ -755,17 +824,38 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     elif path == "tiled":
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
-        kernel = Kernel.get(dev, coop_variant or coop_variant_name(wt.name))
+        cname = coop_variant or coop_variant_name(wt.name)
+        tile = COOP_VARIANT_TILES[cname]
+        if k_split is None:
+            k_split = 0 if emulated or splitk_disabled() else coop_k_split(tile, M, N, K)
+        if k_split:
+            if k_split % tile.bk or k_split >= K:
+                raise KernelError(f"{name}: k_split {k_split} must be a multiple of BK {tile.bk} below K")
+            splits = -(-K // k_split)
+            part = _SplitkScratch.get(dev, splits * M * N * 4)
+            flags |= FLAG_YVEC
+            seq.dispatch(Kernel.get(dev, cname), [w, x, part],
+                         (M, N, K, x_stride, N, x_offset, 0, w_row_offset, 0, flags, k_split),
+                         (*_grid(path, wt, M, N, cname)[:2], splits))
+            n = M * N
+            gx = min(-(-n // 256), MAX_GROUPS)
+            seq.dispatch(Kernel.get(dev, "reduce_splitk_f32"), [part, y],
+                         (M, N, splits, y_stride, y_offset, y_col), (gx, -(-n // (256 * gx)), 1))
+            return path
         if y_off % 16 == 0 and (y_offset + y_col) % 4 == 0 and y_stride % 4 == 0:
             flags |= FLAG_YVEC
+        seq.dispatch(Kernel.get(dev, cname), [w, x, y],
+                     (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col, flags, 0),
+                     _grid(path, wt, M, N, cname))
+        return path
     seq.dispatch(kernel, [w, x, y],
                  (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col, flags),
-                 _grid(path, wt, M, N, vec_variant if path == "vec" else coop_variant))
+                 _grid(path, wt, M, N, vec_variant))
     return path
 
 
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
-           "check_mul_mat", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "check_mul_mat", "coop_k_split", "splitk_disabled", "SPLITK_TARGET_GROUPS", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
