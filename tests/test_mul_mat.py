@@ -504,17 +504,19 @@ def test_coopmat_emu_split_k(device, bufs, rng, t):
 
 
 def test_coop_k_split_rule(monkeypatch):
-    """Split only grids under SPLITK_TARGET_GROUPS workgroups, into the fewest ranges that reach
-    it, each at least SPLITK_MIN_K long and a multiple of BK (worked by hand for the H200's
-    128 x 128 tiles, BK 64)."""
+    """Split only grids under SPLITK_FULL_GROUPS workgroups, into the fewest ranges that reach
+    SPLITK_TARGET_GROUPS, each at least SPLITK_MIN_K long and a multiple of BK (worked by hand
+    for the H200's 128 x 128 tiles, BK 64)."""
     tile = mm.COOP_TILES["t128x128_k64_w32x64_s1"]
-    assert mm.SPLITK_TARGET_GROUPS == 256 and mm.SPLITK_MIN_K == 512
+    assert (mm.SPLITK_FULL_GROUPS, mm.SPLITK_TARGET_GROUPS, mm.SPLITK_MIN_K) == (128, 256, 512)
     # M=128, N=4096, K=4096: 32 tiles -> 8 ranges of 512
     assert mm.coop_k_split(tile, 128, 4096, 4096) == 512
     # M=512, N=1024 (GQA k/v): 32 tiles -> 8 ranges of 512
     assert mm.coop_k_split(tile, 512, 1024, 4096) == 512
-    # M=512, N=4096, K=14336 (ffn_down): 128 tiles -> 2 ranges of 7168
-    assert mm.coop_k_split(tile, 512, 4096, 14336) == 7168
+    # M=512, N=4096, K=14336 (ffn_down): 128 tiles, a full wave: no split
+    assert mm.coop_k_split(tile, 512, 4096, 14336) == 0
+    # M=256, N=4096, K=14336: 64 tiles -> 4 ranges of 3584
+    assert mm.coop_k_split(tile, 256, 4096, 14336) == 3584
     # M=512, N=14336: 448 tiles, enough
     assert mm.coop_k_split(tile, 512, 14336, 4096) == 0
     # short K: ranges of at least 512 -> K = 1000 cannot split

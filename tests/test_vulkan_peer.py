@@ -470,8 +470,10 @@ def test_planner_places_layers_and_rows_on_the_peer(device, tmp_path, mode):
         ref = m.logits(ids)
     bound = 2 * (2e-3 * np.abs(ref).max() + 1e-3)
     for spec in ("layer:1,1", "tensor:1,1"):
-        fake = dataclasses.replace(device.physical, device_uuid=FAKE_UUID) if mode == "split" else None
-        b = VulkanPeerBackend(device, device=fake, timeout=TIMEOUT, traffic=PeerTraffic(), name="gpu1")
+        # shared: a second logical device on the hub's own GPU (the default peer would be the
+        # second GPU where there is one, which is split mode)
+        peer = dataclasses.replace(device.physical, device_uuid=FAKE_UUID) if mode == "split" else device.physical
+        b = VulkanPeerBackend(device, device=peer, timeout=TIMEOUT, traffic=PeerTraffic(), name="gpu1")
         try:
             with load_model(path, device=device, n_ctx=64, ubatch=16, profile_dir=tmp_path, backends=[b],
                             split=spec) as m:

@@ -559,10 +559,13 @@ VARIANTS = (
 # ------------------------------------------------------------------------------------------
 # split K for the coopmat path: enough workgroups to fill the GPU
 
-#: workgroups a coopmat dispatch should reach before its K is split: on the H200 (132 SMs)
-#: a workgroup's time is its K loop whatever the grid (q4_0 4096x4096: 0.17 ms at M = 128, 256
-#: and 512 alike, 32 to 128 tiles; tools/bench_coopmat.py --m 128,256,512), so a grid under
-#: ~2 waves leaves SMs idle for the whole kernel
+#: grids of at least this many workgroups run unsplit; smaller ones are split into enough K
+#: ranges to reach SPLITK_TARGET_GROUPS. On the H200 (132 SMs) a workgroup's time is its K
+#: loop whatever the grid (q4_0 4096x4096: 0.17 ms at M = 128, 256 and 512 alike, 32 to 128
+#: tiles), so a grid under one wave leaves SMs idle for the whole kernel: split, M = 128,
+#: 4096x4096 went 0.173 -> 0.068 ms, 1024x4096 0.172 -> 0.032 ms; but a 128-tile grid split in
+#: two got slower (M = 512, 4096x4096: 0.176 -> 0.217 ms). tools/bench_coopmat.py --m 128,512
+SPLITK_FULL_GROUPS = 128
 SPLITK_TARGET_GROUPS = 256
 #: shortest K range of one split (elements): a split runs at least this many BK steps
 SPLITK_MIN_K = 512
@@ -576,10 +579,13 @@ def splitk_disabled() -> bool:
 
 
 def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
-    """K elements per split for a coopmat product (0: no split): the fewest splits that bring
-    the grid to SPLITK_TARGET_GROUPS, each at least SPLITK_MIN_K long and a multiple of the
-    tile's BK, the partials within SPLITK_MAX_SCRATCH."""
+    """K elements per split for a coopmat product (0: no split): none for grids of
+    SPLITK_FULL_GROUPS workgroups or more, else the fewest splits that bring the grid to
+    SPLITK_TARGET_GROUPS, each at least SPLITK_MIN_K long and a multiple of the tile's BK, the
+    partials within SPLITK_MAX_SCRATCH."""
     groups = -(-M // tile.bm) * -(-N // tile.bn)
+    if groups >= SPLITK_FULL_GROUPS:
+        return 0
     want = -(-SPLITK_TARGET_GROUPS // max(groups, 1))
     most = min(K // SPLITK_MIN_K, SPLITK_MAX_SCRATCH // max(4 * M * N, 1))
     splits = min(want, most)
@@ -857,5 +863,5 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
-           "check_mul_mat", "coop_k_split", "splitk_disabled", "SPLITK_TARGET_GROUPS", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "check_mul_mat", "coop_k_split", "splitk_disabled", "SPLITK_FULL_GROUPS", "SPLITK_TARGET_GROUPS", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
