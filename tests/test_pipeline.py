@@ -193,3 +193,39 @@ def test_close_leaves_no_fds(synth):
         assert not m.links and not m.relays and not m.devices
     new = {fd: t for fd, t in open_fd_targets().items() if before.get(fd) != t}
     assert not new, f"fds left open: {sorted(new.values())}"
+
+
+def test_command_line_and_load_model(synth, tmp_path):
+    """``vkxsplit bench --devices 0,0`` runs the pipeline and reports it; options that do not go
+    with it are refused with the reason; ``vkxsplit.load_model(devices=...)`` gives a pipeline."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import vkxsplit
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, VKXSPLIT_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "vkxsplit", *args], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=240)
+
+    path = str(synth[3])
+    r = cli("bench", "-m", path, "--devices", "0,0", "--layer-split", "2,1", "-p", "8", "-n", "2", "-r", "1",
+            "-c", "32", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    assert {row["test"] for row in rows} == {"pp8", "tg2"} and all(row["tps_mean"] > 0 for row in rows)
+    assert all(row["backends"] == "vulkan x2" and "0-1,2-2" in row["split"] for row in rows)
+    r = cli("bench", "-m", path, "--devices", "0,0", "--backends", "cpu", "-p", "8", "-n", "0", "-r", "1")
+    assert r.returncode != 0 and "--devices" in r.stderr and "Traceback" not in r.stderr
+    r = cli("bench", "-m", path, "--layer-split", "1,1", "-p", "8", "-n", "0", "-r", "1")
+    assert r.returncode != 0 and "go with --devices" in r.stderr
+    with vkxsplit.load_model(path, devices="0,0", n_ctx=32, ubatch=8) as m:
+        assert isinstance(m, PipelineModel) and len(m.stages) == 2
+    with pytest.raises(VkxError, match="no split or backends"):
+        vkxsplit.load_model(path, devices="0,0", split="tensor:1,1")

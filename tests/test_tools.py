@@ -73,9 +73,11 @@ def test_bench_matvec_quick(tmp_path):
 
 
 def test_bench_multigpu_quick(tmp_path):
-    """The one-vs-two-GPU bench, with the peer as a second logical device on lavapipe."""
-    r = run_tool(["tools/bench_multigpu.py", "--quick", "--splits", "tensor:1,1", "--dir", str(tmp_path / "m")],
-                 tmp_path)
+    """The one-vs-two-GPU bench, with the peer as a second logical device on lavapipe, and the
+    pipeline of two hubs on the one device (a row with its bytes crossed: 8 prompt tokens of
+    576 f32 = 18 KiB, one decode token 2.25 KiB)."""
+    r = run_tool(["tools/bench_multigpu.py", "--quick", "--splits", "tensor:1,1;pipeline:1,1",
+                  "--dir", str(tmp_path / "m")], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
     row = [ln for ln in r.stdout.splitlines() if ln.startswith("| `tensor:1,1` |")]
     assert row, r.stdout[-2000:]
@@ -83,6 +85,11 @@ def test_bench_multigpu_quick(tmp_path):
     assert float(cells[3]) > 0 and float(cells[4]) > 0  # pp, tg t/s
     jobs = cells[7].split(" / ")
     assert int(jobs[0]) > 0 and int(jobs[1]) > 0  # the peer took part in both steps
+    row = [ln for ln in r.stdout.splitlines() if ln.startswith("| `pipeline:1,1` |")]
+    assert row, r.stdout[-2000:]
+    cells = [c.strip() for c in row[0].split("|")]
+    assert float(cells[3]) > 0 and float(cells[4]) > 0
+    assert cells[5].startswith(f"{8 * 576 * 4 / 2**20:.2f} /") and cells[6].startswith(f"{576 * 4 / 2**20:.2f} /")
 
 
 def test_bench_warm_up_runs_until_the_gpu_is_warm(monkeypatch):

@@ -12,6 +12,8 @@ Where to find each concept (one module each):
 - ``vkxsplit.graph`` / ``vkxsplit.executor``: the step as a graph, recorded into a sequence
 - ``vkxsplit.gguf_model`` / ``vkxsplit.tokenizer`` / ``vkxsplit.model``: GGUF file to logits
 - ``vkxsplit.backend`` / ``vkxsplit.attach``: attached backends and shared memory
+- ``vkxsplit.plan``: the split planner (layer, tensor, mode splits over attached backends)
+- ``vkxsplit.pipeline``: a model's layers over several GPUs, one hub each
 """
 
 from __future__ import annotations
@@ -27,7 +29,16 @@ __all__ = ["VkxError", "__version__", "load_model"]
 
 def load_model(path: Any = None, split: Any = None, backends: Any = None, **kw: Any) -> Any:
     """Load a GGUF model onto the hub (default: SmolLM2-135M-Instruct Q4_1); see
-    :class:`vkxsplit.model.Model` for the API (tokenize, detokenize, logits, generate, close)."""
+    :class:`vkxsplit.model.Model` for the API (tokenize, detokenize, logits, generate, close).
+    ``devices=[...]`` (two or more): the layers split over those GPUs, one hub each
+    (:class:`vkxsplit.pipeline.PipelineModel`, which takes ``layer_split``, ``micro_batches``)."""
+    devices = kw.pop("devices", None)
+    if devices is not None:
+        if split not in (None, "none") or backends:
+            raise VkxError("devices=[...] puts one hub on each device: no split or backends inside it")
+        from .pipeline import PipelineModel
+
+        return PipelineModel(path, devices=devices, **kw)
     from .model import load_model as _load
 
     return _load(path, split=split, backends=backends, **kw)
