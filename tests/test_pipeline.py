@@ -133,6 +133,8 @@ def test_bad_input_is_refused(synth):
         PipelineModel(path, devices="0,0", layer_split="1,1,1")
     with pytest.raises(VkxError, match="at least one layer"):
         PipelineModel(path, devices="0,0,0,0")
+    with pytest.raises(VkxError, match="does not exist"):  # the first device opened is closed again
+        PipelineModel(path, devices="0,9")
     with PipelineModel(path, devices="0,0", n_ctx=16, ubatch=8) as m:
         with pytest.raises(VkxError, match="more than ubatch"):
             m._run(list(range(9)), all_logits=False)

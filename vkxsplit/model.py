@@ -223,14 +223,7 @@ class LanguageModel:
             ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         else:
             ids = self.tokenize(prompt)
-        dec = self.tokenizer.stream()
-        for tok in self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed):
-            piece = dec.push(tok)
-            if piece:
-                yield piece
-        tail = dec.flush()
-        if tail:
-            yield tail
+        yield from self.tokenizer.decode_stream(self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed))
 
     def close(self) -> None:
         raise NotImplementedError
