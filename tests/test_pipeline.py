@@ -223,6 +223,9 @@ def test_command_line_and_load_model(synth, tmp_path):
     rows = json.loads(r.stdout)
     assert {row["test"] for row in rows} == {"pp8", "tg2"} and all(row["tps_mean"] > 0 for row in rows)
     assert all(row["backends"] == "vulkan x2" and "0-1,2-2" in row["split"] for row in rows)
+    # bytes between the GPUs per step: the hidden state, T x n_embd f32 (smol135m: 576)
+    per = {row["test"]: row["crossed_bytes_per_step"] for row in rows}
+    assert per == {"pp8": 8 * 576 * 4, "tg2": 576 * 4}
     r = cli("bench", "-m", path, "--devices", "0,0", "--backends", "cpu", "-p", "8", "-n", "0", "-r", "1")
     assert r.returncode != 0 and "--devices" in r.stderr and "Traceback" not in r.stderr
     r = cli("bench", "-m", path, "--layer-split", "1,1", "-p", "8", "-n", "0", "-r", "1")

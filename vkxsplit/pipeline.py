@@ -195,7 +195,7 @@ class PipelineModel(LanguageModel):
 
     @property
     def split(self) -> str:
-        return "layer over devices " + ",".join(f"{a}-{b - 1}" for a, b in self.ranges)
+        return "pipeline, layers " + ",".join(f"{a}-{b - 1}" for a, b in self.ranges)
 
     def set_split(self, split: Any) -> None:
         """Only ``none`` on each stage (a planner split inside a stage is not supported)."""

@@ -160,28 +160,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     a = argparse.Namespace(**vars(args))
     a.split = splits[0]
     model = _load(a)  # loaded once: every split config runs over the same weights and backends
+    multi = bool(getattr(args, "devices", None))
     try:
         for split in splits:
             model.set_split(split)
-            for r in bench_model(model, args.n_prompt, args.n_gen, args.repetitions):
-                tps = r["tps"]
-                rows.append({
-                    "model": model.file.name, "size_gib": model.weight_bytes / 2**30,
-                    "backends": ("vulkan" + (f",{args.backends}" if args.backends else "")
-                                 if not getattr(args, "devices", None) else f"vulkan x{len(model.stages)}"),
-                    "split": split if not getattr(args, "devices", None) else model.split, "test": r["test"], "tps_mean": statistics.fmean(tps),
-                    "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0, "device": ", ".join(d.name for d in getattr(model, "devices", [model.device])),
-                })
+            # one test at a time, so a pipeline's bytes crossed between GPUs per step are the test's own
+            tests = [(args.n_prompt, 0), (0, args.n_gen)] if multi else [(args.n_prompt, args.n_gen)]
+            for n_p, n_g in tests:
+                t0 = dict(getattr(model, "traffic", {}))
+                for r in bench_model(model, n_p, n_g, args.repetitions):
+                    tps = r["tps"]
+                    row = {
+                        "model": model.file.name, "size_gib": model.weight_bytes / 2**30,
+                        "backends": f"vulkan x{len(model.stages)}" if multi else
+                                    "vulkan" + (f",{args.backends}" if args.backends else ""),
+                        "split": model.split if multi else split, "test": r["test"],
+                        "tps_mean": statistics.fmean(tps), "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0,
+                        "device": ", ".join(d.name for d in getattr(model, "devices", [model.device])),
+                    }
+                    if multi:
+                        t1 = model.traffic
+                        steps = t1["steps"] - t0.get("steps", 0)
+                        row["crossed_bytes_per_step"] = (t1["crossed_bytes"] - t0.get("crossed_bytes", 0)) / max(steps, 1)
+                    rows.append(row)
     finally:
         model.close()
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print("| model | size | backends | split | test | t/s |")
-    print("| --- | ---: | --- | --- | ---: | ---: |")
+    xcol = multi
+    print("| model | size | backends | split | test | t/s |" + (" between GPUs per step |" if xcol else ""))
+    print("| --- | ---: | --- | --- | ---: | ---: |" + (" ---: |" if xcol else ""))
     for r in rows:
+        extra = f" {r['crossed_bytes_per_step'] / 1024:.1f} KiB |" if xcol else ""
         print(f"| {r['model']} | {r['size_gib']:.2f} GiB | {r['backends']} | {r['split']} | {r['test']} | "
-              f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f} |")
+              f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f} |" + extra)
     return 0
 
 
