@@ -294,6 +294,23 @@ def test_attention_splits():
     assert attention_splits(1, 32, 8, 4096) == 32       # decode: 8 workgroups -> 32 splits
     assert attention_splits(1, 9, 3, 256) == 2          # short cache: >= 128 positions a split
     assert attention_splits(512, 32, 8, 4096) == 1      # prefill fills the GPU by itself
+    # a CPU device (2 cores): one workgroup per core, so SmolLM2's 3 kv heads need no split
+    assert attention_splits(1, 9, 3, 4096, target_workgroups=2) == 1
+    assert attention_splits(1, 32, 8, 4096, target_workgroups=16) == 2
+
+
+def test_decode_target_workgroups_by_device_kind():
+    import os
+    import types
+
+    from vkxsplit.ops.attention import decode_target_workgroups
+    from vkxsplit.vk.api import vk
+
+    def dev(kind):
+        return types.SimpleNamespace(physical=types.SimpleNamespace(device_type=kind))
+
+    assert decode_target_workgroups(dev(vk.VK_PHYSICAL_DEVICE_TYPE_CPU)) == (os.cpu_count() or 1)
+    assert decode_target_workgroups(dev(vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU)) == 264
 
 
 def test_attention_validation(seq, bufs):

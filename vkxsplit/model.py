@@ -408,10 +408,12 @@ class Model(LanguageModel):
         # they stay in device memory and the plan copies x/y through arena shadows at each job)
         act_shared = any(not getattr(b, "stages_activations", False) for b in self.backends.values())
         self.act = {k: self._alloc(T * c * f32, "device", k, shared=act_shared) for k, c in sizes.items()}
-        from .ops.attention import attention_scratch_bytes, attention_splits
+        from .ops.attention import attention_scratch_bytes, attention_splits, decode_target_workgroups
 
-        # decode attention splits the KV length over workgroups (flash-decoding)
-        self.decode_splits = attention_splits(1, hp.n_head, hp.n_head_kv, self.n_ctx)
+        # decode attention splits the KV length over workgroups (flash-decoding), as many as
+        # fill the device
+        self.decode_splits = attention_splits(1, hp.n_head, hp.n_head_kv, self.n_ctx,
+                                              target_workgroups=decode_target_workgroups(self.device))
         self.attn_scratch = self._alloc(
             attention_scratch_bytes(1, hp.n_head, hp.head_dim_v, self.decode_splits), "device", "attn_scratch")
         # decode: x quantized to q8_1 for the integer-dot-product mat-vecs (hub only; one
