@@ -503,6 +503,51 @@ def test_coopmat_emu_split_k(device, bufs, rng, t):
                           path="coopmat", coop_variant=mm.coop_variant_name(t, emulate=True), k_split=tile.bk + 1)
 
 
+def test_coopmat_split_k_stores_straight_only_with_aligned_partials(device, bufs, rng, monkeypatch):
+    """The partials' rows are N floats from byte 0 of the scratch: fragments may be stored
+    straight (FLAG_YVEC: 16-byte aligned rows, what coopMatStore needs) only when N % 4 == 0.
+    Checked on the recorded push constants, and the odd-N result against float64."""
+    from vkxsplit.vk.command import Sequence as Seq
+
+    tile = mm.COOP_EMU_TILE
+    t, K, M = "q8_0", 512, tile.bm
+    pushes = []
+    real = Seq.dispatch
+
+    def spy(self, kernel, bindings, push=b"", groups=1):
+        pushes.append(push)
+        return real(self, kernel, bindings, push, groups)
+
+    monkeypatch.setattr(Seq, "dispatch", spy)
+    for N in (tile.bn + 4, tile.bn + 5):
+        raw, W = make_weights(rng, t, N, K)
+        wb = bufs.new(raw.nbytes, raw)
+        x = rng.standard_normal((M, K))
+        pushes.clear()
+        y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat",
+                      coop_variant=mm.coop_variant_name(t, emulate=True), k_split=128)
+        flags = pushes[0][9]
+        assert bool(flags & mm.FLAG_YVEC) == (N % 4 == 0), (N, flags)
+        check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
+
+
+def test_splitk_scratch_grows_geometrically(device):
+    """Needs growing by 1 MiB at a time (prompts of every length up to 128 tokens) allocate a
+    few doubling buffers, not one per size; all of them stay under 4x the largest need."""
+    sc_cls = mm._SplitkScratch
+    before = device.memory.allocated_bytes
+    try:
+        sizes = [(i + 1) << 20 for i in range(40)]
+        for n in sizes:
+            assert sc_cls.get(device, n).size >= n
+        sc = device.__dict__["_splitk_scratch"]
+        assert len(sc.buffers) <= 7
+        assert sum(b.size for b in sc.buffers) <= 4 * sizes[-1]
+    finally:
+        device.__dict__["_splitk_scratch"].close()
+    assert device.memory.allocated_bytes == before  # every scratch buffer returned
+
+
 def test_coop_k_split_rule(monkeypatch):
     """Split only grids under SPLITK_FULL_GROUPS workgroups, into the fewest ranges that reach
     SPLITK_TARGET_GROUPS, each at least SPLITK_MIN_K long and a multiple of BK (worked by hand

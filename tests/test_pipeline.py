@@ -61,7 +61,7 @@ def test_layer_ranges_follow_the_shares():
 
 @pytest.mark.parametrize("devices", _device_lists())
 @pytest.mark.parametrize("micro", [1, 3])
-def test_two_hubs_match_the_reference_and_one_hub(device, synth, micro, devices):
+def test_two_hubs_match_the_reference_and_one_hub(device, synth, micro, devices, monkeypatch):
     """Teacher-forced logits of a 21-token prompt in steps of 16 (3 micro-batches: pieces of 6,
     the last step 5 tokens in one piece), then greedy decode steps checked against the float64
     forward pass over the whole sequence: the KV caches of both stages carry over."""
@@ -96,7 +96,24 @@ def test_two_hubs_match_the_reference_and_one_hub(device, synth, micro, devices)
         # test_model.test_decode_integer_dot_products' bound (3% of the logit scale)
         assert np.abs(last - ref[-1]).max() <= 3e-2 * np.abs(ref[-1]).max()
         assert m.last_traffic == m.hp.n_embd * 4
-        assert m.stats["host_waits_in_step"] == 0
+        # every stage's steps submitted before the caller waits for any (the stages' order of
+        # work is the GPUs' and the relays', not the caller's)
+        from vkxsplit.executor import Step
+
+        events = []
+        wait = Step.wait
+        monkeypatch.setattr(Step, "wait", lambda self, *a, **k: (events.append("wait"), wait(self, *a, **k))[1])
+        for st in m.stages:
+            sub = st._submit
+            st._submit = lambda *a, _sub=sub, **k: (events.append("submit"), _sub(*a, **k))[1]
+        m.prefill(ids[:16])
+        assert events.count("submit") == 2 * m.micro and "submit" not in events[events.index("wait"):]
+        monkeypatch.undo()
+        for st in m.stages:
+            del st._submit
+        steps0 = m.stages[0].stats["steps"]
+        m._run([1], all_logits=False)
+        assert m.stages[0].stats["steps"] == steps0 + 1
         msgs = _messages(m)
     assert not msgs, msgs
 
@@ -126,7 +143,10 @@ def test_three_stages_hold_only_their_layers(synth):
 
 
 def test_bad_input_is_refused(synth):
+    from vkxsplit.native import open_fd_targets
+
     path = synth[3]
+    fds = open_fd_targets()
     with pytest.raises(VkxError, match="at least two devices"):
         PipelineModel(path, devices="0")
     with pytest.raises(VkxError, match="2 devices|3 shares"):
@@ -135,6 +155,8 @@ def test_bad_input_is_refused(synth):
         PipelineModel(path, devices="0,0,0,0")
     with pytest.raises(VkxError, match="does not exist"):  # the first device opened is closed again
         PipelineModel(path, devices="0,9")
+    # refused constructions leave no file, device or memfd open
+    assert {fd: t for fd, t in open_fd_targets().items() if fds.get(fd) != t} == {}
     with PipelineModel(path, devices="0,0", n_ctx=16, ubatch=8) as m:
         with pytest.raises(VkxError, match="more than ubatch"):
             m._run(list(range(9)), all_logits=False)
@@ -150,13 +172,16 @@ def test_a_stuck_stage_is_reported_not_run_silently(synth):
     """Stage 0 held behind a gate: the relay gives up after its timeout, the step raises
     WaitTimeout (never returns logits computed from a stale hidden state), and once the stage
     runs again the pipeline still works."""
+    import time
+
     from vkxsplit.vk.event import Gate
 
     path = synth[3]
-    ids = [3, 1, 4, 1, 5]
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]  # two pieces of 4 (a 1-token piece would be a decode step: q8_1 x)
     with load_gguf(path) as mf:
         want = reference_logits(mf, ids)
-    with PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, timeout=0.5) as m:
+    # two micro-batches: the relay of the second is still waiting when the step gives up
+    with PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5) as m:
         gate = Gate(m.devices[0])
         hold = gate.hold(watchdog_s=30)
         st0 = m.stages[0]
@@ -169,6 +194,7 @@ def test_a_stuck_stage_is_reported_not_run_silently(synth):
         with pytest.raises(WaitTimeout):
             m._run(ids, all_logits=True)
         assert m.n_past == 0
+        time.sleep(1.0)  # the old relays' later waits time out too: that must not reach the next step
         hold.release()
         st0._submit = orig
         m.timeout = 60.0  # lavapipe with the validation layer: a step may take longer than 0.5 s
@@ -230,7 +256,10 @@ def test_command_line_and_load_model(synth, tmp_path):
     assert r.returncode != 0 and "--devices" in r.stderr and "Traceback" not in r.stderr
     r = cli("bench", "-m", path, "--layer-split", "1,1", "-p", "8", "-n", "0", "-r", "1")
     assert r.returncode != 0 and "go with --devices" in r.stderr
+    r = cli("bench", "-m", path, "--devices", "0,0", "--split", "tensor:1,1", "-p", "8", "-n", "0", "-r", "1")
+    assert r.returncode != 0 and "--split other than none" in r.stderr
     with vkxsplit.load_model(path, devices="0,0", n_ctx=32, ubatch=8) as m:
         assert isinstance(m, PipelineModel) and len(m.stages) == 2
-    with pytest.raises(VkxError, match="no split or backends"):
-        vkxsplit.load_model(path, devices="0,0", split="tensor:1,1")
+    for kw in ({"split": "tensor:1,1"}, {"device": None}):
+        with pytest.raises(VkxError, match="no split, backends or device"):
+            vkxsplit.load_model(path, devices="0,0", **kw)

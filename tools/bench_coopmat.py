@@ -122,6 +122,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help="comma-separated NxK shapes (default 4096x4096,14336x4096)")
     args = ap.parse_args()
     types = [t for t in args.types.split(",") if t]
+    if not types or any(t not in TYPES for t in types):
+        ap.error(f"--types: choose from {', '.join(TYPES)}")
     t_start = time.perf_counter()
     dev = Device.open()
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)

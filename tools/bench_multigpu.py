@@ -93,6 +93,8 @@ def main() -> int:
     n_g = args.n or (2 if args.quick else 128)
     reps = args.r or (1 if args.quick else 3)
     peer = args.peer_device if args.peer_device is not None else ("0" if args.quick else "1")
+    if n_p < 1 or n_g < 1:
+        ap.error("-p and -n must be at least 1 (one prefill and one decode step are measured)")
     with Instance(validation=False) as inst:
         devs = inst.physical_devices()
         names = [f"{d.index}: {d.name}" for d in devs]

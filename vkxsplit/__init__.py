@@ -34,8 +34,8 @@ def load_model(path: Any = None, split: Any = None, backends: Any = None, **kw: 
     (:class:`vkxsplit.pipeline.PipelineModel`, which takes ``layer_split``, ``micro_batches``)."""
     devices = kw.pop("devices", None)
     if devices is not None:
-        if split not in (None, "none") or backends:
-            raise VkxError("devices=[...] puts one hub on each device: no split or backends inside it")
+        if split not in (None, "none") or backends or "device" in kw:
+            raise VkxError("devices=[...] puts one hub on each device: no split, backends or device with it")
         from .pipeline import PipelineModel
 
         return PipelineModel(path, devices=devices, **kw)

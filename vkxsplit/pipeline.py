@@ -137,7 +137,22 @@ class PipelineModel(LanguageModel):
                  progress: Any = None, timeout: float | None = None) -> None:
         self.path = Path(path) if path else default_model_path()
         sels = _parse_devices(devices)
+        self.devices: list[Device] = []
+        self.links: list[HostLink] = []
+        self.link_timelines: list[Timeline] = []
+        self.relays: list[HostBridge] = []
+        self.stages: list[Model] = []
         self.file: ModelFile = load_gguf(self.path)
+        try:
+            self._setup(sels, layer_split, n_ctx, ubatch, micro_batches, progress, timeout)
+        except BaseException:
+            self.close()
+            raise
+        log.info("pipeline over %s: layers %s, %d micro-batches of %d tokens",
+                 ", ".join(d.name for d in self.devices), self.ranges, self.micro, self.piece)
+
+    def _setup(self, sels: list[Any], layer_split: Any, n_ctx: int | None, ubatch: int,
+               micro_batches: int | None, progress: Any, timeout: float | None) -> None:
         self.hp = self.file.hparams
         self._tokenizer: Tokenizer | None = None
         self._tokenizer_error: ModelError | None = None
@@ -157,39 +172,32 @@ class PipelineModel(LanguageModel):
         self.micro = max(1, min(want, self.ubatch // 32 if micro_batches is None else self.ubatch, self.ubatch))
         self.piece = -(-self.ubatch // self.micro)  # tokens per micro-batch
         self.n_past = 0
-        self.devices: list[Device] = []
-        self.links: list[HostLink] = []
-        self.link_timelines: list[Timeline] = []
-        self.relays: list[HostBridge] = []
-        self.stages: list[Model] = []
         self.traffic = {"crossed_bytes": 0, "steps": 0, "relays": 0}
         self.last_traffic = 0
         self.timeout = timeout
-        try:
-            t0 = time.perf_counter()
-            for s in sels:
-                self.devices.append(Device.open(s))
-            link_bytes = self.micro * slot_rows(self.piece, self.micro) * self.hp.n_embd * 4
-            for i in range(n - 1):
-                self.links.append(HostLink(self.devices[i], self.devices[i + 1], link_bytes, f"link{i}"))
-                tl = Timeline(self.devices[i + 1], name=f"pipeline:link{i}")
-                self.link_timelines.append(tl)
-                self.relays.append(HostBridge(self.devices[i + 1], tl, name=f"pipeline-relay{i}",
-                                              run=lambda _job: None, timeout=timeout))
-            for i, (dev, rng) in enumerate(zip(self.devices, self.ranges)):
-                self.stages.append(Model(
-                    self.path, device=dev, n_ctx=self.n_ctx, ubatch=self.piece, layers=rng, slots=self.micro,
-                    link_in=self.links[i - 1].inp if i > 0 else None,
-                    link_out=self.links[i].out if i < n - 1 else None,
-                    progress=progress))
-            self.device = self.devices[0]
-            self.weight_bytes = sum(st.weight_bytes for st in self.stages)
-            self.load_seconds = time.perf_counter() - t0
-        except BaseException:
-            self.close()
-            raise
-        log.info("pipeline over %s: layers %s, %d micro-batches of %d tokens",
-                 ", ".join(d.name for d in self.devices), self.ranges, self.micro, self.piece)
+        t0 = time.perf_counter()
+        for s in sels:
+            self.devices.append(Device.open(s))
+        link_bytes = self.micro * slot_rows(self.piece, self.micro) * self.hp.n_embd * 4
+        for i in range(n - 1):
+            self.links.append(HostLink(self.devices[i], self.devices[i + 1], link_bytes, f"link{i}"))
+            self.link_timelines.append(Timeline(self.devices[i + 1], name=f"pipeline:link{i}"))
+            self.relays.append(self._relay(i))
+        for i, (dev, rng) in enumerate(zip(self.devices, self.ranges)):
+            self.stages.append(Model(
+                self.path, device=dev, n_ctx=self.n_ctx, ubatch=self.piece, layers=rng, slots=self.micro,
+                link_in=self.links[i - 1].inp if i > 0 else None,
+                link_out=self.links[i].out if i < n - 1 else None,
+                progress=progress))
+        self.device = self.devices[0]
+        self.weight_bytes = sum(st.weight_bytes for st in self.stages)
+        self.load_seconds = time.perf_counter() - t0
+
+    def _relay(self, i: int) -> HostBridge:
+        """The thread that signals link ``i``'s timeline (on stage i + 1's device) when stage
+        ``i``'s step ends."""
+        return HostBridge(self.devices[i + 1], self.link_timelines[i], name=f"pipeline-relay{i}",
+                          run=lambda _job: None, timeout=self.timeout)
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -212,37 +220,51 @@ class PipelineModel(LanguageModel):
         if self.n_past + T > self.n_ctx:
             raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
                            "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
-        last_steps: list[Any] = [None] * len(self.stages)
-        for j, s in enumerate(range(0, T, self.piece)):
-            piece = ids[s:s + self.piece]
-            prev = None
-            for i, st in enumerate(self.stages):
-                waits: list[Any] = []
-                if i > 0:
-                    tl = self.link_timelines[i - 1]
-                    v = tl.next()
-                    self.relays[i - 1].enqueue(prev, v)
-                    waits = [(tl, v)]
-                step = st._submit(piece, self.n_past + s, all_logits, slot=j, waits=waits)
-                pts = step._final_points()
-                if len(pts) != 1:  # stages run split none: one hub point ends a step
-                    raise VkxError(f"stage {i}: a step ended in {len(pts)} points")
-                prev = pts[0]
-                last_steps[i] = step
-        self.traffic["relays"] += (len(self.stages) - 1) * -(-T // self.piece)
+        last = len(self.stages) - 1
+        steps: list[list[Any]] = [[] for _ in self.stages]
         try:
-            for step in reversed(last_steps):
-                step.wait(self.timeout)
-        finally:
+            for j, s in enumerate(range(0, T, self.piece)):
+                piece = ids[s:s + self.piece]
+                prev = None
+                for i, st in enumerate(self.stages):
+                    waits: list[Any] = []
+                    if i > 0:
+                        tl = self.link_timelines[i - 1]
+                        v = tl.next()
+                        self.relays[i - 1].enqueue(prev, v)
+                        waits = [(tl, v)]
+                    # (stages before the last make no logits: one graph for both kinds of step)
+                    step = st._submit(piece, self.n_past + s, all_logits and i == last, slot=j, waits=waits)
+                    pts = step._final_points()
+                    if len(pts) != 1:  # stages run split none: one hub point ends a step
+                        raise VkxError(f"stage {i}: a step ended in {len(pts)} points")
+                    prev = pts[0]
+                    steps[i].append(step)
+            for i in reversed(range(len(self.stages))):
+                steps[i][-1].wait(self.timeout)  # (a stage's steps end in queue order)
             for r in self.relays:
                 r.check()  # a relay that timed out let a stage run on a stale hidden state
-        for st, step in zip(self.stages, last_steps):
-            st._count(step)
+        except BaseException:
+            self._reset_relays()
+            raise
+        for st, st_steps in zip(self.stages, steps):
+            for step in st_steps:
+                st._count(step)
         self.n_past += T
         self.last_traffic = T * self.hp.n_embd * 4 * (len(self.stages) - 1)
         self.traffic["crossed_bytes"] += self.last_traffic
         self.traffic["steps"] += 1
-        return last_steps[-1]
+        self.traffic["relays"] += len(steps[0]) * (len(self.stages) - 1)
+        return steps[-1][-1]
+
+    def _reset_relays(self) -> None:
+        """After a failed step: new relay threads, so that an error a relay records later (a
+        wait of the failed step that times out after the caller gave up) is not raised by the
+        next, healthy step. Closing a relay signals every value it handed out: no stage stays
+        blocked on a link."""
+        for i, r in enumerate(self.relays):
+            r.close()
+            self.relays[i] = self._relay(i)
 
     def _out(self) -> Model:
         return self.stages[-1]

@@ -64,13 +64,14 @@ def _load(args: argparse.Namespace) -> Any:
     from .vk.device import Device
 
     if getattr(args, "devices", None):
-        if args.device is not None or args.backends:
-            raise VkxError("--devices puts one hub on each device: it does not take --device or --backends")
+        if args.device is not None or args.backends or args.split not in (None, "none"):
+            raise VkxError("--devices puts one hub on each device: it does not take --device, --backends "
+                           "or a --split other than none")
         from .pipeline import PipelineModel
 
         return PipelineModel(args.model, devices=args.devices, layer_split=args.layer_split, n_ctx=args.ctx_size,
                              ubatch=args.ubatch, micro_batches=args.micro_batches, progress=Progress("loading"))
-    if getattr(args, "layer_split", None) or getattr(args, "micro_batches", None):
+    if getattr(args, "layer_split", None) is not None or getattr(args, "micro_batches", None) is not None:
         raise VkxError("--layer-split and --micro-batches go with --devices (a model split over several GPUs)")
     dev = Device.open(args.device) if args.device is not None else None
     model = load_model(args.model, split=args.split, backends=args.backends, device=dev, n_ctx=args.ctx_size,

@@ -600,7 +600,10 @@ class _SplitkScratch:
     """The device's buffer for split-K partial products, shared by every dispatch recorded on
     it (they run in queue order; each reduce reads its partials before the next product writes
     them: the sequences' hazard barriers, the begin barrier between submissions). Grows by
-    replacement; buffers a recorded sequence may still bind stay until the device closes."""
+    replacement, at least doubling (a model that meets M = 9, 10, ... 128 allocates a few
+    buffers, not one per M); buffers a recorded sequence may still bind stay until the device
+    closes, so all of them together stay under 4x the largest need (partials of one dispatch:
+    at most SPLITK_MAX_SCRATCH when ``coop_k_split`` chose the split)."""
 
     def __init__(self, device: Device) -> None:
         self.device = device
@@ -613,7 +616,8 @@ class _SplitkScratch:
         if sc is None:
             sc = device.__dict__["_splitk_scratch"] = cls(device)
         if not sc.buffers or sc.buffers[-1].size < nbytes:
-            sc.buffers.append(device.memory.alloc(max(nbytes, 1 << 20), "device", "splitk_scratch"))
+            grow = 2 * sc.buffers[-1].size if sc.buffers else 1 << 20
+            sc.buffers.append(device.memory.alloc(max(nbytes, grow), "device", "splitk_scratch"))
         return sc.buffers[-1]
 
     def close(self) -> None:
@@ -839,7 +843,8 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
                 raise KernelError(f"{name}: k_split {k_split} must be a multiple of BK {tile.bk} below K")
             splits = -(-K // k_split)
             part = _SplitkScratch.get(dev, splits * M * N * 4)
-            flags |= FLAG_YVEC
+            if N % 4 == 0:  # partial rows of N floats, from byte 0: 16-byte aligned when N % 4 == 0
+                flags |= FLAG_YVEC
             seq.dispatch(Kernel.get(dev, cname), [w, x, part],
                          (M, N, K, x_stride, N, x_offset, 0, w_row_offset, 0, flags, k_split),
                          (*_grid(path, wt, M, N, cname)[:2], splits))
