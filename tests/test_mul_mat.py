@@ -545,7 +545,7 @@ def test_splitk_scratch_grows_geometrically(device):
         assert sum(b.size for b in sc.buffers) <= 4 * sizes[-1]
     finally:
         device.__dict__["_splitk_scratch"].close()
-    assert device.memory.allocated_bytes == before  # every scratch buffer returned
+    assert device.memory.allocated_bytes <= before  # every scratch buffer returned (earlier ones too)
 
 
 def test_coop_k_split_rule(monkeypatch):
