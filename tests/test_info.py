@@ -144,6 +144,29 @@ def test_json_shape(report):
             assert cm["shapes"], "cooperative matrix supported but no shapes listed"
 
 
+def test_multi_gpu_report_rules(report):
+    """Stages need host-allocation import (the hidden state crosses through host pages); a pair
+    of devices is linked only when both can; one GPU twice is marked as such."""
+    from vkxsplit.info import multi_gpu_report
+
+    def dev(i, uuid, ext=True, imp=True):
+        return {"index": i, "name": f"gpu{i}", "device_uuid": uuid, "driver_uuid": "d",
+                "interop": {"memory": {"host_allocation": {"extension_present": ext, "importable": imp}}}}
+
+    r = multi_gpu_report([dev(0, "a"), dev(1, "b"), dev(2, "a", ext=False)])
+    assert [x["can_host_stage"] for x in r["stages"]] == [True, True, False]
+    assert r["stages"][2]["reason"] == "no VK_EXT_external_memory_host"
+    links = {(ln["from"], ln["to"]): ln for ln in r["links"]}
+    assert set(links) == {(0, 1), (0, 2), (1, 2)}
+    assert links[(0, 1)]["memory"] == "host_allocation" and not links[(0, 1)]["same_gpu"]
+    assert links[(0, 2)]["memory"] is None and "GPU2" in links[(0, 2)]["reason"] and links[(0, 2)]["same_gpu"]
+    # this machine's report (lavapipe: host allocations importable)
+    mg = report["multi_gpu"]
+    assert [x["index"] for x in mg["stages"]] == [d["index"] for d in report["devices"]]
+    assert all(x["can_host_stage"] == d["interop"]["memory"]["host_allocation"]["importable"]
+               for x, d in zip(mg["stages"], report["devices"]))
+
+
 # ------------------------------------------------------------------------------------------
 # text
 

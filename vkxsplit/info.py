@@ -438,6 +438,38 @@ def probe_opaque_fd_mappable(device: Any) -> tuple[bool, str]:
 # report collection
 
 
+def multi_gpu_report(devices: list[dict[str, Any]]) -> dict[str, Any]:
+    """Which devices can host a pipeline stage (``--devices``, :mod:`vkxsplit.pipeline`) and how
+    each pair would be linked: the hidden state through host pages both import by pointer
+    (VK_EXT_external_memory_host; opaque-fd memory crosses only between equal deviceUUIDs and
+    driverUUIDs), events through a host relay thread."""
+
+    def host_ok(d: dict[str, Any]) -> tuple[bool, str]:
+        h = d["interop"]["memory"]["host_allocation"]
+        if not h.get("extension_present"):
+            return False, "no VK_EXT_external_memory_host"
+        if not h.get("importable"):
+            return False, "host allocations not importable"
+        return True, ""
+
+    stages = [{"index": d["index"], "name": d["name"], "can_host_stage": host_ok(d)[0],
+               "reason": host_ok(d)[1]} for d in devices]
+    links = []
+    for a in devices:
+        for b in devices:
+            if a["index"] >= b["index"]:
+                continue
+            ok_a, why_a = host_ok(a)
+            ok_b, why_b = host_ok(b)
+            same = a["device_uuid"] == b["device_uuid"] and a["driver_uuid"] == b["driver_uuid"]
+            links.append({"from": a["index"], "to": b["index"], "same_gpu": same,
+                          "memory": "host_allocation" if ok_a and ok_b else None,
+                          "events": "host relay" if ok_a and ok_b else None,
+                          "reason": "" if ok_a and ok_b else f"GPU{a['index'] if not ok_a else b['index']}: "
+                                                               f"{why_a or why_b}"})
+    return {"stages": stages, "links": links}
+
+
 def _instance_report(inst: Any) -> dict[str, Any]:
     from .vk.api import NULL, enumerate_, lib, string
 
@@ -869,6 +901,7 @@ def _collect_with(inst: Any, device: int | None, gl: _Glfw | None, surface_info:
         "hub_device": hub,
         "hub_error": hub_error,
         "devices": devices,
+        "multi_gpu": multi_gpu_report(devices),
         "shaders": shaders,
         "backends": backends,
         "device_nodes": device_nodes(dev_root),
@@ -948,6 +981,23 @@ def render_text(r: dict[str, Any]) -> str:
         L += _wrap(f"default hub: {r['hub_error']}", "  ", "")
     for d in r["devices"]:
         L += _render_device(d)
+
+    mg = r.get("multi_gpu")
+    if mg is not None:
+        L += _heading("Multi-GPU (--devices: the layers split over several hubs)")
+        ok = [f"GPU{x['index']}" for x in mg["stages"] if x["can_host_stage"]]
+        L += _kv("can host a stage", ", ".join(ok) or "none", "")
+        for x in mg["stages"]:
+            if not x["can_host_stage"]:
+                L += _kv(f"GPU{x['index']}", f"cannot: {x['reason']}", "  ")
+        for ln in mg["links"]:
+            what = ("hidden state through host pages, events by a host relay"
+                    + (" (one GPU: two hubs on it)" if ln["same_gpu"] else "")) if ln["memory"] else \
+                f"no link: {ln['reason']}"
+            L += _kv(f"GPU{ln['from']} -> GPU{ln['to']}", what, "  ")
+        if len(mg["stages"]) == 1 and ok:
+            L += _wrap(f"one device: --devices {mg['stages'][0]['index']},{mg['stages'][0]['index']} runs two hubs "
+                       "on it (how the pipeline is tested without a second GPU)", "  ", "")
 
     s = r["shaders"]
     L += _heading("Shaders")
