@@ -346,25 +346,7 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
     x_stride, y_col, y_stride = _layout(name, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset,
                                         y_col_offset)
     check_q8_1_scratch(name, xq_scratch, M, K, (("the weights", w), ("x", x), ("y", y)))
-    _, w_off, w_size, _ = as_range(w)
-    _, x_off, x_size, _ = as_range(x)
-    _, y_off, y_size, _ = as_range(y)
-    if w_off % 16:
-        raise KernelError(f"{name}: the weight binding must be 16-byte aligned (byte {w_off})")
-    if x_off % 4 or y_off % 4:
-        raise KernelError(f"{name}: x/y bindings must be 4-byte aligned")
-    if (w_row_offset + N) * wt.row_bytes(K) > w_size:
-        raise KernelError(f"{name}: rows {w_row_offset}..{w_row_offset + N} do not fit the weight binding "
-                          f"({w_size} bytes)")
-    if M and (x_offset + (M - 1) * x_stride + K) * 4 > x_size:
-        raise KernelError(f"{name}: x ({M} rows of stride {x_stride} from {x_offset}) does not fit its binding")
-    if M and (y_offset + (M - 1) * y_stride + y_col + N) * 4 > y_size:
-        raise KernelError(f"{name}: y does not fit its binding ({y_size} bytes)")
-    if _overlap(y, w) or _overlap(y, x):
-        raise KernelError(f"{name}: y overlaps x or the weights")
-    for v in (x_offset + (M - 1) * x_stride + K, y_offset + (M - 1) * y_stride + y_col + N):
-        if v >= 1 << 32:
-            raise KernelError(f"{name}: element offsets exceed 32 bits")
+    _check_bindings(name, wt, w, x, y, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col)
     gx, gy, _ = _grid("vec", wt, M, N, variant)
     nq = -(-M * (K // 32) // (VECQ_QUANTIZE_WG // 8))
     if gy > MAX_GROUPS or nq > MAX_GROUPS:
@@ -743,6 +725,36 @@ def _layout(name: str, M: int, N: int, K: int, x_stride: int | None, y_stride: i
     return x_stride, y_col, y_stride
 
 
+def _check_bindings(name: str, wt: WeightType, w: Bindable, x: Bindable, y: Bindable, M: int, N: int, K: int,
+                    x_stride: int, y_stride: int, x_offset: int, y_offset: int, w_row_offset: int,
+                    y_col: int) -> tuple[int, int]:
+    """The checks every mat-mul/mat-vec makes of its bindings (alignment, fit, overlap, 32-bit
+    element offsets); returns the x and y bindings' byte offsets."""
+    _, w_off, w_size, _ = as_range(w)
+    _, x_off, x_size, _ = as_range(x)
+    _, y_off, y_size, _ = as_range(y)
+    if w_off % 16:
+        raise KernelError(f"{name}: the weight binding starts at byte {w_off}, not 16-byte aligned")
+    if x_off % 4 or y_off % 4:
+        raise KernelError(f"{name}: x/y bindings must be 4-byte aligned")
+    rbytes = wt.row_bytes(K)
+    if (w_row_offset + N) * rbytes > w_size:
+        raise KernelError(f"{name}: rows {w_row_offset}..{w_row_offset + N} of {rbytes} bytes do not fit "
+                          f"the weight binding ({w_size} bytes)")
+    if M and (x_offset + (M - 1) * x_stride + K) * 4 > x_size:
+        raise KernelError(f"{name}: x ({M} rows of stride {x_stride} from {x_offset}) does not fit "
+                          f"its binding ({x_size} bytes)")
+    if M and (y_offset + (M - 1) * y_stride + y_col + N) * 4 > y_size:
+        raise KernelError(f"{name}: y ({M} rows of stride {y_stride} from {y_offset}, columns "
+                          f"{y_col}..{y_col + N}) does not fit its binding ({y_size} bytes)")
+    if _overlap(y, w) or _overlap(y, x):
+        raise KernelError(f"{name}: y overlaps x or the weights")
+    for v in (x_offset + (M - 1) * x_stride + K, y_offset + (M - 1) * y_stride + y_col + N):
+        if v >= 1 << 32:
+            raise KernelError(f"{name}: element offsets exceed 32 bits")
+    return x_off, y_off
+
+
 def _overlap(a: Bindable, b: Bindable) -> bool:
     _, oa, sa, ba = as_range(a)
     _, ob, sb, bb = as_range(b)
@@ -799,28 +811,8 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     x_stride, y_col, y_stride = _layout(name, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset,
                                         y_col_offset)
 
-    _, w_off, w_size, _ = as_range(w)
-    _, x_off, x_size, _ = as_range(x)
-    _, y_off, y_size, _ = as_range(y)
-    if w_off % 16:
-        raise KernelError(f"{name}: the weight binding starts at byte {w_off}, not 16-byte aligned")
-    if x_off % 4 or y_off % 4:
-        raise KernelError(f"{name}: x/y bindings must be 4-byte aligned")
-    rbytes = wt.row_bytes(K)
-    if (w_row_offset + N) * rbytes > w_size:
-        raise KernelError(f"{name}: rows {w_row_offset}..{w_row_offset + N} of {rbytes} bytes do not fit "
-                          f"the weight binding ({w_size} bytes)")
-    if M and (x_offset + (M - 1) * x_stride + K) * 4 > x_size:
-        raise KernelError(f"{name}: x ({M} rows of stride {x_stride} from {x_offset}) does not fit "
-                          f"its binding ({x_size} bytes)")
-    if M and (y_offset + (M - 1) * y_stride + y_col + N) * 4 > y_size:
-        raise KernelError(f"{name}: y ({M} rows of stride {y_stride} from {y_offset}, columns "
-                          f"{y_col}..{y_col + N}) does not fit its binding ({y_size} bytes)")
-    if _overlap(y, w) or _overlap(y, x):
-        raise KernelError(f"{name}: y overlaps x or the weights")
-    for v in (x_offset + (M - 1) * x_stride + K, y_offset + (M - 1) * y_stride + y_col + N):
-        if v >= 1 << 32:
-            raise KernelError(f"{name}: element offsets exceed 32 bits")
+    x_off, y_off = _check_bindings(name, wt, w, x, y, M, N, K, x_stride, y_stride, x_offset, y_offset,
+                                   w_row_offset, y_col)
     if M == 0 or N == 0:
         return path
 
