@@ -594,7 +594,7 @@ def test_coopmat_variants():
     for t in mm.COOP_SWEEP_TYPES:
         for key in mm.COOP_TILES:
             assert (mm.coop_variant_name(t, key) if key != mm.COOP_CONFIG[t] else mm.coop_variant_name(t)) in names
-    assert len([n for n in names if n.startswith("mul_mat_coopmat")]) <= 45
+    assert len([n for n in names if n.startswith("mul_mat_coopmat")]) <= 70  # a bound on the shipped SPIR-V
 
 
 def test_coopmat_variant_errors(device, bufs, seq):

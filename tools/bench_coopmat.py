@@ -10,6 +10,9 @@ type's default ``mul_mat_coopmat_<type>_f32`` and the sweep tilings
 tables and the fastest variant per type (the tiling to put in COOP_CONFIG).
 
 Usage: python tools/bench_coopmat.py [--quick] [--reps N] [--m 128,512] [--types q4_0] [--shapes 4096x4096]
+                                     [--splits auto,1,2,4] [--tiles t128x256_k32_w64x64_s1,...]
+  --splits times each variant with K split as coop_k_split chooses (auto) and/or into the given
+           numbers of ranges (each a multiple of the tile's BK, at least 2 BK long)
   --quick  small shapes; on a device without cooperative matrices (lavapipe) it runs the
            emulated variants (mul_mat_coopmat_emu_*), a smoke test of the script and kernel.
 Exit status: 0, or 1 when a variant FAILs its check (2 when the device has no coopmat and
@@ -120,8 +123,17 @@ def main() -> int:
     ap.add_argument("--m", default=None, help="comma-separated batch sizes M to time (default 512; --quick 64)")
     ap.add_argument("--types", default=",".join(TYPES), help="comma-separated weight types")
     ap.add_argument("--shapes", default=None, help="comma-separated NxK shapes (default 4096x4096,14336x4096)")
+    ap.add_argument("--splits", default="auto",
+                    help="comma-separated K splits to time every variant with: auto (coop_k_split's choice) "
+                         "and/or counts (1: unsplit, 2, 4, ...)")
+    ap.add_argument("--tiles", default=None, help="comma-separated tile names (t128x128_k32_w64x64, ...) to time; "
+                                                  "default: every tile of the type")
     args = ap.parse_args()
     types = [t for t in args.types.split(",") if t]
+    splits = [sp for sp in args.splits.split(",") if sp]
+    if not splits or any(sp != "auto" and not (sp.isdigit() and int(sp) >= 1) for sp in splits):
+        ap.error("--splits: auto and/or counts >= 1")
+    tiles = set(args.tiles.split(",")) if args.tiles else None
     if not types or any(t not in TYPES for t in types):
         ap.error(f"--types: choose from {', '.join(TYPES)}")
     t_start = time.perf_counter()
@@ -175,9 +187,16 @@ def main() -> int:
             y = dev.memory.alloc(M * n * 4, "device", "y")
             flop = 2.0 * M * n * k
             default = mm.coop_variant_name(t, emulate=emulate)
-            for name in [*variants(t, emulate), "no-split", "tiled"]:
-                # the coopmat variants split K where mm.coop_k_split says so (real coopmat only);
-                # "no-split": the default variant with k_split=0, for the comparison
+            runs: list[tuple[str, str]] = [(v, sp) for v in variants(t, emulate)
+                                           if tiles is None or mm.COOP_VARIANT_TILES[v].name in tiles
+                                           for sp in splits]
+            if "auto" in splits:
+                runs.append(("no-split", "1"))
+            runs.append(("tiled", "-"))
+            for name, sp in runs:
+                # "auto": the coopmat variants split K where mm.coop_k_split says so (real coopmat
+                # only); a count: split into that many ranges; "no-split": the default variant
+                # with k_split=0, for the comparison
                 if name == "tiled":
                     kw = {"path": "tiled"}
                 elif name == "no-split":
@@ -188,7 +207,15 @@ def main() -> int:
                 tile = "64x64 f32" if ctile is None else ctile.name
                 bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
                 groups = -(-M // bm) * -(-n // bn)
-                if ctile is not None and name != "no-split" and not emulate and not mm.splitk_disabled():
+                if ctile is not None and name != "no-split" and sp != "auto":
+                    chunk = -(-(-(-k // int(sp))) // ctile.bk) * ctile.bk
+                    if int(sp) > 1 and (chunk >= k or chunk < 2 * ctile.bk):
+                        continue  # K too short for that many ranges
+                    kw["k_split"] = 0 if int(sp) == 1 else chunk
+                    if int(sp) > 1:
+                        tile += f" split K {-(-k // chunk)}x{chunk}"
+                        groups *= -(-k // chunk)
+                elif ctile is not None and name != "no-split" and not emulate and not mm.splitk_disabled():
                     ks = mm.coop_k_split(ctile, M, n, k)
                     if ks:
                         tile += f" split K {-(-k // ks)}x{ks}"
@@ -202,9 +229,10 @@ def main() -> int:
                 tf = flop / sec / 1e12
                 print(f"| {t} | {M} | {n}x{k} | {name} | {tile} | {groups} | {sec * 1e3:.3f} | {tf:.3g} |")
                 if name not in ("tiled", "no-split"):
-                    per_variant.setdefault((t, name), []).append(tf)
+                    label = name if sp == "auto" else f"{name} /{sp}"
+                    per_variant.setdefault((t, label), []).append(tf)
                     if tf > best.get((t, M, n, k), (0.0, ""))[0]:
-                        best[(t, M, n, k)] = (tf, name)
+                        best[(t, M, n, k)] = (tf, label)
             for b in (w, x, y):
                 b.close()
 
@@ -221,7 +249,7 @@ def main() -> int:
                  if tt == t and len(v) == len(shapes[t]) and min(v) > 0]
         if cands:
             g, name = max(cands)
-            print(f"| {t} | {name} | {mm.COOP_VARIANT_TILES[name].name} | {g:.3g} |")
+            print(f"| {t} | {name} | {mm.COOP_VARIANT_TILES[name.split(' /')[0]].name} | {g:.3g} |")
     dev.close()
     print(f"\nchecks: {'all PASS' if not failed else f'{failed} FAIL'}; {time.perf_counter() - t_start:.1f} s")
     return 1 if failed else 0

@@ -12,6 +12,10 @@ default and the wide M = 4 variant at M = 4:
   step does); ``no-barrier`` mode: the same dispatches writing different y buffers with no
   barrier between them, so they may overlap (launch / barrier latency separated from the
   kernel's own time);
+- ``kernel``: the median span of one mat-vec dispatch alone, from a GPU timestamp pair around
+  it (the end of the work before to the end of the dispatch: its launch and execution, not the
+  barrier after it; what a GPU profiler reports per kernel); for the integer-dot-product rows the
+  dot-product kernel alone, x quantized before the pair (in a model the norm writes it);
 - GB/s = weight bytes / time, and % of the compute-shader copy bandwidth (copy_vec4, read +
   write bytes / time) measured in the same run;
 - every variant is first checked once against a float64 numpy reference on a small shape
@@ -23,7 +27,7 @@ default and the wide M = 4 variant at M = 4:
   the float64 product of the same 8-bit-rounded x (vkxsplit.ops.mul_mat.q8_1_reference);
   variants needing a feature the device lacks (shaderIntegerDotProduct) are SKIPped.
 
-Usage: python tools/bench_matvec.py [--quick] [--types q4_0,q8_0] [--reps 50]
+Usage: python tools/bench_matvec.py [--quick] [--types q4_0,q8_0] [--reps 50] [--variants b1_,u4] [--shapes 4096x14336]
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchutil import spin_up, timed  # noqa: E402
+from benchutil import spin_up, timed, timed_each  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
@@ -54,9 +58,10 @@ ROTATE_BYTES = 256 << 20
 
 
 def time_variant(dev: Device, t: str, v: str, m: int, n: int, k: int, ws: list, x, y, ystride: int,
-                 reps: int) -> tuple[float, float]:
-    """(barrier-mode, no-barrier-mode) seconds per dispatch of variant ``v``; rep i reads weight
-    copy i % len(ws); in no-barrier mode it writes its own y slot (no hazard, no barrier)."""
+                 reps: int) -> tuple[float, float, float]:
+    """(barrier-mode, no-barrier-mode, kernel) seconds per dispatch of variant ``v``; rep i reads
+    weight copy i % len(ws); in no-barrier mode it writes its own y slot (no hazard, no barrier);
+    kernel: the median span of one dispatch alone (timestamps around it, benchutil.timed_each)."""
     slot = 8 * ystride * 4
 
     def rec(s: Sequence, i: int, sep: bool) -> None:
@@ -65,7 +70,8 @@ def time_variant(dev: Device, t: str, v: str, m: int, n: int, k: int, ws: list, 
 
     tb = timed(dev, lambda s, i: rec(s, i, False), reps, True)
     tn = timed(dev, lambda s, i: rec(s, i, True), reps, False)
-    return tb, tn
+    tk = timed_each(dev, lambda s, i: rec(s, i, False), reps)
+    return tb, tn, tk
 
 
 def reference_weights(rng: np.random.Generator, t: str, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -175,10 +181,12 @@ def verify_vecq(dev: Device, rng: np.random.Generator, t: str, variants: list[st
 
 
 def time_vecq(dev: Device, t: str, v: str | None, m: int, n: int, k: int, ws: list, x, xq, y, ystride: int,
-              reps: int) -> tuple[float, float]:
-    """(barrier-mode, no-barrier-mode) seconds per quantize-x + barrier + dot-product pair of
+              reps: int) -> tuple[float, float, float]:
+    """(barrier-mode, no-barrier-mode, kernel) seconds per quantize-x + barrier + dot-product pair of
     vecq variant ``v`` (``v`` None: the quantize-x dispatch alone); in no-barrier mode rep i
-    uses its own scratch and y slots (no hazard between reps; the barrier inside a rep stays)."""
+    uses its own scratch and y slots (no hazard between reps; the barrier inside a rep stays);
+    kernel: the median span of the dot-product dispatch alone (x quantized before it, outside
+    the timestamps; for ``v`` None the quantize dispatch alone)."""
     slot = 8 * ystride * 4
     qslot = -(-mm.vecq_scratch_bytes(8, k) // 256) * 256
 
@@ -193,7 +201,15 @@ def time_vecq(dev: Device, t: str, v: str | None, m: int, n: int, k: int, ws: li
 
     tb = timed(dev, lambda s, i: rec(s, i, False), reps, True)
     tn = timed(dev, lambda s, i: rec(s, i, True), reps, False)
-    return tb, tn
+    if v is None:
+        return tb, tn, timed_each(dev, lambda s, i: rec(s, i, False), reps)
+    # the dot-product dispatch alone, x already quantized (in a model the norm before writes it)
+    qv = View(xq, 0, qslot)
+    yv = View(y, 0, slot)
+    tk = timed_each(dev, lambda s, i: mm.record_mul_mat_vecq(s, ws[i % len(ws)], t, x, qv, yv, m, n, k,
+                                                              y_stride=ystride, variant=v, quantize=False),
+                    reps, before=lambda s, i: mm.record_quantize_q8_1(s, x, qv, m, k, k, 0))
+    return tb, tn, tk
 
 
 def main() -> int:
@@ -201,10 +217,19 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes, two variants per type (lavapipe smoke run)")
     ap.add_argument("--types", default=",".join(TYPES), help="comma-separated weight types")
     ap.add_argument("--reps", type=int, default=0, help="dispatches per timing (default 50, --quick 3)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated substrings: time only the variants whose name holds one (defaults always)")
+    ap.add_argument("--shapes", default=None, help="comma-separated NxK shapes (default 4096x4096,4096x14336,14336x4096)")
     args = ap.parse_args()
     types = [t for t in args.types.split(",") if t]
     reps = args.reps or (3 if args.quick else 50)
     shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(","))
+    pick = [p for p in (args.variants or "").split(",") if p]
+
+    def wanted(v: str, default: str | None) -> bool:
+        return not pick or v == default or any(p in v for p in pick)
     rotate = (8 << 20) if args.quick else ROTATE_BYTES
     t0 = time.time()
     dev = Device.open()
@@ -227,14 +252,17 @@ def main() -> int:
     for t in types:
         sweep = [n for n, (ty, _) in mm.VEC_SWEEP.items() if ty == t]
         wide = [n for n, (ty, _, mx) in mm.VEC_WIDE.items() if ty == t and mx == 1]
-        by_type[t] = [mm.vec_kernel_name(t, 1)] + (sweep[:1] + wide[:1] if args.quick else sweep + wide)
+        by_type[t] = [mm.vec_kernel_name(t, 1)] + [v for v in (sweep[:1] + wide[:1] if args.quick else sweep + wide)
+                                                    if wanted(v, None)]
         m4_by_type[t] = [mm.vec_kernel_name(t, 4)] + [n for n, (ty, _, mx) in mm.VEC_WIDE.items()
                                                       if ty == t and mx == 4]
     vecq_by_type: dict[str, list[tuple[str, int]]] = {}  # (variant, M)
     for t in types:
         q1 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 1]
         q4 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 4]
-        vecq_by_type[t] = [(n, 1) for n in (q1[:2] if args.quick else q1)] + [(n, 4) for n in q4[:1]]
+        dq = f"mul_mat_vecq_{t}_q8_1_m1_{mm.VECQ_DEFAULT_M1['gpu'].tag}"
+        vecq_by_type[t] = ([(n, 1) for n in (q1[:2] if args.quick else q1) if wanted(n, dq)]
+                           + [(n, 4) for n in q4[:1] if not pick])
 
     print("## correctness (small shape, float64 reference)\n\n| type | variant | check |\n|---|---|---|")
     failed: set[str] = set()
@@ -254,8 +282,9 @@ def main() -> int:
     print()
 
     print("## timings: M columns, N x K = output rows x inner dimension; GB/s = weight bytes / time\n")
-    print("| type | N x K | M | variant | shape | us (barrier) | GB/s | % copy | us (no barrier) | GB/s | % copy |")
-    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| type | N x K | M | variant | shape | us (barrier) | GB/s | % copy | us (no barrier) | GB/s | % copy "
+          "| us (kernel) | GB/s | % copy |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     best: dict[str, dict[str, float]] = {t: {} for t in types}
     for t in types:
         for n, k in shapes:
@@ -283,13 +312,14 @@ def main() -> int:
                     continue
                 cfg = mm.vec_config(v)
                 try:
-                    tb, tn = time_variant(dev, t, v, m, n, k, ws, x, y, ystride, reps)
+                    tb, tn, tk = time_variant(dev, t, v, m, n, k, ws, x, y, ystride, reps)
                 except VkxError as exc:
                     print(f"| {t} | {n}x{k} | {m} | `{v}` | {cfg.tag} | {str(exc)[:60]} | | | | | |")
                     continue
-                gb, gn = wbytes / tb / 1e9, wbytes / tn / 1e9
+                gb, gn, gk = wbytes / tb / 1e9, wbytes / tn / 1e9, wbytes / tk / 1e9
                 print(f"| {t} | {n}x{k} | {m} | `{v}` | {cfg.tag} | {tb * 1e6:.1f} | {gb:.0f} | "
-                      f"{100 * gb / copy_bw:.0f}% | {tn * 1e6:.1f} | {gn:.0f} | {100 * gn / copy_bw:.0f}% |")
+                      f"{100 * gb / copy_bw:.0f}% | {tn * 1e6:.1f} | {gn:.0f} | {100 * gn / copy_bw:.0f}% | "
+                      f"{tk * 1e6:.1f} | {gk:.0f} | {100 * gk / copy_bw:.0f}% |")
                 if m == 1:
                     best[t][v] = best[t].get(v, 0.0) + tb  # summed over the shapes
             if vecq_by_type[t] and k % 32 == 0:
@@ -300,17 +330,18 @@ def main() -> int:
                     label = f"`{v}`" if v else "`quantize_q8_1` only"
                     tag = mm.VECQ_SWEEP[v][1].tag + " +q8_1" if v else "-"
                     try:
-                        tb, tn = time_vecq(dev, t, v, m, n, k, ws, x, xq, y, ystride, reps)
+                        tb, tn, tk = time_vecq(dev, t, v, m, n, k, ws, x, xq, y, ystride, reps)
                     except VkxError as exc:
                         print(f"| {t} | {n}x{k} | {m} | {label} | {tag} | {str(exc)[:60]} | | | | | |")
                         continue
                     if v is None:  # not a weight-streaming kernel: no GB/s
                         print(f"| {t} | {n}x{k} | {m} | {label} | {tag} | {tb * 1e6:.1f} | - | - | "
-                              f"{tn * 1e6:.1f} | - | - |")
+                              f"{tn * 1e6:.1f} | - | - | {tk * 1e6:.1f} | - | - |")
                         continue
-                    gb, gn = wbytes / tb / 1e9, wbytes / tn / 1e9
+                    gb, gn, gk = wbytes / tb / 1e9, wbytes / tn / 1e9, wbytes / tk / 1e9
                     print(f"| {t} | {n}x{k} | {m} | {label} | {tag} | {tb * 1e6:.1f} | {gb:.0f} | "
-                          f"{100 * gb / copy_bw:.0f}% | {tn * 1e6:.1f} | {gn:.0f} | {100 * gn / copy_bw:.0f}% |")
+                          f"{100 * gb / copy_bw:.0f}% | {tn * 1e6:.1f} | {gn:.0f} | {100 * gn / copy_bw:.0f}% | "
+                          f"{tk * 1e6:.1f} | {gk:.0f} | {100 * gk / copy_bw:.0f}% |")
                     if v and m == 1:
                         best[t][v] = best[t].get(v, 0.0) + tb
                 xq.close()

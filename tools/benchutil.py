@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from vkxsplit.ops.copy import record_copy
 from vkxsplit.vk.command import Sequence, Timestamps
 from vkxsplit.vk.device import Device
@@ -83,6 +85,32 @@ def timed(dev: Device, record: Callable[[Sequence, int], None], reps: int, barri
         seq.run(timeout=600)
         t = ts.read()
         return (t[1] - t[0]) * 1e-9 / reps
+    finally:
+        seq.close()
+        ts.close()
+
+
+def timed_each(dev: Device, record: Callable[[Sequence, int], None], reps: int,
+               before: Callable[[Sequence, int], None] | None = None) -> float:
+    """Median seconds of one ``record(seq, i)`` alone, from a GPU timestamp pair around each
+    repetition (``before(seq, i)`` runs first, outside the pair; a barrier after each part):
+    the time from the end of the work before to the end of the dispatch, i.e. its launch and
+    execution without the barrier after it, the span a GPU profiler reports per kernel."""
+    ts = Timestamps(dev, 2 * reps)
+    seq = Sequence(dev, "bench-each")
+    try:
+        for i in range(reps):
+            if before is not None:
+                before(seq, i)
+            seq.barrier()
+            seq.write_timestamp(ts, 2 * i)
+            record(seq, i)
+            seq.write_timestamp(ts, 2 * i + 1)
+            seq.barrier()
+        replay_warm(seq)
+        seq.run(timeout=600)
+        t = ts.read()
+        return float(np.median(t[1::2] - t[0::2])) * 1e-9
     finally:
         seq.close()
         ts.close()

@@ -235,6 +235,10 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 VecqConfig(64, 4), VecqConfig(128, 4, unr=2), VecqConfig(128, 4, sat=1),
                 VecqConfig(128, 4, blk=1), VecqConfig(128, 4, blk=1, unr=2), VecqConfig(256, 4, blk=1, unr=2),
                 VecqConfig(128, 8, blk=1), VecqConfig(32, 4, blk=1),
+                # session 5: more weight bytes in flight per thread (4 blocks per iteration), and
+                # shorter teams per row (64 / 32 threads: more blocks per lane)
+                VecqConfig(128, 4, blk=1, unr=4), VecqConfig(128, 2, blk=1, unr=2),
+                VecqConfig(64, 2, blk=1, unr=2), VecqConfig(128, 8, blk=1, unr=2),
                 # fallbacks (no shaderIntegerDotProduct): the same logic with int multiply-adds
                 VecqConfig(128, 4, idp=0), VecqConfig(128, 4, blk=1, idp=0)]
 _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
@@ -460,6 +464,12 @@ COOP_TILES = {t.name: t for t in (
     CoopTile(128, 128, 32, 64, 64),   # 4 subgroups of 4 x 4 (ggml-vulkan's large tile shape)
     CoopTile(64, 128, 32, 32, 64),    # 4 subgroups of 2 x 4; twice the workgroups
     CoopTile(128, 128, 64, 32, 64, stages=1),  # 8 subgroups of 2 x 4, BK 64, one stage; 44 KiB
+    # session 5: 8 subgroups of 4 x 4 fragments (twice the MMAs per shared-memory fragment load of
+    # w32x64), one stage (38 KiB) or BK 16 double-buffered (44 KiB); and 4 of 4 x 4 with BK 64
+    CoopTile(128, 256, 32, 64, 64, stages=1),
+    CoopTile(256, 128, 32, 64, 64, stages=1),
+    CoopTile(128, 256, 16, 64, 64),
+    CoopTile(128, 128, 64, 64, 64, stages=1),
 )}
 # the H200 sweep of 2026-11-29 (tools/bench_coopmat.py): BK 64 with one stage was fastest by the
 # geometric mean over the swept shapes for every swept type (docs/PERFORMANCE.md)
