@@ -208,7 +208,8 @@ def main() -> int:
                 bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
                 groups = -(-M // bm) * -(-n // bn)
                 if ctile is not None and name != "no-split" and sp != "auto":
-                    chunk = -(-(-(-k // int(sp))) // ctile.bk) * ctile.bk
+                    per = -(-k // int(sp))  # K elements per range, rounded up to whole BK steps
+                    chunk = -(-per // ctile.bk) * ctile.bk
                     if int(sp) > 1 and (chunk >= k or chunk < 2 * ctile.bk):
                         continue  # K too short for that many ranges
                     kw["k_split"] = 0 if int(sp) == 1 else chunk
