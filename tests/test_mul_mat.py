@@ -573,6 +573,40 @@ def test_coop_k_split_rule(monkeypatch):
         tile, 128, 65536, 4096)) <= mm.SPLITK_MAX_SCRATCH
 
 
+def test_coop_choose_rule(monkeypatch):
+    """The default coopmat choice by shape (worked by hand): M >= COOP_BIG_MIN_M takes the
+    type's large tiling (BM 256 for quantized weights, BN 256 for float ones) split up to
+    COOP_BIG_GROUPS workgroups; smaller M the default tiling with coop_k_split; the kill switches
+    restore the default tiling (VKXSPLIT_DISABLE_COOP_SHAPES) and drop the split
+    (VKXSPLIT_DISABLE_SPLITK). Every variant it can name is built."""
+    monkeypatch.delenv("VKXSPLIT_DISABLE_COOP_SHAPES", raising=False)
+    monkeypatch.delenv("VKXSPLIT_DISABLE_SPLITK", raising=False)
+    assert (mm.COOP_BIG_MIN_M, mm.COOP_BIG_GROUPS) == (256, 128)
+    q, f = "mul_mat_coopmat_q4_0_f32_t256x128_k32_w64x64_s1", "mul_mat_coopmat_f16_f32_t128x256_k32_w64x64_s1"
+    # M=512, 4096x4096: 2 x 32 = 64 tiles -> 2 ranges of 2048 (128 groups)
+    assert mm.coop_choose("q4_0", 512, 4096, 4096) == (q, 2048)
+    assert mm.coop_choose("f16", 512, 4096, 4096) == (f, 2048)
+    # M=512, N=14336: 2 x 112 = 224 tiles (q4_0), 4 x 56 = 224 (f16): no split
+    assert mm.coop_choose("q4_0", 512, 14336, 4096) == (q, 0)
+    assert mm.coop_choose("f16", 512, 14336, 4096) == (f, 0)
+    # M=512, N=1024, K=4096: 2 x 8 = 16 tiles -> 8 ranges of 512 (the SPLITK_MIN_K floor)
+    assert mm.coop_choose("q4_0", 512, 1024, 4096) == (q, 512)
+    # M=128: the default tiling and its split (32 tiles -> 8 ranges of 512)
+    assert mm.coop_choose("q4_0", 128, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 512)
+    monkeypatch.setenv("VKXSPLIT_DISABLE_COOP_SHAPES", "1")
+    assert mm.coop_choose("q4_0", 512, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 0)  # 128 tiles
+    monkeypatch.delenv("VKXSPLIT_DISABLE_COOP_SHAPES")
+    monkeypatch.setenv("VKXSPLIT_DISABLE_SPLITK", "1")
+    assert mm.coop_choose("q4_0", 512, 4096, 4096) == (q, 0)
+    monkeypatch.delenv("VKXSPLIT_DISABLE_SPLITK")
+    names = {v.name for v in mm.VARIANTS}
+    for t in ALL:
+        for M in (128, 512):
+            name, ks = mm.coop_choose(t, M, 4096, 4096)
+            assert name in names and name in mm.COOP_VARIANT_TILES
+            assert ks % mm.COOP_VARIANT_TILES[name].bk == 0
+
+
 def test_coopmat_variants():
     """Every real tiling fits the shared-memory budget and the 16x16 fragment grid; every type
     has a default and an emulated variant; the sweep covers each tiling for its types."""

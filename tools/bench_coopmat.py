@@ -12,7 +12,9 @@ tables and the fastest variant per type (the tiling to put in COOP_CONFIG).
 Usage: python tools/bench_coopmat.py [--quick] [--reps N] [--m 128,512] [--types q4_0] [--shapes 4096x4096]
                                      [--splits auto,1,2,4] [--tiles t128x256_k32_w64x64_s1,...]
   --splits times each variant with K split as coop_k_split chooses (auto) and/or into the given
-           numbers of ranges (each a multiple of the tile's BK, at least 2 BK long)
+           numbers of ranges (each a multiple of the tile's BK, at least 2 BK long); "auto" adds
+           the unsplit default and the tiled path; a "chosen" row per shape is what a model gets
+           (record_mul_mat's own choice, vkxsplit.ops.mul_mat.coop_choose)
   --quick  small shapes; on a device without cooperative matrices (lavapipe) it runs the
            emulated variants (mul_mat_coopmat_emu_*), a smoke test of the script and kernel.
 Exit status: 0, or 1 when a variant FAILs its check (2 when the device has no coopmat and
@@ -191,19 +193,23 @@ def main() -> int:
                                            if tiles is None or mm.COOP_VARIANT_TILES[v].name in tiles
                                            for sp in splits]
             if "auto" in splits:
-                runs.append(("no-split", "1"))
-            runs.append(("tiled", "-"))
+                runs += [("no-split", "1"), ("tiled", "-")]
+            if not emulate:
+                runs.append(("chosen", "-"))
             for name, sp in runs:
                 # "auto": the coopmat variants split K where mm.coop_k_split says so (real coopmat
                 # only); a count: split into that many ranges; "no-split": the default variant
                 # with k_split=0, for the comparison
                 if name == "tiled":
                     kw = {"path": "tiled"}
+                elif name == "chosen":  # what a model gets: record_mul_mat's own choice (coop_choose)
+                    kw = {"path": "coopmat"}
                 elif name == "no-split":
                     kw = {"path": "coopmat", "coop_variant": default, "k_split": 0}
                 else:
                     kw = {"path": "coopmat", "coop_variant": name}
-                ctile = mm.COOP_VARIANT_TILES[default if name == "no-split" else name] if name != "tiled" else None
+                cname, cks = mm.coop_choose(t, M, n, k) if name == "chosen" else (name, 0)
+                ctile = mm.COOP_VARIANT_TILES[default if name == "no-split" else cname] if name != "tiled" else None
                 tile = "64x64 f32" if ctile is None else ctile.name
                 bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
                 groups = -(-M // bm) * -(-n // bn)
@@ -216,6 +222,10 @@ def main() -> int:
                     if int(sp) > 1:
                         tile += f" split K {-(-k // chunk)}x{chunk}"
                         groups *= -(-k // chunk)
+                elif name == "chosen":
+                    if cks:
+                        tile += f" split K {-(-k // cks)}x{cks}"
+                        groups *= -(-k // cks)
                 elif ctile is not None and name != "no-split" and not emulate and not mm.splitk_disabled():
                     ks = mm.coop_k_split(ctile, M, n, k)
                     if ks:
@@ -229,7 +239,7 @@ def main() -> int:
                     continue
                 tf = flop / sec / 1e12
                 print(f"| {t} | {M} | {n}x{k} | {name} | {tile} | {groups} | {sec * 1e3:.3f} | {tf:.3g} |")
-                if name not in ("tiled", "no-split"):
+                if name not in ("tiled", "no-split", "chosen"):
                     label = name if sp == "auto" else f"{name} /{sp}"
                     per_variant.setdefault((t, label), []).append(tf)
                     if tf > best.get((t, M, n, k), (0.0, ""))[0]:

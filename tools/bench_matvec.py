@@ -12,10 +12,9 @@ default and the wide M = 4 variant at M = 4:
   step does); ``no-barrier`` mode: the same dispatches writing different y buffers with no
   barrier between them, so they may overlap (launch / barrier latency separated from the
   kernel's own time);
-- ``kernel``: the median span of one mat-vec dispatch alone, from a GPU timestamp pair around
-  it (the end of the work before to the end of the dispatch: its launch and execution, not the
-  barrier after it; what a GPU profiler reports per kernel); for the integer-dot-product rows the
-  dot-product kernel alone, x quantized before the pair (in a model the norm writes it);
+- ``dot only``: for the integer-dot-product rows, the dot-product dispatches alone in barrier
+  mode with x quantized once before (in a model the norm before a mat-vec writes x as q8_1);
+  the f32-x rows repeat their barrier-mode time there;
 - GB/s = weight bytes / time, and % of the compute-shader copy bandwidth (copy_vec4, read +
   write bytes / time) measured in the same run;
 - every variant is first checked once against a float64 numpy reference on a small shape
@@ -41,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchutil import spin_up, timed, timed_each  # noqa: E402
+from benchutil import spin_up, timed  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
@@ -59,9 +58,9 @@ ROTATE_BYTES = 256 << 20
 
 def time_variant(dev: Device, t: str, v: str, m: int, n: int, k: int, ws: list, x, y, ystride: int,
                  reps: int) -> tuple[float, float, float]:
-    """(barrier-mode, no-barrier-mode, kernel) seconds per dispatch of variant ``v``; rep i reads
-    weight copy i % len(ws); in no-barrier mode it writes its own y slot (no hazard, no barrier);
-    kernel: the median span of one dispatch alone (timestamps around it, benchutil.timed_each)."""
+    """(barrier-mode, no-barrier-mode, dot-only) seconds per dispatch of variant ``v``; rep i
+    reads weight copy i % len(ws); in no-barrier mode it writes its own y slot (no hazard, no
+    barrier); dot-only is barrier mode again (these kernels take x as f32: nothing to split off)."""
     slot = 8 * ystride * 4
 
     def rec(s: Sequence, i: int, sep: bool) -> None:
@@ -70,8 +69,7 @@ def time_variant(dev: Device, t: str, v: str, m: int, n: int, k: int, ws: list, 
 
     tb = timed(dev, lambda s, i: rec(s, i, False), reps, True)
     tn = timed(dev, lambda s, i: rec(s, i, True), reps, False)
-    tk = timed_each(dev, lambda s, i: rec(s, i, False), reps)
-    return tb, tn, tk
+    return tb, tn, tb
 
 
 def reference_weights(rng: np.random.Generator, t: str, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -182,11 +180,11 @@ def verify_vecq(dev: Device, rng: np.random.Generator, t: str, variants: list[st
 
 def time_vecq(dev: Device, t: str, v: str | None, m: int, n: int, k: int, ws: list, x, xq, y, ystride: int,
               reps: int) -> tuple[float, float, float]:
-    """(barrier-mode, no-barrier-mode, kernel) seconds per quantize-x + barrier + dot-product pair of
+    """(barrier-mode, no-barrier-mode, dot-only) seconds per quantize-x + barrier + dot-product pair of
     vecq variant ``v`` (``v`` None: the quantize-x dispatch alone); in no-barrier mode rep i
     uses its own scratch and y slots (no hazard between reps; the barrier inside a rep stays);
-    kernel: the median span of the dot-product dispatch alone (x quantized before it, outside
-    the timestamps; for ``v`` None the quantize dispatch alone)."""
+    dot only: the dot-product dispatches alone in barrier mode, x quantized once before (for
+    ``v`` None: the barrier-mode time again)."""
     slot = 8 * ystride * 4
     qslot = -(-mm.vecq_scratch_bytes(8, k) // 256) * 256
 
@@ -202,13 +200,14 @@ def time_vecq(dev: Device, t: str, v: str | None, m: int, n: int, k: int, ws: li
     tb = timed(dev, lambda s, i: rec(s, i, False), reps, True)
     tn = timed(dev, lambda s, i: rec(s, i, True), reps, False)
     if v is None:
-        return tb, tn, timed_each(dev, lambda s, i: rec(s, i, False), reps)
-    # the dot-product dispatch alone, x already quantized (in a model the norm before writes it)
+        return tb, tn, tb
+    # the dot-product dispatches alone, barrier after each, x quantized once before (in a model
+    # the norm before the mat-vec writes x as q8_1: rms_norm_mul_q8_1_f32)
     qv = View(xq, 0, qslot)
     yv = View(y, 0, slot)
-    tk = timed_each(dev, lambda s, i: mm.record_mul_mat_vecq(s, ws[i % len(ws)], t, x, qv, yv, m, n, k,
-                                                              y_stride=ystride, variant=v, quantize=False),
-                    reps, before=lambda s, i: mm.record_quantize_q8_1(s, x, qv, m, k, k, 0))
+    tk = timed(dev, lambda s, i: mm.record_mul_mat_vecq(s, ws[i % len(ws)], t, x, qv, yv, m, n, k,
+                                                         y_stride=ystride, variant=v, quantize=False),
+               reps, True, setup=lambda s: mm.record_quantize_q8_1(s, x, qv, m, k, k, 0))
     return tb, tn, tk
 
 
@@ -283,7 +282,7 @@ def main() -> int:
 
     print("## timings: M columns, N x K = output rows x inner dimension; GB/s = weight bytes / time\n")
     print("| type | N x K | M | variant | shape | us (barrier) | GB/s | % copy | us (no barrier) | GB/s | % copy "
-          "| us (kernel) | GB/s | % copy |")
+          "| us (dot only) | GB/s | % copy |")
     print("|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     best: dict[str, dict[str, float]] = {t: {} for t in types}
     for t in types:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from vkxsplit.ops.copy import record_copy
 from vkxsplit.vk.command import Sequence, Timestamps
 from vkxsplit.vk.device import Device
@@ -62,14 +60,18 @@ def replay_warm(seq: Sequence, seconds: float = 0.2) -> None:
 
 
 def timed(dev: Device, record: Callable[[Sequence, int], None], reps: int, barrier: bool = True,
-          warmup: int | None = None) -> float:
+          warmup: int | None = None, setup: Callable[[Sequence], None] | None = None) -> float:
     """Seconds per repetition of ``record(seq, i)`` (i = 0..reps-1) from GPU timestamps: one
-    sequence with ``warmup`` untimed repetitions first (default: all ``reps``; pipelines, TLB),
-    then the timed ones, a barrier after each when ``barrier``; replayed warm
-    (:func:`replay_warm`) before the run that is read."""
+    sequence with ``setup(seq)`` (untimed, e.g. inputs the timed dispatches read), then
+    ``warmup`` untimed repetitions (default: all ``reps``; pipelines, TLB), then the timed ones,
+    a barrier after each when ``barrier``; replayed warm (:func:`replay_warm`) before the run
+    that is read."""
     ts = Timestamps(dev, 2)
     seq = Sequence(dev, "bench")
     try:
+        if setup is not None:
+            setup(seq)
+            seq.barrier()
         for i in range(reps if warmup is None else warmup):
             record(seq, i)
         seq.barrier()
@@ -89,28 +91,3 @@ def timed(dev: Device, record: Callable[[Sequence, int], None], reps: int, barri
         seq.close()
         ts.close()
 
-
-def timed_each(dev: Device, record: Callable[[Sequence, int], None], reps: int,
-               before: Callable[[Sequence, int], None] | None = None) -> float:
-    """Median seconds of one ``record(seq, i)`` alone, from a GPU timestamp pair around each
-    repetition (``before(seq, i)`` runs first, outside the pair; a barrier after each part):
-    the time from the end of the work before to the end of the dispatch, i.e. its launch and
-    execution without the barrier after it, the span a GPU profiler reports per kernel."""
-    ts = Timestamps(dev, 2 * reps)
-    seq = Sequence(dev, "bench-each")
-    try:
-        for i in range(reps):
-            if before is not None:
-                before(seq, i)
-            seq.barrier()
-            seq.write_timestamp(ts, 2 * i)
-            record(seq, i)
-            seq.write_timestamp(ts, 2 * i + 1)
-            seq.barrier()
-        replay_warm(seq)
-        seq.run(timeout=600)
-        t = ts.read()
-        return float(np.median(t[1::2] - t[0::2])) * 1e-9
-    finally:
-        seq.close()
-        ts.close()

@@ -234,11 +234,13 @@ _VECQ_SINGLE = ("q4_1", "q4_k")  # single-block (one super-block for Q4_K) loads
 _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), VecqConfig(256, 8),
                 VecqConfig(64, 4), VecqConfig(128, 4, unr=2), VecqConfig(128, 4, sat=1),
                 VecqConfig(128, 4, blk=1), VecqConfig(128, 4, blk=1, unr=2), VecqConfig(256, 4, blk=1, unr=2),
-                VecqConfig(128, 8, blk=1), VecqConfig(32, 4, blk=1),
+                VecqConfig(32, 4, blk=1),
                 # session 5: more weight bytes in flight per thread (4 blocks per iteration), and
-                # shorter teams per row (64 / 32 threads: more blocks per lane)
+                # longer teams per row (64 / 128 threads). Dropped after the H200 sweep: b1 nr8
+                # (16 threads per row: q4_0 4096x14336 27.7 us vs 19.1 for nr4)
                 VecqConfig(128, 4, blk=1, unr=4), VecqConfig(128, 2, blk=1, unr=2),
-                VecqConfig(64, 2, blk=1, unr=2), VecqConfig(128, 8, blk=1, unr=2),
+                VecqConfig(64, 2, blk=1, unr=2), VecqConfig(128, 2, blk=1, unr=4),
+                VecqConfig(256, 2, blk=1, unr=2), VecqConfig(128, 1, blk=1, unr=2),
                 # fallbacks (no shaderIntegerDotProduct): the same logic with int multiply-adds
                 VecqConfig(128, 4, idp=0), VecqConfig(128, 4, blk=1, idp=0)]
 _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
@@ -464,19 +466,30 @@ COOP_TILES = {t.name: t for t in (
     CoopTile(128, 128, 32, 64, 64),   # 4 subgroups of 4 x 4 (ggml-vulkan's large tile shape)
     CoopTile(64, 128, 32, 32, 64),    # 4 subgroups of 2 x 4; twice the workgroups
     CoopTile(128, 128, 64, 32, 64, stages=1),  # 8 subgroups of 2 x 4, BK 64, one stage; 44 KiB
-    # session 5: 8 subgroups of 4 x 4 fragments (twice the MMAs per shared-memory fragment load of
-    # w32x64), one stage (38 KiB) or BK 16 double-buffered (44 KiB); and 4 of 4 x 4 with BK 64
-    CoopTile(128, 256, 32, 64, 64, stages=1),
+    # 8 subgroups of 4 x 4 fragments (twice the MMAs per shared fragment load of w32x64), one
+    # stage, 38 KiB: the large tilings coop_choose takes (built for every type)
     CoopTile(256, 128, 32, 64, 64, stages=1),
-    CoopTile(128, 256, 16, 64, 64),
-    CoopTile(128, 128, 64, 64, 64, stages=1),
+    CoopTile(128, 256, 32, 64, 64, stages=1),
 )}
+# measured and dropped (session 5 H200 sweep, M = 512, f16 and q4_0): t64x128_k32_w32x64 (61-94
+# TFLOP/s), t128x256_k16_w64x64 (BK 16 double-buffered: 41-90), t128x128_k64_w64x64_s1 (41-113)
 # the H200 sweep of 2026-11-29 (tools/bench_coopmat.py): BK 64 with one stage was fastest by the
 # geometric mean over the swept shapes for every swept type (docs/PERFORMANCE.md)
 COOP_DEFAULT = "t128x128_k64_w32x64_s1"
 # tiling of mul_mat_coopmat_<type>_f32, by type (retune from the sweep's "fastest" table)
 COOP_CONFIG: dict[str, str] = {t: COOP_DEFAULT for t in TYPES}
 COOP_SWEEP_TYPES = ("f16", "q4_0", "q8_0", "q4_k", "q6_k")
+#: the large tilings coop_choose takes for M >= COOP_BIG_MIN_M: quantized weights BM 256 (each
+#: dequantized W tile serves 256 rows of x), float weights BN 256 (each f32 -> f16 converted x
+#: tile serves 256 W rows). H200, M = 512, split to one wave (session 5, docs/PERFORMANCE.md):
+#: q4_0 4096x4096 105 vs 97 TFLOP/s (default tiling), 4096x14336 117 vs 89, 14336x4096 105 vs
+#: 80; f16 4096x14336 132 vs 126, 14336x4096 117 vs 104, 4096x4096 112 vs 113
+COOP_BIG_QUANT = "t256x128_k32_w64x64_s1"
+COOP_BIG_FLOAT = "t128x256_k32_w64x64_s1"
+COOP_BIG_MIN_M = 256
+#: a large-tiling grid is split in K up to this many workgroups (one workgroup of 8 subgroups
+#: per SM: registers): q4_0 4096x4096 M = 512 split in 2 (128 groups) 0.163 ms, in 4 0.184
+COOP_BIG_GROUPS = 128
 # emulated variants (COOPMAT_EMULATE=1: no cooperative matrices, any subgroup size; tests
 # only): mul_mat_coopmat_emu_<type>_f32 with COOP_EMU_TILE for every type, plus extra tilings
 # for a few types (BK 64 with one stage, K-quant blocks spanning steps; BK 16, tall subgroup blocks,
@@ -492,6 +505,11 @@ _COOP_REQUIRES = ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel", "su
 def coop_variant_name(t: str, tile: str | None = None, emulate: bool = False) -> str:
     """mul_mat_coopmat[_emu]_<type>_f32[_<tile>] (no tile: the type's default variant)."""
     return f"mul_mat_coopmat{'_emu' if emulate else ''}_{t}_f32" + (f"_{tile}" if tile else "")
+
+
+def coop_big_tile(t: str) -> str:
+    """The large tiling of weight type ``t`` (COOP_BIG_QUANT or COOP_BIG_FLOAT)."""
+    return COOP_BIG_QUANT if TYPES[t].quantized else COOP_BIG_FLOAT
 
 
 def _coop_variant(t: str, wt: WeightType, tile: CoopTile, name: str, emulate: bool) -> Variant:
@@ -516,6 +534,9 @@ def _coop_variants() -> tuple[list[Variant], dict[str, CoopTile]]:
 
     for t in TYPES:
         add(t, COOP_TILES[COOP_CONFIG[t]], coop_variant_name(t), False)
+        big = coop_big_tile(t)
+        if t not in COOP_SWEEP_TYPES and big != COOP_CONFIG[t]:
+            add(t, COOP_TILES[big], coop_variant_name(t, big), False)
     for t in COOP_SWEEP_TYPES:
         for key, tile in COOP_TILES.items():
             if key != COOP_CONFIG[t]:
@@ -570,15 +591,15 @@ def splitk_disabled() -> bool:
     return env_flag("VKXSPLIT_DISABLE_SPLITK")
 
 
-def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
+def coop_k_split(tile: CoopTile, M: int, N: int, K: int, target: int = SPLITK_TARGET_GROUPS) -> int:
     """K elements per split for a coopmat product (0: no split): none for grids of
     SPLITK_FULL_GROUPS workgroups or more, else the fewest splits that bring the grid to
-    SPLITK_TARGET_GROUPS, each at least SPLITK_MIN_K long and a multiple of the tile's BK, the
+    ``target`` workgroups, each at least SPLITK_MIN_K long and a multiple of the tile's BK, the
     partials within SPLITK_MAX_SCRATCH."""
     groups = -(-M // tile.bm) * -(-N // tile.bn)
-    if groups >= SPLITK_FULL_GROUPS:
+    if groups >= min(SPLITK_FULL_GROUPS, target):
         return 0
-    want = -(-SPLITK_TARGET_GROUPS // max(groups, 1))
+    want = -(-target // max(groups, 1))
     most = min(K // SPLITK_MIN_K, SPLITK_MAX_SCRATCH // max(4 * M * N, 1))
     splits = min(want, most)
     if splits < 2:
@@ -586,6 +607,25 @@ def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
     chunk = -(-K // splits)
     chunk = -(-chunk // tile.bk) * tile.bk
     return chunk if -(-K // chunk) >= 2 else 0
+
+
+def coop_shapes_disabled() -> bool:
+    """VKXSPLIT_DISABLE_COOP_SHAPES=1: every coopmat product takes its type's default tiling
+    (COOP_CONFIG) with coop_k_split's split, as before the per-shape choice (bisecting)."""
+    return env_flag("VKXSPLIT_DISABLE_COOP_SHAPES")
+
+
+def coop_choose(t: str, M: int, N: int, K: int) -> tuple[str, int]:
+    """(variant, K elements per split) of a coopmat product of weight type ``t`` that names
+    no variant: for M >= COOP_BIG_MIN_M the type's large tiling (coop_big_tile) split up to
+    COOP_BIG_GROUPS workgroups, else the type's default tiling split by coop_k_split (no
+    split with VKXSPLIT_DISABLE_SPLITK)."""
+    nosplit = splitk_disabled()
+    if M >= COOP_BIG_MIN_M and not coop_shapes_disabled():
+        big = coop_big_tile(t)
+        name = coop_variant_name(t, None if big == COOP_CONFIG[t] else big)
+        return name, 0 if nosplit else coop_k_split(COOP_TILES[big], M, N, K, COOP_BIG_GROUPS)
+    return coop_variant_name(t), 0 if nosplit else coop_k_split(COOP_TILES[COOP_CONFIG[t]], M, N, K)
 
 
 class _SplitkScratch:
@@ -836,10 +876,14 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     elif path == "tiled":
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
-        cname = coop_variant or coop_variant_name(wt.name)
+        if coop_variant is None:
+            cname, chosen = coop_choose(wt.name, M, N, K)
+        else:
+            cname, chosen = coop_variant, 0 if emulated or splitk_disabled() else coop_k_split(
+                COOP_VARIANT_TILES[coop_variant], M, N, K)
         tile = COOP_VARIANT_TILES[cname]
         if k_split is None:
-            k_split = 0 if emulated or splitk_disabled() else coop_k_split(tile, M, N, K)
+            k_split = chosen
         if k_split:
             if k_split % tile.bk or k_split >= K:
                 raise KernelError(f"{name}: k_split {k_split} must be a multiple of BK {tile.bk} below K")
