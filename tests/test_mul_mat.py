@@ -1037,18 +1037,21 @@ def test_vecq_tables():
 def test_vecq_default_policy(device, monkeypatch):
     """Which decode mat-vecs take x as q8_1: Q4_0/Q4_1/Q8_0 everywhere with integer dot
     products, Q4_K too since the H200 sweep, never at M > 1, never with
-    the kill switch; the variant's shape is the device kind's."""
+    the kill switch; the variant's shape is the device kind's (on GPUs per type where the sweep
+    found a faster one), and every GPU choice is a built variant."""
     from vkxsplit.vk.api import vk
 
     if not device.features.get("shaderIntegerDotProduct"):
         assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)
         return
     cpu = device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
-    tag = mm.VECQ_DEFAULT_M1["cpu" if cpu else "gpu"].tag
     for t in mm.VECQ_TYPES:
-        want = f"mul_mat_vecq_{t}_q8_1_m1_{tag}" if cpu or t in mm.VECQ_GPU_TYPES else None
+        cfg = mm.VECQ_DEFAULT_M1["cpu"] if cpu else mm.VECQ_GPU_M1_BY_TYPE.get(t, mm.VECQ_DEFAULT_M1["gpu"])
+        want = f"mul_mat_vecq_{t}_q8_1_m1_{cfg.tag}" if cpu or t in mm.VECQ_GPU_TYPES else None
         assert mm.vecq_variant(device, t, 1) == want and (want is None or want in mm.VECQ_SWEEP)
         assert mm.vecq_variant(device, t, 2) is None
     assert mm.vecq_variant(device, "q6_k", 1) is None and mm.vecq_variant(device, "f16", 1) is None
+    for t in mm.VECQ_GPU_TYPES:
+        assert f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}" in mm.VECQ_SWEEP
     monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ", "1")
     assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)

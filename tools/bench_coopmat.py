@@ -213,7 +213,11 @@ def main() -> int:
                 tile = "64x64 f32" if ctile is None else ctile.name
                 bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
                 groups = -(-M // bm) * -(-n // bn)
-                if ctile is not None and name != "no-split" and sp != "auto":
+                if name == "chosen":
+                    if cks:
+                        tile += f" split K {-(-k // cks)}x{cks}"
+                        groups *= -(-k // cks)
+                elif ctile is not None and name != "no-split" and sp != "auto":
                     per = -(-k // int(sp))  # K elements per range, rounded up to whole BK steps
                     chunk = -(-per // ctile.bk) * ctile.bk
                     if int(sp) > 1 and (chunk >= k or chunk < 2 * ctile.bk):
@@ -222,10 +226,6 @@ def main() -> int:
                     if int(sp) > 1:
                         tile += f" split K {-(-k // chunk)}x{chunk}"
                         groups *= -(-k // chunk)
-                elif name == "chosen":
-                    if cks:
-                        tile += f" split K {-(-k // cks)}x{cks}"
-                        groups *= -(-k // cks)
                 elif ctile is not None and name != "no-split" and not emulate and not mm.splitk_disabled():
                     ks = mm.coop_k_split(ctile, M, n, k)
                     if ks:

@@ -259,7 +259,7 @@ def main() -> int:
     for t in types:
         q1 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 1]
         q4 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 4]
-        dq = f"mul_mat_vecq_{t}_q8_1_m1_{mm.VECQ_DEFAULT_M1['gpu'].tag}"
+        dq = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}"
         vecq_by_type[t] = ([(n, 1) for n in (q1[:2] if args.quick else q1) if wanted(n, dq)]
                            + [(n, 4) for n in q4[:1] if not pick])
 
@@ -346,6 +346,40 @@ def main() -> int:
                 xq.close()
             for buf in (*ws, x, y):
                 buf.close()
+    # the fixed cost of one mat-vec in a decode step: the default vecq kernel on 64 rows (a few KB
+    # of weights), dot only, barrier mode; what a shape could reach at best is its bytes at the
+    # copy rate plus this floor
+    floor_rows = []
+    for t in types:
+        if not vecq_by_type[t] or t not in mm.VECQ_GPU_TYPES:
+            continue
+        v = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}"
+        if v in failed or v in skipped:
+            continue
+        for n, k in shapes:
+            wb = 64 * row_bytes(t, k)
+            ws = [dev.memory.alloc(wb, "device", "w_floor")]
+            ws[0].write(rng.integers(0, 64, wb, dtype=np.uint8))
+            x = dev.memory.alloc(8 * k * 4, "device", "x")
+            x.write(rng.standard_normal(8 * k).astype(np.float32) * 0.01)
+            y = dev.memory.alloc(reps * 8 * 64 * 4, "device", "y")
+            xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
+            try:
+                _, _, tf = time_vecq(dev, t, v, 1, 64, k, ws, x, xq, y, 64, reps)
+            finally:
+                for buf in (*ws, x, y, xq):
+                    buf.close()
+            big = n * row_bytes(t, k)
+            best_t = tf + big / (copy_bw * 1e9)
+            floor_rows.append(f"| {t} | {n}x{k} | `{v}` | {tf * 1e6:.1f} | {best_t * 1e6:.1f} | "
+                              f"{100 * big / best_t / 1e9 / copy_bw:.0f}% |")
+    if floor_rows:
+        print("\n## per-dispatch floor: the default kernel on 64 rows (dot only, barrier mode), and the best a "
+              "shape's time could be: the floor + its weight bytes at the copy rate\n")
+        print("| type | N x K | variant | floor us (64 rows) | floor + bytes / copy us | best % of copy |")
+        print("|---|---|---|---:|---:|---:|")
+        print("\n".join(floor_rows))
+
     print("\n## fastest M = 1 variant per type (sum of barrier-mode times over the shapes)\n")
     for t in types:
         if best[t]:

@@ -258,6 +258,16 @@ _IDP_REQUIRES = ("shaderIntegerDotProduct",)
 #: the quantization fused into the norms, docs/PERFORMANCE.md) and of llvmpipe (1.5-2.9x at
 #: SmolLM2 and 2048-square shapes: wg32, one core per workgroup)
 VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(32, 4, blk=1)}
+#: GPU decode shapes per type where the session-5 H200 sweep found a faster one than the default
+#: (barrier mode with the quantize, summed over 4096x14336, 14336x4096, 4096x4096): Q4_0 with 64
+#: threads per row, 2 blocks per iteration, 46.2 vs 48.3 us (4096x14336: 17.1 vs 18.9); Q8_0
+#: with 64-thread workgroups of 2 rows, 59.8 vs 63.6 us (14336x4096: 23.9 vs 26.2)
+VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(64, 2, blk=1, unr=2)}
+
+
+def vecq_default_config(t: str, cpu: bool) -> VecqConfig:
+    """The decode (M = 1) integer-dot-product shape of weight type ``t`` on a CPU or GPU device."""
+    return VECQ_DEFAULT_M1["cpu"] if cpu else VECQ_GPU_M1_BY_TYPE.get(t, VECQ_DEFAULT_M1["gpu"])
 #: types whose vecq path GPUs take by default. H200 sweep (session 4, tools/bench_matvec.py,
 #: the separate quantize included): Q4_1 vecq 18.1 us vs 21.9 for the f32-x kernel at
 #: 4096x14336; Q4_K (one 256-weight super-block per thread) 58.1 us vs 62.0 summed over the
@@ -281,8 +291,8 @@ def vecq_decode(physical: Any, features: Any = None) -> dict[str, str]:
     if vecq_disabled() or not feats.get("shaderIntegerDotProduct") or not _vec_ok(physical):
         return {}
     cpu = getattr(physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
-    tag = VECQ_DEFAULT_M1["cpu" if cpu else "gpu"].tag
-    return {t: f"mul_mat_vecq_{t}_q8_1_m1_{tag}" for t in VECQ_TYPES if cpu or t in VECQ_GPU_TYPES}
+    return {t: f"mul_mat_vecq_{t}_q8_1_m1_{vecq_default_config(t, cpu).tag}" for t in VECQ_TYPES
+            if cpu or t in VECQ_GPU_TYPES}
 
 
 def vecq_variant(device: Device, t: str, M: int) -> str | None:
@@ -913,6 +923,6 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
-           "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
+           "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coop_k_split", "splitk_disabled", "SPLITK_FULL_GROUPS", "SPLITK_TARGET_GROUPS", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
