@@ -549,62 +549,68 @@ def test_splitk_scratch_grows_geometrically(device):
 
 
 def test_coop_k_split_rule(monkeypatch):
-    """Split only grids under SPLITK_FULL_GROUPS workgroups, into the fewest ranges that reach
-    SPLITK_TARGET_GROUPS, each at least SPLITK_MIN_K long and a multiple of BK (worked by hand
-    for the H200's 128 x 128 tiles, BK 64)."""
+    """coop_k_split takes the split count of SPLITK_COUNTS with the least modelled time: waves
+    of COOP_WAVE workgroups, each as long as its tile work plus SPLITK_FIXED_K per split
+    workgroup, ranges at least SPLITK_MIN_K and whole BK steps (worked by hand for the H200's
+    128 x 128 tiles, BK 64; costs in K elements per workgroup wave)."""
     tile = mm.COOP_TILES["t128x128_k64_w32x64_s1"]
-    assert (mm.SPLITK_FULL_GROUPS, mm.SPLITK_TARGET_GROUPS, mm.SPLITK_MIN_K) == (128, 256, 512)
-    # M=128, N=4096, K=4096: 32 tiles -> 8 ranges of 512
-    assert mm.coop_k_split(tile, 128, 4096, 4096) == 512
-    # M=512, N=1024 (GQA k/v): 32 tiles -> 8 ranges of 512
-    assert mm.coop_k_split(tile, 512, 1024, 4096) == 512
-    # M=512, N=4096, K=14336 (ffn_down): 128 tiles, a full wave: no split
+    assert (mm.COOP_WAVE, mm.SPLITK_FIXED_K, mm.SPLITK_MIN_K) == (128, 256, 512)
+    # M=128, N=4096, K=4096: 32 tiles; 1: 4096, 2: 2304, 4 (128 groups): 1280, 8 (2 waves): 1536
+    assert mm.coop_k_split(tile, 128, 4096, 4096) == 1024
+    # M=512, N=1024 (GQA k/v): 32 tiles, the same
+    assert mm.coop_k_split(tile, 512, 1024, 4096) == 1024
+    # M=512, N=4096, K=14336 (ffn_down): 128 tiles; 1: 14336, 2 (2 waves): 2 x 7424 -> no split
     assert mm.coop_k_split(tile, 512, 4096, 14336) == 0
-    # M=256, N=4096, K=14336: 64 tiles -> 4 ranges of 3584
-    assert mm.coop_k_split(tile, 256, 4096, 14336) == 3584
-    # M=512, N=14336: 448 tiles, enough
-    assert mm.coop_k_split(tile, 512, 14336, 4096) == 0
-    # short K: ranges of at least 512 -> K = 1000 cannot split
-    assert mm.coop_k_split(tile, 128, 128, 1000) == 0
-    # K = 1536, 1 tile: at most 3 ranges of 512
-    assert mm.coop_k_split(tile, 16, 100, 1536) == 512
+    # M=256, N=4096, K=14336: 64 tiles; 2: 7424, 4 (2 waves): 7680 -> 2 ranges of 7168
+    assert mm.coop_k_split(tile, 256, 4096, 14336) == 7168
+    # M=512, N=14336: 448 tiles; 1: 4 waves x 4096 = 16384, 2: 7 x 2304 = 16128 (measured: q4_0
+    # 0.687 ms split vs 0.747 unsplit)
+    assert mm.coop_k_split(tile, 512, 14336, 4096) == 2048
+    # K = 1000, 1 tile: 2 ranges of 512 (8 BK steps) + 488: 768 < 1024
+    assert mm.coop_k_split(tile, 128, 128, 1000) == 512
+    # K = 1536: 4 ranges would be 384 < SPLITK_MIN_K: 2 of 768
+    assert mm.coop_k_split(tile, 16, 100, 1536) == 768
     # the partials' scratch is bounded: M x N x 4 bytes per range
-    assert mm.coop_k_split(tile, 128, 65536, 4096) == 0 or 4 * 128 * 65536 * -(-4096 // mm.coop_k_split(
-        tile, 128, 65536, 4096)) <= mm.SPLITK_MAX_SCRATCH
+    for M, N in ((128, 65536), (1024, 16384), (64, 4096)):
+        ks = mm.coop_k_split(tile, M, N, 4096)
+        assert ks == 0 or 4 * M * N * -(-4096 // ks) <= mm.SPLITK_MAX_SCRATCH
+    assert mm.coop_cost(tile, 4096, 4096, 4096, 2) is None  # 128 MiB of partials
 
 
 def test_coop_choose_rule(monkeypatch):
-    """The default coopmat choice by shape (worked by hand): M >= COOP_BIG_MIN_M takes the
-    type's large tiling (BM 256 for quantized weights, BN 256 for float ones) split up to
-    COOP_BIG_GROUPS workgroups; smaller M the default tiling with coop_k_split; the kill switches
-    restore the default tiling (VKXSPLIT_DISABLE_COOP_SHAPES) and drop the split
+    """The default coopmat choice (worked by hand with coop_cost): the type's default tiling
+    or its large one, whichever is modelled faster with its best split; the kill switches keep
+    the default tiling (VKXSPLIT_DISABLE_COOP_SHAPES) and drop the split
     (VKXSPLIT_DISABLE_SPLITK). Every variant it can name is built."""
     monkeypatch.delenv("VKXSPLIT_DISABLE_COOP_SHAPES", raising=False)
     monkeypatch.delenv("VKXSPLIT_DISABLE_SPLITK", raising=False)
-    assert (mm.COOP_BIG_MIN_M, mm.COOP_BIG_GROUPS) == (256, 128)
+    assert mm.COOP_TILE_EFF == {"t256x128_k32_w64x64_s1": 1.15, "t128x256_k32_w64x64_s1": 1.05}
     q, f = "mul_mat_coopmat_q4_0_f32_t256x128_k32_w64x64_s1", "mul_mat_coopmat_f16_f32_t128x256_k32_w64x64_s1"
-    # M=512, 4096x4096: 2 x 32 = 64 tiles -> 2 ranges of 2048 (128 groups)
+    # q4_0 M=512, 4096x4096: default 128 tiles unsplit = 4096 x 16384 (67.1 M); large tiling 64
+    # tiles in 2 ranges = (2048 / 1.15 + 256) x 32768 (66.7 M)
     assert mm.coop_choose("q4_0", 512, 4096, 4096) == (q, 2048)
-    assert mm.coop_choose("f16", 512, 4096, 4096) == (f, 2048)
-    # M=512, N=14336: 2 x 112 = 224 tiles (q4_0), 4 x 56 = 224 (f16): no split
+    # f16: (2048 / 1.05 + 256) x 32768 = 72.3 M > 67.1 M: the default, unsplit
+    assert mm.coop_choose("f16", 512, 4096, 4096) == ("mul_mat_coopmat_f16_f32", 0)
+    # M=512, N=14336: large 224 tiles, 2 waves x 4096 / 1.15 x 32768 (233 M) vs the default's
+    # 7 waves x 2304 x 16384 (264 M)
     assert mm.coop_choose("q4_0", 512, 14336, 4096) == (q, 0)
     assert mm.coop_choose("f16", 512, 14336, 4096) == (f, 0)
-    # M=512, N=1024, K=4096: 2 x 8 = 16 tiles -> 8 ranges of 512 (the SPLITK_MIN_K floor)
-    assert mm.coop_choose("q4_0", 512, 1024, 4096) == (q, 512)
-    # M=128: the default tiling and its split (32 tiles -> 8 ranges of 512)
-    assert mm.coop_choose("q4_0", 128, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 512)
+    # M=512, N=1024: default 4 x 1024 (1280 x 16384 = 21.0 M) vs large 8 x 512 (701 x 32768 = 23.0 M)
+    assert mm.coop_choose("q4_0", 512, 1024, 4096) == ("mul_mat_coopmat_q4_0_f32", 1024)
+    # M=128: a 256-row tile is half empty: the default, 4 ranges
+    assert mm.coop_choose("q4_0", 128, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 1024)
     monkeypatch.setenv("VKXSPLIT_DISABLE_COOP_SHAPES", "1")
-    assert mm.coop_choose("q4_0", 512, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 0)  # 128 tiles
+    assert mm.coop_choose("q4_0", 512, 14336, 4096) == ("mul_mat_coopmat_q4_0_f32", 2048)
     monkeypatch.delenv("VKXSPLIT_DISABLE_COOP_SHAPES")
     monkeypatch.setenv("VKXSPLIT_DISABLE_SPLITK", "1")
-    assert mm.coop_choose("q4_0", 512, 4096, 4096) == (q, 0)
+    assert mm.coop_choose("q4_0", 512, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 0)  # 67.1 M vs 3562 x 32768
     monkeypatch.delenv("VKXSPLIT_DISABLE_SPLITK")
     names = {v.name for v in mm.VARIANTS}
     for t in ALL:
-        for M in (128, 512):
-            name, ks = mm.coop_choose(t, M, 4096, 4096)
+        for M, N, K in ((128, 4096, 4096), (512, 4096, 4096), (512, 14336, 4096), (300, 1000, 1000)):
+            name, ks = mm.coop_choose(t, M, N, K)
             assert name in names and name in mm.COOP_VARIANT_TILES
-            assert ks % mm.COOP_VARIANT_TILES[name].bk == 0
+            assert ks % mm.COOP_VARIANT_TILES[name].bk == 0 and ks < K
 
 
 def test_coopmat_variants():

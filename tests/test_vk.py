@@ -371,3 +371,29 @@ def test_wait_flag_dispatch_polls_memory(device):
     finally:
         for b in (flag, target, result, out):
             b.close()
+
+
+def test_pipeline_statistics(monkeypatch):
+    """Kernel.statistics(): {} unless the device was opened with VKXSPLIT_PIPELINE_STATS=1 on a
+    driver with VK_KHR_pipeline_executable_properties; with both, the driver's named numbers
+    (registers on NVIDIA) for a real pipeline."""
+    from vkxsplit.vk.device import PIPELINE_STATS_EXT, Device
+    from vkxsplit.vk.kernel import Kernel
+
+    monkeypatch.delenv("VKXSPLIT_PIPELINE_STATS", raising=False)
+    d = Device.open()
+    try:
+        assert not d.pipeline_stats and Kernel.get(d, "copy_vec4").statistics() == {}
+    finally:
+        d.close()
+    monkeypatch.setenv("VKXSPLIT_PIPELINE_STATS", "1")
+    d = Device.open()
+    try:
+        assert d.pipeline_stats == d.physical.has(PIPELINE_STATS_EXT)
+        st = Kernel.get(d, "copy_vec4").statistics()
+        if d.pipeline_stats:
+            assert st and all(isinstance(k, str) and isinstance(v, float) for k, v in st.items())
+        else:
+            assert st == {}
+    finally:
+        d.close()

@@ -11,6 +11,7 @@ tables and the fastest variant per type (the tiling to put in COOP_CONFIG).
 
 Usage: python tools/bench_coopmat.py [--quick] [--reps N] [--m 128,512] [--types q4_0] [--shapes 4096x4096]
                                      [--splits auto,1,2,4] [--tiles t128x256_k32_w64x64_s1,...]
+  VKXSPLIT_PIPELINE_STATS=1 adds the driver's compiler statistics per variant (registers).
   --splits times each variant with K split as coop_k_split chooses (auto) and/or into the given
            numbers of ranges (each a multiple of the tile's BK, at least 2 BK long); "auto" adds
            the unsplit default and the tiled path; a "chosen" row per shape is what a model gets
@@ -164,6 +165,20 @@ def main() -> int:
                 ok, detail = False, str(exc).splitlines()[0]
             failed += not ok
             print(f"| {t} | {name} | {'PASS' if ok else 'FAIL'} | {detail} |")
+
+    # 1b. compiler statistics (registers: how many workgroups an SM can hold), when asked for
+    if dev.pipeline_stats:
+        from vkxsplit.vk.kernel import Kernel
+
+        print("\n## compiler statistics (VKXSPLIT_PIPELINE_STATS=1)\n")
+        print("| variant | threads | statistics |\n|---|---:|---|")
+        for t in types:
+            for name in variants(t, emulate):
+                if tiles is not None and mm.COOP_VARIANT_TILES[name].name not in tiles:
+                    continue
+                st = Kernel.get(dev, name).statistics()
+                desc = ", ".join(f"{k} {v:g}" for k, v in st.items())
+                print(f"| {name} | {mm.COOP_VARIANT_TILES[name].threads} | {desc or '-'} |")
 
     # 2. timings
     Ms = [int(m) for m in args.m.split(",")] if args.m else [64 if args.quick else 512]

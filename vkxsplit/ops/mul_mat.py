@@ -489,17 +489,13 @@ COOP_DEFAULT = "t128x128_k64_w32x64_s1"
 # tiling of mul_mat_coopmat_<type>_f32, by type (retune from the sweep's "fastest" table)
 COOP_CONFIG: dict[str, str] = {t: COOP_DEFAULT for t in TYPES}
 COOP_SWEEP_TYPES = ("f16", "q4_0", "q8_0", "q4_k", "q6_k")
-#: the large tilings coop_choose takes for M >= COOP_BIG_MIN_M: quantized weights BM 256 (each
+#: the large tilings coop_choose weighs against the default: quantized weights BM 256 (each
 #: dequantized W tile serves 256 rows of x), float weights BN 256 (each f32 -> f16 converted x
 #: tile serves 256 W rows). H200, M = 512, split to one wave (session 5, docs/PERFORMANCE.md):
 #: q4_0 4096x4096 105 vs 97 TFLOP/s (default tiling), 4096x14336 117 vs 89, 14336x4096 105 vs
 #: 80; f16 4096x14336 132 vs 126, 14336x4096 117 vs 104, 4096x4096 112 vs 113
 COOP_BIG_QUANT = "t256x128_k32_w64x64_s1"
 COOP_BIG_FLOAT = "t128x256_k32_w64x64_s1"
-COOP_BIG_MIN_M = 256
-#: a large-tiling grid is split in K up to this many workgroups (one workgroup of 8 subgroups
-#: per SM: registers): q4_0 4096x4096 M = 512 split in 2 (128 groups) 0.163 ms, in 4 0.184
-COOP_BIG_GROUPS = 128
 # emulated variants (COOPMAT_EMULATE=1: no cooperative matrices, any subgroup size; tests
 # only): mul_mat_coopmat_emu_<type>_f32 with COOP_EMU_TILE for every type, plus extra tilings
 # for a few types (BK 64 with one stage, K-quant blocks spanning steps; BK 16, tall subgroup blocks,
@@ -580,20 +576,25 @@ VARIANTS = (
 )
 
 # ------------------------------------------------------------------------------------------
-# split K for the coopmat path: enough workgroups to fill the GPU
+# split K and tiling for the coopmat path: a cost model of waves of workgroups
 
-#: grids of at least this many workgroups run unsplit; smaller ones are split into enough K
-#: ranges to reach SPLITK_TARGET_GROUPS. On the H200 (132 SMs) a workgroup's time is its K
-#: loop whatever the grid (q4_0 4096x4096: 0.17 ms at M = 128, 256 and 512 alike, 32 to 128
-#: tiles), so a grid under one wave leaves SMs idle for the whole kernel: split, M = 128,
-#: 4096x4096 went 0.173 -> 0.068 ms, 1024x4096 0.172 -> 0.032 ms; but a 128-tile grid split in
-#: two got slower (M = 512, 4096x4096: 0.176 -> 0.217 ms). tools/bench_coopmat.py --m 128,512
-SPLITK_FULL_GROUPS = 128
-SPLITK_TARGET_GROUPS = 256
+#: workgroups of 8 subgroups the H200 runs at once: one per SM (132; registers allow no second),
+#: rounded to 128. A workgroup's time is its K loop whatever the grid (q4_0 4096x4096: 0.17 ms
+#: at M = 128, 256 and 512 alike, 32 to 128 tiles), so a grid under a wave leaves SMs idle and
+#: one just over it takes two waves' time.
+COOP_WAVE = 128
+#: a split's fixed cost per workgroup, in K elements of its tile's work (the partial's store,
+#: the reduce dispatch, the loop's prologue), fitted with COOP_TILE_EFF to the session-5 sweep
+SPLITK_FIXED_K = 256
+#: split counts the model considers (each range a multiple of the tile's BK)
+SPLITK_COUNTS = (1, 2, 4, 8, 16)
 #: shortest K range of one split (elements): a split runs at least this many BK steps
 SPLITK_MIN_K = 512
 #: most bytes of partial products one dispatch may stage (the device's shared scratch)
 SPLITK_MAX_SCRATCH = 64 << 20
+#: tile throughput (MACs per workgroup-second) relative to the default tiling's, by tile
+#: (H200, session 5): the 4 x 4-fragment large tilings do more MMAs per shared-memory load
+COOP_TILE_EFF = {COOP_BIG_QUANT: 1.15, COOP_BIG_FLOAT: 1.05}
 
 
 def splitk_disabled() -> bool:
@@ -601,41 +602,61 @@ def splitk_disabled() -> bool:
     return env_flag("VKXSPLIT_DISABLE_SPLITK")
 
 
-def coop_k_split(tile: CoopTile, M: int, N: int, K: int, target: int = SPLITK_TARGET_GROUPS) -> int:
-    """K elements per split for a coopmat product (0: no split): none for grids of
-    SPLITK_FULL_GROUPS workgroups or more, else the fewest splits that bring the grid to
-    ``target`` workgroups, each at least SPLITK_MIN_K long and a multiple of the tile's BK, the
-    partials within SPLITK_MAX_SCRATCH."""
-    groups = -(-M // tile.bm) * -(-N // tile.bn)
-    if groups >= min(SPLITK_FULL_GROUPS, target):
+def coop_cost(tile: CoopTile, M: int, N: int, K: int, splits: int) -> float | None:
+    """Modelled time of a coopmat product with ``tile`` and K in ``splits`` ranges (None when
+    that split is not allowed: ranges under SPLITK_MIN_K, partials over SPLITK_MAX_SCRATCH):
+    waves of COOP_WAVE workgroups, each wave as long as one workgroup's tile work, BM x BN x
+    its K range / COOP_TILE_EFF, plus SPLITK_FIXED_K of work per split workgroup."""
+    per = -(-K // splits)
+    chunk = -(-per // tile.bk) * tile.bk  # K elements per range, whole BK steps
+    n = -(-K // max(chunk, 1))
+    if n > 1 and (chunk < SPLITK_MIN_K or 4 * M * N * n > SPLITK_MAX_SCRATCH):
+        return None
+    groups = -(-M // tile.bm) * -(-N // tile.bn) * n
+    work = chunk / COOP_TILE_EFF.get(tile.name, 1.0) + (SPLITK_FIXED_K if n > 1 else 0)
+    return -(-groups // COOP_WAVE) * tile.bm * tile.bn * work
+
+
+def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
+    """K elements per split for a coopmat product with ``tile`` (0: no split): the count of
+    SPLITK_COUNTS with the least coop_cost (ties: fewer splits), as a multiple of BK."""
+    best = min(((c, n) for n in SPLITK_COUNTS if (c := coop_cost(tile, M, N, K, n)) is not None),
+               default=(0.0, 1))
+    n = best[1]
+    if n == 1:
         return 0
-    want = -(-target // max(groups, 1))
-    most = min(K // SPLITK_MIN_K, SPLITK_MAX_SCRATCH // max(4 * M * N, 1))
-    splits = min(want, most)
-    if splits < 2:
-        return 0
-    chunk = -(-K // splits)
-    chunk = -(-chunk // tile.bk) * tile.bk
-    return chunk if -(-K // chunk) >= 2 else 0
+    per = -(-K // n)
+    chunk = -(-per // tile.bk) * tile.bk
+    return chunk if chunk < K else 0
 
 
 def coop_shapes_disabled() -> bool:
     """VKXSPLIT_DISABLE_COOP_SHAPES=1: every coopmat product takes its type's default tiling
-    (COOP_CONFIG) with coop_k_split's split, as before the per-shape choice (bisecting)."""
+    (COOP_CONFIG), split by coop_k_split; the large tiling is never chosen (bisecting)."""
     return env_flag("VKXSPLIT_DISABLE_COOP_SHAPES")
 
 
 def coop_choose(t: str, M: int, N: int, K: int) -> tuple[str, int]:
     """(variant, K elements per split) of a coopmat product of weight type ``t`` that names
-    no variant: for M >= COOP_BIG_MIN_M the type's large tiling (coop_big_tile) split up to
-    COOP_BIG_GROUPS workgroups, else the type's default tiling split by coop_k_split (no
-    split with VKXSPLIT_DISABLE_SPLITK)."""
+    no variant: the type's default tiling or its large one (coop_big_tile), whichever
+    coop_cost models faster with its best split (ties: the default). No split with
+    VKXSPLIT_DISABLE_SPLITK; only the default tiling with VKXSPLIT_DISABLE_COOP_SHAPES.
+    H200 sweep (session 5, 5 types x M 128/256/512 x 4 llama8b shapes): within 1% of the
+    fastest measured (tiling, split) summed over the 60 cases, at most 12% off in one."""
     nosplit = splitk_disabled()
-    if M >= COOP_BIG_MIN_M and not coop_shapes_disabled():
-        big = coop_big_tile(t)
-        name = coop_variant_name(t, None if big == COOP_CONFIG[t] else big)
-        return name, 0 if nosplit else coop_k_split(COOP_TILES[big], M, N, K, COOP_BIG_GROUPS)
-    return coop_variant_name(t), 0 if nosplit else coop_k_split(COOP_TILES[COOP_CONFIG[t]], M, N, K)
+    keys = [COOP_CONFIG[t]]
+    if not coop_shapes_disabled() and coop_big_tile(t) != COOP_CONFIG[t]:
+        keys.append(coop_big_tile(t))
+    best: tuple[float, int, str, int] | None = None
+    for i, key in enumerate(keys):
+        tile = COOP_TILES[key]
+        ks = 0 if nosplit else coop_k_split(tile, M, N, K)
+        cost = coop_cost(tile, M, N, K, -(-K // ks) if ks else 1) or 0.0
+        if best is None or cost < best[0]:
+            best = (cost, i, key, ks)
+    assert best is not None
+    _, _, key, ks = best
+    return coop_variant_name(t, None if key == COOP_CONFIG[t] else key), ks
 
 
 class _SplitkScratch:
@@ -924,5 +945,5 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
-           "check_mul_mat", "coop_k_split", "splitk_disabled", "SPLITK_FULL_GROUPS", "SPLITK_TARGET_GROUPS", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "check_mul_mat", "coop_k_split", "coop_cost", "coop_choose", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]

@@ -31,6 +31,9 @@ OPTIONAL_EXTENSIONS = (
     "VK_KHR_shader_float16_int8", "VK_KHR_timeline_semaphore", "VK_EXT_image_drm_format_modifier",
 )
 
+#: pipeline compiler statistics (VKXSPLIT_PIPELINE_STATS=1): enabled only when asked for
+PIPELINE_STATS_EXT = "VK_KHR_pipeline_executable_properties"
+
 # (feature name, why it is needed); a device lacking one of these cannot be a hub.
 REQUIRED_FEATURES = (
     ("timelineSemaphore", "every backend stream synchronises on timeline semaphores"),
@@ -105,6 +108,17 @@ class Device:
             coop = new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR", cooperativeMatrix=1)
             tail.pNext = coop
             tail = coop
+        # compiler statistics of every pipeline (registers, spills: Kernel.statistics), asked for
+        # with VKXSPLIT_PIPELINE_STATS=1 (benchmarks); drivers may compile differently when
+        # capturing, so never by default
+        self.pipeline_stats = env_flag("VKXSPLIT_PIPELINE_STATS") and physical.has(PIPELINE_STATS_EXT)
+        pstats = None
+        if self.pipeline_stats:
+            exts.append(PIPELINE_STATS_EXT)
+            self.extensions.add(PIPELINE_STATS_EXT)
+            pstats = new("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR", pipelineExecutableInfo=1)
+            tail.pNext = pstats
+            tail = pstats
         bf16 = None
         if "VK_KHR_shader_bfloat16" in self.extensions and feats.get("shaderBFloat16Type"):
             # declared in its own ffi (newer than the vulkan package): keep it last in the chain

@@ -109,12 +109,44 @@ class Kernel:
                                   f"{p.min_subgroup_size}..{p.max_subgroup_size}")
             rss = new("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo", requiredSubgroupSize=sg)
             stage.pNext = rss
-        cpci = new("VkComputePipelineCreateInfo", stage=stage[0], layout=self.layout, basePipelineIndex=-1)
+        cpci = new("VkComputePipelineCreateInfo", stage=stage[0], layout=self.layout, basePipelineIndex=-1,
+                   flags=vk.VK_PIPELINE_CREATE_CAPTURE_STATISTICS_BIT_KHR if device.pipeline_stats else 0)
         pipe = ffi.new("VkPipeline*")
         check(lib.vkCreateComputePipelines(d, device.pipeline_cache, 1, cpci, NULL, pipe),
               f"vkCreateComputePipelines({name})")
         self.pipeline = pipe[0]
         device.adopt(self)
+
+    def statistics(self) -> dict[str, float]:
+        """The driver's compiler statistics of this pipeline (VK_KHR_pipeline_executable_properties:
+        on NVIDIA e.g. "Register Count", on Mesa "SGPRs"/"Spill count"...), name -> value; needs
+        the device opened with VKXSPLIT_PIPELINE_STATS=1 on a driver with the extension
+        (``{}`` otherwise)."""
+        dev = self.device
+        if not getattr(dev, "pipeline_stats", False) or self.pipeline is None:
+            return {}
+        exe = new("VkPipelineExecutableInfoKHR", pipeline=self.pipeline, executableIndex=0)
+        get = dev.fn("vkGetPipelineExecutableStatisticsKHR")
+        count = ffi.new("uint32_t*")
+        check(get(dev.handle, exe, count, NULL), "vkGetPipelineExecutableStatisticsKHR")
+        stats = ffi.new(f"VkPipelineExecutableStatisticKHR[{count[0]}]")
+        for i in range(count[0]):
+            stats[i].sType = vk.VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_STATISTIC_KHR
+        check(get(dev.handle, exe, count, stats), "vkGetPipelineExecutableStatisticsKHR")
+        out: dict[str, float] = {}
+        for i in range(count[0]):
+            st = stats[i]
+            fmt = st.format
+            if fmt == vk.VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_BOOL32_KHR:
+                v: float = float(st.value.b32)
+            elif fmt == vk.VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_INT64_KHR:
+                v = float(st.value.i64)
+            elif fmt == vk.VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_UINT64_KHR:
+                v = float(st.value.u64)
+            else:
+                v = float(st.value.f64)
+            out[ffi.string(st.name).decode(errors="replace")] = v
+        return out
 
     @classmethod
     def get(cls, device: Device, name: str) -> Kernel:
