@@ -474,12 +474,17 @@ class CoopTile:
 COOP_TILES = {t.name: t for t in (
     CoopTile(128, 128, 32, 32, 64),   # 8 subgroups of 2 x 4 fragments; 48 KiB
     CoopTile(128, 128, 32, 64, 64),   # 4 subgroups of 4 x 4 (ggml-vulkan's large tile shape)
-    CoopTile(64, 128, 32, 32, 64),    # 4 subgroups of 2 x 4; twice the workgroups
     CoopTile(128, 128, 64, 32, 64, stages=1),  # 8 subgroups of 2 x 4, BK 64, one stage; 44 KiB
     # 8 subgroups of 4 x 4 fragments (twice the MMAs per shared fragment load of w32x64), one
     # stage, 38 KiB: the large tilings coop_choose takes (built for every type)
     CoopTile(256, 128, 32, 64, 64, stages=1),
     CoopTile(128, 256, 32, 64, 64, stages=1),
+    # 16 subgroups (512 threads: the compiler must fit 128 registers per thread, where the 8-
+    # subgroup tilings take 172-246 and so run one workgroup per SM), one stage (the staging
+    # area alone is 16 KiB): sweep only
+    CoopTile(128, 256, 32, 32, 64, stages=1),
+    CoopTile(256, 128, 32, 64, 32, stages=1),
+    CoopTile(128, 128, 32, 32, 32, stages=1),
 )}
 # measured and dropped (session 5 H200 sweep, M = 512, f16 and q4_0): t64x128_k32_w32x64 (61-94
 # TFLOP/s), t128x256_k16_w64x64 (BK 16 double-buffered: 41-90), t128x128_k64_w64x64_s1 (41-113)
