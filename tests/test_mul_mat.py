@@ -584,15 +584,15 @@ def test_coop_choose_rule(monkeypatch):
     (VKXSPLIT_DISABLE_SPLITK). Every variant it can name is built."""
     monkeypatch.delenv("VKXSPLIT_DISABLE_COOP_SHAPES", raising=False)
     monkeypatch.delenv("VKXSPLIT_DISABLE_SPLITK", raising=False)
-    assert mm.COOP_TILE_EFF == {"t256x128_k32_w64x64_s1": 1.15, "t128x256_k32_w64x64_s1": 1.05}
-    q, f = "mul_mat_coopmat_q4_0_f32_t256x128_k32_w64x64_s1", "mul_mat_coopmat_f16_f32_t128x256_k32_w64x64_s1"
+    assert mm.COOP_TILE_EFF == {"t256x128_k32_w64x64_s1": 1.15, "t128x256_k32_w32x64_s1": 1.25}
+    q, f = "mul_mat_coopmat_q4_0_f32_t256x128_k32_w64x64_s1", "mul_mat_coopmat_f16_f32_t128x256_k32_w32x64_s1"
     # q4_0 M=512, 4096x4096: default 128 tiles unsplit = 4096 x 16384 (67.1 M); large tiling 64
     # tiles in 2 ranges = (2048 / 1.15 + 256) x 32768 (66.7 M)
     assert mm.coop_choose("q4_0", 512, 4096, 4096) == (q, 2048)
-    # f16: (2048 / 1.05 + 256) x 32768 = 72.3 M > 67.1 M: the default, unsplit
-    assert mm.coop_choose("f16", 512, 4096, 4096) == ("mul_mat_coopmat_f16_f32", 0)
-    # M=512, N=14336: large 224 tiles, 2 waves x 4096 / 1.15 x 32768 (233 M) vs the default's
-    # 7 waves x 2304 x 16384 (264 M)
+    # f16 (128 x 256 tiles, 16 subgroups): (2048 / 1.25 + 256) x 32768 = 62.1 M < 67.1 M
+    assert mm.coop_choose("f16", 512, 4096, 4096) == (f, 2048)
+    # M=512, N=14336: large 224 tiles, 2 waves x 4096 / 1.15 x 32768 (233 M; f16: / 1.25, 215 M)
+    # vs the default's 7 waves x 2304 x 16384 (264 M)
     assert mm.coop_choose("q4_0", 512, 14336, 4096) == (q, 0)
     assert mm.coop_choose("f16", 512, 14336, 4096) == (f, 0)
     # M=512, N=1024: default 4 x 1024 (1280 x 16384 = 21.0 M) vs large 8 x 512 (701 x 32768 = 23.0 M)

@@ -476,16 +476,15 @@ COOP_TILES = {t.name: t for t in (
     CoopTile(128, 128, 32, 64, 64),   # 4 subgroups of 4 x 4 (ggml-vulkan's large tile shape)
     CoopTile(128, 128, 64, 32, 64, stages=1),  # 8 subgroups of 2 x 4, BK 64, one stage; 44 KiB
     # 8 subgroups of 4 x 4 fragments (twice the MMAs per shared fragment load of w32x64), one
-    # stage, 38 KiB: the large tilings coop_choose takes (built for every type)
+    # stage, 38 KiB: COOP_BIG_QUANT, and its BN 256 twin (sweep)
     CoopTile(256, 128, 32, 64, 64, stages=1),
     CoopTile(128, 256, 32, 64, 64, stages=1),
-    # 16 subgroups (512 threads: the compiler must fit 128 registers per thread, where the 8-
-    # subgroup tilings take 172-246 and so run one workgroup per SM), one stage (the staging
-    # area alone is 16 KiB): sweep only
+    # 16 subgroups of 2 x 4 (512 threads: the compiler fits 128 registers per thread, where the
+    # 8-subgroup tilings take 172-246, NVIDIA's statistics), one stage (46 KiB): COOP_BIG_FLOAT
     CoopTile(128, 256, 32, 32, 64, stages=1),
-    CoopTile(256, 128, 32, 64, 32, stages=1),
-    CoopTile(128, 128, 32, 32, 32, stages=1),
 )}
+# also measured and dropped (session 5, 16 subgroups): t256x128_k32_w64x32_s1 (second to the
+# one above for f16, behind t256x128_k32_w64x64_s1 for q4_0), t128x128_k32_w32x32_s1 (75-99)
 # measured and dropped (session 5 H200 sweep, M = 512, f16 and q4_0): t64x128_k32_w32x64 (61-94
 # TFLOP/s), t128x256_k16_w64x64 (BK 16 double-buffered: 41-90), t128x128_k64_w64x64_s1 (41-113)
 # the H200 sweep of 2026-11-29 (tools/bench_coopmat.py): BK 64 with one stage was fastest by the
@@ -495,12 +494,14 @@ COOP_DEFAULT = "t128x128_k64_w32x64_s1"
 COOP_CONFIG: dict[str, str] = {t: COOP_DEFAULT for t in TYPES}
 COOP_SWEEP_TYPES = ("f16", "q4_0", "q8_0", "q4_k", "q6_k")
 #: the large tilings coop_choose weighs against the default: quantized weights BM 256 (each
-#: dequantized W tile serves 256 rows of x), float weights BN 256 (each f32 -> f16 converted x
-#: tile serves 256 W rows). H200, M = 512, split to one wave (session 5, docs/PERFORMANCE.md):
-#: q4_0 4096x4096 105 vs 97 TFLOP/s (default tiling), 4096x14336 117 vs 89, 14336x4096 105 vs
-#: 80; f16 4096x14336 132 vs 126, 14336x4096 117 vs 104, 4096x4096 112 vs 113
+#: dequantized W tile serves 256 rows of x; 8 subgroups of 4 x 4), float weights BN 256 (each
+#: f32 -> f16 converted x tile serves 256 W rows; 16 subgroups of 2 x 4 at 128 registers).
+#: H200, M = 512, split to one wave (session 5, docs/PERFORMANCE.md): q4_0 4096x4096 102 vs 97
+#: TFLOP/s (default tiling), 4096x14336 117 vs 89, 14336x4096 108 vs 81; f16 4096x4096 125 vs
+#: 113, 4096x14336 150 vs 126, 14336x4096 130 vs 104 (bf16 / f32 weights take the f16 choice
+#: unswept: the same x side, their W converted in the loader)
 COOP_BIG_QUANT = "t256x128_k32_w64x64_s1"
-COOP_BIG_FLOAT = "t128x256_k32_w64x64_s1"
+COOP_BIG_FLOAT = "t128x256_k32_w32x64_s1"
 # emulated variants (COOPMAT_EMULATE=1: no cooperative matrices, any subgroup size; tests
 # only): mul_mat_coopmat_emu_<type>_f32 with COOP_EMU_TILE for every type, plus extra tilings
 # for a few types (BK 64 with one stage, K-quant blocks spanning steps; BK 16, tall subgroup blocks,
@@ -599,7 +600,7 @@ SPLITK_MIN_K = 512
 SPLITK_MAX_SCRATCH = 64 << 20
 #: tile throughput (MACs per workgroup-second) relative to the default tiling's, by tile
 #: (H200, session 5): the 4 x 4-fragment large tilings do more MMAs per shared-memory load
-COOP_TILE_EFF = {COOP_BIG_QUANT: 1.15, COOP_BIG_FLOAT: 1.05}
+COOP_TILE_EFF = {COOP_BIG_QUANT: 1.15, COOP_BIG_FLOAT: 1.25}
 
 
 def splitk_disabled() -> bool:
