@@ -605,6 +605,14 @@ def test_coop_choose_rule(monkeypatch):
     monkeypatch.setenv("VKXSPLIT_DISABLE_SPLITK", "1")
     assert mm.coop_choose("q4_0", 512, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 0)  # 67.1 M vs 3562 x 32768
     monkeypatch.delenv("VKXSPLIT_DISABLE_SPLITK")
+    # a device whose limits do not take the large tiling (256 threads, 32 KiB) keeps the default
+    class Small:
+        class physical:  # noqa: N801
+            limits = {"maxComputeWorkGroupInvocations": 256, "maxComputeSharedMemorySize": 32768,
+                      "maxComputeWorkGroupSize": (256, 256, 64)}
+    assert not mm.coop_tile_fits(mm.COOP_TILES[mm.COOP_BIG_FLOAT], Small)
+    assert mm.coop_choose("f16", 512, 14336, 4096, Small)[0] == "mul_mat_coopmat_f16_f32"
+    assert mm.coop_choose("q4_0", 512, 14336, 4096, Small)[0] == "mul_mat_coopmat_q4_0_f32"
     names = {v.name for v in mm.VARIANTS}
     for t in ALL:
         for M, N, K in ((128, 4096, 4096), (512, 4096, 4096), (512, 14336, 4096), (300, 1000, 1000)):

@@ -642,17 +642,31 @@ def coop_shapes_disabled() -> bool:
     return env_flag("VKXSPLIT_DISABLE_COOP_SHAPES")
 
 
-def coop_choose(t: str, M: int, N: int, K: int) -> tuple[str, int]:
+def coop_tile_fits(tile: CoopTile, device: Device | None) -> bool:
+    """Whether ``device``'s limits take ``tile``'s workgroup (threads, shared memory); any tile
+    without a device or limits (the H200's are COOP_SHARED_MAX and 1024 threads)."""
+    lim = getattr(getattr(device, "physical", None), "limits", None)
+    if not lim:
+        return True
+    return (tile.threads <= int(lim.get("maxComputeWorkGroupInvocations", 1024))
+            and tile.shared_bytes <= int(lim.get("maxComputeSharedMemorySize", COOP_SHARED_MAX))
+            and tile.threads <= int(lim.get("maxComputeWorkGroupSize", (1024,))[0]))
+
+
+def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> tuple[str, int]:
     """(variant, K elements per split) of a coopmat product of weight type ``t`` that names
     no variant: the type's default tiling or its large one (coop_big_tile), whichever
     coop_cost models faster with its best split (ties: the default). No split with
-    VKXSPLIT_DISABLE_SPLITK; only the default tiling with VKXSPLIT_DISABLE_COOP_SHAPES.
+    VKXSPLIT_DISABLE_SPLITK; only the default tiling with VKXSPLIT_DISABLE_COOP_SHAPES or where
+    ``device``'s limits do not take the large one (coop_tile_fits: a GPU with fewer than 512
+    threads or 46 KiB of shared memory per workgroup).
     H200 sweep (session 5, 5 types x M 128/256/512 x 4 llama8b shapes): within 1% of the
     fastest measured (tiling, split) summed over the 60 cases, at most 12% off in one."""
     nosplit = splitk_disabled()
     keys = [COOP_CONFIG[t]]
-    if not coop_shapes_disabled() and coop_big_tile(t) != COOP_CONFIG[t]:
-        keys.append(coop_big_tile(t))
+    big = coop_big_tile(t)
+    if not coop_shapes_disabled() and big != COOP_CONFIG[t] and coop_tile_fits(COOP_TILES[big], device):
+        keys.append(big)
     best: tuple[float, int, str, int] | None = None
     for i, key in enumerate(keys):
         tile = COOP_TILES[key]
@@ -719,6 +733,8 @@ def coopmat_supported(device: Device) -> bool:
     p = device.physical
     if not (p.min_subgroup_size <= COOP_SUBGROUP <= p.max_subgroup_size):
         return False
+    if not all(coop_tile_fits(COOP_TILES[COOP_CONFIG[t]], device) for t in TYPES):
+        return False  # the default tilings' workgroups exceed the device's limits
     return any(s.m == 16 and s.n == 16 and s.k == 16 and s.a_type == _FLOAT16 and s.b_type == _FLOAT16
                and s.c_type == _FLOAT32 and s.result_type == _FLOAT32 and s.scope == _SCOPE_SUBGROUP
                for s in p.coopmat_shapes)
@@ -914,7 +930,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
         if coop_variant is None:
-            cname, chosen = coop_choose(wt.name, M, N, K)
+            cname, chosen = coop_choose(wt.name, M, N, K, dev)
         else:
             cname, chosen = coop_variant, 0 if emulated or splitk_disabled() else coop_k_split(
                 COOP_VARIANT_TILES[coop_variant], M, N, K)
@@ -951,5 +967,5 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
-           "check_mul_mat", "coop_k_split", "coop_cost", "coop_choose", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "check_mul_mat", "coop_k_split", "coop_cost", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
