@@ -51,8 +51,11 @@ def main() -> int:
             t0 = time.time()
             write_synthetic(path, shape, qtype, seed=0)
             print(f"<!-- synth {path.name}: {time.time() - t0:.1f} s -->", flush=True)
+        switched = sorted({k for _, pairs in settings for k, _ in pairs})
         for label, pairs in settings:
-            saved = {k: os.environ.get(k) for k, _ in pairs}
+            # every name any setting switches is cleared first: "none" is the baseline even when
+            # the caller's environment has one of them set
+            saved = {k: os.environ.pop(k, None) for k in switched}
             os.environ.update(dict(pairs))
             try:
                 m = load_model(path)

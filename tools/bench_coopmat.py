@@ -223,7 +223,7 @@ def main() -> int:
                     kw = {"path": "coopmat", "coop_variant": default, "k_split": 0}
                 else:
                     kw = {"path": "coopmat", "coop_variant": name}
-                cname, cks = mm.coop_choose(t, M, n, k) if name == "chosen" else (name, 0)
+                cname, cks = mm.coop_choose(t, M, n, k, dev) if name == "chosen" else (name, 0)
                 ctile = mm.COOP_VARIANT_TILES[default if name == "no-split" else cname] if name != "tiled" else None
                 tile = "64x64 f32" if ctile is None else ctile.name
                 bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
@@ -265,10 +265,12 @@ def main() -> int:
     print("\n## fastest coopmat variant per type and shape\n")
     print("| type | M | N x K | fastest | TFLOP/s | default TFLOP/s |\n|---|---:|---|---|---:|---:|")
     for (t, M, n, k), (tf, name) in best.items():
-        dflt = per_variant.get((t, mm.coop_variant_name(t, emulate=emulate)), [])
+        base = mm.coop_variant_name(t, emulate=emulate)
+        dflt = per_variant.get((t, base)) or per_variant.get((t, f"{base} /1"), [])
         d = dflt[shapes[t].index((M, n, k))] if len(dflt) == len(shapes[t]) else float("nan")
         print(f"| {t} | {M} | {n}x{k} | {name} | {tf:.3g} | {d:.3g} |")
-    print("\n## fastest per type (geometric mean over its shapes) -> COOP_CONFIG\n")
+    print("\n## fastest per type (geometric mean over its shapes; the tiling is COOP_CONFIG's candidate, "
+          "a /N label the split it was timed with)\n")
     print("| type | variant | tile | geomean TFLOP/s |\n|---|---|---|---:|")
     for t in types:
         cands = [(math.exp(sum(map(math.log, v)) / len(v)), name) for (tt, name), v in per_variant.items()

@@ -235,6 +235,9 @@ def main() -> int:
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
     print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), "
           f"subgroup size {dev.physical.subgroup_size}\n")
+    from vkxsplit.vk.api import vk
+
+    cpu = dev.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
     rng = np.random.default_rng(0)
 
     # copy reference (same kernel and accounting as tools/bench_kernels.py)
@@ -259,9 +262,11 @@ def main() -> int:
     for t in types:
         q1 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 1]
         q4 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 4]
-        dq = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}"
-        vecq_by_type[t] = ([(n, 1) for n in (q1[:2] if args.quick else q1) if wanted(n, dq)]
-                           + [(n, 4) for n in q4[:1] if not pick])
+        dq = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=cpu).tag}"
+        mine = [n for n in (q1[:2] if args.quick else q1) if wanted(n, dq)]
+        if q1 and dq in mm.VECQ_SWEEP and dq not in mine:
+            mine.insert(0, dq)  # the device's decode default: always checked and timed
+        vecq_by_type[t] = [(n, 1) for n in mine] + [(n, 4) for n in q4[:1] if not pick]
 
     print("## correctness (small shape, float64 reference)\n\n| type | variant | check |\n|---|---|---|")
     failed: set[str] = set()
@@ -297,7 +302,7 @@ def main() -> int:
                     w.write(host)
                     ws.append(w)
             except VkxError as exc:
-                print(f"| {t} | {n}x{k} | - | - | - | {str(exc)[:60]} | | | | | |")
+                print(f"| {t} | {n}x{k} | - | - | - | {str(exc)[:60]} | | | | | | | | |")
                 for w in ws:
                     w.close()
                 continue
@@ -313,7 +318,7 @@ def main() -> int:
                 try:
                     tb, tn, tk = time_variant(dev, t, v, m, n, k, ws, x, y, ystride, reps)
                 except VkxError as exc:
-                    print(f"| {t} | {n}x{k} | {m} | `{v}` | {cfg.tag} | {str(exc)[:60]} | | | | | |")
+                    print(f"| {t} | {n}x{k} | {m} | `{v}` | {cfg.tag} | {str(exc)[:60]} | | | | | | | | |")
                     continue
                 gb, gn, gk = wbytes / tb / 1e9, wbytes / tn / 1e9, wbytes / tk / 1e9
                 print(f"| {t} | {n}x{k} | {m} | `{v}` | {cfg.tag} | {tb * 1e6:.1f} | {gb:.0f} | "
@@ -331,7 +336,7 @@ def main() -> int:
                     try:
                         tb, tn, tk = time_vecq(dev, t, v, m, n, k, ws, x, xq, y, ystride, reps)
                     except VkxError as exc:
-                        print(f"| {t} | {n}x{k} | {m} | {label} | {tag} | {str(exc)[:60]} | | | | | |")
+                        print(f"| {t} | {n}x{k} | {m} | {label} | {tag} | {str(exc)[:60]} | | | | | | | | |")
                         continue
                     if v is None:  # not a weight-streaming kernel: no GB/s
                         print(f"| {t} | {n}x{k} | {m} | {label} | {tag} | {tb * 1e6:.1f} | - | - | "
@@ -351,12 +356,14 @@ def main() -> int:
     # copy rate plus this floor
     floor_rows = []
     for t in types:
-        if not vecq_by_type[t] or t not in mm.VECQ_GPU_TYPES:
+        if not vecq_by_type[t] or not (cpu or t in mm.VECQ_GPU_TYPES):
             continue
-        v = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}"
-        if v in failed or v in skipped:
+        v = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=cpu).tag}"
+        if v in failed or v in skipped or v not in {n for n, _ in vecq_by_type[t]}:
             continue
         for n, k in shapes:
+            if k % 32:
+                continue
             wb = 64 * row_bytes(t, k)
             ws = [dev.memory.alloc(wb, "device", "w_floor")]
             ws[0].write(rng.integers(0, 64, wb, dtype=np.uint8))
@@ -366,6 +373,9 @@ def main() -> int:
             xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
             try:
                 _, _, tf = time_vecq(dev, t, v, 1, 64, k, ws, x, xq, y, 64, reps)
+            except VkxError as exc:
+                floor_rows.append(f"| {t} | {n}x{k} | `{v}` | {str(exc)[:60]} | | |")
+                continue
             finally:
                 for buf in (*ws, x, y, xq):
                     buf.close()

@@ -510,6 +510,8 @@ COOP_EMU_TILE = CoopTile(64, 64, 32, 32, 32)
 COOP_EMU_EXTRA = {
     CoopTile(32, 64, 64, 32, 32, stages=1): ("f16", "q4_k"),
     CoopTile(64, 32, 16, 16, 32): ("bf16", "q8_0"),
+    # 16 subgroups (512 invocations), one stage, as COOP_BIG_FLOAT's layout: 25 KiB
+    CoopTile(64, 128, 16, 16, 32, stages=1): ("f16", "q4_0"),
 }
 _COOP_REQUIRES = ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel", "subgroupSizeControl", *_STORAGE)
 
@@ -592,9 +594,10 @@ COOP_WAVE = 128
 #: a split's fixed cost per workgroup, in K elements of its tile's work (the partial's store,
 #: the reduce dispatch, the loop's prologue), fitted with COOP_TILE_EFF to the session-5 sweep
 SPLITK_FIXED_K = 256
-#: split counts the model considers (each range a multiple of the tile's BK)
+#: split counts the model considers; ranges are rounded up to whole BK steps, so the count used
+#: can come out lower (16 ranges of K = 7200 at BK 64 are 15 of 512 and one empty: 15 used)
 SPLITK_COUNTS = (1, 2, 4, 8, 16)
-#: shortest K range of one split (elements): a split runs at least this many BK steps
+#: shortest K range of a split but the last (elements; the last takes what is left of K)
 SPLITK_MIN_K = 512
 #: most bytes of partial products one dispatch may stage (the device's shared scratch)
 SPLITK_MAX_SCRATCH = 64 << 20
@@ -643,14 +646,18 @@ def coop_shapes_disabled() -> bool:
 
 
 def coop_tile_fits(tile: CoopTile, device: Device | None) -> bool:
-    """Whether ``device``'s limits take ``tile``'s workgroup (threads, shared memory); any tile
-    without a device or limits (the H200's are COOP_SHARED_MAX and 1024 threads)."""
-    lim = getattr(getattr(device, "physical", None), "limits", None)
+    """Whether ``device``'s limits take ``tile``'s workgroup (threads, shared memory, subgroups
+    of COOP_SUBGROUP at the required size); any tile without a device or limits (the H200's
+    are COOP_SHARED_MAX, 1024 threads, 32 subgroups)."""
+    phys = getattr(device, "physical", None)
+    lim = getattr(phys, "limits", None)
     if not lim:
         return True
+    most_sg = int(getattr(phys, "max_workgroup_subgroups", 0) or 0)
     return (tile.threads <= int(lim.get("maxComputeWorkGroupInvocations", 1024))
             and tile.shared_bytes <= int(lim.get("maxComputeSharedMemorySize", COOP_SHARED_MAX))
-            and tile.threads <= int(lim.get("maxComputeWorkGroupSize", (1024,))[0]))
+            and tile.threads <= int(lim.get("maxComputeWorkGroupSize", (1024,))[0])
+            and (most_sg == 0 or tile.threads // COOP_SUBGROUP <= most_sg))
 
 
 def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> tuple[str, int]:
@@ -658,8 +665,8 @@ def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) ->
     no variant: the type's default tiling or its large one (coop_big_tile), whichever
     coop_cost models faster with its best split (ties: the default). No split with
     VKXSPLIT_DISABLE_SPLITK; only the default tiling with VKXSPLIT_DISABLE_COOP_SHAPES or where
-    ``device``'s limits do not take the large one (coop_tile_fits: a GPU with fewer than 512
-    threads or 46 KiB of shared memory per workgroup).
+    ``device``'s limits do not take the large one (coop_tile_fits: the float one has 512
+    threads and 46 KiB of shared memory, the quantized one 256 and 38 KiB).
     H200 sweep (session 5, 5 types x M 128/256/512 x 4 llama8b shapes): within 1% of the
     fastest measured (tiling, split) summed over the 60 cases, at most 12% off in one."""
     nosplit = splitk_disabled()
@@ -671,7 +678,9 @@ def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) ->
     for i, key in enumerate(keys):
         tile = COOP_TILES[key]
         ks = 0 if nosplit else coop_k_split(tile, M, N, K)
-        cost = coop_cost(tile, M, N, K, -(-K // ks) if ks else 1) or 0.0
+        cost = coop_cost(tile, M, N, K, -(-K // ks) if ks else 1)
+        if cost is None:  # not reachable (coop_k_split returns allowed splits); never a free pick
+            continue
         if best is None or cost < best[0]:
             best = (cost, i, key, ks)
     assert best is not None
@@ -886,9 +895,11 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     VEC_WIDE variants (``shaders/mul_mat_vec_wide.comp``) need K % 256 == 0.
 
     ``k_split`` (coopmat only): K elements per split, a multiple of the tile's BK; the partial
-    products go to the device's split-K scratch and ``reduce_splitk_f32`` sums them into y. None:
-    :func:`coop_k_split` decides for the real coopmat kernels (never for emulated variants;
-    ``VKXSPLIT_DISABLE_SPLITK=1`` turns it off); 0: no split."""
+    products go to the device's split-K scratch and ``reduce_splitk_f32`` sums them into y;
+    pinned without ``coop_variant``, the type's default tiling runs it. None: without
+    ``coop_variant`` :func:`coop_choose` picks tiling and split, with a real one
+    :func:`coop_k_split` picks the split (never for emulated variants;
+    ``VKXSPLIT_DISABLE_SPLITK=1`` turns splits off); 0: no split."""
     wt = weight_type(w_type)
     dev = seq.device
     if vec_variant is not None:
@@ -929,7 +940,9 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     elif path == "tiled":
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
-        if coop_variant is None:
+        if coop_variant is None and k_split is not None:
+            cname, chosen = coop_variant_name(wt.name), k_split  # a pinned split: the default tiling
+        elif coop_variant is None:
             cname, chosen = coop_choose(wt.name, M, N, K, dev)
         else:
             cname, chosen = coop_variant, 0 if emulated or splitk_disabled() else coop_k_split(

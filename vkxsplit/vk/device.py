@@ -111,7 +111,8 @@ class Device:
         # compiler statistics of every pipeline (registers, spills: Kernel.statistics), asked for
         # with VKXSPLIT_PIPELINE_STATS=1 (benchmarks); drivers may compile differently when
         # capturing, so never by default
-        self.pipeline_stats = env_flag("VKXSPLIT_PIPELINE_STATS") and physical.has(PIPELINE_STATS_EXT)
+        self.pipeline_stats = (env_flag("VKXSPLIT_PIPELINE_STATS") and physical.has(PIPELINE_STATS_EXT)
+                               and bool(feats.get("pipelineExecutableInfo")))
         pstats = None
         if self.pipeline_stats:
             exts.append(PIPELINE_STATS_EXT)

@@ -160,6 +160,7 @@ class PhysicalDeviceInfo:
     limits: dict[str, Any] = field(default_factory=dict)
     subgroup_size: int = 0
     min_subgroup_size: int = 0
+    max_workgroup_subgroups: int = 0  # maxComputeWorkgroupSubgroups (0: not reported)
     max_subgroup_size: int = 0
     subgroup_stages: int = 0
     subgroup_ops: int = 0
@@ -273,6 +274,7 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
     if ssc is not None:
         info.min_subgroup_size = ssc.minSubgroupSize
         info.max_subgroup_size = ssc.maxSubgroupSize
+        info.max_workgroup_subgroups = ssc.maxComputeWorkgroupSubgroups
     else:
         info.min_subgroup_size = info.max_subgroup_size = info.subgroup_size
     if hostp is not None:
@@ -294,6 +296,11 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
         coop = new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR")
         tail.pNext = coop
         tail = coop
+    pexe = None
+    if info.has("VK_KHR_pipeline_executable_properties"):
+        pexe = new("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR")
+        tail.pNext = pexe
+        tail = pexe
     bf16 = None
     if info.has("VK_KHR_shader_bfloat16"):
         bf16, bf16_ptr = new_bf16_features()
@@ -307,6 +314,7 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
         for f in fields:
             info.features[f] = bool(s is not None and getattr(s, f))
     info.features["cooperativeMatrix"] = bool(coop is not None and coop.cooperativeMatrix)
+    info.features["pipelineExecutableInfo"] = bool(pexe is not None and pexe.pipelineExecutableInfo)
     info.features["shaderBFloat16Type"] = bool(bf16 is not None and bf16.shaderBFloat16Type)
     info.features["shaderBFloat16CooperativeMatrix"] = bool(
         bf16 is not None and bf16.shaderBFloat16CooperativeMatrix)
