@@ -72,6 +72,39 @@ def test_bench_matvec_quick(tmp_path):
         assert f"| {t} | 256x1024 | 1 |" in r.stdout and f"| {t} | 256x1024 | 4 |" in r.stdout
 
 
+def test_bench_coopmat_splits_and_tiles(tmp_path):
+    """--splits with counts and --tiles: each listed tiling timed once per count, plus the
+    "chosen" row only where real cooperative matrices exist (lavapipe: emulated, none)."""
+    r = run_tool(["tools/bench_coopmat.py", "--quick", "--types", "q4_0", "--splits", "1,2",
+                  "--tiles", "t64x64_k32_w32x32"], tmp_path)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+    rows = [ln for ln in r.stdout.splitlines()
+            if ln.startswith("| q4_0 | 64 | 128x256 |") and "| t64x64_k32_w32x32" in ln]
+    assert len(rows) == 2 and "split K 2x128" in rows[1] and "split K" not in rows[0], rows
+
+
+def test_bench_matvec_variants_and_floor(tmp_path):
+    """--variants filters the sweep (the defaults always stay), --shapes picks the shape; the
+    per-dispatch floor table is printed for the device's decode default."""
+    r = run_tool(["tools/bench_matvec.py", "--quick", "--types", "q4_0", "--variants", "nomatch",
+                  "--shapes", "128x512"], tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "| q4_0 | 128x512 | 1 |" in r.stdout and "per-dispatch floor" in r.stdout
+    assert "_wide_" not in r.stdout  # filtered out
+
+
+def test_bench_ab_tiny(tmp_path):
+    """The kill-switch A/B: one row per setting, the baseline first, tok/s numbers."""
+    r = run_tool(["tools/bench_ab.py", "--shapes", "smol135m:q4_1", "--settings", "none,VKXSPLIT_DISABLE_VECQ=1",
+                  "-p", "8", "-n", "2", "-r", "1", "--dir", str(tmp_path / "models")], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln.split("|") for ln in r.stdout.splitlines() if ln.startswith("| smol135m q4_1 |")]
+    assert [row[2].strip() for row in rows] == ["none", "VKXSPLIT_DISABLE_VECQ=1"]
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
+    bad = run_tool(["tools/bench_ab.py", "--settings", "FOO=1"], tmp_path)
+    assert bad.returncode == 2 and "VKXSPLIT_NAME=VALUE" in bad.stderr
+
+
 def test_bench_multigpu_quick(tmp_path):
     """The one-vs-two-GPU bench, with the peer as a second logical device on lavapipe, and the
     pipeline of two hubs on the one device (a row with its bytes crossed: 8 prompt tokens of

@@ -257,7 +257,7 @@ def main() -> int:
         by_type[t] = [mm.vec_kernel_name(t, 1)] + [v for v in (sweep[:1] + wide[:1] if args.quick else sweep + wide)
                                                     if wanted(v, None)]
         m4_by_type[t] = [mm.vec_kernel_name(t, 4)] + [n for n, (ty, _, mx) in mm.VEC_WIDE.items()
-                                                      if ty == t and mx == 4]
+                                                      if ty == t and mx == 4 and wanted(n, None)]
     vecq_by_type: dict[str, list[tuple[str, int]]] = {}  # (variant, M)
     for t in types:
         q1 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 1]

@@ -2,8 +2,8 @@
 # Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [mulmat-tests] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
-# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS)
+#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
+# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS)
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
 . .device/on-device.sh || exit 1
@@ -30,6 +30,15 @@ for w in $what; do
       timeout 300 python3 tools/bench_matvec.py ${MATVEC_ARGS:-} 2>&1 | tee "$OUT/bench_matvec.md" ;;
     coopmat)
       timeout 300 python3 tools/bench_coopmat.py ${COOPMAT_ARGS:-} 2>&1 | tee "$OUT/bench_coopmat.md" ;;
+    coop-chosen)
+      # what models get: the default tiling unsplit beside coop_choose's pick, every swept type,
+      # M 128/256/512, the llama8b shapes, with NVIDIA's register counts (~90 s on the H200)
+      VKXSPLIT_PIPELINE_STATS=1 timeout 300 python3 tools/bench_coopmat.py --m 128,256,512 \
+        --shapes 4096x4096,1024x4096,14336x4096,4096x14336 --splits 1 --tiles t128x128_k64_w32x64_s1 \
+        --reps 8 2>&1 | tee "$OUT/bench_coop_chosen.md" | grep -E "chosen|Register|FAIL|checks" ;;
+    ab)
+      # whole-model A/B of the coopmat choice (env AB_ARGS for tools/bench_ab.py)
+      timeout 400 python3 tools/bench_ab.py ${AB_ARGS:---shapes llama8b:q4_0} 2>&1 | tee "$OUT/bench_ab.md" ;;
     multigpu)
       timeout 400 python3 tools/bench_multigpu.py ${MULTIGPU_ARGS:-} 2>&1 | tee "$OUT/bench_multigpu.md" ;;
     peer-tests)
