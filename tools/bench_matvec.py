@@ -242,6 +242,7 @@ def main() -> int:
 
     # copy reference (same kernel and accounting as tools/bench_kernels.py)
     nbytes = (16 if args.quick else 1024) << 20
+    nbytes = min(nbytes, int(dev.physical.limits["maxStorageBufferRange"]) // 16 * 16)  # lavapipe: 128 MiB
     a = dev.memory.alloc(nbytes, "device", "copy_a")
     b = dev.memory.alloc(nbytes, "device", "copy_b")
     copy_bw = 2 * nbytes / timed(dev, lambda s, i: record_copy(s, a, b, nbytes), max(3, reps // 5), True) / 1e9

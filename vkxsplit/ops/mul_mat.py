@@ -241,6 +241,12 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 VecqConfig(128, 4, blk=1, unr=4), VecqConfig(128, 2, blk=1, unr=2),
                 VecqConfig(64, 2, blk=1, unr=2), VecqConfig(128, 2, blk=1, unr=4),
                 VecqConfig(256, 2, blk=1, unr=2), VecqConfig(128, 1, blk=1, unr=2),
+                # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
+                # core): one lane per row, no cross-lane reduction. llvmpipe, 2 cores, with the
+                # quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6 (nr16)
+                # -> 12.7 (wg32_nr32) -> 10.2 (wg64_nr64); Q4_1 1536x576 336 -> 225-234 us.
+                # Dropped: wg32_nr8 / nr16 (between), wg32_nr32_u2 (no faster)
+                VecqConfig(32, 32, blk=1), VecqConfig(64, 64, blk=1),
                 # fallbacks (no shaderIntegerDotProduct): the same logic with int multiply-adds
                 VecqConfig(128, 4, idp=0), VecqConfig(128, 4, blk=1, idp=0)]
 _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
@@ -255,9 +261,11 @@ VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
 _IDP_REQUIRES = ("shaderIntegerDotProduct",)
 #: the decode (M = 1) default per device kind: the fastest vecq shape of the H200 sweep (with
 #: warm clocks 1.2-2.9x the f32-x kernel for Q4_0, on par for Q8_0; llama8b decode +19% with
-#: the quantization fused into the norms, docs/PERFORMANCE.md) and of llvmpipe (1.5-2.9x at
-#: SmolLM2 and 2048-square shapes: wg32, one core per workgroup)
-VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(32, 4, blk=1)}
+#: the quantization fused into the norms, docs/PERFORMANCE.md) and of llvmpipe (session 5: one
+#: row per invocation, 64 per workgroup: 1.4-2.3x session 3's wg32_nr4 alone at SmolLM2's
+#: shapes, but only +3-5% on SmolLM2's tg32 (10.2-10.4 -> 10.6-10.7 tok/s, 2 cores): inside the
+#: decode graph the same dispatches take about twice their time alone, not yet explained)
+VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, blk=1)}
 #: GPU decode shapes per type where the session-5 H200 sweep found a faster one than the default
 #: (barrier mode with the quantize, summed over 4096x14336, 14336x4096, 4096x4096): Q4_0 with 64
 #: threads per row, 2 blocks per iteration, 46.2 vs 48.3 us (4096x14336: 17.1 vs 18.9); Q8_0
