@@ -263,8 +263,9 @@ _IDP_REQUIRES = ("shaderIntegerDotProduct",)
 #: warm clocks 1.2-2.9x the f32-x kernel for Q4_0, on par for Q8_0; llama8b decode +19% with
 #: the quantization fused into the norms, docs/PERFORMANCE.md) and of llvmpipe (session 5: one
 #: row per invocation, 64 per workgroup: 1.4-2.3x session 3's wg32_nr4 alone at SmolLM2's
-#: shapes, but only +3-5% on SmolLM2's tg32 (10.2-10.4 -> 10.6-10.7 tok/s, 2 cores): inside the
-#: decode graph the same dispatches take about twice their time alone, not yet explained)
+#: shapes, but only +3-5% on SmolLM2's tg32 (10.2-10.4 -> 10.6-10.7 tok/s, 2 cores): the output
+#: mat-vec alone 23.4 -> 10.6 ms, the whole decode step 96.5 -> 91.6 ms; where the rest of the
+#: gain goes inside the step (cache effects of a 32 MiB L3?) is not analysed)
 VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, blk=1)}
 #: GPU decode shapes per type where the session-5 H200 sweep found a faster one than the default
 #: (barrier mode with the quantize, summed over 4096x14336, 14336x4096, 4096x4096): Q4_0 with 64
