@@ -235,18 +235,17 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 VecqConfig(64, 4), VecqConfig(128, 4, unr=2), VecqConfig(128, 4, sat=1),
                 VecqConfig(128, 4, blk=1), VecqConfig(128, 4, blk=1, unr=2), VecqConfig(256, 4, blk=1, unr=2),
                 VecqConfig(32, 4, blk=1),
-                # session 5: more weight bytes in flight per thread (4 blocks per iteration), and
-                # longer teams per row (64 / 128 threads). Dropped after the H200 sweep: b1 nr8
-                # (16 threads per row: q4_0 4096x14336 27.7 us vs 19.1 for nr4)
-                VecqConfig(128, 4, blk=1, unr=4), VecqConfig(128, 2, blk=1, unr=2),
-                VecqConfig(64, 2, blk=1, unr=2), VecqConfig(128, 2, blk=1, unr=4),
-                VecqConfig(256, 2, blk=1, unr=2), VecqConfig(128, 1, blk=1, unr=2),
+                # session 5 (H200, docs/PERFORMANCE.md section 000): 64 threads per row (the Q4_0
+                # and Q8_0 GPU defaults; u4: as fast as u2). Swept and dropped: b1 nr8 (16 threads
+                # per row: q4_0 4096x14336 27.7 us vs 19.1 for nr4), b1_wg128_nr4_u4 (no faster
+                # than u1), b1_wg256_nr2_u2 and b1_wg128_nr1_u2 (slower at 14336x4096)
+                VecqConfig(128, 2, blk=1, unr=2), VecqConfig(64, 2, blk=1, unr=2), VecqConfig(128, 2, blk=1, unr=4),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
-                # core): one lane per row, no cross-lane reduction. llvmpipe, 2 cores, with the
-                # quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6 (nr16)
-                # -> 12.7 (wg32_nr32) -> 10.2 (wg64_nr64); Q4_1 1536x576 336 -> 225-234 us.
-                # Dropped: wg32_nr8 / nr16 (between), wg32_nr32_u2 (no faster)
-                VecqConfig(32, 32, blk=1), VecqConfig(64, 64, blk=1),
+                # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
+                # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
+                # (wg32_nr16) -> 11.1-12.7 (wg32_nr32) -> 10.2 (wg64_nr64); Q4_1 1536x576 336 ->
+                # 234 us. Dropped: wg32_nr8 / nr16 / nr32 (between), wg32_nr32_u2 (no faster)
+                VecqConfig(64, 64, blk=1),
                 # fallbacks (no shaderIntegerDotProduct): the same logic with int multiply-adds
                 VecqConfig(128, 4, idp=0), VecqConfig(128, 4, blk=1, idp=0)]
 _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
