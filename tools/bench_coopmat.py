@@ -233,8 +233,7 @@ def main() -> int:
                         tile += f" split K {-(-k // cks)}x{cks}"
                         groups *= -(-k // cks)
                 elif ctile is not None and name != "no-split" and sp != "auto":
-                    per = -(-k // int(sp))  # K elements per range, rounded up to whole BK steps
-                    chunk = -(-per // ctile.bk) * ctile.bk
+                    chunk = mm.split_chunk(k, int(sp), ctile.bk)
                     if int(sp) > 1 and (chunk >= k or chunk < 2 * ctile.bk):
                         continue  # K too short for that many ranges
                     kw["k_split"] = 0 if int(sp) == 1 else chunk

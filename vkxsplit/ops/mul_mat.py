@@ -619,13 +619,19 @@ def splitk_disabled() -> bool:
     return env_flag("VKXSPLIT_DISABLE_SPLITK")
 
 
+def split_chunk(K: int, splits: int, bk: int) -> int:
+    """K elements per range when K is cut into ``splits`` ranges of whole ``bk`` steps (the
+    last range takes what is left; the count used is ceil(K / chunk), maybe fewer)."""
+    per = -(-K // splits)
+    return -(-per // bk) * bk
+
+
 def coop_cost(tile: CoopTile, M: int, N: int, K: int, splits: int) -> float | None:
     """Modelled time of a coopmat product with ``tile`` and K in ``splits`` ranges (None when
     that split is not allowed: ranges under SPLITK_MIN_K, partials over SPLITK_MAX_SCRATCH):
     waves of COOP_WAVE workgroups, each wave as long as one workgroup's tile work, BM x BN x
     its K range / COOP_TILE_EFF, plus SPLITK_FIXED_K of work per split workgroup."""
-    per = -(-K // splits)
-    chunk = -(-per // tile.bk) * tile.bk  # K elements per range, whole BK steps
+    chunk = split_chunk(K, splits, tile.bk)
     n = -(-K // max(chunk, 1))
     if n > 1 and (chunk < SPLITK_MIN_K or 4 * M * N * n > SPLITK_MAX_SCRATCH):
         return None
@@ -634,17 +640,18 @@ def coop_cost(tile: CoopTile, M: int, N: int, K: int, splits: int) -> float | No
     return -(-groups // COOP_WAVE) * tile.bm * tile.bn * work
 
 
+def _best_split(tile: CoopTile, M: int, N: int, K: int) -> tuple[float, int]:
+    """(modelled cost, K elements per split or 0) of the count of SPLITK_COUNTS with the least
+    coop_cost (ties: fewer splits; one range is always allowed)."""
+    cost, n = min((c, n) for n in SPLITK_COUNTS if (c := coop_cost(tile, M, N, K, n)) is not None)
+    chunk = split_chunk(K, n, tile.bk)
+    return cost, chunk if n > 1 and chunk < K else 0
+
+
 def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
     """K elements per split for a coopmat product with ``tile`` (0: no split): the count of
     SPLITK_COUNTS with the least coop_cost (ties: fewer splits), as a multiple of BK."""
-    best = min(((c, n) for n in SPLITK_COUNTS if (c := coop_cost(tile, M, N, K, n)) is not None),
-               default=(0.0, 1))
-    n = best[1]
-    if n == 1:
-        return 0
-    per = -(-K // n)
-    chunk = -(-per // tile.bk) * tile.bk
-    return chunk if chunk < K else 0
+    return _best_split(tile, M, N, K)[1]
 
 
 def coop_shapes_disabled() -> bool:
@@ -682,17 +689,14 @@ def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) ->
     big = coop_big_tile(t)
     if not coop_shapes_disabled() and big != COOP_CONFIG[t] and coop_tile_fits(COOP_TILES[big], device):
         keys.append(big)
-    best: tuple[float, int, str, int] | None = None
-    for i, key in enumerate(keys):
+    best: tuple[float, str, int] | None = None
+    for key in keys:  # the default first: it keeps ties
         tile = COOP_TILES[key]
-        ks = 0 if nosplit else coop_k_split(tile, M, N, K)
-        cost = coop_cost(tile, M, N, K, -(-K // ks) if ks else 1)
-        if cost is None:  # not reachable (coop_k_split returns allowed splits); never a free pick
-            continue
+        cost, ks = (coop_cost(tile, M, N, K, 1) or 0.0, 0) if nosplit else _best_split(tile, M, N, K)
         if best is None or cost < best[0]:
-            best = (cost, i, key, ks)
+            best = (cost, key, ks)
     assert best is not None
-    _, _, key, ks = best
+    _, key, ks = best
     return coop_variant_name(t, None if key == COOP_CONFIG[t] else key), ks
 
 
@@ -988,5 +992,5 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
-           "check_mul_mat", "coop_k_split", "coop_cost", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "check_mul_mat", "coop_k_split", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
