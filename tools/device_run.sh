@@ -3,7 +3,7 @@
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
 #   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
-# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS)
+# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS)
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
 . .device/on-device.sh || exit 1
@@ -39,6 +39,9 @@ for w in $what; do
     ab)
       # whole-model A/B of the coopmat choice (env AB_ARGS for tools/bench_ab.py)
       timeout 400 python3 tools/bench_ab.py ${AB_ARGS:---shapes llama8b:q4_0} 2>&1 | tee "$OUT/bench_ab.md" ;;
+    link)
+      # GPU-side links between devices 0 and 1 through host pages (env LINK_ARGS)
+      timeout 200 python3 tools/bench_link.py ${LINK_ARGS:-} 2>&1 | tee "$OUT/bench_link.md" ;;
     multigpu)
       timeout 400 python3 tools/bench_multigpu.py ${MULTIGPU_ARGS:-} 2>&1 | tee "$OUT/bench_multigpu.md" ;;
     peer-tests)

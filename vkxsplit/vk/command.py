@@ -97,6 +97,8 @@ class Sequence:
         self._barrier = new("VkMemoryBarrier", srcAccessMask=_ALL_ACCESS, dstAccessMask=_ALL_ACCESS)
         self._host_barrier = new("VkMemoryBarrier", srcAccessMask=_ALL_ACCESS,
                                  dstAccessMask=vk.VK_ACCESS_HOST_READ_BIT)
+        self._publish_barrier = new("VkMemoryBarrier", srcAccessMask=_ALL_ACCESS,
+                                    dstAccessMask=_ALL_ACCESS | vk.VK_ACCESS_HOST_READ_BIT)
         self._shader_barrier = new("VkMemoryBarrier", srcAccessMask=_SHADER_ACCESS,
                                    dstAccessMask=_SHADER_ACCESS)
         device.adopt(self)
@@ -148,6 +150,19 @@ class Sequence:
         """A full compute/transfer memory barrier."""
         self._require_recording()
         lib.vkCmdPipelineBarrier(self.cb, _STAGES, _STAGES, 0, 1, self._barrier, 0, NULL, 0, NULL)
+        self.barriers += 1
+        self._pending_w.clear()
+        self._pending_r.clear()
+        self._pending_xfer = False
+
+    def publish_barrier(self) -> None:
+        """A full barrier whose destination also includes the host (HOST stage, HOST_READ):
+        the memory domain operation that makes this device's writes available to the host
+        domain, i.e. written back out of its caches to memory. What a later command publishes
+        to another device through host pages (:mod:`vkxsplit.ops.link`) is recorded after it."""
+        self._require_recording()
+        lib.vkCmdPipelineBarrier(self.cb, _STAGES, _STAGES | vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1,
+                                 self._publish_barrier, 0, NULL, 0, NULL)
         self.barriers += 1
         self._pending_w.clear()
         self._pending_r.clear()

@@ -1,0 +1,110 @@
+"""Cross-device links on the GPU: a rendezvous on flag words and a sum of partials, through
+host pages two devices import (``shaders/link_flag.comp``, ``shaders/link_sum.comp``).
+
+Two GPUs have different deviceUUIDs, so Vulkan lets neither import the other's memory or
+timeline semaphores; host pages (``VK_EXT_external_memory_host``) are what both can map.
+Without a host thread in between, one device learns that the other's data is there by polling
+a word the other writes:
+
+1. the producer writes its data into the pages, then :meth:`Sequence.publish_barrier`
+   (destination HOST: the writes leave its caches);
+2. :func:`record_link` with ``signal``: one invocation stores ``base + offset`` into the
+   producer's own flag word (a volatile store);
+3. the consumer's :func:`record_link` with ``wait`` polls that word until it reaches
+   ``base + offset`` (bounded by ``max_spins``; a give-up is recorded in ``status`` and
+   every later wait of the step returns at once);
+4. the consumer reads the data with volatile loads (:func:`record_link_sum`), never through
+   a cache line it may hold from an earlier use of the same pages.
+
+``base`` is a word the host writes before each step (steps number their links
+``base + 1, base + 2, ...``), so recorded sequences replay unchanged. This ordering across two
+devices is outside what the Vulkan memory model promises (it covers one device); it is the
+protocol the measurements in docs/MULTI_GPU.md were made with, and the tests check the data
+that crosses, every time, against a reference.
+"""
+
+from __future__ import annotations
+
+from ..errors import KernelError
+from ..shaders import Variant
+from ..vk.command import Sequence
+from ..vk.kernel import Bindable, Kernel, as_range
+
+SIGNAL = 1
+WAIT = 2
+FINAL = 4  # (set by record_link on the last dispatch of a wait)
+LLVMPIPE_LOOP_CAP = 65535  # llvmpipe ends a shader's loops after this many iterations in all
+SUM_WG = 256
+
+VARIANTS = [
+    Variant(name="link_flag_atomic", source="link_flag.comp", defines={"POLL_ATOMIC": "1"}, bindings=4,
+            writes=(1, 3), push="III", local_size=(1, 1, 1)),
+    Variant(name="link_flag_volatile", source="link_flag.comp", bindings=4, writes=(1, 3), push="III",
+            local_size=(1, 1, 1)),
+    Variant(name="link_sum_f32", source="link_sum.comp", bindings=3, writes=(2,), push="I",
+            local_size=(SUM_WG, 1, 1)),
+]
+
+
+def link_poll(device: object) -> str:
+    """How a wait polls on ``device``: ``volatile`` loads on GPUs, ``atomic`` reads on CPU
+    drivers (llvmpipe folds a loop of volatile loads away)."""
+    from ..vk.api import vk
+
+    return "atomic" if device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU else "volatile"  # type: ignore[attr-defined]
+
+
+def _word(what: str, b: Bindable, words: int = 1) -> None:
+    _, off, size, _ = as_range(b)
+    if off % 4 or size < 4 * words:
+        raise KernelError(f"link_flag: the {what} binding must hold {words} aligned 32-bit word(s)")
+
+
+def record_link(seq: Sequence, peer: Bindable, mine: Bindable, base: Bindable, status: Bindable, *,
+                offset: int, mode: int = SIGNAL | WAIT, max_spins: int = 1 << 30,
+                poll: str | None = None, repeats: int | None = None) -> None:
+    """One invocation: ``signal`` stores ``base + offset`` into ``mine``; ``wait`` polls
+    ``peer`` until it reaches ``base + offset`` (at most ``max_spins`` polls; a give-up goes
+    to ``status[0]``, ``status[1]`` sums the polls). ``mine``/``peer`` are flag words in host
+    pages; record :meth:`Sequence.publish_barrier` before a signal that publishes data.
+
+    ``repeats``: dispatches the wait is recorded as (default: 1; on a CPU driver enough
+    dispatches of at most 65535 polls, llvmpipe's cap on a shader's loops, for ``max_spins``);
+    once the flag is seen the rest return at once."""
+    for what, b, n in (("peer", peer, 1), ("mine", mine, 1), ("base", base, 1), ("status", status, 2)):
+        _word(what, b, n)
+    if mode not in (SIGNAL, WAIT, SIGNAL | WAIT):
+        raise KernelError(f"link_flag: mode {mode} is not SIGNAL, WAIT or both")
+    if not 0 < max_spins < 1 << 32 or not 0 <= offset < 1 << 31:
+        raise KernelError(f"link_flag: max_spins {max_spins} or offset {offset} out of range")
+    poll = poll or link_poll(seq.device)
+    if poll not in ("atomic", "volatile"):
+        raise KernelError(f"link_flag: poll {poll!r} is not 'atomic' or 'volatile'")
+    kernel = Kernel.get(seq.device, f"link_flag_{poll}")
+    if repeats is None:
+        cpu = link_poll(seq.device) == "atomic"
+        repeats = -(-max_spins // (LLVMPIPE_LOOP_CAP - 1023)) if cpu else 1
+    if not 1 <= repeats <= 4096:
+        raise KernelError(f"link_flag: {repeats} repeats is outside 1..4096")
+    if not mode & WAIT:
+        repeats = 1
+    spins = -(-max_spins // repeats)
+    for r in range(repeats):
+        m = mode if r == 0 else WAIT
+        if r == repeats - 1:
+            m |= FINAL
+        seq.dispatch(kernel, [peer, mine, base, status], (offset, spins, m), 1)
+
+
+def record_link_sum(seq: Sequence, a: Bindable, peer: Bindable, dst: Bindable, n: int,
+                    max_groups: int = 1024) -> None:
+    """``dst[:n] = a[:n] + peer[:n]`` (f32, ``n`` a multiple of 4), ``peer`` read with
+    volatile loads (another device wrote it)."""
+    if n % 4 or n <= 0:
+        raise KernelError(f"link_sum_f32: {n} elements is not a positive multiple of 4")
+    for what, b in (("a", a), ("peer", peer), ("dst", dst)):
+        _, off, size, _ = as_range(b)
+        if off % 16 or size < 4 * n:
+            raise KernelError(f"link_sum_f32: the {what} binding must hold {n} aligned f32")
+    groups = max(1, min(max_groups, -(-n // (4 * SUM_WG))))
+    seq.dispatch(Kernel.get(seq.device, "link_sum_f32"), [a, peer, dst], (n // 4,), groups)
