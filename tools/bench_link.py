@@ -168,6 +168,125 @@ def allreduce(pair: Pair, n: int, rounds: int, poll: str, max_spins: int) -> dic
                 b.close()
 
 
+def host_rendezvous(pair: Pair, rounds: int, spin: bool, n: int = 4096) -> dict:
+    """The same rendezvous and data exchange with the host in between: device d's round i is
+    one submit (sum of round i - 1's partials, then fill and publish round i's) that waits for
+    ``go_d >= i - 1`` and signals ``done_d = i``; a host thread waits for both ``done`` values
+    (polling the counters when ``spin``, else vkWaitSemaphores) and signals both ``go``."""
+    import threading
+
+    from vkxsplit.vk.event import Timeline
+
+    nbytes = 4 * n
+    done = [Timeline(d, name="done") for d in pair.devs]
+    go = [Timeline(d, name="go") for d in pair.devs]
+    bufs, seqs = [], []
+    try:
+        for d in range(2):
+            mem = pair.devs[d].memory
+            part, tmp, acc = (mem.alloc(nbytes, "device", nm) for nm in ("part", "tmp", "acc"))
+            bufs.append((part, tmp, acc))
+            per = []
+            for i in range(1, rounds + 2):
+                s = Sequence(pair.devs[d], f"host-rdv{d}:{i}")
+                if i == 1:
+                    s.fill(acc, 0)
+                else:
+                    record_link_sum(s, part, pair.data(d, 1 - d, (i - 1) % 2), tmp, n)
+                    record_add(s, acc, tmp, acc, 1, n, b_rows=1)
+                if i <= rounds:
+                    s.fill(part, struct.unpack("<I", struct.pack("<f", float(i + 1000 * d)))[0])
+                    record_copy(s, part, pair.data(d, d, i % 2), nbytes)
+                s.end()
+                per.append(s)
+            seqs.append(per)
+
+        def host() -> None:
+            for i in range(1, rounds + 1):
+                for d in range(2):
+                    if spin:
+                        while done[d].value < i:
+                            pass
+                    else:
+                        done[d].wait(i, 60)
+                for d in range(2):
+                    go[d].signal(i)
+
+        t0 = time.perf_counter()
+        th = threading.Thread(target=host)
+        th.start()
+        for i in range(rounds + 1):
+            for d in range(2):
+                seqs[d][i].submit(waits=[(go[d], i)] if i else [], signals=[(done[d], i + 1)])
+        th.join(120)
+        for d in range(2):
+            seqs[d][-1].wait(60)
+        t = time.perf_counter() - t0
+        want = float(sum(2 * i + 1000 for i in range(1, rounds + 1)))
+        bad = [_bad_staged(b[2], n, want) for b in bufs]
+        return {"spin": spin, "rounds": rounds, "us_per_round": t / rounds * 1e6, "wrong": bad}
+    finally:
+        for per in seqs:
+            for s in per:
+                s.close()
+        for b3 in bufs:
+            for b in b3:
+                b.close()
+        for tl in done + go:
+            tl.close()
+
+
+def bar_rendezvous(pair: Pair, rounds: int, max_spins: int) -> str:
+    """Each device's incoming flag in its own host-visible device-local memory (the BAR), the
+    other device writing it through an import of that mapping as a host pointer (where the driver
+    takes such a pointer). Polls then read the poller's own memory."""
+    from vkxsplit.attach import host_page_align, import_host_pages
+    from vkxsplit.vk.memory import Buffer
+
+    size = 1 << 16
+    own, imp, blocks = [], [], []
+    try:
+        for d in range(2):
+            buf = pair.devs[d].memory.alloc(4 * size, "upload", "bar")
+            own.append(buf)
+            if not buf.block.device_local:
+                return "no device-local host-visible memory"
+        for d in range(2):
+            src = own[1 - d]
+            addr = int(ffi.cast("uintptr_t", src.block.ptr)) + src.offset
+            al = max(host_page_align(pair.devs[d]), size)
+            a = -(-addr // al) * al
+            try:
+                blk = import_host_pages(pair.devs[d], a, size, "bar-import")
+            except Exception as exc:  # noqa: BLE001 (report whatever the driver says)
+                return f"refused: {type(exc).__name__}: {str(exc)[:200]}"
+            blocks.append(blk)
+            imp.append((Buffer(blk, 0, size, "bar-peer"), a - addr))
+        seqs = []
+        for d in range(2):
+            s = Sequence(pair.devs[d], f"bar{d}")
+            in_off = imp[1 - d][1]  # where the peer's import of my BAR starts in my buffer
+            for i in range(1, rounds + 1):
+                record_link(s, View(own[d], in_off + 256 * (1 - d), 4), View(imp[d][0], 256 * d, 4),
+                            pair.base[d], pair.status[d], offset=i, max_spins=max_spins, poll="volatile")
+            s.end()
+            seqs.append(s)
+        for d in range(2):
+            np.frombuffer(ffi.buffer(ffi.cast("char*", int(ffi.cast("uintptr_t", own[d].block.ptr))
+                                         + own[d].offset), 4 * size), np.uint8)[:] = 0
+        pair.reset(1)
+        t = pair.run(seqs)
+        st = [pair.status[d].numpy(np.uint32)[:2].tolist() for d in range(2)]
+        for sq in seqs:
+            sq.close()
+        return f"{t / rounds * 1e6:.1f} us per rendezvous, gave up {[x[0] for x in st]}, polls {[x[1] for x in st]}"
+    finally:
+        for b in blocks:
+            b.close()
+        for b in own:
+            b.close()
+
+
 def _bad_staged(buf, n: int, want: float) -> int:
     from vkxsplit.vk.command import staged_download
 
@@ -194,6 +313,14 @@ def main() -> int:
         print(f"devices: {d0.name} / {d1.name}; same deviceUUID: "
               f"{d0.physical.device_uuid == d1.physical.device_uuid}")
         print("physical device groups:", device_groups(d0))
+        print("flags in each device's BAR, written by the peer through a host-pointer import:",
+              bar_rendezvous(pair, a.rounds, a.max_spins))
+        print("\n| host relay | rounds | us per round | wrong (dev0, dev1) |")
+        print("|---|---:|---:|---|")
+        for spin in (True, False):
+            r = host_rendezvous(pair, min(a.rounds, 500), spin)
+            print(f"| {'spin' if spin else 'vkWaitSemaphores'} | {r['rounds']} | {r['us_per_round']:.1f} "
+                  f"| {r['wrong']} |", flush=True)
         print("\n| poll | rounds | us per rendezvous | polls (dev0, dev1) | gave up |")
         print("|---|---:|---:|---|---|")
         for poll in a.polls.split(","):
