@@ -9,6 +9,10 @@ Configurations (``--splits``, separated by ``;``):
 - ``pipeline:A,B[:mN]``: layers split A:B over device 0 and ``--peer-device``, one hub each,
   ``N`` micro-batches per prompt step (default: the pipeline's); crossed bytes = the hidden
   state per link;
+- ``row``: the tensor split over two hubs (:mod:`vkxsplit.tensor_split`): every matrix split by
+  rows (the output projections by columns) over device 0 and ``--peer-device``, an all-reduce of
+  the partial sums after each attention and FFN (crossed bytes: both partials of every
+  all-reduce; "jobs": all-reduces per step);
 - any planner split (``none``, ``layer:1,1``, ``tensor:1,1``): the model on device 0 with the
   peer attached (``vulkan-peer:device=N``); one prefill step of ``-p`` tokens and one decode
   step are run between ``traffic.begin_step()`` and ``traffic.step()``: bytes that crossed
@@ -48,6 +52,11 @@ def _bench_hubs(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int
     if split == "one-gpu":
         m = load_model(path, ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16)
         row["peer"] = f"{m.device.name} alone"
+    elif split == "row":
+        from vkxsplit.tensor_split import TensorSplitModel
+
+        m = TensorSplitModel(path, devices=["0", peer], ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16)
+        row["peer"] = f"hubs on {', '.join(d.name for d in m.devices)}: rows of every matrix"
     else:
         parts = split.split(":")
         micro = int(parts[2][1:]) if len(parts) > 2 else None
@@ -63,6 +72,11 @@ def _bench_hubs(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int
         pp_x = getattr(m, "last_traffic", 0)
         m._run([m.last_argmax()], all_logits=False)
         tg_x = getattr(m, "last_traffic", 0)
+        if split == "row":  # one all-reduce (two relays) per segment boundary
+            per_step = m.traffic["all_reduces"] // max(1, m.traffic["steps"])
+            row["pp_step"] = {"crossed_bytes": pp_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": per_step}
+            row["tg_step"] = {"crossed_bytes": tg_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": per_step}
+            return
         relays = (len(m.stages) - 1) if hasattr(m, "stages") else 0
         row["pp_step"] = {"crossed_bytes": pp_x, "inplace_bytes": 0, "loaded_bytes": 0,
                           "jobs": relays * -(-n_p // m.piece) if relays else 0}
@@ -79,7 +93,7 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=None, help="generated tokens (default 128; --quick 2)")
     ap.add_argument("-r", type=int, default=None, help="repetitions (default 3; --quick 1)")
     ap.add_argument("--peer-device", default=None, help="the peer's Vulkan device index or name (default 1; --quick 0)")
-    ap.add_argument("--splits", default="one-gpu;pipeline:1,1;pipeline:1,1:m1;layer:1,1;tensor:1,1")
+    ap.add_argument("--splits", default="one-gpu;pipeline:1,1;pipeline:1,1:m1;row;layer:1,1;tensor:1,1")
     ap.add_argument("--dir", default=None, help="where synthetic models go (default: a temporary directory)")
     args = ap.parse_args()
     from vkxsplit.backends.vulkan_peer import traffic
@@ -119,7 +133,7 @@ def main() -> int:
         for split in (s.strip() for s in args.splits.split(";") if s.strip()):
             row: dict = {"split": split}
             try:
-                if split == "one-gpu" or split.startswith("pipeline:"):
+                if split in ("one-gpu", "row") or split.startswith("pipeline:"):
                     _bench_hubs(row, path, split, peer, n_p, n_g, reps)
                     print(row, flush=True)
                     rows.append(row)

@@ -31,14 +31,25 @@ def load_model(path: Any = None, split: Any = None, backends: Any = None, **kw: 
     """Load a GGUF model onto the hub (default: SmolLM2-135M-Instruct Q4_1); see
     :class:`vkxsplit.model.Model` for the API (tokenize, detokenize, logits, generate, close).
     ``devices=[...]`` (two or more): the layers split over those GPUs, one hub each
-    (:class:`vkxsplit.pipeline.PipelineModel`, which takes ``layer_split``, ``micro_batches``)."""
+    (:class:`vkxsplit.pipeline.PipelineModel`, which takes ``layer_split``, ``micro_batches``);
+    with ``split_mode="row"`` every matrix split by rows over two GPUs
+    (:class:`vkxsplit.tensor_split.TensorSplitModel`)."""
     devices = kw.pop("devices", None)
+    split_mode = kw.pop("split_mode", "layer")
+    if split_mode not in ("layer", "row"):
+        raise VkxError(f"split_mode {split_mode!r} is not 'layer' or 'row'")
     if devices is not None:
         if split not in (None, "none") or backends or "device" in kw:
             raise VkxError("devices=[...] puts one hub on each device: no split, backends or device with it")
+        if split_mode == "row":
+            from .tensor_split import TensorSplitModel
+
+            return TensorSplitModel(path, devices=devices, **kw)
         from .pipeline import PipelineModel
 
         return PipelineModel(path, devices=devices, **kw)
+    if split_mode != "layer":
+        raise VkxError("split_mode='row' goes with devices=[...] (a model split over two GPUs)")
     from .model import load_model as _load
 
     return _load(path, split=split, backends=backends, **kw)

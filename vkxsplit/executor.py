@@ -175,6 +175,18 @@ def _cpy(seq: Sequence, n: Node) -> None:
     record_copy(seq, src.buffer, n.output.buffer, src.rows * src.cols * 4)
 
 
+def _link_sum(seq: Sequence, n: Node) -> None:
+    """A tensor-split shard's partial plus the other shard's, read from the host pages it
+    published to (:mod:`vkxsplit.tensor_split`): ``out = a + peer``."""
+    from .ops.link import record_link_sum
+
+    a, peer = n.inputs
+    if a.shape != peer.shape or a.shape != n.output.shape or a.dtype != "f32":
+        raise KernelError(f"link_sum {n.name}: {a.dtype}{list(a.shape)} + {list(peer.shape)} -> "
+                          f"{list(n.output.shape)} is not an f32 sum of equal shapes")
+    record_link_sum(seq, a.buffer, peer.buffer, n.output.buffer, a.rows * a.cols)
+
+
 def _argmax(seq: Sequence, n: Node) -> None:
     from .ops.argmax import record_argmax
 
@@ -195,6 +207,7 @@ HUB_OPS: dict[str, Callable[[Sequence, Node], None]] = {
     "attention": _attention,
     "argmax": _argmax,
     "cpy": _cpy,
+    "link_sum": _link_sum,
 }
 
 

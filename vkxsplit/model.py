@@ -259,7 +259,11 @@ class Model(LanguageModel):
                  slots: int = 1) -> None:
         self.path = Path(path) if path else default_model_path()
         self.file: ModelFile = load_gguf(self.path)
-        self.hp = self.file.hparams
+        try:
+            self.hp = self._shape_hparams(self.file.hparams)
+        except BaseException:
+            self.file.close()
+            raise
         n_layer = self.hp.n_layer
         self.layers = range(*(layers or (0, n_layer)))
         if not (0 <= self.layers.start < self.layers.stop <= n_layer):
@@ -366,15 +370,35 @@ class Model(LanguageModel):
         shared = any(not getattr(b, "private_weights", False) for b in self.backends.values())
         items = [(name, ti) for name, ti in items if self._holds(name)]
         total = sum(t.nbytes for _, t in items)
+        held = 0
         for name, ti in items:
-            buf = self._alloc(ti.nbytes, "device", name, shared=shared)
-            (buf.buffer if isinstance(buf, SharedBuffer) else buf).write(ti.data)  # staged when device-only
-            self.weights[name] = Tensor(name, ti.shape, _type_name(ti.ggml_type), self._view(buf), weight=True,
-                                        host=ti.data)
+            shape, data = self._weight_data(name, ti)
+            buf = self._alloc(data.nbytes, "device", name, shared=shared)
+            (buf.buffer if isinstance(buf, SharedBuffer) else buf).write(data)  # staged when device-only
+            self.weights[name] = Tensor(name, shape, _type_name(ti.ggml_type), self._view(buf), weight=True,
+                                        host=data)
             done += ti.nbytes
+            held += data.nbytes
             if progress:
                 progress(done, total)
-        self.weight_bytes = total
+        self.weight_bytes = held
+
+    def _shape_hparams(self, hp: Any) -> Any:
+        """The dimensions this model computes with: the file's (a tensor-split shard's are
+        its share of the heads and of the FFN width)."""
+        return hp
+
+    def _weight_data(self, name: str, ti: Any) -> tuple[tuple[int, ...], np.ndarray]:
+        """The shape and raw bytes this model holds of weight ``ti`` (all of it; a shard of a
+        tensor split over hubs holds a slice: :mod:`vkxsplit.tensor_split`)."""
+        return ti.shape, ti.data
+
+    def _reduce(self, g: Graph, name: str, o: Tensor) -> Tensor:
+        """Where a layer's output projection (``attn_output``, ``ffn_down``) ends: the identity
+        here; a shard of a tensor split sums its partial with the other shards' there."""
+        return o
+
+    makes_logits = True  # (a tensor-split shard other than the first leaves the logits to it)
 
     def _holds(self, name: str) -> bool:
         """Whether this model (a pipeline stage: some of the layers) needs weight ``name``."""
@@ -422,7 +446,7 @@ class Model(LanguageModel):
 
         self.xq_buf = self._alloc(vecq_scratch_bytes(1, max(sizes.values())), "device", "xq")
         self.logits_buf = self.argmax_buf = None
-        if self.last:  # (all logits of every slot's rows: logits() of a prompt split in micro-batches)
+        if self.last and self.makes_logits:  # (all logits of every slot's rows: logits() of a prompt split in micro-batches)
             self.logits_buf = self._alloc(S * hp.n_vocab * f32, "host", "logits", shared=act_shared)
             self.argmax_buf = self._alloc(S * 4, "host", "argmax")
 
@@ -491,6 +515,7 @@ class Model(LanguageModel):
                       n_heads=hp.n_head, n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, n_ctx=self.n_ctx,
                       **split_kv)
             o = mul_mat(p + "attn_output", W[p + "attn_output.weight"], a, act("o", hp.n_embd))
+            o = self._reduce(g, p + "attn_output", o)
             # residual add fused with the next norm: x += o; h = rms_norm(x) * w (x_out: x is
             # written in place, which the executor's hazard analysis must see)
             if fuse:
@@ -504,6 +529,7 @@ class Model(LanguageModel):
             up = mul_mat(p + "ffn_up", W[p + "ffn_up.weight"], h, act("up", hp.n_ff))
             g.add("swiglu", p + "ffn_swiglu", [gate, up], gate)
             o = mul_mat(p + "ffn_down", W[p + "ffn_down.weight"], gate, act("o", hp.n_embd))
+            o = self._reduce(g, p + "ffn_down", o)
             if il + 1 < self.layers.stop and fuse:
                 nxt = f"blk.{il + 1}."
                 h = g.add("add_rms_norm", nxt + "attn_norm", [x, o, W[nxt + "attn_norm.weight"]],
@@ -513,6 +539,8 @@ class Model(LanguageModel):
         if not self.last:  # the hidden state goes on to the next GPU
             dst = Tensor("link_out", (T, hp.n_embd), "f32", V(self.link_out, row0 * hp.n_embd * f32, link_bytes))
             g.add("cpy", "link_out", [x], dst)
+            return g
+        if not self.makes_logits:
             return g
         rows = T if all_logits else 1
         out0 = row0 if all_logits else 0  # one row: slot 0's, the last writer wins (steps run in order)
@@ -633,8 +661,13 @@ class Model(LanguageModel):
     def _submit(self, ids: list[int], start: int, all_logits: bool, slot: int = 0, waits: Any = ()) -> Step:
         """Write the step's token ids and positions ``start..`` into ``slot``'s rows and submit
         it (after ``waits``: points of this device) without waiting."""
+        ex = self._executor(len(ids), all_logits, slot)
+        self._write_inputs(ids, start, slot)
+        return ex.step(waits)
+
+    def _write_inputs(self, ids: list[int], start: int, slot: int = 0) -> None:
+        """The step's token ids and positions ``start..`` into ``slot``'s rows."""
         T = len(ids)
-        ex = self._executor(T, all_logits, slot)
         views = self.__dict__.get("_io_views")
         if views is None:  # zero-copy views of the per-step input buffers, made once
             views = self._io_views = (self.ids_buf.numpy(np.int32), self.pos_buf.numpy(np.int32),
@@ -642,7 +675,6 @@ class Model(LanguageModel):
         r0 = slot * self.slot_rows
         views[0][r0:r0 + T] = ids
         views[1][r0:r0 + T] = np.arange(start, start + T, dtype=np.int32)
-        return ex.step(waits)
 
     def _count(self, step: Step) -> None:
         st = self.stats

@@ -45,6 +45,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default=None,
                    help="split the layers over several GPUs, one hub each: comma-separated device indices "
                         "or name parts (e.g. 0,1); a pipeline, like llama.cpp's --split-mode layer")
+    p.add_argument("-sm", "--split-mode", default="layer", choices=("layer", "row"),
+                   help="with --devices: layer = a pipeline of whole layers per GPU; row = every matrix "
+                        "split by rows over two GPUs, an all-reduce after each attention and FFN "
+                        "(llama.cpp's --split-mode)")
     p.add_argument("--layer-split", default=None,
                    help="with --devices: share of the layers per device (e.g. 3,1; default equal)")
     p.add_argument("--micro-batches", type=int, default=None,
@@ -67,12 +71,21 @@ def _load(args: argparse.Namespace) -> Any:
         if args.device is not None or args.backends or args.split not in (None, "none"):
             raise VkxError("--devices puts one hub on each device: it does not take --device, --backends "
                            "or a --split other than none")
+        if getattr(args, "split_mode", "layer") == "row":
+            if args.layer_split is not None or args.micro_batches is not None:
+                raise VkxError("--layer-split and --micro-batches go with --split-mode layer")
+            from .tensor_split import TensorSplitModel
+
+            return TensorSplitModel(args.model, devices=args.devices, n_ctx=args.ctx_size, ubatch=args.ubatch,
+                                    progress=Progress("loading"))
         from .pipeline import PipelineModel
 
         return PipelineModel(args.model, devices=args.devices, layer_split=args.layer_split, n_ctx=args.ctx_size,
                              ubatch=args.ubatch, micro_batches=args.micro_batches, progress=Progress("loading"))
     if getattr(args, "layer_split", None) is not None or getattr(args, "micro_batches", None) is not None:
         raise VkxError("--layer-split and --micro-batches go with --devices (a model split over several GPUs)")
+    if getattr(args, "split_mode", "layer") != "layer":
+        raise VkxError("--split-mode row goes with --devices (a model split over two GPUs)")
     dev = Device.open(args.device) if args.device is not None else None
     model = load_model(args.model, split=args.split, backends=args.backends, device=dev, n_ctx=args.ctx_size,
                        ubatch=args.ubatch, progress=Progress("loading"))
@@ -173,7 +186,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     tps = r["tps"]
                     row = {
                         "model": model.file.name, "size_gib": model.weight_bytes / 2**30,
-                        "backends": f"vulkan x{len(model.stages)}" if multi else
+                        "backends": f"vulkan x{len(model.devices)}" if multi else
                                     "vulkan" + (f",{args.backends}" if args.backends else ""),
                         "split": model.split if multi else split, "test": r["test"],
                         "tps_mean": statistics.fmean(tps), "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0,

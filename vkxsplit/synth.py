@@ -56,6 +56,8 @@ SHAPES: dict[str, SynthShape] = {
     "smol135m": SynthShape(576, 30, 9, 3, 1536, 49152, tied=True, n_ctx=8192, rope_freq_base=100000.0),
     "llama1b": SynthShape(2048, 16, 32, 8, 8192, 32000, tied=False),
     "llama8b": SynthShape(4096, 32, 32, 8, 14336, 32000, tied=False, n_ctx=8192, rope_freq_base=500000.0),
+    # small, with heads and FFN width that split over two GPUs (tests of the tensor split)
+    "tiny": SynthShape(256, 4, 4, 2, 1024, 512, tied=False),
 }
 
 QTYPES: dict[str, GGMLQuantizationType] = {
@@ -350,7 +352,7 @@ def write_synthetic(
 ) -> Path:
     """Write a llama-architecture GGUF with random weights; returns the path.
 
-    ``shape`` is one of :data:`SHAPES` (``smol135m``, ``llama1b``, ``llama8b``), ``qtype`` one of
+    ``shape`` is one of :data:`SHAPES` (``smol135m``, ``llama1b``, ``llama8b``, ``tiny``), ``qtype`` one of
     :data:`QTYPES` (the type of every weight matrix; norms are F32). ``n_vocab`` and ``n_layer``
     override the shape's values (small models for tests). The same arguments give the same bytes.
     """

@@ -301,6 +301,44 @@ class Sequence:
         self.device.disown(self)
 
 
+class SubmitChain:
+    """Recorded sequences queued by one ``vkQueueSubmit``, one batch each: batch ``j`` waits
+    for its points and signals its own (plus the hub timeline, so each sequence's ``wait`` and
+    ``close`` work as after :meth:`Sequence.submit`). The structs are built once for the
+    semaphores given here; :meth:`submit` only changes the values. A tensor-split step
+    (:mod:`vkxsplit.tensor_split`) is one chain per device: its segments between two
+    all-reduces, each waiting for the relay's ``go`` of the one before."""
+
+    def __init__(self, seqs: list[Sequence], waits: list[list[Timeline]], signals: list[list[Timeline]]) -> None:
+        if not seqs or not (len(seqs) == len(waits) == len(signals)):
+            raise VkxError("a submit chain needs one list of waits and one of signals per sequence")
+        self.seqs = seqs
+        self.device = seqs[0].device
+        self.timeline = hub_timeline(self.device)
+        self._parts = [_Submit(q, w, [*sg, self.timeline]) for q, w, sg in zip(seqs, waits, signals)]
+        self.infos = ffi.new(f"VkSubmitInfo[{len(seqs)}]")
+        for j, part in enumerate(self._parts):
+            self.infos[j] = part.si[0]
+
+    def submit(self, waits: list[list[int]], signals: list[list[int]]) -> int:
+        """Queue every batch with these wait and signal values; returns the hub timeline value
+        of the last batch."""
+        value = 0
+        for j, (q, part) in enumerate(zip(self.seqs, self._parts)):
+            if q._recording:
+                raise VkxError(f"sequence {q.name} is still recording: end() it before chaining it")
+            for i, v in enumerate(waits[j]):
+                part.wait_vals[i] = v
+            for i, v in enumerate(signals[j]):
+                part.sig_vals[i] = v
+            value = self.timeline.next()
+            part.sig_vals[len(signals[j])] = value
+            q.last_value = value
+            q.submits += 1
+        self.device.submit(self.infos, len(self.seqs))
+        return value
+
+
 def staged_upload(dst: Any, data: np.ndarray, offset: int = 0) -> None:
     """Copy host bytes into a device-only buffer through a host-visible staging buffer."""
     dev = dst.device

@@ -1,0 +1,349 @@
+"""Tensor split over two GPUs: one hub per GPU, each holding a slice of every layer's matrices.
+
+llama.cpp's ``--split-mode row`` (and its meta backend's tensor parallelism), on Vulkan hubs.
+Reading order:
+
+- **Shards** (:class:`ShardModel`, a :class:`~vkxsplit.model.Model` with other dimensions).
+  Shard ``r`` of ``2`` holds half of the attention heads (rows of ``attn_q``, ``attn_k``,
+  ``attn_v``, and its KV cache holds only those heads) and half of the FFN width (rows of
+  ``ffn_gate``, ``ffn_up``), and the matching *columns* of ``attn_output`` and ``ffn_down``
+  (:func:`shard_slices`). Norms and embeddings are whole on both; only shard 0 makes logits.
+  Its graph is the one-GPU graph on its own dimensions (:func:`shard_hparams`), so attention,
+  RoPE and the KV cache need nothing new.
+- **All-reduce.** A column slice of ``attn_output``/``ffn_down`` gives a partial sum of the
+  layer's output. Where the graph has one (:meth:`ShardModel._reduce`), each shard copies its
+  partial into its half of host pages both GPUs import, the step's segment ends there, and the
+  next segment starts with ``link_sum``: own partial + the other shard's (volatile loads), on the
+  GPU. ``a + b`` and ``b + a`` are the same float, so both shards keep bit-identical hidden
+  states. Two slots per shard, by parity of the all-reduce: a shard can be at most one
+  all-reduce ahead of the other's reads.
+- **Events.** A step is ``2 n_layer + 1`` segments per GPU, queued by one ``vkQueueSubmit``
+  (:class:`~vkxsplit.vk.command.SubmitChain`): segment ``j`` signals the shard's ``done``
+  timeline, segment ``j + 1`` waits for its ``go`` timeline, which a relay thread
+  (:class:`~vkxsplit.attach.HostBridge`, one per direction) signals once the *other* shard's
+  segment ``j`` is done. Why a host relay: two GPUs have different deviceUUIDs, so neither
+  can import the other's timeline; and a GPU polling a flag in host pages does not see the
+  other GPU's write (``tools/bench_link.py``: the H200 serves the poll from its cache after
+  the first read). docs/MULTI_GPU.md has the measurements.
+
+Two hubs on one device (``devices="0,0"``, lavapipe in CI) run the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .attach import HostBridge
+from .errors import ModelError, VkxError
+from .executor import record_graph
+from .gguf_model import ModelFile, default_model_path
+from .gguf_model import load_model as load_gguf
+from .graph import Graph, Tensor
+from .model import LanguageModel, Model
+from .pipeline import HostLink, _parse_devices
+from .tokenizer import Tokenizer
+from .vk.command import Sequence, SubmitChain
+from .vk.device import Device
+from .vk.event import Timeline
+from .vk.kernel import View
+from .vk.memory import _align
+
+log = logging.getLogger("vkxsplit.tensor_split")
+
+WORLD = 2  # shards (GPUs); the all-reduce sums two partials
+ROWS = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")  # outputs split: each shard its rows
+COLS = ("attn_output", "ffn_down")  # inputs split: each shard a partial sum of the whole output
+
+
+def shard_hparams(hp: Any, world: int = WORLD) -> Any:
+    """The dimensions one shard computes with: its share of the query and KV heads and of the
+    FFN width. Raises where the model does not divide (heads, or a column slice that would cut
+    a quantization block: checked per weight by :func:`slice_weight`)."""
+    bad = [f"{k} {v}" for k, v in (("n_head", hp.n_head), ("n_head_kv", hp.n_head_kv), ("n_ff", hp.n_ff))
+           if v % world]
+    if bad:
+        raise ModelError(f"a tensor split over {world} GPUs needs the heads and the FFN width to divide by "
+                         f"{world}: this model has {', '.join(bad)}",
+                         "use the layer split (--devices without --split-mode row)")
+    return dataclasses.replace(hp, n_head=hp.n_head // world, n_head_kv=hp.n_head_kv // world,
+                               n_ff=hp.n_ff // world)
+
+
+def shard_slices(hp: Any, rank: int, world: int = WORLD) -> dict[str, tuple[str, int, int]]:
+    """Per weight kind (``attn_q``, ...): ``("rows" | "cols", start, stop)`` of shard ``rank``,
+    in the file's (whole model's) rows or columns."""
+    sh = shard_hparams(hp, world)
+    q, k, v = sh.n_head * hp.head_dim, sh.n_head_kv * hp.head_dim, sh.n_head_kv * hp.head_dim_v
+    o, f = sh.n_head * hp.head_dim_v, sh.n_ff
+    return {"attn_q": ("rows", rank * q, (rank + 1) * q), "attn_k": ("rows", rank * k, (rank + 1) * k),
+            "attn_v": ("rows", rank * v, (rank + 1) * v), "ffn_gate": ("rows", rank * f, (rank + 1) * f),
+            "ffn_up": ("rows", rank * f, (rank + 1) * f),
+            "attn_output": ("cols", rank * o, (rank + 1) * o), "ffn_down": ("cols", rank * f, (rank + 1) * f)}
+
+
+def slice_weight(ti: Any, kind: str, a: int, b: int) -> tuple[tuple[int, ...], np.ndarray]:
+    """Rows or columns ``[a, b)`` of tensor ``ti`` as (shape, raw bytes in the file's block
+    layout): rows are a zero-copy view of the file; columns a copy of whole blocks of each row."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    if ti.n_dims == 1:  # a bias: its elements, like the rows of the matrix it goes with
+        if kind != "rows":
+            raise ModelError(f"{ti.name}: a 1-D tensor cannot be split by columns")
+        esz = ti.nbytes // ti.cols
+        return (b - a,), ti.data[a * esz:b * esz]
+    row_bytes = ti.nbytes // ti.rows
+    if kind == "rows":
+        return (b - a, ti.cols), ti.data[a * row_bytes:b * row_bytes]
+    blk, tsz = GGML_QUANT_SIZES[ti.ggml_type]
+    if a % blk or b % blk:
+        raise ModelError(f"{ti.name}: columns [{a}, {b}) of a {ti.ggml_type.name} matrix cut its "
+                         f"{blk}-value blocks", "use the layer split (--devices without --split-mode row)")
+    data = ti.data.reshape(ti.rows, row_bytes)[:, a // blk * tsz:b // blk * tsz]
+    return (ti.rows, b - a), np.ascontiguousarray(data).reshape(-1)
+
+
+class ShardModel(Model):
+    """Shard ``rank`` of a tensor split: a Model on its own device over its share of the heads
+    and FFN width; ``publish[p]``/``peer[p]`` (p = parity of the all-reduce) are (buffer, byte
+    offset) in host pages: where it writes its partials, where it reads the other shard's."""
+
+    def __init__(self, path: str | Path, rank: int, publish: list[Any], peer: list[Any], **kw: Any) -> None:
+        self.rank, self.world = rank, WORLD
+        self._publish, self._peer = publish, peer
+        self._n_reduce = 0
+        self._chains: dict[tuple[int, bool], tuple[list[Sequence], SubmitChain]] = {}
+        super().__init__(path, **kw)
+        self.slices = shard_slices(self.file.hparams, rank, self.world)
+        self.done = Timeline(self.device, name=f"tensor-split:done{rank}")
+        self.go = Timeline(self.device, name=f"tensor-split:go{rank}")
+
+    @property
+    def makes_logits(self) -> bool:  # type: ignore[override]
+        return self.rank == 0
+
+    def _shape_hparams(self, hp: Any) -> Any:
+        return shard_hparams(hp, WORLD)
+
+    def _holds(self, name: str) -> bool:
+        if name == "output.weight":
+            return self.rank == 0
+        return True
+
+    def _weight_data(self, name: str, ti: Any) -> tuple[tuple[int, ...], np.ndarray]:
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in ROWS + COLS:
+            kind, a, b = shard_slices(self.file.hparams, self.rank, self.world)[parts[2]]
+            return slice_weight(ti, kind, a, b)
+        return ti.shape, ti.data
+
+    def _build_graph(self, T: int, all_logits: bool, slot: int = 0) -> Graph:
+        self._n_reduce = 0
+        return super()._build_graph(T, all_logits, slot)
+
+    def _reduce(self, g: Graph, name: str, o: Tensor) -> Tensor:
+        """Publish this shard's partial, end the segment, sum with the other shard's partial."""
+        par = self._n_reduce % 2
+        self._n_reduce += 1
+        nbytes = o.rows * o.cols * 4
+        (pb, po), (qb, qo) = self._publish[par], self._peer[par]
+        pub = Tensor(name + ":published", o.shape, "f32", View(pb, po, nbytes))
+        peer = Tensor(name + ":peer", o.shape, "f32", View(qb, qo, nbytes))
+        g.add("cpy", name + "_publish", [o], pub)
+        g.add("link_rendezvous", name + "_rendezvous", [pub], pub)  # (a segment boundary, no kernel)
+        return g.add("link_sum", name + "_sum", [o, peer], o)
+
+    def chain(self, T: int, all_logits: bool) -> SubmitChain:
+        """The step of ``T`` tokens as segments (recorded once) and the chain that queues them."""
+        key = (T, all_logits)
+        hit = self._chains.get(key)
+        if hit is not None:
+            return hit[1]
+        if T > self.ubatch:
+            raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
+        g = self._build_graph(T, all_logits)
+        pieces: list[Graph] = [Graph(f"{g.name}:seg0", T=T)]
+        for n in g.nodes:
+            if n.op == "link_rendezvous":
+                pieces.append(Graph(f"{g.name}:seg{len(pieces)}", T=T))
+            else:
+                pieces[-1].nodes.append(n)
+        seqs: list[Sequence] = []
+        try:
+            for piece in pieces:
+                seq = Sequence(self.device, piece.name)
+                seqs.append(seq)
+                record_graph(seq, piece)
+                seq.end()
+            chain = SubmitChain(seqs, [[]] + [[self.go]] * (len(seqs) - 1), [[self.done]] * len(seqs))
+        except BaseException:
+            for seq in seqs:
+                seq.close()
+            raise
+        self.stats["recordings"] += 1
+        while len(self._chains) >= 8:  # prompts of many lengths must not pile up sequences
+            old = self._chains.pop(next(iter(self._chains)))
+            for seq in old[0]:
+                seq.close()
+        self._chains[key] = (seqs, chain)
+        return chain
+
+    def close(self) -> None:
+        for seqs, _chain in self._chains.values():
+            for seq in seqs:
+                seq.close()  # (waits, bounded, for its last submission)
+        self._chains.clear()
+        for tl in (getattr(self, "done", None), getattr(self, "go", None)):
+            if tl is not None:
+                tl.close()
+        super().close()
+
+
+class TensorSplitModel(LanguageModel):
+    """A model whose matrices are split by rows (and the output projections by columns) over
+    two ``devices``, one hub each, with an all-reduce after each layer's attention and FFN. The
+    API is :class:`~vkxsplit.model.LanguageModel`'s (``logits``, ``prefill``, ``generate``)."""
+
+    def __init__(self, path: str | Path | None = None, devices: Any = (0, 1), n_ctx: int | None = None,
+                 ubatch: int = 512, progress: Any = None, timeout: float | None = None) -> None:
+        self.path = Path(path) if path else default_model_path()
+        sels = _parse_devices(devices)
+        if len(sels) != WORLD:
+            raise VkxError(f"a tensor split runs over {WORLD} devices, got {len(sels)}",
+                           "give --devices 0,1 (or use the layer split for more devices)")
+        self.devices: list[Device] = []
+        self.shards: list[ShardModel] = []
+        self.relays: list[HostBridge] = []
+        self.pages: HostLink | None = None
+        self.file: ModelFile = load_gguf(self.path)
+        try:
+            self._setup(sels, n_ctx, ubatch, progress, timeout)
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensor split over %s", ", ".join(d.name for d in self.devices))
+
+    def _setup(self, sels: list[Any], n_ctx: int | None, ubatch: int, progress: Any, timeout: float | None) -> None:
+        self.hp = self.file.hparams
+        shard_hparams(self.hp)  # refuse early, with the reason
+        self._tokenizer: Tokenizer | None = None
+        self._tokenizer_error: ModelError | None = None
+        try:
+            self._tokenizer = Tokenizer.from_model_file(self.file)
+        except ModelError as exc:
+            self._tokenizer_error = exc
+        self.n_ctx = int(n_ctx or min(self.hp.n_ctx_train or 2048, 4096))
+        self.ubatch = max(1, min(int(ubatch), self.n_ctx))
+        self.n_past = 0
+        self.timeout = timeout
+        self.traffic = {"crossed_bytes": 0, "steps": 0, "all_reduces": 0}
+        self.last_traffic = 0
+        t0 = time.perf_counter()
+        for s in sels:
+            self.devices.append(Device.open(s))
+        slot = _align(self.ubatch * self.hp.n_embd * 4, 256)
+        self.pages = HostLink(self.devices[0], self.devices[1], 2 * WORLD * slot, "tensor-split")
+        seen = [self.pages.out, self.pages.inp]  # the same pages, as each device sees them
+
+        def views(dev: int, owner: int) -> list[Any]:
+            return [(seen[dev], (owner * 2 + p) * slot) for p in range(2)]
+
+        for r, dev in enumerate(self.devices):
+            self.shards.append(ShardModel(self.path, r, views(r, r), views(r, 1 - r), device=dev, n_ctx=self.n_ctx,
+                                          ubatch=self.ubatch, progress=progress))
+        for r in range(WORLD):
+            self.relays.append(self._relay(r))
+        self.device = self.devices[0]
+        self.weight_bytes = sum(s.weight_bytes for s in self.shards)
+        self.load_seconds = time.perf_counter() - t0
+        self._base = 0
+
+    def _relay(self, r: int) -> HostBridge:
+        """Signals shard ``r``'s ``go`` timeline when the other shard's segment is done."""
+        return HostBridge(self.devices[r], self.shards[r].go, name=f"tensor-split-relay{r}",
+                          run=lambda _job: None, timeout=self.timeout)
+
+    @property
+    def split(self) -> str:
+        return f"tensor split (rows) over {WORLD} GPUs"
+
+    def set_split(self, split: Any) -> None:
+        """Only ``none`` (no planner split inside a shard)."""
+        if split not in (None, "", "none"):
+            raise VkxError(f"split {split!r} inside a tensor-split shard is not supported",
+                           "with --split-mode row the matrices are split over the GPUs; use --split none")
+
+    def _run(self, ids: list[int], all_logits: bool) -> Any:
+        """One step on both GPUs: every segment of both queued up front, one wait per GPU."""
+        T = len(ids)
+        if T > self.ubatch:
+            raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
+        if self.n_past + T > self.n_ctx:
+            raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
+                           "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
+        chains = [s.chain(T, all_logits) for s in self.shards]
+        n = len(chains[0].seqs)
+        if any(len(c.seqs) != n for c in chains):
+            raise VkxError(f"the shards' steps have {[len(c.seqs) for c in chains]} segments")
+        base = self._base
+        self._base += n
+        try:
+            for s in self.shards:
+                s._write_inputs(ids, self.n_past)
+            for r, c in enumerate(chains):
+                for j in range(1, n):  # the other shard's segment j - 1 done -> this one's go
+                    self.relays[r].enqueue((self.shards[1 - r].done, base + j), base + j)
+                c.submit([[]] + [[base + j] for j in range(1, n)], [[base + j + 1] for j in range(n)])
+            for s in self.shards:
+                s.done.wait(base + n, self.timeout)
+            for rl in self.relays:
+                rl.check()  # a relay that timed out let a shard run on a stale partial
+        except BaseException:
+            self._reset_relays()
+            raise
+        for s in self.shards:
+            s.stats["steps"] += 1
+            s.stats["submits"] += 1
+        self.n_past += T
+        self.last_traffic = (n - 1) * T * self.hp.n_embd * 4 * WORLD  # each shard's partial, both ways
+        self.traffic["crossed_bytes"] += self.last_traffic
+        self.traffic["steps"] += 1
+        self.traffic["all_reduces"] += n - 1
+        return None
+
+    def _reset_relays(self) -> None:
+        for r, rl in enumerate(self.relays):
+            rl.close()
+            self.relays[r] = self._relay(r)
+
+    def _out(self) -> Model:
+        return self.shards[0]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.shards:
+            for k, v in s.stats.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def close(self) -> None:
+        for rl in self.relays:  # signals whatever is pending: no shard stays blocked
+            rl.close()
+        self.relays.clear()
+        for s in self.shards:
+            s.close()
+        self.shards.clear()
+        if self.pages is not None:
+            self.pages.close()
+            self.pages = None
+        for d in self.devices:
+            d.close()
+        self.devices.clear()
+        if getattr(self, "file", None) is not None:
+            self.file.close()
