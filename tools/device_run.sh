@@ -49,7 +49,7 @@ for w in $what; do
         -o addopts="" tests/test_vulkan_peer.py 2>&1 | tee "$OUT/tests_peer.log" | tail -15 ;;
     pipeline-tests)
       VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 200 python3 -m pytest -q -ra -p no:cacheprovider \
-        -o addopts="" tests/test_pipeline.py 2>&1 | tee "$OUT/tests_pipeline.log" | tail -15 ;;
+        -o addopts="" tests/test_pipeline.py tests/test_tensor_split.py 2>&1 | tee "$OUT/tests_pipeline.log" | tail -15 ;;
     peer-fds)
       timeout 120 python3 tools/diag_peer_fds.py 2>&1 | tee "$OUT/diag_peer_fds.md" ;;
     cuda-tests)

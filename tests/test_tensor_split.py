@@ -1,0 +1,226 @@
+"""A model's matrices split by rows over two hubs (vkxsplit.tensor_split), an all-reduce of the
+output projections' partial sums on the GPUs. On lavapipe both hubs are VkDevices on the one CPU
+device (devices "0,0"); on a machine with two devices also one hub per GPU. Checked against the
+float64 reference forward pass (tests/reference.py), a one-hub model, and, for the weight
+slices, gguf's own dequantization of the whole tensor."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from reference import reference_logits
+
+from vkxsplit.errors import ModelError, VkxError, WaitTimeout
+from vkxsplit.gguf_model import load_model as load_gguf
+from vkxsplit.tensor_split import TensorSplitModel, shard_hparams, shard_slices, slice_weight
+
+
+def _device_lists():
+    from vkxsplit.vk.instance import Instance
+
+    with Instance(validation=False) as inst:
+        n = len(inst.physical_devices())
+    return ["0,0"] + (["0,1"] if n > 1 else [])
+
+
+def _bound(want):
+    # the models' own bound (test_model.test_synthetic_model_matches_reference): q8_0 weights,
+    # f32 accumulation, f16 KV cache
+    return 2e-3 * np.abs(want).max() + 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from vkxsplit.synth import write_synthetic
+
+    d = tmp_path_factory.mktemp("tsplit")
+    return write_synthetic(d / "tiny.gguf", "tiny", "q8_0", seed=7, n_layer=3)
+
+
+class _TI:
+    """A stand-in for gguf_model.TensorInfo: raw bytes of a (rows, cols) matrix of ``qtype``."""
+
+    def __init__(self, name, qtype, a, raw=None):
+        self.name, self.ggml_type, self.n_dims = name, qtype, a.ndim
+        if raw is not None:  # random valid blocks, for types gguf cannot quantize
+            self.data = raw
+        elif qtype == Q.F32:
+            self.data = a.reshape(-1).view(np.uint8)
+        else:
+            self.data = quantize(a, qtype).reshape(-1).view(np.uint8)
+        self.nbytes = self.data.nbytes
+        self.cols = a.shape[-1]
+        self.rows = a.shape[0] if a.ndim == 2 else 1
+        self.shape = a.shape
+
+
+def test_shard_dimensions_and_slices():
+    """llama8b's numbers by hand: 32 query heads of 128 and 8 KV heads -> 16 and 4 per shard,
+    FFN 14336 -> 7168; shard 1 holds the second half of each row range and column range."""
+    import dataclasses
+
+    hp = dataclasses.make_dataclass("HP", ["n_head", "n_head_kv", "n_ff", "head_dim", "head_dim_v"])(32, 8, 14336, 128, 128)
+    sh = shard_hparams(hp)
+    assert (sh.n_head, sh.n_head_kv, sh.n_ff, sh.head_dim) == (16, 4, 7168, 128)
+    sl = shard_slices(hp, 1)
+    assert sl["attn_q"] == ("rows", 2048, 4096) and sl["attn_k"] == ("rows", 512, 1024)
+    assert sl["attn_v"] == ("rows", 512, 1024) and sl["ffn_gate"] == ("rows", 7168, 14336)
+    assert sl["attn_output"] == ("cols", 2048, 4096) and sl["ffn_down"] == ("cols", 7168, 14336)
+    with pytest.raises(ModelError, match="(?s)n_head 9.*layer split"):
+        shard_hparams(dataclasses.replace(hp, n_head=9))
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
+def test_weight_slices_decode_to_the_slices_of_the_whole(qtype):
+    """Rows and whole-block column ranges of a quantized matrix, as raw bytes, dequantize (gguf)
+    to the same rows and columns of the whole matrix; a range that cuts a block is refused."""
+    rng = np.random.default_rng(int(qtype))
+    a = rng.standard_normal((6, 1024)).astype(np.float32)
+    raw = None
+    if qtype in (Q.Q4_K, Q.Q6_K):  # gguf has no quantizer for them: random blocks, f16 scales kept finite
+        from gguf.constants import GGML_QUANT_SIZES
+
+        blk, tsz = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (6 * 1024 // blk, tsz), dtype=np.uint8)
+        scales = slice(0, 4) if qtype == Q.Q4_K else slice(tsz - 2, tsz)
+        raw[:, scales] = np.frombuffer(rng.uniform(0.01, 0.1, raw.shape[0] * (scales.stop - scales.start) // 2)
+                                       .astype(np.float16).tobytes(), np.uint8).reshape(raw.shape[0], -1)
+        raw = raw.reshape(-1)
+    ti = _TI("blk.0.ffn_down.weight", qtype, a, raw)
+    whole = dequantize(ti.data.reshape(ti.rows, -1), qtype) if qtype != Q.F32 else a
+    assert np.isfinite(whole).all()
+    shape, data = slice_weight(ti, "rows", 2, 5)
+    assert shape == (3, 1024)
+    got = dequantize(data.reshape(3, -1), qtype) if qtype != Q.F32 else data.view(np.float32).reshape(3, -1)
+    assert np.array_equal(got, whole[2:5])
+    shape, data = slice_weight(ti, "cols", 512, 1024)
+    assert shape == (6, 512) and data.flags.c_contiguous
+    got = dequantize(data.reshape(6, -1), qtype) if qtype != Q.F32 else data.view(np.float32).reshape(6, -1)
+    assert np.array_equal(got, whole[:, 512:])
+    if qtype in (Q.Q8_0, Q.Q4_K):
+        with pytest.raises(ModelError, match="cut its"):
+            slice_weight(ti, "cols", 16 if qtype == Q.Q8_0 else 128, 1024)
+
+
+@pytest.mark.parametrize("devices", _device_lists())
+def test_tensor_split_matches_the_reference_and_one_hub(device, tiny, devices):
+    """Teacher-forced logits of a 21-token prompt in steps of 16 and 5 against the float64 forward
+    pass and a one-hub model; greedy decode gives the one-hub model's tokens (both shards' KV
+    caches carry over); the traffic counts both partials of every all-reduce; no validation
+    message on either device."""
+    from vkxsplit.model import load_model
+
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, 512, 21)]
+    with load_gguf(tiny) as mf:
+        want = reference_logits(mf, ids)
+    with load_model(tiny, device=device, n_ctx=64, ubatch=16) as one:
+        hub = one.logits(ids)
+        hub_tokens = list(one.generate_ids(ids[:6], 8, stop_ids=set()))
+    with TensorSplitModel(tiny, devices=devices, n_ctx=64, ubatch=16) as m:
+        got = m.logits(ids)
+        assert np.abs(got - want).max() <= _bound(want)
+        assert np.abs(got - hub).max() <= _bound(want)
+        # each shard holds half of every split matrix (and whole norms and embeddings)
+        names = m.shards[1].weights
+        assert names["blk.0.attn_q.weight"].shape == (128, 256) and names["blk.0.ffn_down.weight"].shape == (256, 512)
+        assert "output.weight" not in names and m.shards[1].logits_buf is None
+        assert m.traffic["all_reduces"] == 2 * 2 * 3  # two steps, attention and FFN of 3 layers
+        assert m.traffic["crossed_bytes"] == (16 + 5) * 256 * 4 * 2 * 2 * 3
+        assert list(m.generate_ids(ids[:6], 8, stop_ids=set())) == hub_tokens
+        assert m.last_traffic == 256 * 4 * 2 * 2 * 3  # a decode step: one row per all-reduce
+        msgs = [msg for d in m.devices for msg in d.instance.messages]
+    assert not msgs, msgs
+
+
+def test_bad_input_is_refused(tiny, tmp_path):
+    """Heads that do not divide (smol135m: 9 heads), a device count other than two, split_mode
+    without devices: refused with the reason, nothing left open."""
+    import vkxsplit
+    from vkxsplit.synth import write_synthetic
+
+    odd = write_synthetic(tmp_path / "odd.gguf", "smol135m", "q8_0", seed=1, n_vocab=300, n_layer=1)
+    with pytest.raises(ModelError, match="n_head 9"):
+        TensorSplitModel(odd, devices="0,0", n_ctx=32, ubatch=8)
+    with pytest.raises(VkxError, match="over 2 devices"):
+        TensorSplitModel(tiny, devices="0,0,0", n_ctx=32, ubatch=8)
+    with pytest.raises(VkxError, match="goes with devices"):
+        vkxsplit.load_model(tiny, split_mode="row")
+    with pytest.raises(VkxError, match="is not 'layer' or 'row'"):
+        vkxsplit.load_model(tiny, devices="0,0", split_mode="rows")
+    with vkxsplit.load_model(tiny, devices="0,0", split_mode="row", n_ctx=32, ubatch=8) as m:
+        assert isinstance(m, TensorSplitModel)
+        with pytest.raises(VkxError, match="more than ubatch"):
+            m._run(list(range(9)), all_logits=False)
+        with pytest.raises(VkxError, match="inside a tensor-split shard"):
+            m.set_split("tensor:1,1")
+
+
+def test_a_stuck_shard_is_reported_not_run_silently(tiny):
+    """Shard 1's queue held behind a gate: the step ends in WaitTimeout (the relay gave up on
+    shard 1's partials; the other shard was not left to sum a stale one and call it a result);
+    after the gate opens the model works and matches the reference."""
+    from vkxsplit.ops.copy import record_copy
+    from vkxsplit.vk.command import Sequence
+    from vkxsplit.vk.event import Gate
+
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    with load_gguf(tiny) as mf:
+        want = reference_logits(mf, ids)
+    with TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.5) as m:
+        dev = m.devices[1]
+        gate = Gate(dev)
+        hold = gate.hold(watchdog_s=30)
+        a, b = dev.memory.alloc(256, "device", "a"), dev.memory.alloc(256, "device", "b")
+        blocker = Sequence(dev, "blocker")
+        record_copy(blocker, a, b, 256)
+        blocker.submit(waits=[hold.point])  # shard 1's step queues behind this
+        with pytest.raises(WaitTimeout):
+            m._run(ids, all_logits=True)
+        assert m.n_past == 0
+        time.sleep(1.0)  # the old relays' later waits time out too: that must not reach the next step
+        hold.release()
+        blocker.wait(30)
+        m.timeout = 60.0
+        for r in m.relays:
+            r.timeout = 60.0
+        got = m.logits(ids)
+        assert np.abs(got - want).max() <= _bound(want)
+        blocker.close()
+        a.close()
+        b.close()
+        gate.close()
+        msgs = [msg for d in m.devices for msg in d.instance.messages]
+    assert not msgs, msgs
+
+
+def test_command_line(tiny, tmp_path):
+    """``vkxsplit bench --devices 0,0 --split-mode row`` runs the tensor split and reports the
+    bytes of both partials of every all-reduce per step; it refuses --layer-split."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, VKXSPLIT_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "vkxsplit", *args], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=240)
+
+    r = cli("bench", "-m", str(tiny), "--devices", "0,0", "-sm", "row", "-p", "8", "-n", "2", "-r", "1",
+            "-c", "32", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    assert {row["test"] for row in rows} == {"pp8", "tg2"} and all(row["tps_mean"] > 0 for row in rows)
+    assert all(row["backends"] == "vulkan x2" and "tensor split" in row["split"] for row in rows)
+    per = {row["test"]: row["crossed_bytes_per_step"] for row in rows}
+    assert per == {"pp8": 8 * 256 * 4 * 2 * 6, "tg2": 256 * 4 * 2 * 6}
+    r = cli("bench", "-m", str(tiny), "--devices", "0,0", "-sm", "row", "--layer-split", "1,1", "-p", "8", "-n", "0")
+    assert r.returncode != 0 and "--split-mode layer" in r.stderr and "Traceback" not in r.stderr
