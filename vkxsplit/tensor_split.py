@@ -17,11 +17,10 @@ Reading order:
   GPU. ``a + b`` and ``b + a`` are the same float, so both shards keep bit-identical hidden
   states. Two slots per shard, by parity of the all-reduce: a shard can be at most one
   all-reduce ahead of the other's reads.
-- **Events.** A step is ``2 n_layer + 1`` segments per GPU, queued by one ``vkQueueSubmit``
-  (:class:`~vkxsplit.vk.command.SubmitChain`): segment ``j`` signals the shard's ``done``
+- **Events.** A step is ``2 n_layer + 1`` segments per GPU, all queued up front
+  (:class:`~vkxsplit.vk.command.SubmitChain`, one ``vkQueueSubmit`` each): segment ``j`` signals the shard's ``done``
   timeline, segment ``j + 1`` waits for its ``go`` timeline, which a relay thread
-  (:class:`~vkxsplit.attach.HostBridge`, one per direction) signals once the *other* shard's
-  segment ``j`` is done. Why a host relay: two GPUs have different deviceUUIDs, so neither
+  (:class:`Relay`) signals once both shards' segment ``j`` is done. Why a host relay: two GPUs have different deviceUUIDs, so neither
   can import the other's timeline; and a GPU polling a flag in host pages does not see the
   other GPU's write (``tools/bench_link.py``: the H200 serves the poll from its cache after
   the first read). docs/MULTI_GPU.md has the measurements.
@@ -39,7 +38,6 @@ from typing import Any
 
 import numpy as np
 
-from .attach import HostBridge
 from .errors import ModelError, VkxError
 from .executor import record_graph
 from .gguf_model import ModelFile, default_model_path
@@ -106,6 +104,82 @@ def slice_weight(ti: Any, kind: str, a: int, b: int) -> tuple[tuple[int, ...], n
                          f"{blk}-value blocks", "use the layer split (--devices without --split-mode row)")
     data = ti.data.reshape(ti.rows, row_bytes)[:, a // blk * tsz:b // blk * tsz]
     return (ti.rows, b - a), np.ascontiguousarray(data).reshape(-1)
+
+
+class Relay:
+    """The host between two GPUs' all-reduces: one thread that, for each value ``v`` queued,
+    waits until every shard's ``done`` timeline has reached ``v`` and then signals every
+    shard's ``go`` timeline to ``v``. A wait that times out is recorded (:meth:`check` raises
+    it) and from then on every value is signalled at once, so no GPU stays blocked behind a
+    dead peer; a failed step replaces the relay (:meth:`TensorSplitModel._run`)."""
+
+    def __init__(self, done: list[Timeline], go: list[Timeline], timeout: float | None, name: str) -> None:
+        import collections
+        import threading
+
+        self.done, self.go, self.timeout = done, go, timeout
+        self._queue: collections.deque[int] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.error: BaseException | None = None
+        self.rounds = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def enqueue(self, values: list[int]) -> None:
+        with self._cond:
+            self._queue.extend(values)
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        from .vk.event import default_timeout
+
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                v = self._queue.popleft()
+            if self.error is None and not self._closed:
+                try:
+                    self._wait_all(v, self.timeout if self.timeout is not None else default_timeout())
+                except BaseException as exc:  # noqa: BLE001 (recorded, raised by check())
+                    self.error = exc
+            for tl in self.go:
+                if tl.handle is not None:
+                    tl.signal(v)
+            self.rounds += 1
+
+    def _wait_all(self, v: int, timeout: float) -> None:
+        """Every ``done`` at ``v``: blocking waits, in slices so that :meth:`close` is heard."""
+        from .errors import WaitTimeout
+
+        deadline = time.monotonic() + timeout
+        for tl in self.done:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    tl.wait(v, max(0.0, min(0.05, left)))
+                    break
+                except WaitTimeout:
+                    if self._closed:
+                        return
+                    if left <= 0:
+                        raise WaitTimeout(f"tensor split: {tl.name} did not reach {v} within {timeout:g} s "
+                                          f"(it is at {tl.value}): a GPU's step is stuck or slow",
+                                          "raise VKXSPLIT_TIMEOUT_S if the work is just slow") from None
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Signal whatever is queued (no waits) and stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
 
 
 class ShardModel(Model):
@@ -180,7 +254,12 @@ class ShardModel(Model):
                 seqs.append(seq)
                 record_graph(seq, piece)
                 seq.end()
-            chain = SubmitChain(seqs, [[]] + [[self.go]] * (len(seqs) - 1), [[self.done]] * len(seqs))
+            # one vkQueueSubmit per segment: on the H200 a segment queued in the same call as
+            # the one before it read the other GPU's partial stale (the driver invalidates the
+            # GPU's cached lines of host memory per submit call, not per batch; measured: logits
+            # off by 1.1 on two GPUs, right on one GPU and with a call per segment)
+            chain = SubmitChain(seqs, [[]] + [[self.go]] * (len(seqs) - 1), [[self.done]] * len(seqs),
+                                one_call=False)
         except BaseException:
             for seq in seqs:
                 seq.close()
@@ -218,7 +297,7 @@ class TensorSplitModel(LanguageModel):
                            "give --devices 0,1 (or use the layer split for more devices)")
         self.devices: list[Device] = []
         self.shards: list[ShardModel] = []
-        self.relays: list[HostBridge] = []
+        self.relays: list[Relay] = []
         self.pages: HostLink | None = None
         self.file: ModelFile = load_gguf(self.path)
         try:
@@ -256,17 +335,14 @@ class TensorSplitModel(LanguageModel):
         for r, dev in enumerate(self.devices):
             self.shards.append(ShardModel(self.path, r, views(r, r), views(r, 1 - r), device=dev, n_ctx=self.n_ctx,
                                           ubatch=self.ubatch, progress=progress))
-        for r in range(WORLD):
-            self.relays.append(self._relay(r))
+        self.relays.append(self._relay())
         self.device = self.devices[0]
         self.weight_bytes = sum(s.weight_bytes for s in self.shards)
         self.load_seconds = time.perf_counter() - t0
         self._base = 0
 
-    def _relay(self, r: int) -> HostBridge:
-        """Signals shard ``r``'s ``go`` timeline when the other shard's segment is done."""
-        return HostBridge(self.devices[r], self.shards[r].go, name=f"tensor-split-relay{r}",
-                          run=lambda _job: None, timeout=self.timeout)
+    def _relay(self) -> Relay:
+        return Relay([s.done for s in self.shards], [s.go for s in self.shards], self.timeout, "tensor-split-relay")
 
     @property
     def split(self) -> str:
@@ -295,9 +371,9 @@ class TensorSplitModel(LanguageModel):
         try:
             for s in self.shards:
                 s._write_inputs(ids, self.n_past)
-            for r, c in enumerate(chains):
-                for j in range(1, n):  # the other shard's segment j - 1 done -> this one's go
-                    self.relays[r].enqueue((self.shards[1 - r].done, base + j), base + j)
+            # both shards' segment j - 1 done (value base + j) -> both shards' go (base + j)
+            self.relays[0].enqueue([base + j for j in range(1, n)])
+            for c in chains:
                 c.submit([[]] + [[base + j] for j in range(1, n)], [[base + j + 1] for j in range(n)])
             for s in self.shards:
                 s.done.wait(base + n, self.timeout)
@@ -317,9 +393,11 @@ class TensorSplitModel(LanguageModel):
         return None
 
     def _reset_relays(self) -> None:
-        for r, rl in enumerate(self.relays):
+        """After a failed step: a new relay, so that an error the old one records later (a wait
+        of the failed step timing out after the caller gave up) is not the next step's."""
+        for rl in self.relays:
             rl.close()
-            self.relays[r] = self._relay(r)
+        self.relays = [self._relay()]
 
     def _out(self) -> Model:
         return self.shards[0]

@@ -302,14 +302,17 @@ class Sequence:
 
 
 class SubmitChain:
-    """Recorded sequences queued by one ``vkQueueSubmit``, one batch each: batch ``j`` waits
+    """Recorded sequences queued by one ``vkQueueSubmit`` (or one call each, ``one_call=False``),
+    one batch each: batch ``j`` waits
     for its points and signals its own (plus the hub timeline, so each sequence's ``wait`` and
     ``close`` work as after :meth:`Sequence.submit`). The structs are built once for the
     semaphores given here; :meth:`submit` only changes the values. A tensor-split step
     (:mod:`vkxsplit.tensor_split`) is one chain per device: its segments between two
     all-reduces, each waiting for the relay's ``go`` of the one before."""
 
-    def __init__(self, seqs: list[Sequence], waits: list[list[Timeline]], signals: list[list[Timeline]]) -> None:
+    def __init__(self, seqs: list[Sequence], waits: list[list[Timeline]], signals: list[list[Timeline]],
+                 one_call: bool = True) -> None:
+        self.one_call = one_call  # False: one vkQueueSubmit per batch (see TensorSplitModel)
         if not seqs or not (len(seqs) == len(waits) == len(signals)):
             raise VkxError("a submit chain needs one list of waits and one of signals per sequence")
         self.seqs = seqs
@@ -335,7 +338,11 @@ class SubmitChain:
             part.sig_vals[len(signals[j])] = value
             q.last_value = value
             q.submits += 1
-        self.device.submit(self.infos, len(self.seqs))
+        if self.one_call:
+            self.device.submit(self.infos, len(self.seqs))
+        else:
+            for j in range(len(self.seqs)):
+                self.device.submit(self.infos + j, 1)
         return value
 
 
