@@ -113,6 +113,8 @@ class Relay:
     it) and from then on every value is signalled at once, so no GPU stays blocked behind a
     dead peer; a failed step replaces the relay (:meth:`TensorSplitModel._run`)."""
 
+    slice_s = 0.05  # longest single wait, so that close() is heard (0: spin on the counter)
+
     def __init__(self, done: list[Timeline], go: list[Timeline], timeout: float | None, name: str) -> None:
         import collections
         import threading
@@ -157,10 +159,15 @@ class Relay:
 
         deadline = time.monotonic() + timeout
         for tl in self.done:
+            if self.slice_s == 0:  # spin on the counter (diagnostics: tools/diag_tensor_split.py)
+                while tl.value < v and not self._closed:
+                    if time.monotonic() > deadline:
+                        raise WaitTimeout(f"tensor split: {tl.name} did not reach {v} within {timeout:g} s")
+                continue
             while True:
                 left = deadline - time.monotonic()
                 try:
-                    tl.wait(v, max(0.0, min(0.05, left)))
+                    tl.wait(v, max(0.0, min(self.slice_s, left)))
                     break
                 except WaitTimeout:
                     if self._closed:
@@ -191,6 +198,7 @@ class ShardModel(Model):
         self.rank, self.world = rank, WORLD
         self._publish, self._peer = publish, peer
         self._n_reduce = 0
+        self.one_call = False  # True: a step's segments in one vkQueueSubmit (wrong across GPUs: see chain())
         self._chains: dict[tuple[int, bool], tuple[list[Sequence], SubmitChain]] = {}
         super().__init__(path, **kw)
         self.slices = shard_slices(self.file.hparams, rank, self.world)
@@ -259,7 +267,7 @@ class ShardModel(Model):
             # GPU's cached lines of host memory per submit call, not per batch; measured: logits
             # off by 1.1 on two GPUs, right on one GPU and with a call per segment)
             chain = SubmitChain(seqs, [[]] + [[self.go]] * (len(seqs) - 1), [[self.done]] * len(seqs),
-                                one_call=False)
+                                one_call=self.one_call)
         except BaseException:
             for seq in seqs:
                 seq.close()
@@ -272,11 +280,14 @@ class ShardModel(Model):
         self._chains[key] = (seqs, chain)
         return chain
 
-    def close(self) -> None:
+    def drop_chains(self) -> None:
         for seqs, _chain in self._chains.values():
             for seq in seqs:
                 seq.close()  # (waits, bounded, for its last submission)
         self._chains.clear()
+
+    def close(self) -> None:
+        self.drop_chains()
         for tl in (getattr(self, "done", None), getattr(self, "go", None)):
             if tl is not None:
                 tl.close()
@@ -368,6 +379,7 @@ class TensorSplitModel(LanguageModel):
             raise VkxError(f"the shards' steps have {[len(c.seqs) for c in chains]} segments")
         base = self._base
         self._base += n
+        t0 = time.perf_counter()
         try:
             for s in self.shards:
                 s._write_inputs(ids, self.n_past)
@@ -375,6 +387,7 @@ class TensorSplitModel(LanguageModel):
             self.relays[0].enqueue([base + j for j in range(1, n)])
             for c in chains:
                 c.submit([[]] + [[base + j] for j in range(1, n)], [[base + j + 1] for j in range(n)])
+            self.last_submit_s = time.perf_counter() - t0  # host time spent queueing the step
             for s in self.shards:
                 s.done.wait(base + n, self.timeout)
             for rl in self.relays:

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Where a tensor-split step's time goes (vkxsplit.tensor_split): decode and prefill steps of a
+synthetic model under variants of how segments are queued and relayed. Prints one table:
+ms per step, of which host time queueing it, and whether the logits match a one-hub model.
+
+Variants: ``calls`` (one vkQueueSubmit per segment, the default) or ``chain`` (one call for
+the step's segments: known to read stale partials on two H200s, timed for comparison);
+relay slice 0.05 s (default), 10 s, or 0 (the relay spins on the counters).
+
+  python tools/diag_tensor_split.py --devices 0,1 --shape llama1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", default="0,1")
+    ap.add_argument("--shape", default="llama1b")
+    ap.add_argument("--qtype", default="q4_0")
+    ap.add_argument("--n-layer", type=int, default=None)
+    ap.add_argument("-p", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=6)
+    a = ap.parse_args()
+    from vkxsplit.model import load_model
+    from vkxsplit.synth import write_synthetic
+    from vkxsplit.tensor_split import TensorSplitModel
+
+    with tempfile.TemporaryDirectory() as d:
+        path = write_synthetic(Path(d) / "m.gguf", a.shape, a.qtype, seed=1, n_layer=a.n_layer)
+        ids = list(range(10, 10 + a.p))
+        with load_model(path, n_ctx=a.p + 64, ubatch=a.p) as one:
+            want = one.logits(ids[:8])
+            t0 = time.perf_counter()
+            one.prefill(ids)
+            for _ in range(a.steps):
+                one._run([1], all_logits=False)
+            one_ms = (time.perf_counter() - t0) * 1e3
+        print(f"one hub: prefill {a.p} + {a.steps} decode steps: {one_ms:.1f} ms")
+        print("\n| queueing | relay slice s | decode ms/step | host queueing ms | prefill ms | max |logits - one hub| |")
+        print("|---|---:|---:|---:|---:|---:|")
+        with TensorSplitModel(path, devices=a.devices, n_ctx=a.p + 64, ubatch=a.p) as m:
+            for mode in ("calls", "chain"):
+                for sl in (0.05, 10.0, 0.0):
+                    m.relays[0].slice_s = sl
+                    for sh in m.shards:
+                        sh.drop_chains()
+                        sh.one_call = mode == "chain"
+                    m.reset()
+                    err = float(np.abs(m.logits(ids[:8]) - want).max())
+                    m.reset()
+                    t0 = time.perf_counter()
+                    m.prefill(ids)
+                    pre = (time.perf_counter() - t0) * 1e3
+                    dec, sub = [], []
+                    for _ in range(a.steps):
+                        t0 = time.perf_counter()
+                        m._run([1], all_logits=False)
+                        dec.append((time.perf_counter() - t0) * 1e3)
+                        sub.append(m.last_submit_s * 1e3)
+                    err2 = float(np.abs(m.logits(ids[:8]) - want).max())
+                    print(f"| {mode} | {sl} | {np.median(dec):.2f} | {np.median(sub):.2f} | {pre:.1f} | "
+                          f"{max(err, err2):.2e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
