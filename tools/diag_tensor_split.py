@@ -5,7 +5,8 @@ ms per step, of which host time queueing it, and whether the logits match a one-
 
 Variants: ``calls`` (one vkQueueSubmit per segment, the default) or ``chain`` (one call for
 the step's segments: known to read stale partials on two H200s, timed for comparison);
-relay slice 0.05 s (default), 10 s, or 0 (the relay spins on the counters).
+the relay blocking in waits of 0.05 s or 10 s, or spinning on the counters (slice 0; the default
+spins 0.5 s before blocking).
 
   python tools/diag_tensor_split.py --devices 0,1 --shape llama1b
 """
@@ -53,6 +54,7 @@ def main() -> int:
             for mode in ("calls", "chain"):
                 for sl in (0.05, 10.0, 0.0):
                     m.relays[0].slice_s = sl
+                    m.relays[0].spin_s = 0.0 if sl else 0.5
                     for sh in m.shards:
                         sh.drop_chains()
                         sh.one_call = mode == "chain"

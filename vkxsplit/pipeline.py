@@ -193,11 +193,16 @@ class PipelineModel(LanguageModel):
         self.weight_bytes = sum(st.weight_bytes for st in self.stages)
         self.load_seconds = time.perf_counter() - t0
 
+    # the relays poll the previous stage's timeline this long before a blocking wait: on the H200
+    # a blocking vkWaitSemaphores returned ~1.3 ms late per crossing in the tensor split's relay,
+    # ~0.2 ms when spinning (tools/diag_tensor_split.py)
+    relay_spin_s = 0.5
+
     def _relay(self, i: int) -> HostBridge:
         """The thread that signals link ``i``'s timeline (on stage i + 1's device) when stage
         ``i``'s step ends."""
         return HostBridge(self.devices[i + 1], self.link_timelines[i], name=f"pipeline-relay{i}",
-                          run=lambda _job: None, timeout=self.timeout)
+                          run=lambda _job: None, timeout=self.timeout, spin_s=self.relay_spin_s)
 
     # -- steps ----------------------------------------------------------------------------
 

@@ -113,7 +113,8 @@ class Relay:
     it) and from then on every value is signalled at once, so no GPU stays blocked behind a
     dead peer; a failed step replaces the relay (:meth:`TensorSplitModel._run`)."""
 
-    slice_s = 0.05  # longest single wait, so that close() is heard (0: spin on the counter)
+    spin_s = 0.5  # spin on the counters this long before blocking waits
+    slice_s = 0.05  # longest single blocking wait, so that close() is heard (0: spin only)
 
     def __init__(self, done: list[Timeline], go: list[Timeline], timeout: float | None, name: str) -> None:
         import collections
@@ -157,9 +158,15 @@ class Relay:
         """Every ``done`` at ``v``: blocking waits, in slices so that :meth:`close` is heard."""
         from .errors import WaitTimeout
 
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         for tl in self.done:
-            if self.slice_s == 0:  # spin on the counter (diagnostics: tools/diag_tensor_split.py)
+            # spin on the counter first: on the H200 a blocking vkWaitSemaphores took ~1.3 ms
+            # per all-reduce to return, spinning ~0.2 ms (tools/diag_tensor_split.py); a long
+            # wait (a slow or dead peer) then blocks in slices
+            while tl.value < v and not self._closed and time.monotonic() - start < self.spin_s:
+                pass
+            if self.slice_s == 0:  # spin only (diagnostics)
                 while tl.value < v and not self._closed:
                     if time.monotonic() > deadline:
                         raise WaitTimeout(f"tensor split: {tl.name} did not reach {v} within {timeout:g} s")
