@@ -144,3 +144,32 @@ def test_bench_warm_up_runs_until_the_gpu_is_warm(monkeypatch):
 
         runner._warm(model, run)
         assert len(calls) >= at_least and (kind != vk.VK_PHYSICAL_DEVICE_TYPE_CPU or len(calls) == 1)
+
+
+def test_bench_link_quick(tmp_path):
+    """The cross-device link bench on two VkDevices of the one device: every table printed, the
+    host-relayed exchange and the flag all-reduce exact (no wrong element), no give-up."""
+    r = run_tool(["tools/bench_link.py", "--devices", "0,0", "--quick"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| spin |") or ln.startswith("| atomic | 16384 |")]
+    assert len(rows) == 2, r.stdout[-2000:]
+    assert all("[0, 0] |" in ln for ln in rows), rows
+
+
+def test_tensor_split_tools_quick(tmp_path):
+    """bench_multigpu's ``row`` configuration (crossed bytes: both partials of 8 all-reduces of
+    a 4-layer tiny model: 8 prompt tokens x 256 f32 x 2 x 8 = 128 KiB, one decode token 16 KiB)
+    and diag_tensor_split, on two hubs of the one device."""
+    r = run_tool(["tools/bench_multigpu.py", "--quick", "--shape", "tiny", "--splits", "row",
+                  "--dir", str(tmp_path / "m")], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    row = [ln for ln in r.stdout.splitlines() if ln.startswith("| `row` |")]
+    assert row, r.stdout[-2000:]
+    cells = [c.strip() for c in row[0].split("|")]
+    assert float(cells[3]) > 0 and float(cells[4]) > 0
+    assert cells[5].startswith("0.12 /") and cells[6].startswith("0.02 /") and cells[7] == "8 / 8"
+    r = run_tool(["tools/diag_tensor_split.py", "--devices", "0,0", "--shape", "tiny", "-p", "8", "--steps", "1"],
+                 tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| calls |") or ln.startswith("| chain |")]
+    assert len(rows) == 6 and all(float(ln.split("|")[6]) < 1e-3 for ln in rows), r.stdout[-2000:]

@@ -362,7 +362,8 @@ def test_wait_flag_dispatch_polls_memory(device):
         if device.physical.device_type != vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
             # a host write while it spins: the sequence ends (bounded: no hang) with the polls
             # taken, or GAVE_UP where the driver does not let a spinning dispatch see the write:
-            # the H200 did not (session 5 device run; docs/ATTACH.md, hand-off by memory flag)
+            # the H200 did not (session 5 device run): after the first read its polls are served
+            # from the GPU's cache (session 6, tools/bench_link.py; docs/ATTACH.md)
             spins, unset = 1 << 20, 0xFFFFFFFE  # unset: neither a poll count <= spins nor GAVE_UP
             r = run(0, 3, max_spins=spins, write_later=3, unset=unset)
             assert r == GAVE_UP or r <= spins  # the dispatch wrote its outcome (seen or given up)

@@ -17,17 +17,18 @@ llama.cpp's ``--split-mode layer`` over several GPUs, on Vulkan hubs:
 - **Events.** Stage ``i + 1``'s step waits on the GPU for a timeline of its own device
   (``link`` timeline). A relay thread (:class:`~vkxsplit.attach.HostBridge`) waits for stage
   ``i``'s step and signals that timeline, so the caller submits every stage of a step up front
-  and waits once, for the last stage; only the relay thread waits in between.
+  and waits once, for the last stage; only the relay thread waits in between (it spins on the
+  counter before it blocks: a blocking wait returned late on the H200).
 - **Micro-batches** (llama.cpp's pipeline parallelism, ``n_ubatch < n_batch``): a prompt step
   of ``T`` tokens is cut into ``micro_batches`` pieces, each in its own slot (rows of the ids,
   positions, links and logits), all submitted at once: while GPU 1 runs piece ``j``, GPU 0
   already runs piece ``j + 1``. Decode (one token) cannot overlap: its stages run in turn.
 
-Not built: GPU-side cross-GPU waits (no host thread) through CUDA (each GPU's Vulkan timeline
-imported into a CUDA context of that GPU, a cross-device CUDA event between them), NVLink
-peer copies of the hidden state (``cudaMemcpyPeerAsync`` or ``VK_KHR_device_group``), and a
-tensor split with an all-reduce between two hubs (the ``vulkan-peer`` backend tensor-splits
-``mul_mat``s onto a second GPU: :doc:`docs/MULTI_GPU.md`).
+The tensor split over two hubs (every matrix by rows, an all-reduce per attention and FFN) is
+:mod:`vkxsplit.tensor_split`; it shares :class:`HostLink` and the device selectors. Not built:
+GPU-side cross-GPU waits without a host thread (measured impossible on the H200 with Vulkan
+alone: docs/MULTI_GPU.md), NVLink peer copies (``cudaMemcpyPeerAsync``; each crossing would
+pay the Vulkan/CUDA context switch measured in docs/ATTACH.md).
 """
 
 from __future__ import annotations

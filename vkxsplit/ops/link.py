@@ -1,26 +1,25 @@
-"""Cross-device links on the GPU: a rendezvous on flag words and a sum of partials, through
-host pages two devices import (``shaders/link_flag.comp``, ``shaders/link_sum.comp``).
+"""Cross-device links through host pages two devices import (``shaders/link_sum.comp``,
+``shaders/link_flag.comp``).
 
 Two GPUs have different deviceUUIDs, so Vulkan lets neither import the other's memory or
 timeline semaphores; host pages (``VK_EXT_external_memory_host``) are what both can map.
-Without a host thread in between, one device learns that the other's data is there by polling
-a word the other writes:
 
-1. the producer writes its data into the pages, then :meth:`Sequence.publish_barrier`
-   (destination HOST: the writes leave its caches);
-2. :func:`record_link` with ``signal``: one invocation stores ``base + offset`` into the
-   producer's own flag word (a volatile store);
-3. the consumer's :func:`record_link` with ``wait`` polls that word until it reaches
-   ``base + offset`` (bounded by ``max_spins``; a give-up is recorded in ``status`` and
-   every later wait of the step returns at once);
-4. the consumer reads the data with volatile loads (:func:`record_link_sum`), never through
-   a cache line it may hold from an earlier use of the same pages.
-
-``base`` is a word the host writes before each step (steps number their links
-``base + 1, base + 2, ...``), so recorded sequences replay unchanged. This ordering across two
-devices is outside what the Vulkan memory model promises (it covers one device); it is the
-protocol the measurements in docs/MULTI_GPU.md were made with, and the tests check the data
-that crosses, every time, against a reference.
+- :func:`record_link_sum` is the second half of the tensor split's all-reduce
+  (:mod:`vkxsplit.tensor_split`): ``dst = a + peer``, ``peer`` read with volatile loads. The
+  other GPU's partial is there because the step's segment that reads it was submitted with a
+  wait on a timeline the host relay signals after the other GPU's segment completed; each
+  segment is its own ``vkQueueSubmit`` (measured on two H200s: a segment queued in the same call
+  as an earlier one that read the same pages got stale lines).
+- :func:`record_link` is a rendezvous on flag words without the host: the producer publishes
+  its data (:meth:`Sequence.publish_barrier`, destination HOST), stores ``base + offset`` into
+  its own flag (a volatile store), and the consumer polls the producer's flag until it reaches
+  ``base + offset`` (bounded by ``max_spins``; a give-up is recorded in ``status`` and every later
+  wait of the step returns at once). ``base`` is a word the host writes before a step, so
+  recorded sequences replay unchanged. **On the H200 it does not work**: after the first read a
+  GPU's polls are served from its cache and never see the other GPU's later write (both volatile
+  loads and atomics; ``tools/bench_link.py``, docs/MULTI_GPU.md), which is also outside what the
+  Vulkan memory model promises (one device). It stays for that benchmark, for drivers whose polls
+  reach memory, and for lavapipe, where the tests check it.
 """
 
 from __future__ import annotations
