@@ -15,21 +15,24 @@ from vkxsplit.vk.command import Sequence
 from vkxsplit.vk.kernel import View
 
 
+@pytest.mark.parametrize("parts", ["f32", "f16"])
 @pytest.mark.parametrize("n", [4, 1024, 256 * 4 * 1024 + 12])  # (the last: more vec4s than one pass of the grid)
-def test_link_sum_is_the_elementwise_sum(device, n):
+def test_link_sum_is_the_elementwise_sum(device, n, parts):
     rng = np.random.default_rng(n)
-    a, p = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    dt = np.float32 if parts == "f32" else np.float16
+    a, p = rng.standard_normal(n).astype(dt), rng.standard_normal(n).astype(dt)
     mem = device.memory
     ba, bp, bd = (mem.alloc(4 * n, "host", nm) for nm in ("a", "peer", "dst"))
     try:
-        ba.numpy(np.float32)[:n] = a
-        bp.numpy(np.float32)[:n] = p
+        ba.numpy(dt)[:n] = a
+        bp.numpy(dt)[:n] = p
         bd.numpy(np.float32)[:n] = np.nan  # poisoned: a skipped element fails
         s = Sequence(device, "sum")
-        record_link_sum(s, ba, bp, bd, n)
+        record_link_sum(s, ba, bp, bd, n, parts=parts)
         s.run(timeout=60)
         s.close()
-        assert np.array_equal(bd.numpy(np.float32)[:n], a + p)  # one f32 add each: exact
+        # one f32 add of two exactly widened values: exact
+        assert np.array_equal(bd.numpy(np.float32)[:n], a.astype(np.float32) + p.astype(np.float32))
         s = Sequence(device, "bad")
         for bad in (0, 6):
             with pytest.raises(KernelError, match="multiple of 4"):

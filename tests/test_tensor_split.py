@@ -106,13 +106,24 @@ def test_weight_slices_decode_to_the_slices_of_the_whole(qtype):
             slice_weight(ti, "cols", 16 if qtype == Q.Q8_0 else 128, 1024)
 
 
+def _hidden(shard, T):
+    from vkxsplit.vk.command import staged_download
+
+    return staged_download(shard.act["x"], 0, T * shard.hp.n_embd * 4).view(np.float32)
+
+
 @pytest.mark.parametrize("devices", _device_lists())
-def test_tensor_split_matches_the_reference_and_one_hub(device, tiny, devices):
+@pytest.mark.parametrize("partials", ["f32", "f16"])
+def test_tensor_split_matches_the_reference_and_one_hub(device, tiny, devices, partials):
     """Teacher-forced logits of a 21-token prompt in steps of 16 and 5 against the float64 forward
-    pass and a one-hub model; greedy decode gives the one-hub model's tokens (both shards' KV
-    caches carry over); the traffic counts both partials of every all-reduce; no validation
-    message on either device."""
+    pass and a one-hub model; both shards end each step with bit-identical hidden states; greedy
+    decode gives the one-hub model's tokens (both shards' KV caches carry over); the traffic
+    counts both partials of every all-reduce; no validation message on either device. f16
+    partials: each rounded once (2^-11 relative) before the f32 sum, so a wider bound."""
     from vkxsplit.model import load_model
+
+    isz = 4 if partials == "f32" else 2
+    bound = _bound if partials == "f32" else (lambda w: 4e-3 * np.abs(w).max() + 1e-3)
 
     ids = [int(i) for i in np.random.default_rng(5).integers(0, 512, 21)]
     with load_gguf(tiny) as mf:
@@ -120,18 +131,20 @@ def test_tensor_split_matches_the_reference_and_one_hub(device, tiny, devices):
     with load_model(tiny, device=device, n_ctx=64, ubatch=16) as one:
         hub = one.logits(ids)
         hub_tokens = list(one.generate_ids(ids[:6], 8, stop_ids=set()))
-    with TensorSplitModel(tiny, devices=devices, n_ctx=64, ubatch=16) as m:
+    with TensorSplitModel(tiny, devices=devices, n_ctx=64, ubatch=16, partials=partials) as m:
         got = m.logits(ids)
-        assert np.abs(got - want).max() <= _bound(want)
-        assert np.abs(got - hub).max() <= _bound(want)
+        assert np.abs(got - want).max() <= bound(want)
+        assert np.abs(got - hub).max() <= bound(want)
+        assert np.array_equal(_hidden(m.shards[0], 5), _hidden(m.shards[1], 5))
         # each shard holds half of every split matrix (and whole norms and embeddings)
         names = m.shards[1].weights
         assert names["blk.0.attn_q.weight"].shape == (128, 256) and names["blk.0.ffn_down.weight"].shape == (256, 512)
         assert "output.weight" not in names and m.shards[1].logits_buf is None
         assert m.traffic["all_reduces"] == 2 * 2 * 3  # two steps, attention and FFN of 3 layers
-        assert m.traffic["crossed_bytes"] == (16 + 5) * 256 * 4 * 2 * 2 * 3
+        assert m.traffic["crossed_bytes"] == (16 + 5) * 256 * isz * 2 * 2 * 3
         assert list(m.generate_ids(ids[:6], 8, stop_ids=set())) == hub_tokens
-        assert m.last_traffic == 256 * 4 * 2 * 2 * 3  # a decode step: one row per all-reduce
+        assert m.last_traffic == 256 * isz * 2 * 2 * 3  # a decode step: one row per all-reduce
+        assert np.array_equal(_hidden(m.shards[0], 1), _hidden(m.shards[1], 1))
         msgs = [msg for d in m.devices for msg in d.instance.messages]
     assert not msgs, msgs
 
@@ -149,6 +162,8 @@ def test_bad_input_is_refused(tiny, tmp_path):
         TensorSplitModel(tiny, devices="0,0,0", n_ctx=32, ubatch=8)
     with pytest.raises(VkxError, match="goes with devices"):
         vkxsplit.load_model(tiny, split_mode="row")
+    with pytest.raises(VkxError, match="f32 or f16"):
+        TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, partials="bf16")
     with pytest.raises(VkxError, match="is not 'layer' or 'row'"):
         vkxsplit.load_model(tiny, devices="0,0", split_mode="rows")
     with vkxsplit.load_model(tiny, devices="0,0", split_mode="row", n_ctx=32, ubatch=8) as m:

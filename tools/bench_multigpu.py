@@ -9,10 +9,10 @@ Configurations (``--splits``, separated by ``;``):
 - ``pipeline:A,B[:mN]``: layers split A:B over device 0 and ``--peer-device``, one hub each,
   ``N`` micro-batches per prompt step (default: the pipeline's); crossed bytes = the hidden
   state per link;
-- ``row``: the tensor split over two hubs (:mod:`vkxsplit.tensor_split`): every matrix split by
+- ``row[:f16]``: the tensor split over two hubs (:mod:`vkxsplit.tensor_split`): every matrix split by
   rows (the output projections by columns) over device 0 and ``--peer-device``, an all-reduce of
   the partial sums after each attention and FFN (crossed bytes: both partials of every
-  all-reduce; "jobs": all-reduces per step);
+  all-reduce; "jobs": all-reduces per step; ``:f16``: the partials cross as f16);
 - any planner split (``none``, ``layer:1,1``, ``tensor:1,1``): the model on device 0 with the
   peer attached (``vulkan-peer:device=N``); one prefill step of ``-p`` tokens and one decode
   step are run between ``traffic.begin_step()`` and ``traffic.step()``: bytes that crossed
@@ -52,11 +52,12 @@ def _bench_hubs(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int
     if split == "one-gpu":
         m = load_model(path, ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16)
         row["peer"] = f"{m.device.name} alone"
-    elif split == "row":
+    elif split.split(":")[0] == "row":
         from vkxsplit.tensor_split import TensorSplitModel
 
-        m = TensorSplitModel(path, devices=["0", peer], ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16)
-        row["peer"] = f"hubs on {', '.join(d.name for d in m.devices)}: rows of every matrix"
+        parts = split.split(":")[1] if ":" in split else "f32"
+        m = TensorSplitModel(path, devices=["0", peer], ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16, partials=parts)
+        row["peer"] = f"hubs on {', '.join(d.name for d in m.devices)}: rows of every matrix, {parts} partials"
     else:
         parts = split.split(":")
         micro = int(parts[2][1:]) if len(parts) > 2 else None
@@ -72,7 +73,7 @@ def _bench_hubs(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int
         pp_x = getattr(m, "last_traffic", 0)
         m._run([m.last_argmax()], all_logits=False)
         tg_x = getattr(m, "last_traffic", 0)
-        if split == "row":  # one all-reduce (two relays) per segment boundary
+        if split.startswith("row"):  # one all-reduce per segment boundary
             per_step = m.traffic["all_reduces"] // max(1, m.traffic["steps"])
             row["pp_step"] = {"crossed_bytes": pp_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": per_step}
             row["tg_step"] = {"crossed_bytes": tg_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": per_step}
@@ -133,7 +134,7 @@ def main() -> int:
         for split in (s.strip() for s in args.splits.split(";") if s.strip()):
             row: dict = {"split": split}
             try:
-                if split in ("one-gpu", "row") or split.startswith("pipeline:"):
+                if split == "one-gpu" or split.split(":")[0] in ("row", "pipeline"):
                     _bench_hubs(row, path, split, peer, n_p, n_g, reps)
                     print(row, flush=True)
                     rows.append(row)

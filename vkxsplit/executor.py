@@ -181,10 +181,22 @@ def _link_sum(seq: Sequence, n: Node) -> None:
     from .ops.link import record_link_sum
 
     a, peer = n.inputs
-    if a.shape != peer.shape or a.shape != n.output.shape or a.dtype != "f32":
-        raise KernelError(f"link_sum {n.name}: {a.dtype}{list(a.shape)} + {list(peer.shape)} -> "
-                          f"{list(n.output.shape)} is not an f32 sum of equal shapes")
-    record_link_sum(seq, a.buffer, peer.buffer, n.output.buffer, a.rows * a.cols)
+    if (a.shape != peer.shape or a.shape != n.output.shape or a.dtype != peer.dtype
+            or a.dtype not in ("f32", "f16") or n.output.dtype != "f32"):
+        raise KernelError(f"link_sum {n.name}: {a.dtype}{list(a.shape)} + {peer.dtype}{list(peer.shape)} -> "
+                          f"{n.output.dtype}{list(n.output.shape)} is not a sum of equal shapes into f32")
+    record_link_sum(seq, a.buffer, peer.buffer, n.output.buffer, a.rows * a.cols, parts=a.dtype)
+
+
+def _convert(seq: Sequence, n: Node) -> None:
+    """An f32/f16/bf16 tensor converted elementwise into another of those (a tensor-split
+    shard's partial sums published in f16)."""
+    from .ops.convert import record_convert
+
+    (src,) = n.inputs
+    if src.shape != n.output.shape:
+        raise KernelError(f"convert {n.name}: {list(src.shape)} -> {list(n.output.shape)}")
+    record_convert(seq, src.buffer, n.output.buffer, src.rows * src.cols, src.dtype, n.output.dtype)
 
 
 def _argmax(seq: Sequence, n: Node) -> None:
@@ -208,6 +220,7 @@ HUB_OPS: dict[str, Callable[[Sequence, Node], None]] = {
     "argmax": _argmax,
     "cpy": _cpy,
     "link_sum": _link_sum,
+    "convert": _convert,
 }
 
 

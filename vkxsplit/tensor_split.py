@@ -15,7 +15,7 @@ Reading order:
   partial into its half of host pages both GPUs import, the step's segment ends there, and the
   next segment starts with ``link_sum``: own partial + the other shard's (volatile loads), on the
   GPU. ``a + b`` and ``b + a`` are the same float, so both shards keep bit-identical hidden
-  states. Two slots per shard, by parity of the all-reduce: a shard can be at most one
+  states (with ``partials="f16"`` both add the same two f16-rounded partials). Two slots per shard, by parity of the all-reduce: a shard can be at most one
   all-reduce ahead of the other's reads.
 - **Events.** A step is ``2 n_layer + 1`` segments per GPU, all queued up front
   (:class:`~vkxsplit.vk.command.SubmitChain`, one ``vkQueueSubmit`` each): segment ``j`` signals the shard's ``done``
@@ -104,6 +104,12 @@ def slice_weight(ti: Any, kind: str, a: int, b: int) -> tuple[tuple[int, ...], n
                          f"{blk}-value blocks", "use the layer split (--devices without --split-mode row)")
     data = ti.data.reshape(ti.rows, row_bytes)[:, a // blk * tsz:b // blk * tsz]
     return (ti.rows, b - a), np.ascontiguousarray(data).reshape(-1)
+
+
+def _check_partials(partials: str) -> str:
+    if partials not in ("f32", "f16"):
+        raise VkxError(f"partials {partials!r}: the all-reduce's partial sums cross as f32 or f16")
+    return partials
 
 
 class Relay:
@@ -201,8 +207,10 @@ class ShardModel(Model):
     and FFN width; ``publish[p]``/``peer[p]`` (p = parity of the all-reduce) are (buffer, byte
     offset) in host pages: where it writes its partials, where it reads the other shard's."""
 
-    def __init__(self, path: str | Path, rank: int, publish: list[Any], peer: list[Any], **kw: Any) -> None:
+    def __init__(self, path: str | Path, rank: int, publish: list[Any], peer: list[Any], partials: str = "f32",
+                 **kw: Any) -> None:
         self.rank, self.world = rank, WORLD
+        self.partials = _check_partials(partials)
         self._publish, self._peer = publish, peer
         self._n_reduce = 0
         self.one_call = False  # True: a step's segments in one vkQueueSubmit (wrong across GPUs: see chain())
@@ -231,6 +239,12 @@ class ShardModel(Model):
             return slice_weight(ti, kind, a, b)
         return ti.shape, ti.data
 
+    def _alloc_state(self) -> None:
+        super()._alloc_state()
+        self.own16 = None
+        if self.partials == "f16":  # this shard's partial as the other one reads it
+            self.own16 = self._alloc(self.ubatch * self.hp.n_embd * 2, "device", "partial_f16")
+
     def _build_graph(self, T: int, all_logits: bool, slot: int = 0) -> Graph:
         self._n_reduce = 0
         return super()._build_graph(T, all_logits, slot)
@@ -239,13 +253,21 @@ class ShardModel(Model):
         """Publish this shard's partial, end the segment, sum with the other shard's partial."""
         par = self._n_reduce % 2
         self._n_reduce += 1
-        nbytes = o.rows * o.cols * 4
+        dt = self.partials
+        nbytes = o.rows * o.cols * (4 if dt == "f32" else 2)
         (pb, po), (qb, qo) = self._publish[par], self._peer[par]
-        pub = Tensor(name + ":published", o.shape, "f32", View(pb, po, nbytes))
-        peer = Tensor(name + ":peer", o.shape, "f32", View(qb, qo, nbytes))
-        g.add("cpy", name + "_publish", [o], pub)
+        pub = Tensor(name + ":published", o.shape, dt, View(pb, po, nbytes))
+        peer = Tensor(name + ":peer", o.shape, dt, View(qb, qo, nbytes))
+        if dt == "f32":
+            g.add("cpy", name + "_publish", [o], pub)
+            own = o
+        else:  # both shards add the same two f16 values: each rounds its own partial once, by
+            # the same kernel, for itself and for the other shard
+            own = Tensor(name + ":own_f16", o.shape, dt, View(self.own16, 0, nbytes))
+            g.add("convert", name + "_round", [o], own)
+            g.add("convert", name + "_publish", [o], pub)
         g.add("link_rendezvous", name + "_rendezvous", [pub], pub)  # (a segment boundary, no kernel)
-        return g.add("link_sum", name + "_sum", [o, peer], o)
+        return g.add("link_sum", name + "_sum", [own, peer], o)
 
     def chain(self, T: int, all_logits: bool) -> SubmitChain:
         """The step of ``T`` tokens as segments (recorded once) and the chain that queues them."""
@@ -304,11 +326,15 @@ class ShardModel(Model):
 class TensorSplitModel(LanguageModel):
     """A model whose matrices are split by rows (and the output projections by columns) over
     two ``devices``, one hub each, with an all-reduce after each layer's attention and FFN. The
-    API is :class:`~vkxsplit.model.LanguageModel`'s (``logits``, ``prefill``, ``generate``)."""
+    API is :class:`~vkxsplit.model.LanguageModel`'s (``logits``, ``prefill``, ``generate``).
+    ``partials``: the type the partial sums cross in: ``f32`` (default), or ``f16`` (half the
+    bytes; each partial rounded to f16 once, ~5e-4 relative, before the f32 sum)."""
 
     def __init__(self, path: str | Path | None = None, devices: Any = (0, 1), n_ctx: int | None = None,
-                 ubatch: int = 512, progress: Any = None, timeout: float | None = None) -> None:
+                 ubatch: int = 512, progress: Any = None, timeout: float | None = None,
+                 partials: str = "f32") -> None:
         self.path = Path(path) if path else default_model_path()
+        self.partials = _check_partials(partials)
         sels = _parse_devices(devices)
         if len(sels) != WORLD:
             raise VkxError(f"a tensor split runs over {WORLD} devices, got {len(sels)}",
@@ -351,8 +377,8 @@ class TensorSplitModel(LanguageModel):
             return [(seen[dev], (owner * 2 + p) * slot) for p in range(2)]
 
         for r, dev in enumerate(self.devices):
-            self.shards.append(ShardModel(self.path, r, views(r, r), views(r, 1 - r), device=dev, n_ctx=self.n_ctx,
-                                          ubatch=self.ubatch, progress=progress))
+            self.shards.append(ShardModel(self.path, r, views(r, r), views(r, 1 - r), partials=self.partials,
+                                          device=dev, n_ctx=self.n_ctx, ubatch=self.ubatch, progress=progress))
         self.relays.append(self._relay())
         self.device = self.devices[0]
         self.weight_bytes = sum(s.weight_bytes for s in self.shards)
@@ -406,7 +432,8 @@ class TensorSplitModel(LanguageModel):
             s.stats["steps"] += 1
             s.stats["submits"] += 1
         self.n_past += T
-        self.last_traffic = (n - 1) * T * self.hp.n_embd * 4 * WORLD  # each shard's partial, both ways
+        isz = 4 if self.partials == "f32" else 2
+        self.last_traffic = (n - 1) * T * self.hp.n_embd * isz * WORLD  # each shard's partial, both ways
         self.traffic["crossed_bytes"] += self.last_traffic
         self.traffic["steps"] += 1
         self.traffic["all_reduces"] += n - 1
