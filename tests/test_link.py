@@ -1,8 +1,9 @@
 """Cross-device link kernels (vkxsplit.ops.link): the sum of a partial and the other device's
 partial read from host pages (the tensor split's all-reduce), and the flag rendezvous that
 tools/bench_link.py measures (on the H200 its polls do not see the other GPU's write: the
-tensor split relays on the host instead). Here on one device and on two VkDevices sharing
-host pages, against numpy."""
+tensor split relays on the host instead). Here on one device, against numpy; two VkDevices
+sharing host pages run them in tests/test_tensor_split.py and tools/bench_link.py
+(tests/test_tools.py)."""
 
 from __future__ import annotations
 

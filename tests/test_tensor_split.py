@@ -6,8 +6,6 @@ slices, gguf's own dequantization of the whole tensor."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -158,8 +156,11 @@ def test_bad_input_is_refused(tiny, tmp_path):
     odd = write_synthetic(tmp_path / "odd.gguf", "smol135m", "q8_0", seed=1, n_vocab=300, n_layer=1)
     with pytest.raises(ModelError, match="n_head 9"):
         TensorSplitModel(odd, devices="0,0", n_ctx=32, ubatch=8)
-    with pytest.raises(VkxError, match="over 2 devices"):
-        TensorSplitModel(tiny, devices="0,0,0", n_ctx=32, ubatch=8)
+    for bad in ("0,0,0", "0"):
+        with pytest.raises(VkxError, match="over 2 devices"):
+            TensorSplitModel(tiny, devices=bad, n_ctx=32, ubatch=8)
+    with pytest.raises(VkxError, match="go with split_mode='layer'"):
+        vkxsplit.load_model(tiny, devices="0,0", split_mode="row", layer_split="1,1")
     with pytest.raises(VkxError, match="goes with devices"):
         vkxsplit.load_model(tiny, split_mode="row")
     with pytest.raises(VkxError, match="f32 or f16"):
@@ -175,16 +176,19 @@ def test_bad_input_is_refused(tiny, tmp_path):
 
 
 def test_a_stuck_shard_is_reported_not_run_silently(tiny):
-    """Shard 1's queue held behind a gate: the step ends in WaitTimeout (the relay gave up on
-    shard 1's partials; the other shard was not left to sum a stale one and call it a result);
-    after the gate opens the model works and matches the reference."""
+    """Shard 1's queue held behind a gate: the relay gives up on shard 1's first segment and the
+    step raises its WaitTimeout (naming the timeline that did not get there); the step's later
+    segments are never submitted. While shard 1's held segment is pending the model refuses a new
+    step (it would overwrite what that segment reads); once the gate opens the next steps run and
+    match the reference."""
     from vkxsplit.ops.copy import record_copy
     from vkxsplit.vk.command import Sequence
     from vkxsplit.vk.event import Gate
 
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    other = [7, 7, 2, 9, 1]
     with load_gguf(tiny) as mf:
-        want = reference_logits(mf, ids)
+        want = reference_logits(mf, other)
     with TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.5) as m:
         dev = m.devices[1]
         gate = Gate(dev)
@@ -193,16 +197,21 @@ def test_a_stuck_shard_is_reported_not_run_silently(tiny):
         blocker = Sequence(dev, "blocker")
         record_copy(blocker, a, b, 256)
         blocker.submit(waits=[hold.point])  # shard 1's step queues behind this
-        with pytest.raises(WaitTimeout):
+        submits = [sum(q.submits for q in c.seqs) for c in (s.chain(8, True) for s in m.shards)]
+        with pytest.raises(WaitTimeout, match="tensor-split:done1 did not reach"):
             m._run(ids, all_logits=True)
         assert m.n_past == 0
-        time.sleep(1.0)  # the old relays' later waits time out too: that must not reach the next step
+        after = [sum(q.submits for q in c.seqs) for c in (s.chain(8, True) for s in m.shards)]
+        assert [x - y for x, y in zip(after, submits)] == [1, 1]  # segment 0 only, on each shard
+        m.timeout = 0.2
+        with pytest.raises(VkxError, match="still running"):
+            m.logits(other)
         hold.release()
         blocker.wait(30)
         m.timeout = 60.0
         for r in m.relays:
             r.timeout = 60.0
-        got = m.logits(ids)
+        got = m.logits(other)
         assert np.abs(got - want).max() <= _bound(want)
         blocker.close()
         a.close()

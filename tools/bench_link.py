@@ -205,15 +205,17 @@ def host_rendezvous(pair: Pair, rounds: int, spin: bool, n: int = 4096) -> dict:
             for i in range(1, rounds + 1):
                 for d in range(2):
                     if spin:
+                        end = time.monotonic() + 60
                         while done[d].value < i:
-                            pass
+                            if time.monotonic() > end:
+                                return  # (the main thread's wait reports it)
                     else:
                         done[d].wait(i, 60)
                 for d in range(2):
                     go[d].signal(i)
 
         t0 = time.perf_counter()
-        th = threading.Thread(target=host)
+        th = threading.Thread(target=host, daemon=True)
         th.start()
         for i in range(rounds + 1):
             for d in range(2):

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Where a tensor-split step's time goes (vkxsplit.tensor_split): decode and prefill steps of a
-synthetic model under variants of how segments are queued and relayed. Prints one table:
-ms per step, of which host time queueing it, and whether the logits match a one-hub model.
+synthetic model with the relay spinning on the shards' timelines (the default on GPUs), spinning
+only, or blocking in vkWaitSemaphores (slices of 0.05 s or 10 s). Prints one table: ms per
+step, host time submitting segment 0, and the logits' distance to a one-hub model.
 
-Variants: ``calls`` (one vkQueueSubmit per segment, the default) or ``chain`` (one call for
-the step's segments: known to read stale partials on two H200s, timed for comparison);
-the relay blocking in waits of 0.05 s or 10 s, or spinning on the counters (slice 0; the default
-spins 0.5 s before blocking).
+(Session 6 also timed segments queued up front, waiting on timelines the relay signalled, in one
+vkQueueSubmit per step or one per segment: docs/PERFORMANCE.md section 0000. The relay now
+submits each segment itself.)
 
   python tools/diag_tensor_split.py --devices 0,1 --shape llama1b
 """
@@ -48,31 +48,25 @@ def main() -> int:
                 one._run([1], all_logits=False)
             one_ms = (time.perf_counter() - t0) * 1e3
         print(f"one hub: prefill {a.p} + {a.steps} decode steps: {one_ms:.1f} ms")
-        print("\n| queueing | relay slice s | decode ms/step | host queueing ms | prefill ms | max |logits - one hub| |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("\n| relay | decode ms/step | host ms submitting | prefill ms | max abs(logits - one hub) |")
+        print("|---|---:|---:|---:|---:|")
         with TensorSplitModel(path, devices=a.devices, n_ctx=a.p + 64, ubatch=a.p) as m:
-            for mode in ("calls", "chain"):
-                for sl in (0.05, 10.0, 0.0):
-                    m.relays[0].slice_s = sl
-                    m.relays[0].spin_s = 0.0 if sl else 0.5
-                    for sh in m.shards:
-                        sh.drop_chains()
-                        sh.one_call = mode == "chain"
-                    m.reset()
-                    err = float(np.abs(m.logits(ids[:8]) - want).max())
-                    m.reset()
+            for label, spin, sl in (("spin 0.5 s, then block", 0.5, 0.05), ("spin only", 0.0, 0.0),
+                                    ("block, 0.05 s slices", 0.0, 0.05), ("block, 10 s", 0.0, 10.0)):
+                m.relays[0].spin_s, m.relays[0].slice_s = spin, sl
+                m.reset()
+                err = float(np.abs(m.logits(ids[:8]) - want).max())
+                m.reset()
+                t0 = time.perf_counter()
+                m.prefill(ids)
+                pre = (time.perf_counter() - t0) * 1e3
+                dec, sub = [], []
+                for _ in range(a.steps):
                     t0 = time.perf_counter()
-                    m.prefill(ids)
-                    pre = (time.perf_counter() - t0) * 1e3
-                    dec, sub = [], []
-                    for _ in range(a.steps):
-                        t0 = time.perf_counter()
-                        m._run([1], all_logits=False)
-                        dec.append((time.perf_counter() - t0) * 1e3)
-                        sub.append(m.last_submit_s * 1e3)
-                    err2 = float(np.abs(m.logits(ids[:8]) - want).max())
-                    print(f"| {mode} | {sl} | {np.median(dec):.2f} | {np.median(sub):.2f} | {pre:.1f} | "
-                          f"{max(err, err2):.2e} |", flush=True)
+                    m._run([1], all_logits=False)
+                    dec.append((time.perf_counter() - t0) * 1e3)
+                    sub.append(m.last_submit_s * 1e3)
+                print(f"| {label} | {np.median(dec):.2f} | {np.median(sub):.2f} | {pre:.1f} | {err:.2e} |", flush=True)
     return 0
 
 

@@ -44,6 +44,10 @@ def load_model(path: Any = None, split: Any = None, backends: Any = None, **kw: 
         if split_mode == "row":
             from .tensor_split import TensorSplitModel
 
+            extra = sorted(set(kw) & {"layer_split", "micro_batches"})
+            if extra:
+                raise VkxError(f"{', '.join(extra)} go with split_mode='layer' (the pipeline)")
+
             return TensorSplitModel(path, devices=devices, **kw)
         from .pipeline import PipelineModel
 

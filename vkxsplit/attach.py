@@ -1173,7 +1173,8 @@ class HostBridge:
         self.stats.add("bridge_waits")
         if self.spin_s > 0:  # (a relay between GPUs: a blocking wait returns late on the H200)
             try:
-                while tl.value < value and not self._closing and time.monotonic() - start < self.spin_s:
+                spin = min(self.spin_s, self.timeout)
+                while tl.value < value and not self._closing and time.monotonic() - start < spin:
                     pass
             except VkxError:
                 pass  # (the blocking wait below reports it)

@@ -375,8 +375,10 @@ class Model(LanguageModel):
             shape, data = self._weight_data(name, ti)
             buf = self._alloc(data.nbytes, "device", name, shared=shared)
             (buf.buffer if isinstance(buf, SharedBuffer) else buf).write(data)  # staged when device-only
+            # (host: where a backend loading its own copy reads the rows from; only with backends,
+            # so that a slice copied at load, a tensor-split shard's columns, is not kept)
             self.weights[name] = Tensor(name, shape, _type_name(ti.ggml_type), self._view(buf), weight=True,
-                                        host=data)
+                                        host=data if self.backends else None)
             done += ti.nbytes
             held += data.nbytes
             if progress:

@@ -17,13 +17,17 @@ Reading order:
   GPU. ``a + b`` and ``b + a`` are the same float, so both shards keep bit-identical hidden
   states (with ``partials="f16"`` both add the same two f16-rounded partials). Two slots per shard, by parity of the all-reduce: a shard can be at most one
   all-reduce ahead of the other's reads.
-- **Events.** A step is ``2 n_layer + 1`` segments per GPU, all queued up front
-  (:class:`~vkxsplit.vk.command.SubmitChain`, one ``vkQueueSubmit`` each): segment ``j`` signals the shard's ``done``
-  timeline, segment ``j + 1`` waits for its ``go`` timeline, which a relay thread
-  (:class:`Relay`) signals once both shards' segment ``j`` is done. Why a host relay: two GPUs have different deviceUUIDs, so neither
-  can import the other's timeline; and a GPU polling a flag in host pages does not see the
-  other GPU's write (``tools/bench_link.py``: the H200 serves the poll from its cache after
-  the first read). docs/MULTI_GPU.md has the measurements.
+- **Events.** A step is ``2 n_layer + 1`` segments per GPU (:class:`~vkxsplit.vk.command.
+  SubmitChain`, recorded once per step shape). Segment ``j`` signals the shard's ``done``
+  timeline; a relay thread (:class:`Relay`) waits until both shards' ``done`` reached it and
+  submits both shards' segment ``j + 1``: its ``vkQueueSubmit`` is what makes the other GPU's
+  partial (made available to the host by the barrier that closes its segment) visible to this
+  GPU. Why a host relay: two GPUs have different deviceUUIDs, so neither can import the other's
+  timeline; and a GPU polling a flag in host pages does not see the other GPU's write
+  (``tools/bench_link.py``: the H200 serves the poll from its cache after the first read).
+  Why the relay submits instead of signalling a timeline that segments queued up front wait on:
+  queued up front in one submit call, the segments read the other GPU's partial stale on two
+  H200s (``tools/diag_tensor_split.py``; docs/MULTI_GPU.md has the measurements).
 
 Two hubs on one device (``devices="0,0"``, lavapipe in CI) run the same code.
 """
@@ -91,7 +95,7 @@ def slice_weight(ti: Any, kind: str, a: int, b: int) -> tuple[tuple[int, ...], n
     from gguf.constants import GGML_QUANT_SIZES
 
     if ti.n_dims == 1:  # a bias: its elements, like the rows of the matrix it goes with
-        if kind != "rows":
+        if kind != "rows":  # (an output projection's bias is added once, after the sum)
             raise ModelError(f"{ti.name}: a 1-D tensor cannot be split by columns")
         esz = ti.nbytes // ti.cols
         return (b - a,), ti.data[a * esz:b * esz]
@@ -113,31 +117,38 @@ def _check_partials(partials: str) -> str:
 
 
 class Relay:
-    """The host between two GPUs' all-reduces: one thread that, for each value ``v`` queued,
-    waits until every shard's ``done`` timeline has reached ``v`` and then signals every
-    shard's ``go`` timeline to ``v``. A wait that times out is recorded (:meth:`check` raises
-    it) and from then on every value is signalled at once, so no GPU stays blocked behind a
-    dead peer; a failed step replaces the relay (:meth:`TensorSplitModel._run`)."""
+    """The host between two GPUs' all-reduces: one thread that, for each round ``(v, submit)``
+    queued, waits until every shard's ``done`` timeline has reached ``v`` (both shards' segment
+    before the all-reduce completed, its partial made available to the host by the segment's
+    closing barrier) and then calls ``submit()``: the next segment of every shard, whose
+    ``vkQueueSubmit`` makes host-available memory visible to that device. A wait that times out
+    (or a submit that fails) is recorded (:meth:`check` raises it) and the step's later rounds
+    are dropped, not submitted: a failed step stops where it failed; a failed step replaces the
+    relay (:meth:`TensorSplitModel._run`)."""
 
-    spin_s = 0.5  # spin on the counters this long before blocking waits
+    spin_s = 0.5  # spin on the counters this long before blocking waits (0 on CPU devices)
     slice_s = 0.05  # longest single blocking wait, so that close() is heard (0: spin only)
 
-    def __init__(self, done: list[Timeline], go: list[Timeline], timeout: float | None, name: str) -> None:
+    def __init__(self, done: list[Timeline], timeout: float | None, name: str, spin_s: float | None = None) -> None:
         import collections
         import threading
 
-        self.done, self.go, self.timeout = done, go, timeout
-        self._queue: collections.deque[int] = collections.deque()
+        self.done, self.timeout = done, timeout
+        if spin_s is not None:
+            self.spin_s = spin_s
+        self._queue: collections.deque[tuple[int, Any]] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
         self.error: BaseException | None = None
         self.rounds = 0
+        self.progress = time.monotonic()  # when a round last went through (or the relay started)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def enqueue(self, values: list[int]) -> None:
+    def enqueue(self, rounds: list[tuple[int, Any]]) -> None:
         with self._cond:
-            self._queue.extend(values)
+            self.progress = time.monotonic()
+            self._queue.extend(rounds)
             self._cond.notify()
 
     def _loop(self) -> None:
@@ -147,35 +158,40 @@ class Relay:
             with self._cond:
                 while not self._queue and not self._closed:
                     self._cond.wait()
-                if not self._queue:
+                if self._closed or not self._queue:
+                    self._queue.clear()
                     return
-                v = self._queue.popleft()
-            if self.error is None and not self._closed:
-                try:
-                    self._wait_all(v, self.timeout if self.timeout is not None else default_timeout())
-                except BaseException as exc:  # noqa: BLE001 (recorded, raised by check())
-                    self.error = exc
-            for tl in self.go:
-                if tl.handle is not None:
-                    tl.signal(v)
-            self.rounds += 1
+                v, submit = self._queue.popleft()
+            if self.error is not None:
+                continue  # (a failed step: its later segments are not submitted)
+            try:
+                if self._wait_all(v, self.timeout if self.timeout is not None else default_timeout()):
+                    submit()
+                    self.rounds += 1
+                    self.progress = time.monotonic()
+            except BaseException as exc:  # noqa: BLE001 (recorded, raised by check())
+                self.error = exc
 
-    def _wait_all(self, v: int, timeout: float) -> None:
-        """Every ``done`` at ``v``: blocking waits, in slices so that :meth:`close` is heard."""
+    def _wait_all(self, v: int, timeout: float) -> bool:
+        """Every ``done`` at ``v`` (False: closed meanwhile): spinning, then blocking waits in
+        slices so that :meth:`close` is heard."""
         from .errors import WaitTimeout
 
         start = time.monotonic()
         deadline = start + timeout
+        spin_end = start + min(self.spin_s, timeout)
         for tl in self.done:
             # spin on the counter first: on the H200 a blocking vkWaitSemaphores took ~1.3 ms
             # per all-reduce to return, spinning ~0.2 ms (tools/diag_tensor_split.py); a long
             # wait (a slow or dead peer) then blocks in slices
-            while tl.value < v and not self._closed and time.monotonic() - start < self.spin_s:
+            while tl.value < v and not self._closed and time.monotonic() < spin_end:
                 pass
             if self.slice_s == 0:  # spin only (diagnostics)
                 while tl.value < v and not self._closed:
                     if time.monotonic() > deadline:
                         raise WaitTimeout(f"tensor split: {tl.name} did not reach {v} within {timeout:g} s")
+                if self._closed:
+                    return False
                 continue
             while True:
                 left = deadline - time.monotonic()
@@ -184,18 +200,19 @@ class Relay:
                     break
                 except WaitTimeout:
                     if self._closed:
-                        return
+                        return False
                     if left <= 0:
                         raise WaitTimeout(f"tensor split: {tl.name} did not reach {v} within {timeout:g} s "
                                           f"(it is at {tl.value}): a GPU's step is stuck or slow",
                                           "raise VKXSPLIT_TIMEOUT_S if the work is just slow") from None
+        return not self._closed
 
     def check(self) -> None:
         if self.error is not None:
             raise self.error
 
     def close(self) -> None:
-        """Signal whatever is queued (no waits) and stop."""
+        """Stop; rounds still queued are dropped (their segments never run)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -213,12 +230,13 @@ class ShardModel(Model):
         self.partials = _check_partials(partials)
         self._publish, self._peer = publish, peer
         self._n_reduce = 0
-        self.one_call = False  # True: a step's segments in one vkQueueSubmit (wrong across GPUs: see chain())
         self._chains: dict[tuple[int, bool], tuple[list[Sequence], SubmitChain]] = {}
         super().__init__(path, **kw)
-        self.slices = shard_slices(self.file.hparams, rank, self.world)
-        self.done = Timeline(self.device, name=f"tensor-split:done{rank}")
-        self.go = Timeline(self.device, name=f"tensor-split:go{rank}")
+        try:
+            self.done = Timeline(self.device, name=f"tensor-split:done{rank}")
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def makes_logits(self) -> bool:  # type: ignore[override]
@@ -234,6 +252,8 @@ class ShardModel(Model):
 
     def _weight_data(self, name: str, ti: Any) -> tuple[tuple[int, ...], np.ndarray]:
         parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in COLS and ti.n_dims == 1:
+            return ti.shape, ti.data  # (not read by the graph: it adds no output-projection bias)
         if parts[0] == "blk" and parts[2] in ROWS + COLS:
             kind, a, b = shard_slices(self.file.hparams, self.rank, self.world)[parts[2]]
             return slice_weight(ti, kind, a, b)
@@ -291,12 +311,12 @@ class ShardModel(Model):
                 seqs.append(seq)
                 record_graph(seq, piece)
                 seq.end()
-            # one vkQueueSubmit per segment: on the H200 a segment queued in the same call as
-            # the one before it read the other GPU's partial stale (the driver invalidates the
-            # GPU's cached lines of host memory per submit call, not per batch; measured: logits
-            # off by 1.1 on two GPUs, right on one GPU and with a call per segment)
-            chain = SubmitChain(seqs, [[]] + [[self.go]] * (len(seqs) - 1), [[self.done]] * len(seqs),
-                                one_call=self.one_call)
+            # each segment is submitted by the relay once both shards' previous segment is done
+            # (TensorSplitModel._run): its vkQueueSubmit makes what the other GPU made available
+            # to the host visible to this one. Queued up front instead, waiting on timelines the
+            # relay signals, the partials were read stale on two H200s when a step's segments
+            # went in one submit call (tools/diag_tensor_split.py)
+            chain = SubmitChain(seqs, [[]] * len(seqs), [[self.done]] * len(seqs))
         except BaseException:
             for seq in seqs:
                 seq.close()
@@ -317,9 +337,9 @@ class ShardModel(Model):
 
     def close(self) -> None:
         self.drop_chains()
-        for tl in (getattr(self, "done", None), getattr(self, "go", None)):
-            if tl is not None:
-                tl.close()
+        tl = getattr(self, "done", None)
+        if tl is not None:
+            tl.close()
         super().close()
 
 
@@ -335,9 +355,12 @@ class TensorSplitModel(LanguageModel):
                  partials: str = "f32") -> None:
         self.path = Path(path) if path else default_model_path()
         self.partials = _check_partials(partials)
-        sels = _parse_devices(devices)
+        try:
+            sels = _parse_devices(devices)
+        except VkxError:
+            sels = []
         if len(sels) != WORLD:
-            raise VkxError(f"a tensor split runs over {WORLD} devices, got {len(sels)}",
+            raise VkxError(f"a tensor split runs over {WORLD} devices, got {devices!r}",
                            "give --devices 0,1 (or use the layer split for more devices)")
         self.devices: list[Device] = []
         self.shards: list[ShardModel] = []
@@ -386,7 +409,11 @@ class TensorSplitModel(LanguageModel):
         self._base = 0
 
     def _relay(self) -> Relay:
-        return Relay([s.done for s in self.shards], [s.go for s in self.shards], self.timeout, "tensor-split-relay")
+        from .vk.api import vk
+
+        cpu = any(d.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU for d in self.devices)
+        return Relay([s.done for s in self.shards], self.timeout, "tensor-split-relay",
+                     spin_s=0.0 if cpu else None)  # (a spin would take a core from a CPU device)
 
     @property
     def split(self) -> str:
@@ -399,38 +426,49 @@ class TensorSplitModel(LanguageModel):
                            "with --split-mode row the matrices are split over the GPUs; use --split none")
 
     def _run(self, ids: list[int], all_logits: bool) -> Any:
-        """One step on both GPUs: every segment of both queued up front, one wait per GPU."""
+        """One step on both GPUs: segment 0 of both submitted here, every later one by the relay
+        when both shards finished the one before; one wait per GPU, here."""
         T = len(ids)
         if T > self.ubatch:
             raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
         if self.n_past + T > self.n_ctx:
             raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
                            "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
+        self._drain()
         chains = [s.chain(T, all_logits) for s in self.shards]
         n = len(chains[0].seqs)
         if any(len(c.seqs) != n for c in chains):
             raise VkxError(f"the shards' steps have {[len(c.seqs) for c in chains]} segments")
         base = self._base
         self._base += n
+        relay = self.relays[0]
         t0 = time.perf_counter()
+
+        def segment(j: int) -> Any:
+            def submit() -> None:
+                for c in chains:
+                    c.submit_batch(j, [], [base + j + 1])
+            return submit
+
         try:
             for s in self.shards:
                 s._write_inputs(ids, self.n_past)
-            # both shards' segment j - 1 done (value base + j) -> both shards' go (base + j)
-            self.relays[0].enqueue([base + j for j in range(1, n)])
-            for c in chains:
-                c.submit([[]] + [[base + j] for j in range(1, n)], [[base + j + 1] for j in range(n)])
-            self.last_submit_s = time.perf_counter() - t0  # host time spent queueing the step
+            relay.enqueue([(base + j, segment(j)) for j in range(1, n)])
+            segment(0)()
+            self.last_submit_s = time.perf_counter() - t0  # host time spent queueing (segment 0)
             for s in self.shards:
-                s.done.wait(base + n, self.timeout)
-            for rl in self.relays:
-                rl.check()  # a relay that timed out let a shard run on a stale partial
-        except BaseException:
+                self._wait_done(s, base + n, relay)
+            relay.check()
+        except BaseException as exc:
+            self._pending = [q for c in chains for q in c.seqs]  # (what the failed step submitted)
+            err = relay.error
             self._reset_relays()
+            if err is not None and err is not exc:
+                raise err from exc  # the relay's reason names the shard that did not finish
             raise
         for s in self.shards:
             s.stats["steps"] += 1
-            s.stats["submits"] += 1
+            s.stats["submits"] += n
         self.n_past += T
         isz = 4 if self.partials == "f32" else 2
         self.last_traffic = (n - 1) * T * self.hp.n_embd * isz * WORLD  # each shard's partial, both ways
@@ -438,6 +476,37 @@ class TensorSplitModel(LanguageModel):
         self.traffic["steps"] += 1
         self.traffic["all_reduces"] += n - 1
         return None
+
+    def _wait_done(self, s: ShardModel, value: int, relay: Relay) -> None:
+        """Wait for shard ``s``'s last segment: raises the relay's error as soon as it has one,
+        and times out only after ``timeout`` without progress (a step is many crossings)."""
+        from .errors import WaitTimeout
+        from .vk.event import default_timeout
+
+        timeout = self.timeout if self.timeout is not None else default_timeout()
+        while True:
+            if relay.error is not None:
+                raise relay.error
+            try:
+                s.done.wait(value, 0.05)
+                return
+            except WaitTimeout:
+                if time.monotonic() - relay.progress > timeout:
+                    raise WaitTimeout(f"tensor split: {s.done.name} did not reach {value} within {timeout:g} s "
+                                      f"of the last crossing (it is at {s.done.value}): a GPU's step is stuck",
+                                      "raise VKXSPLIT_TIMEOUT_S if the work is just slow") from None
+
+    def _drain(self) -> None:
+        """Before a step: what a failed step submitted must have finished (it reads the ids,
+        positions and activations the new step writes)."""
+        pending = getattr(self, "_pending", [])
+        for q in pending:
+            try:
+                q.wait(min(5.0, self.timeout or 5.0))
+            except VkxError as exc:
+                raise VkxError(f"tensor split: a segment of a failed step is still running on {q.device.name} "
+                               f"({exc})", "wait for the stuck GPU, or close the model") from None
+        self._pending = []
 
     def _reset_relays(self) -> None:
         """After a failed step: a new relay, so that an error the old one records later (a wait
@@ -458,7 +527,7 @@ class TensorSplitModel(LanguageModel):
         return out
 
     def close(self) -> None:
-        for rl in self.relays:  # signals whatever is pending: no shard stays blocked
+        for rl in self.relays:  # drops what is queued: no later segment is submitted
             rl.close()
         self.relays.clear()
         for s in self.shards:

@@ -302,47 +302,34 @@ class Sequence:
 
 
 class SubmitChain:
-    """Recorded sequences queued by one ``vkQueueSubmit`` (or one call each, ``one_call=False``),
-    one batch each: batch ``j`` waits
+    """Recorded sequences submitted one by one, each with pre-built structs: batch ``j`` waits
     for its points and signals its own (plus the hub timeline, so each sequence's ``wait`` and
-    ``close`` work as after :meth:`Sequence.submit`). The structs are built once for the
-    semaphores given here; :meth:`submit` only changes the values. A tensor-split step
-    (:mod:`vkxsplit.tensor_split`) is one chain per device: its segments between two
-    all-reduces, each waiting for the relay's ``go`` of the one before."""
+    ``close`` work as after :meth:`Sequence.submit`); :meth:`submit_batch` only changes the
+    values. A tensor-split step (:mod:`vkxsplit.tensor_split`) is one chain per device: its
+    segments between two all-reduces, each submitted by the relay thread."""
 
-    def __init__(self, seqs: list[Sequence], waits: list[list[Timeline]], signals: list[list[Timeline]],
-                 one_call: bool = True) -> None:
-        self.one_call = one_call  # False: one vkQueueSubmit per batch (see TensorSplitModel)
+    def __init__(self, seqs: list[Sequence], waits: list[list[Timeline]], signals: list[list[Timeline]]) -> None:
         if not seqs or not (len(seqs) == len(waits) == len(signals)):
             raise VkxError("a submit chain needs one list of waits and one of signals per sequence")
         self.seqs = seqs
         self.device = seqs[0].device
         self.timeline = hub_timeline(self.device)
         self._parts = [_Submit(q, w, [*sg, self.timeline]) for q, w, sg in zip(seqs, waits, signals)]
-        self.infos = ffi.new(f"VkSubmitInfo[{len(seqs)}]")
-        for j, part in enumerate(self._parts):
-            self.infos[j] = part.si[0]
 
-    def submit(self, waits: list[list[int]], signals: list[list[int]]) -> int:
-        """Queue every batch with these wait and signal values; returns the hub timeline value
-        of the last batch."""
-        value = 0
-        for j, (q, part) in enumerate(zip(self.seqs, self._parts)):
-            if q._recording:
-                raise VkxError(f"sequence {q.name} is still recording: end() it before chaining it")
-            for i, v in enumerate(waits[j]):
-                part.wait_vals[i] = v
-            for i, v in enumerate(signals[j]):
-                part.sig_vals[i] = v
-            value = self.timeline.next()
-            part.sig_vals[len(signals[j])] = value
-            q.last_value = value
-            q.submits += 1
-        if self.one_call:
-            self.device.submit(self.infos, len(self.seqs))
-        else:
-            for j in range(len(self.seqs)):
-                self.device.submit(self.infos + j, 1)
+    def submit_batch(self, j: int, waits: list[int], signals: list[int]) -> int:
+        """Queue batch ``j`` (its own ``vkQueueSubmit``); returns its hub timeline value."""
+        q, part = self.seqs[j], self._parts[j]
+        if q._recording:
+            raise VkxError(f"sequence {q.name} is still recording: end() it before chaining it")
+        for i, v in enumerate(waits):
+            part.wait_vals[i] = v
+        for i, v in enumerate(signals):
+            part.sig_vals[i] = v
+        value = self.timeline.next()
+        part.sig_vals[len(signals)] = value
+        self.device.submit(part.si)
+        q.last_value = value
+        q.submits += 1
         return value
 
 
