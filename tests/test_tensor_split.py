@@ -225,18 +225,11 @@ def test_command_line(tiny, tmp_path):
     """``vkxsplit bench --devices 0,0 --split-mode row`` runs the tensor split and reports the
     bytes of both partials of every all-reduce per step; it refuses --layer-split."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, VKXSPLIT_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+    from test_tools import run_tool
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "vkxsplit", *args], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=240)
+        return run_tool(["-m", "vkxsplit", *args], tmp_path)
 
     r = cli("bench", "-m", str(tiny), "--devices", "0,0", "-sm", "row", "-p", "8", "-n", "2", "-r", "1",
             "-c", "32", "--json")

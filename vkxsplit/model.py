@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,32 @@ class LanguageModel:
 
     def _run(self, ids: list[int], all_logits: bool) -> Any:
         raise NotImplementedError
+
+    def _check_step(self, T: int) -> None:
+        """A step of ``T`` tokens fits ``ubatch`` and the context (raises with what to do)."""
+        if T > self.ubatch:
+            raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
+        if self.n_past + T > self.n_ctx:
+            raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
+                           "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
+
+    def _load_tokenizer(self, file: ModelFile) -> None:
+        """The file's tokenizer, or the reason it has none (logits() still works on token ids;
+        text needs a vocabulary)."""
+        self._tokenizer, self._tokenizer_error = None, None
+        try:
+            self._tokenizer = Tokenizer.from_model_file(file)
+        except ModelError as exc:
+            self._tokenizer_error = exc
+
+    @staticmethod
+    def _summed_stats(parts: Iterable[Model]) -> dict[str, int]:
+        """Step counters of a model made of several hubs' Models (stages, shards), summed."""
+        out: dict[str, int] = {}
+        for part in parts:
+            for k, v in part.stats.items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     def _out(self) -> Model:
         raise NotImplementedError
@@ -277,12 +303,7 @@ class Model(LanguageModel):
                            "(and only those)")
         self.link_in, self.link_out = link_in, link_out
         self.slots = max(1, int(slots))
-        self._tokenizer: Tokenizer | None = None
-        self._tokenizer_error: ModelError | None = None
-        try:
-            self._tokenizer = Tokenizer.from_model_file(self.file)
-        except ModelError as exc:  # logits() still works on token ids; text needs a vocabulary
-            self._tokenizer_error = exc
+        self._load_tokenizer(self.file)
         self._own_device = device is None
         self.device = device or Device.open()
         self.n_ctx = int(n_ctx or min(self.hp.n_ctx_train or 2048, 4096))

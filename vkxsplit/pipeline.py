@@ -43,11 +43,10 @@ from typing import Any
 import numpy as np
 
 from .attach import HostBridge, HostMapping, _memfd, host_page_align, import_host_pages
-from .errors import ModelError, VkxError
+from .errors import VkxError
 from .gguf_model import ModelFile, default_model_path
 from .gguf_model import load_model as load_gguf
 from .model import LanguageModel, Model, slot_rows
-from .tokenizer import Tokenizer
 from .vk.device import Device
 from .vk.event import Timeline
 from .vk.memory import Buffer, _align
@@ -155,12 +154,7 @@ class PipelineModel(LanguageModel):
     def _setup(self, sels: list[Any], layer_split: Any, n_ctx: int | None, ubatch: int,
                micro_batches: int | None, progress: Any, timeout: float | None) -> None:
         self.hp = self.file.hparams
-        self._tokenizer: Tokenizer | None = None
-        self._tokenizer_error: ModelError | None = None
-        try:
-            self._tokenizer = Tokenizer.from_model_file(self.file)
-        except ModelError as exc:
-            self._tokenizer_error = exc
+        self._load_tokenizer(self.file)
         if isinstance(layer_split, str):
             layer_split = [s for s in layer_split.replace("/", ",").split(",") if s.strip()]
         self.ranges = layer_ranges(self.hp.n_layer, layer_split or [1] * len(sels))
@@ -225,11 +219,7 @@ class PipelineModel(LanguageModel):
         """Append ``ids`` (at most ubatch) to the context: its micro-batches through every
         stage, all submitted up front; one wait, for the last stage."""
         T = len(ids)
-        if T > self.ubatch:
-            raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
-        if self.n_past + T > self.n_ctx:
-            raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
-                           "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
+        self._check_step(T)
         last = len(self.stages) - 1
         steps: list[list[Any]] = [[] for _ in self.stages]
         try:
@@ -287,11 +277,7 @@ class PipelineModel(LanguageModel):
 
     @property
     def stats(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for st in self.stages:
-            for k, v in st.stats.items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return self._summed_stats(self.stages)
 
     def close(self) -> None:
         for r in self.relays:  # signals whatever is pending: no stage stays blocked on a link

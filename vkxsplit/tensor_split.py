@@ -49,7 +49,6 @@ from .gguf_model import load_model as load_gguf
 from .graph import Graph, Tensor
 from .model import LanguageModel, Model
 from .pipeline import HostLink, _parse_devices
-from .tokenizer import Tokenizer
 from .vk.command import Sequence, SubmitChain
 from .vk.device import Device
 from .vk.event import Timeline
@@ -377,12 +376,7 @@ class TensorSplitModel(LanguageModel):
     def _setup(self, sels: list[Any], n_ctx: int | None, ubatch: int, progress: Any, timeout: float | None) -> None:
         self.hp = self.file.hparams
         shard_hparams(self.hp)  # refuse early, with the reason
-        self._tokenizer: Tokenizer | None = None
-        self._tokenizer_error: ModelError | None = None
-        try:
-            self._tokenizer = Tokenizer.from_model_file(self.file)
-        except ModelError as exc:
-            self._tokenizer_error = exc
+        self._load_tokenizer(self.file)
         self.n_ctx = int(n_ctx or min(self.hp.n_ctx_train or 2048, 4096))
         self.ubatch = max(1, min(int(ubatch), self.n_ctx))
         self.n_past = 0
@@ -429,11 +423,7 @@ class TensorSplitModel(LanguageModel):
         """One step on both GPUs: segment 0 of both submitted here, every later one by the relay
         when both shards finished the one before; one wait per GPU, here."""
         T = len(ids)
-        if T > self.ubatch:
-            raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
-        if self.n_past + T > self.n_ctx:
-            raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
-                           "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
+        self._check_step(T)
         self._drain()
         chains = [s.chain(T, all_logits) for s in self.shards]
         n = len(chains[0].seqs)
@@ -520,11 +510,7 @@ class TensorSplitModel(LanguageModel):
 
     @property
     def stats(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in self.shards:
-            for k, v in s.stats.items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return self._summed_stats(self.shards)
 
     def close(self) -> None:
         for rl in self.relays:  # drops what is queued: no later segment is submitted
