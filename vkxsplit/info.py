@@ -984,14 +984,14 @@ def render_text(r: dict[str, Any]) -> str:
 
     mg = r.get("multi_gpu")
     if mg is not None:
-        L += _heading("Multi-GPU (--devices: the layers split over several hubs)")
+        L += _heading("Multi-GPU (--devices, --split-mode layer or row: one hub per device)")
         ok = [f"GPU{x['index']}" for x in mg["stages"] if x["can_host_stage"]]
         L += _kv("can host a stage", ", ".join(ok) or "none", "")
         for x in mg["stages"]:
             if not x["can_host_stage"]:
                 L += _kv(f"GPU{x['index']}", f"cannot: {x['reason']}", "  ")
         for ln in mg["links"]:
-            what = ("hidden state through host pages, events by a host relay"
+            what = ("hidden state / partial sums through host pages, events by a host relay"
                     + (" (one GPU: two hubs on it)" if ln["same_gpu"] else "")) if ln["memory"] else \
                 f"no link: {ln['reason']}"
             L += _kv(f"GPU{ln['from']} -> GPU{ln['to']}", what, "  ")
