@@ -241,3 +241,43 @@ def test_command_line(tiny, tmp_path):
     assert per == {"pp8": 8 * 256 * 4 * 2 * 6, "tg2": 256 * 4 * 2 * 6}
     r = cli("bench", "-m", str(tiny), "--devices", "0,0", "-sm", "row", "--layer-split", "1,1", "-p", "8", "-n", "0")
     assert r.returncode != 0 and "--split-mode layer" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_close_with_a_stuck_shard_frees_nothing_in_use(tiny, caplog):
+    """Closing right after a failed step whose segment is still queued behind a stuck GPU must
+    not free the memory, timeline, host pages or devices that segment will use: close() logs
+    and leaves them allocated; once the GPU moves on they can be freed in the usual order."""
+    import logging
+
+    from vkxsplit.ops.copy import record_copy
+    from vkxsplit.vk.command import Sequence
+    from vkxsplit.vk.event import Gate
+
+    m = TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.3)
+    dev = m.devices[1]
+    gate = Gate(dev)
+    hold = gate.hold(watchdog_s=30)
+    a, b = dev.memory.alloc(256, "device", "a"), dev.memory.alloc(256, "device", "b")
+    blocker = Sequence(dev, "blocker")
+    record_copy(blocker, a, b, 256)
+    blocker.submit(waits=[hold.point])
+    with pytest.raises(WaitTimeout):
+        m._run([3, 1, 4], all_logits=False)
+    shards, pages, devices = list(m.shards), m.pages, list(m.devices)
+    with caplog.at_level(logging.ERROR, logger="vkxsplit.tensor_split"):
+        m.close()
+    assert "still queued" in caplog.text
+    assert all(d.handle is not None for d in devices) and pages.mapping is not None  # nothing freed
+    hold.release()
+    blocker.wait(30)
+    for d in devices:
+        d.wait_idle()  # the held segment ran (on memory still allocated)
+    blocker.close()
+    a.close()
+    b.close()
+    gate.close()
+    for s in shards:
+        s.close()
+    pages.close()
+    for d in devices:
+        d.close()

@@ -198,7 +198,7 @@ class PipelineModel(LanguageModel):
         ``i``'s step ends."""
         from .vk.api import vk
 
-        cpu = self.devices[i].physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+        cpu = any(d.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU for d in self.devices)
         return HostBridge(self.devices[i + 1], self.link_timelines[i], name=f"pipeline-relay{i}",
                           run=lambda _job: None, timeout=self.timeout,
                           spin_s=0.0 if cpu else self.relay_spin_s)  # (a spin takes a core from a CPU device)

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -122,17 +124,17 @@ class Relay:
     closing barrier) and then calls ``submit()``: the next segment of every shard, whose
     ``vkQueueSubmit`` makes host-available memory visible to that device. A wait that times out
     (or a submit that fails) is recorded (:meth:`check` raises it) and the step's later rounds
-    are dropped, not submitted: a failed step stops where it failed; a failed step replaces the
-    relay (:meth:`TensorSplitModel._run`)."""
+    are dropped: no segment is submitted after the step raised (:meth:`close` joins the thread);
+    a failed step replaces the relay (:meth:`TensorSplitModel._run`)."""
 
     spin_s = 0.5  # spin on the counters this long before blocking waits (0 on CPU devices)
     slice_s = 0.05  # longest single blocking wait, so that close() is heard (0: spin only)
 
     def __init__(self, done: list[Timeline], timeout: float | None, name: str, spin_s: float | None = None) -> None:
         import collections
-        import threading
 
         self.done, self.timeout = done, timeout
+        self.submitting = threading.Lock()  # held while a round submits (see TensorSplitModel._run)
         if spin_s is not None:
             self.spin_s = spin_s
         self._queue: collections.deque[tuple[int, Any]] = collections.deque()
@@ -165,7 +167,8 @@ class Relay:
                 continue  # (a failed step: its later segments are not submitted)
             try:
                 if self._wait_all(v, self.timeout if self.timeout is not None else default_timeout()):
-                    submit()
+                    with self.submitting:
+                        submit()
                     self.rounds += 1
                     self.progress = time.monotonic()
             except BaseException as exc:  # noqa: BLE001 (recorded, raised by check())
@@ -229,7 +232,7 @@ class ShardModel(Model):
         self.partials = _check_partials(partials)
         self._publish, self._peer = publish, peer
         self._n_reduce = 0
-        self._chains: dict[tuple[int, bool], tuple[list[Sequence], SubmitChain]] = {}
+        self._chains: OrderedDict[tuple[int, bool], tuple[list[Sequence], SubmitChain]] = OrderedDict()
         super().__init__(path, **kw)
         try:
             self.done = Timeline(self.device, name=f"tensor-split:done{rank}")
@@ -293,6 +296,7 @@ class ShardModel(Model):
         key = (T, all_logits)
         hit = self._chains.get(key)
         if hit is not None:
+            self._chains.move_to_end(key)
             return hit[1]
         if T > self.ubatch:
             raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
@@ -322,7 +326,7 @@ class ShardModel(Model):
             raise
         self.stats["recordings"] += 1
         while len(self._chains) >= 8:  # prompts of many lengths must not pile up sequences
-            old = self._chains.pop(next(iter(self._chains)))
+            _, old = self._chains.popitem(last=False)  # (the least recently used)
             for seq in old[0]:
                 seq.close()
         self._chains[key] = (seqs, chain)
@@ -448,7 +452,8 @@ class TensorSplitModel(LanguageModel):
             self.last_submit_s = time.perf_counter() - t0  # host time spent queueing (segment 0)
             for s in self.shards:
                 self._wait_done(s, base + n, relay)
-            relay.check()
+            with relay.submitting:  # (the relay is out of its last vkQueueSubmit of the step)
+                relay.check()
         except BaseException as exc:
             self._pending = [q for c in chains for q in c.seqs]  # (what the failed step submitted)
             err = relay.error
@@ -501,9 +506,11 @@ class TensorSplitModel(LanguageModel):
     def _reset_relays(self) -> None:
         """After a failed step: a new relay, so that an error the old one records later (a wait
         of the failed step timing out after the caller gave up) is not the next step's."""
-        for rl in self.relays:
-            rl.close()
-        self.relays = [self._relay()]
+        try:
+            for rl in self.relays:
+                rl.close()
+        finally:
+            self.relays = [self._relay()]
 
     def _out(self) -> Model:
         return self.shards[0]
@@ -516,6 +523,24 @@ class TensorSplitModel(LanguageModel):
         for rl in self.relays:  # drops what is queued: no later segment is submitted
             rl.close()
         self.relays.clear()
+        # every submitted segment must have finished before its memory, its timeline, the host
+        # pages or the device go; one still queued (a stuck GPU) keeps all of it, leaked
+        busy = []
+        for s in self.shards:
+            for seqs, _chain in s._chains.values():
+                for q in seqs:
+                    try:
+                        q.wait(min(5.0, self.timeout or 5.0))
+                    except VkxError:
+                        busy.append(q)
+        if busy:
+            log.error("tensor split closed while %d segments are still queued on %s (a stuck GPU?): its "
+                      "devices, memory and host pages are left allocated", len(busy),
+                      ", ".join(sorted({q.device.name for q in busy})))
+            self.shards.clear()
+            self.devices.clear()
+            self.pages = None
+            return
         for s in self.shards:
             s.close()
         self.shards.clear()

@@ -327,9 +327,9 @@ class SubmitChain:
             part.sig_vals[i] = v
         value = self.timeline.next()
         part.sig_vals[len(signals)] = value
-        self.device.submit(part.si)
-        q.last_value = value
+        q.last_value = value  # (before the call: nothing touches q once the batch is queued)
         q.submits += 1
+        self.device.submit(part.si)
         return value
 
 
