@@ -227,20 +227,13 @@ def test_command_line_and_load_model(synth, tmp_path):
     """``vkxsplit bench --devices 0,0`` runs the pipeline and reports it; options that do not go
     with it are refused with the reason; ``vkxsplit.load_model(devices=...)`` gives a pipeline."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+
+    from test_tools import run_tool
 
     import vkxsplit
 
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, VKXSPLIT_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "vkxsplit", *args], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=240)
+        return run_tool(["-m", "vkxsplit", *args], tmp_path)
 
     path = str(synth[3])
     r = cli("bench", "-m", path, "--devices", "0,0", "--layer-split", "2,1", "-p", "8", "-n", "2", "-r", "1",

@@ -175,48 +175,61 @@ def test_bad_input_is_refused(tiny, tmp_path):
             m.set_split("tensor:1,1")
 
 
+class _HeldQueue:
+    """``dev``'s queue held behind a gate: a copy submitted to wait on it, so every later submit
+    on that queue waits too, until :meth:`release`."""
+
+    def __init__(self, dev):
+        from vkxsplit.ops.copy import record_copy
+        from vkxsplit.vk.command import Sequence
+        from vkxsplit.vk.event import Gate
+
+        self.gate = Gate(dev)
+        self.hold = self.gate.hold(watchdog_s=30)
+        self.bufs = (dev.memory.alloc(256, "device", "a"), dev.memory.alloc(256, "device", "b"))
+        self.blocker = Sequence(dev, "blocker")
+        record_copy(self.blocker, *self.bufs, 256)
+        self.blocker.submit(waits=[self.hold.point])
+
+    def release(self):
+        self.hold.release()
+        self.blocker.wait(30)
+
+    def close(self):
+        self.blocker.close()
+        for b in self.bufs:
+            b.close()
+        self.gate.close()
+
+
 def test_a_stuck_shard_is_reported_not_run_silently(tiny):
     """Shard 1's queue held behind a gate: the relay gives up on shard 1's first segment and the
     step raises its WaitTimeout (naming the timeline that did not get there); the step's later
     segments are never submitted. While shard 1's held segment is pending the model refuses a new
     step (it would overwrite what that segment reads); once the gate opens the next steps run and
     match the reference."""
-    from vkxsplit.ops.copy import record_copy
-    from vkxsplit.vk.command import Sequence
-    from vkxsplit.vk.event import Gate
-
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     other = [7, 7, 2, 9, 1]
     with load_gguf(tiny) as mf:
         want = reference_logits(mf, other)
     with TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.5) as m:
-        dev = m.devices[1]
-        gate = Gate(dev)
-        hold = gate.hold(watchdog_s=30)
-        a, b = dev.memory.alloc(256, "device", "a"), dev.memory.alloc(256, "device", "b")
-        blocker = Sequence(dev, "blocker")
-        record_copy(blocker, a, b, 256)
-        blocker.submit(waits=[hold.point])  # shard 1's step queues behind this
-        submits = [sum(q.submits for q in c.seqs) for c in (s.chain(8, True) for s in m.shards)]
+        held = _HeldQueue(m.devices[1])  # shard 1's step queues behind it
+        submits = [sum(q.submits for q in s.segments(8, True)) for s in m.shards]
         with pytest.raises(WaitTimeout, match="tensor-split:done1 did not reach"):
             m._run(ids, all_logits=True)
         assert m.n_past == 0
-        after = [sum(q.submits for q in c.seqs) for c in (s.chain(8, True) for s in m.shards)]
+        after = [sum(q.submits for q in s.segments(8, True)) for s in m.shards]
         assert [x - y for x, y in zip(after, submits)] == [1, 1]  # segment 0 only, on each shard
         m.timeout = 0.2
         with pytest.raises(VkxError, match="still running"):
             m.logits(other)
-        hold.release()
-        blocker.wait(30)
+        held.release()
         m.timeout = 60.0
         for r in m.relays:
             r.timeout = 60.0
         got = m.logits(other)
         assert np.abs(got - want).max() <= _bound(want)
-        blocker.close()
-        a.close()
-        b.close()
-        gate.close()
+        held.close()
         msgs = [msg for d in m.devices for msg in d.instance.messages]
     assert not msgs, msgs
 
@@ -249,18 +262,8 @@ def test_close_with_a_stuck_shard_frees_nothing_in_use(tiny, caplog):
     and leaves them allocated; once the GPU moves on they can be freed in the usual order."""
     import logging
 
-    from vkxsplit.ops.copy import record_copy
-    from vkxsplit.vk.command import Sequence
-    from vkxsplit.vk.event import Gate
-
     m = TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.3)
-    dev = m.devices[1]
-    gate = Gate(dev)
-    hold = gate.hold(watchdog_s=30)
-    a, b = dev.memory.alloc(256, "device", "a"), dev.memory.alloc(256, "device", "b")
-    blocker = Sequence(dev, "blocker")
-    record_copy(blocker, a, b, 256)
-    blocker.submit(waits=[hold.point])
+    held = _HeldQueue(m.devices[1])
     with pytest.raises(WaitTimeout):
         m._run([3, 1, 4], all_logits=False)
     shards, pages, devices = list(m.shards), m.pages, list(m.devices)
@@ -268,14 +271,10 @@ def test_close_with_a_stuck_shard_frees_nothing_in_use(tiny, caplog):
         m.close()
     assert "still queued" in caplog.text
     assert all(d.handle is not None for d in devices) and pages.mapping is not None  # nothing freed
-    hold.release()
-    blocker.wait(30)
+    held.release()
     for d in devices:
         d.wait_idle()  # the held segment ran (on memory still allocated)
-    blocker.close()
-    a.close()
-    b.close()
-    gate.close()
+    held.close()
     for s in shards:
         s.close()
     pages.close()

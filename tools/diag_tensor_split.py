@@ -51,7 +51,7 @@ def main() -> int:
         print("\n| relay | decode ms/step | host ms submitting | prefill ms | max abs(logits - one hub) |")
         print("|---|---:|---:|---:|---:|")
         with TensorSplitModel(path, devices=a.devices, n_ctx=a.p + 64, ubatch=a.p) as m:
-            for label, spin, sl in (("spin 0.5 s, then block", 0.5, 0.05), ("spin only", 0.0, 0.0),
+            for label, spin, sl in (("spin 0.5 s, then block", 0.5, 0.05), ("spin only", float("inf"), 0.05),
                                     ("block, 0.05 s slices", 0.0, 0.05), ("block, 10 s", 0.0, 10.0)):
                 m.relays[0].spin_s, m.relays[0].slice_s = spin, sl
                 m.reset()

@@ -1168,14 +1168,11 @@ class HostBridge:
 
     def _wait_hub(self, point: Point) -> bool:
         tl, value = point
-        start = time.monotonic()
-        deadline = start + self.timeout
+        deadline = time.monotonic() + self.timeout
         self.stats.add("bridge_waits")
         if self.spin_s > 0:  # (a relay between GPUs: a blocking wait returns late on the H200)
             try:
-                spin = min(self.spin_s, self.timeout)
-                while tl.value < value and not self._closing and time.monotonic() - start < spin:
-                    pass
+                tl.spin(value, min(self.spin_s, self.timeout), lambda: self._closing)
             except VkxError:
                 pass  # (the blocking wait below reports it)
         while True:

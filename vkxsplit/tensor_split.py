@@ -17,8 +17,8 @@ Reading order:
   GPU. ``a + b`` and ``b + a`` are the same float, so both shards keep bit-identical hidden
   states (with ``partials="f16"`` both add the same two f16-rounded partials). Two slots per shard, by parity of the all-reduce: a shard can be at most one
   all-reduce ahead of the other's reads.
-- **Events.** A step is ``2 n_layer + 1`` segments per GPU (:class:`~vkxsplit.vk.command.
-  SubmitChain`, recorded once per step shape). Segment ``j`` signals the shard's ``done``
+- **Events.** A step is ``2 n_layer + 1`` segments per GPU (:meth:`ShardModel.segments`,
+  each recorded once per step shape). Segment ``j`` signals the shard's ``done``
   timeline; a relay thread (:class:`Relay`) waits until both shards' ``done`` reached it and
   submits both shards' segment ``j + 1``: its ``vkQueueSubmit`` is what makes the other GPU's
   partial (made available to the host by the barrier that closes its segment) visible to this
@@ -51,7 +51,7 @@ from .gguf_model import load_model as load_gguf
 from .graph import Graph, Tensor
 from .model import LanguageModel, Model
 from .pipeline import HostLink, _parse_devices
-from .vk.command import Sequence, SubmitChain
+from .vk.command import Sequence
 from .vk.device import Device
 from .vk.event import Timeline
 from .vk.kernel import View
@@ -128,7 +128,7 @@ class Relay:
     a failed step replaces the relay (:meth:`TensorSplitModel._run`)."""
 
     spin_s = 0.5  # spin on the counters this long before blocking waits (0 on CPU devices)
-    slice_s = 0.05  # longest single blocking wait, so that close() is heard (0: spin only)
+    slice_s = 0.05  # longest single blocking wait, so that close() is heard
 
     def __init__(self, done: list[Timeline], timeout: float | None, name: str, spin_s: float | None = None) -> None:
         import collections
@@ -175,25 +175,14 @@ class Relay:
                 self.error = exc
 
     def _wait_all(self, v: int, timeout: float) -> bool:
-        """Every ``done`` at ``v`` (False: closed meanwhile): spinning, then blocking waits in
-        slices so that :meth:`close` is heard."""
+        """Every ``done`` at ``v`` (False: closed meanwhile): spinning (:meth:`Timeline.spin`),
+        then blocking waits in slices so that :meth:`close` is heard."""
         from .errors import WaitTimeout
 
         start = time.monotonic()
         deadline = start + timeout
-        spin_end = start + min(self.spin_s, timeout)
         for tl in self.done:
-            # spin on the counter first: on the H200 a blocking vkWaitSemaphores took ~1.3 ms
-            # per all-reduce to return, spinning ~0.2 ms (tools/diag_tensor_split.py); a long
-            # wait (a slow or dead peer) then blocks in slices
-            while tl.value < v and not self._closed and time.monotonic() < spin_end:
-                pass
-            if self.slice_s == 0:  # spin only (diagnostics)
-                while tl.value < v and not self._closed:
-                    if time.monotonic() > deadline:
-                        raise WaitTimeout(f"tensor split: {tl.name} did not reach {v} within {timeout:g} s")
-                if self._closed:
-                    return False
+            if tl.spin(v, max(0.0, min(self.spin_s, deadline - time.monotonic())), lambda: self._closed):
                 continue
             while True:
                 left = deadline - time.monotonic()
@@ -232,7 +221,7 @@ class ShardModel(Model):
         self.partials = _check_partials(partials)
         self._publish, self._peer = publish, peer
         self._n_reduce = 0
-        self._chains: OrderedDict[tuple[int, bool], tuple[list[Sequence], SubmitChain]] = OrderedDict()
+        self._steps: OrderedDict[tuple[int, bool], list[Sequence]] = OrderedDict()
         super().__init__(path, **kw)
         try:
             self.done = Timeline(self.device, name=f"tensor-split:done{rank}")
@@ -291,13 +280,18 @@ class ShardModel(Model):
         g.add("link_rendezvous", name + "_rendezvous", [pub], pub)  # (a segment boundary, no kernel)
         return g.add("link_sum", name + "_sum", [own, peer], o)
 
-    def chain(self, T: int, all_logits: bool) -> SubmitChain:
-        """The step of ``T`` tokens as segments (recorded once) and the chain that queues them."""
+    def segments(self, T: int, all_logits: bool) -> list[Sequence]:
+        """The step of ``T`` tokens as segments between its all-reduces, each recorded once.
+        Each is submitted by the relay once both shards' previous segment is done
+        (TensorSplitModel._run): its vkQueueSubmit makes what the other GPU made available to
+        the host visible to this one. Queued up front instead, waiting on timelines the relay
+        signalled, the partials were read stale on two H200s when a step's segments went in one
+        submit call (tools/diag_tensor_split.py)."""
         key = (T, all_logits)
-        hit = self._chains.get(key)
+        hit = self._steps.get(key)
         if hit is not None:
-            self._chains.move_to_end(key)
-            return hit[1]
+            self._steps.move_to_end(key)
+            return hit
         if T > self.ubatch:
             raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
         g = self._build_graph(T, all_logits)
@@ -314,32 +308,23 @@ class ShardModel(Model):
                 seqs.append(seq)
                 record_graph(seq, piece)
                 seq.end()
-            # each segment is submitted by the relay once both shards' previous segment is done
-            # (TensorSplitModel._run): its vkQueueSubmit makes what the other GPU made available
-            # to the host visible to this one. Queued up front instead, waiting on timelines the
-            # relay signals, the partials were read stale on two H200s when a step's segments
-            # went in one submit call (tools/diag_tensor_split.py)
-            chain = SubmitChain(seqs, [[]] * len(seqs), [[self.done]] * len(seqs))
         except BaseException:
             for seq in seqs:
                 seq.close()
             raise
         self.stats["recordings"] += 1
-        while len(self._chains) >= 8:  # prompts of many lengths must not pile up sequences
-            _, old = self._chains.popitem(last=False)  # (the least recently used)
-            for seq in old[0]:
+        while len(self._steps) >= 8:  # prompts of many lengths must not pile up sequences
+            _, old = self._steps.popitem(last=False)  # (the least recently used)
+            for seq in old:
                 seq.close()
-        self._chains[key] = (seqs, chain)
-        return chain
-
-    def drop_chains(self) -> None:
-        for seqs, _chain in self._chains.values():
-            for seq in seqs:
-                seq.close()  # (waits, bounded, for its last submission)
-        self._chains.clear()
+        self._steps[key] = seqs
+        return seqs
 
     def close(self) -> None:
-        self.drop_chains()
+        for seqs in self._steps.values():
+            for seq in seqs:
+                seq.close()  # (waits, bounded, for its last submission)
+        self._steps.clear()
         tl = getattr(self, "done", None)
         if tl is not None:
             tl.close()
@@ -405,6 +390,7 @@ class TensorSplitModel(LanguageModel):
         self.weight_bytes = sum(s.weight_bytes for s in self.shards)
         self.load_seconds = time.perf_counter() - t0
         self._base = 0
+        self._pending: list[Sequence] = []  # what a failed step submitted (see _drain)
 
     def _relay(self) -> Relay:
         from .vk.api import vk
@@ -429,10 +415,10 @@ class TensorSplitModel(LanguageModel):
         T = len(ids)
         self._check_step(T)
         self._drain()
-        chains = [s.chain(T, all_logits) for s in self.shards]
-        n = len(chains[0].seqs)
-        if any(len(c.seqs) != n for c in chains):
-            raise VkxError(f"the shards' steps have {[len(c.seqs) for c in chains]} segments")
+        segs = [s.segments(T, all_logits) for s in self.shards]
+        n = len(segs[0])
+        if any(len(q) != n for q in segs):
+            raise VkxError(f"the shards' steps have {[len(q) for q in segs]} segments")
         base = self._base
         self._base += n
         relay = self.relays[0]
@@ -440,8 +426,8 @@ class TensorSplitModel(LanguageModel):
 
         def segment(j: int) -> Any:
             def submit() -> None:
-                for c in chains:
-                    c.submit_batch(j, [], [base + j + 1])
+                for s, q in zip(self.shards, segs):
+                    q[j].submit(signals=[(s.done, base + j + 1)])
             return submit
 
         try:
@@ -455,7 +441,7 @@ class TensorSplitModel(LanguageModel):
             with relay.submitting:  # (the relay is out of its last vkQueueSubmit of the step)
                 relay.check()
         except BaseException as exc:
-            self._pending = [q for c in chains for q in c.seqs]  # (what the failed step submitted)
+            self._pending = [q for qs in segs for q in qs]  # (what the failed step submitted)
             err = relay.error
             self._reset_relays()
             if err is not None and err is not exc:
@@ -494,8 +480,7 @@ class TensorSplitModel(LanguageModel):
     def _drain(self) -> None:
         """Before a step: what a failed step submitted must have finished (it reads the ids,
         positions and activations the new step writes)."""
-        pending = getattr(self, "_pending", [])
-        for q in pending:
+        for q in self._pending:
             try:
                 q.wait(min(5.0, self.timeout or 5.0))
             except VkxError as exc:
@@ -527,7 +512,7 @@ class TensorSplitModel(LanguageModel):
         # pages or the device go; one still queued (a stuck GPU) keeps all of it, leaked
         busy = []
         for s in self.shards:
-            for seqs, _chain in s._chains.values():
+            for seqs in s._steps.values():
                 for q in seqs:
                     try:
                         q.wait(min(5.0, self.timeout or 5.0))

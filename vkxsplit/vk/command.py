@@ -301,38 +301,6 @@ class Sequence:
         self.device.disown(self)
 
 
-class SubmitChain:
-    """Recorded sequences submitted one by one, each with pre-built structs: batch ``j`` waits
-    for its points and signals its own (plus the hub timeline, so each sequence's ``wait`` and
-    ``close`` work as after :meth:`Sequence.submit`); :meth:`submit_batch` only changes the
-    values. A tensor-split step (:mod:`vkxsplit.tensor_split`) is one chain per device: its
-    segments between two all-reduces, each submitted by the relay thread."""
-
-    def __init__(self, seqs: list[Sequence], waits: list[list[Timeline]], signals: list[list[Timeline]]) -> None:
-        if not seqs or not (len(seqs) == len(waits) == len(signals)):
-            raise VkxError("a submit chain needs one list of waits and one of signals per sequence")
-        self.seqs = seqs
-        self.device = seqs[0].device
-        self.timeline = hub_timeline(self.device)
-        self._parts = [_Submit(q, w, [*sg, self.timeline]) for q, w, sg in zip(seqs, waits, signals)]
-
-    def submit_batch(self, j: int, waits: list[int], signals: list[int]) -> int:
-        """Queue batch ``j`` (its own ``vkQueueSubmit``); returns its hub timeline value."""
-        q, part = self.seqs[j], self._parts[j]
-        if q._recording:
-            raise VkxError(f"sequence {q.name} is still recording: end() it before chaining it")
-        for i, v in enumerate(waits):
-            part.wait_vals[i] = v
-        for i, v in enumerate(signals):
-            part.sig_vals[i] = v
-        value = self.timeline.next()
-        part.sig_vals[len(signals)] = value
-        q.last_value = value  # (before the call: nothing touches q once the batch is queued)
-        q.submits += 1
-        self.device.submit(part.si)
-        return value
-
-
 def staged_upload(dst: Any, data: np.ndarray, offset: int = 0) -> None:
     """Copy host bytes into a device-only buffer through a host-visible staging buffer."""
     dev = dst.device
