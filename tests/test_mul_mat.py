@@ -534,12 +534,12 @@ def test_coopmat_split_k_stores_straight_only_with_aligned_partials(device, bufs
 def test_splitk_scratch_grows_geometrically(device):
     """Needs growing by 1 MiB at a time (prompts of every length up to 128 tokens) allocate a
     few doubling buffers, not one per size; all of them stay under 4x the largest need."""
-    sc_cls = mm._SplitkScratch
+    sc_cls = mm._Scratch
     before = device.memory.allocated_bytes
     try:
         sizes = [(i + 1) << 20 for i in range(40)]
         for n in sizes:
-            assert sc_cls.get(device, n).size >= n
+            assert sc_cls.get(device, "splitk", n).size >= n
         sc = device.__dict__["_splitk_scratch"]
         assert len(sc.buffers) <= 7
         assert sum(b.size for b in sc.buffers) <= 4 * sizes[-1]

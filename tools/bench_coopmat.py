@@ -51,10 +51,27 @@ TYPES = ["f16", "q4_0", "q8_0", "q4_k", "q6_k"]
 SCALES = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q6_k": [208]}
 
 
+CM2 = False  # --cm2: the mul_mat_cm2 variants (VK_NV_cooperative_matrix2) instead
+
+
+def default_variant(t: str, emulate: bool) -> str:
+    return mm.cm2_variant_name(t) if CM2 else mm.coop_variant_name(t, emulate=emulate)
+
+
 def variants(t: str, emulate: bool) -> list[str]:
-    base = mm.coop_variant_name(t, emulate=emulate)
-    names = [n for n in mm.COOP_VARIANT_TILES if n == base or n.startswith(base + "_")]
+    base = default_variant(t, emulate)
+    if CM2:
+        names = [n for n in mm.CM2_VARIANT_TILES if n.startswith(f"mul_mat_cm2_{t}_f32_")]
+    else:
+        names = [n for n in mm.COOP_VARIANT_TILES if n == base or n.startswith(base + "_")]
     return sorted(names, key=lambda n: (n != base, n))
+
+
+def auto_split(tile: object, M: int, n: int, k: int) -> int:
+    """K elements per split the product's own rule gives ``tile`` (0: none)."""
+    if CM2:
+        return mm._wave_cost(tile, M, n, k, mm.CM2_WAVE, mm.CM2_TILE_EFF.get(tile.name, 1.0), False)[1]
+    return mm.coop_k_split(tile, M, n, k)
 
 
 def make_weights(rng: np.random.Generator, t: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -131,7 +148,12 @@ def main() -> int:
                          "and/or counts (1: unsplit, 2, 4, ...)")
     ap.add_argument("--tiles", default=None, help="comma-separated tile names (t128x128_k32_w64x64, ...) to time; "
                                                   "default: every tile of the type")
+    ap.add_argument("--cm2", action="store_true",
+                    help="the VK_NV_cooperative_matrix2 kernels (mul_mat_cm2_*: x converted to f16 first, "
+                         "timed with the conversion) instead of mul_mat_coopmat")
     args = ap.parse_args()
+    global CM2
+    CM2 = args.cm2
     types = [t for t in args.types.split(",") if t]
     splits = [sp for sp in args.splits.split(",") if sp]
     if not splits or any(sp != "auto" and not (sp.isdigit() and int(sp) >= 1) for sp in splits):
@@ -142,8 +164,19 @@ def main() -> int:
     t_start = time.perf_counter()
     dev = Device.open()
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
-    real = mm.coopmat_available(dev)
-    print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), coopmat={real}\n")
+    real = mm.coopmat2_available(dev) if CM2 else mm.coopmat_available(dev)
+    print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), "
+          f"{'coopmat2' if CM2 else 'coopmat'}={real}\n")
+    if CM2:
+        print(f"VK_NV_cooperative_matrix2 properties: {dev.physical.coopmat2}")
+        for f in dev.physical.coopmat2_flex:
+            print(f"  flexible: granularity {f.m_granularity}x{f.n_granularity}x{f.k_granularity} "
+                  f"types A{f.a_type} B{f.b_type} C{f.c_type} R{f.result_type} scope {f.scope} "
+                  f"invocations {f.workgroup_invocations}")
+        print()
+        if not real:
+            print("this device cannot run mul_mat_cm2", file=sys.stderr)
+            return 2
     if not real and not args.quick:
         print("this device has no usable cooperative matrices; use --quick for the emulated smoke run",
               file=sys.stderr)
@@ -157,7 +190,7 @@ def main() -> int:
     print("| type | variant | result | detail |\n|---|---|---|---|")
     failed = 0
     for t in types:
-        base = mm.coop_variant_name(t, emulate=emulate)
+        base = default_variant(t, emulate)
         for name, ks in [*((n, 0) for n in variants(t, emulate)), (base, 4 * mm.COOP_VARIANT_TILES[base].bk)]:
             try:
                 ok, detail = check_variant(dev, rng, t, name, ks)
@@ -203,7 +236,7 @@ def main() -> int:
             x.write((rng.standard_normal(M * k) * 0.01).astype(np.float32))
             y = dev.memory.alloc(M * n * 4, "device", "y")
             flop = 2.0 * M * n * k
-            default = mm.coop_variant_name(t, emulate=emulate)
+            default = default_variant(t, emulate)
             runs: list[tuple[str, str]] = [(v, sp) for v in variants(t, emulate)
                                            if tiles is None or mm.COOP_VARIANT_TILES[v].name in tiles
                                            for sp in splits]
@@ -223,7 +256,8 @@ def main() -> int:
                     kw = {"path": "coopmat", "coop_variant": default, "k_split": 0}
                 else:
                     kw = {"path": "coopmat", "coop_variant": name}
-                cname, cks = mm.coop_choose(t, M, n, k, dev) if name == "chosen" else (name, 0)
+                chooser = mm.cm2_choose if CM2 or mm.coopmat2_available(dev) else mm.coop_choose
+                cname, cks = chooser(t, M, n, k, dev) if name == "chosen" else (name, 0)
                 ctile = mm.COOP_VARIANT_TILES[default if name == "no-split" else cname] if name != "tiled" else None
                 tile = "64x64 f32" if ctile is None else ctile.name
                 bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
@@ -241,7 +275,8 @@ def main() -> int:
                         tile += f" split K {-(-k // chunk)}x{chunk}"
                         groups *= -(-k // chunk)
                 elif ctile is not None and name != "no-split" and not emulate and not mm.splitk_disabled():
-                    ks = mm.coop_k_split(ctile, M, n, k)
+                    ks = auto_split(ctile, M, n, k)
+                    kw["k_split"] = ks
                     if ks:
                         tile += f" split K {-(-k // ks)}x{ks}"
                         groups *= -(-k // ks)
@@ -264,7 +299,7 @@ def main() -> int:
     print("\n## fastest coopmat variant per type and shape\n")
     print("| type | M | N x K | fastest | TFLOP/s | default TFLOP/s |\n|---|---:|---|---|---:|---:|")
     for (t, M, n, k), (tf, name) in best.items():
-        base = mm.coop_variant_name(t, emulate=emulate)
+        base = default_variant(t, emulate)
         dflt = per_variant.get((t, base)) or per_variant.get((t, f"{base} /1"), [])
         d = dflt[shapes[t].index((M, n, k))] if len(dflt) == len(shapes[t]) else float("nan")
         print(f"| {t} | {M} | {n}x{k} | {name} | {tf:.3g} | {d:.3g} |")

@@ -2,8 +2,8 @@
 # Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
-# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS)
+#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
+# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS)
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
 . .device/on-device.sh || exit 1
@@ -55,6 +55,13 @@ for w in $what; do
     cuda-tests)
       VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 200 python3 -m pytest -q -ra -p no:cacheprovider \
         -o addopts="" tests/test_backends.py tests/test_model.py -k "cuda or integer_dot" 2>&1 | tee "$OUT/tests_cuda.log" | tail -15 ;;
+    cm2-tests)
+      # the VK_NV_cooperative_matrix2 kernels, and the coopmat tests that now take them
+      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 300 python3 -m pytest -q -ra -p no:cacheprovider \
+        -o addopts="" tests/test_mul_mat_cm2.py tests/test_mul_mat.py -k "cm2 or coopmat" 2>&1 | tee "$OUT/tests_cm2.log" | tail -25 ;;
+    cm2)
+      # sweep of the mul_mat_cm2 tilings and splits (env CM2_ARGS for tools/bench_coopmat.py --cm2)
+      timeout 400 python3 tools/bench_coopmat.py --cm2 ${CM2_ARGS:-} 2>&1 | tee "$OUT/bench_cm2.md" ;;
     mulmat-tests)
       VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 300 python3 -m pytest -q -ra -p no:cacheprovider \
         -o addopts="" tests/test_mul_mat.py 2>&1 | tee "$OUT/tests_mul_mat.log" | tail -15 ;;

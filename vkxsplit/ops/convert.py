@@ -22,7 +22,15 @@ VARIANTS = [
             bindings=2, writes=(1,), push="III", local_size=(WG, 1, 1),
             requires=("storageBuffer16BitAccess",))
     for s in DTYPES for d in DTYPES
+] + [
+    # strided rows to compact ones (the f16 activations of mul_mat_cm2)
+    Variant(name="convert_rows_f32_f16", source="convert.comp",
+            defines={"SRC_TYPE": "0", "DST_TYPE": "1", "ROWS": "1"},
+            bindings=2, writes=(1,), push="IIII", local_size=(WG, 1, 1),
+            requires=("storageBuffer16BitAccess",))
 ]
+#: most workgroups per row of convert_rows (each loops over the row's remaining elements)
+ROW_GROUPS = 16
 
 
 def itemsize(dtype: str) -> int:
@@ -45,3 +53,21 @@ def record_convert(seq: Sequence, src: Bindable, dst: Bindable, n: int, src_type
     k = Kernel.get(seq.device, f"convert_{src_type}_{dst_type}")
     groups = min(MAX_GROUPS, (n + WG - 1) // WG)
     seq.dispatch(k, [src, dst], (n, src_offset, dst_offset), groups)
+
+
+def record_convert_rows(seq: Sequence, src: Bindable, dst: Bindable, rows: int, n: int, src_stride: int,
+                        src_offset: int = 0, dst_offset: int = 0) -> None:
+    """Record ``dst[dst_offset + r*n + i] = f16(src[src_offset + r*src_stride + i])`` for r <
+    ``rows``, i < ``n`` (f32 to f16, offsets and stride in elements): strided rows to compact."""
+    _, _, sbytes, _ = as_range(src)
+    _, _, dbytes, _ = as_range(dst)
+    if rows == 0 or n == 0:
+        return
+    if (src_offset + (rows - 1) * src_stride + n) * 4 > sbytes or (dst_offset + rows * n) * 2 > dbytes:
+        raise KernelError(f"convert_rows_f32_f16: {rows} rows of {n} (stride {src_stride}) do not fit "
+                          f"the buffers ({sbytes} and {dbytes} bytes)")
+    if rows > 65535:
+        raise KernelError(f"convert_rows_f32_f16: {rows} rows exceed one dispatch (65535)")
+    k = Kernel.get(seq.device, "convert_rows_f32_f16")
+    seq.dispatch(k, [src, dst], (n, src_offset, dst_offset, src_stride),
+                 (min(ROW_GROUPS, (n + WG - 1) // WG), rows, 1))

@@ -13,7 +13,11 @@ row-major with arbitrary row strides (in elements). Three kernel families
   blocking, W dequantized in the tile loader; f32 throughout.
 - ``coopmat`` (``mul_mat_coopmat_<type>_f32``), any M: GL_KHR_cooperative_matrix 16x16x16
   with f16 operands and f32 accumulation; used for M > 8 when the device has it (and
-  ``VKXSPLIT_DISABLE_COOPMAT`` is not set).
+  ``VKXSPLIT_DISABLE_COOPMAT`` is not set). Where the device also has VK_NV_cooperative_matrix2
+  the same path runs ``mul_mat_cm2_<type>_f32_<tile>`` (``shaders/mul_mat_cm2.comp``:
+  workgroup-scope matrices staged by the driver, weights decoded per element by
+  ``shaders/cm2_decode.glsl``) on x converted to f16 first (``convert_rows_f32_f16``);
+  ``VKXSPLIT_DISABLE_COOPMAT2=1`` keeps the subgroup-scope kernel.
 
 A tensor split computes only output rows ``[r0, r0 + N)``: pass ``w_row_offset=r0`` (and
 the full tensor as ``w``); results go to y columns ``y_col_offset + n`` (default ``r0``).
@@ -28,6 +32,7 @@ from ..errors import KernelError
 from ..shaders import Variant
 from ..vk.instance import env_flag
 from ..vk.kernel import Bindable, Kernel, as_range
+from .convert import record_convert_rows
 from .quant import TYPES, TypeLike, WeightType, weight_type
 
 if TYPE_CHECKING:
@@ -573,6 +578,74 @@ def _coop_variants() -> tuple[list[Variant], dict[str, CoopTile]]:
 
 _COOP_VARIANTS, COOP_VARIANT_TILES = _coop_variants()
 
+
+@dataclass(frozen=True)
+class Cm2Tile:
+    """A mul_mat_cm2.comp tiling: BW rows of W x BX rows of x per workgroup (the
+    workgroup-scope accumulator is BW x BX), BK the K slice per step, ``threads`` invocations.
+    ``bm`` / ``bn`` (rows of x / of W) give it CoopTile's grid and cost-model interface."""
+
+    bw: int
+    bx: int
+    bk: int
+    threads: int = 256
+
+    @property
+    def name(self) -> str:
+        return f"w{self.bw}x{self.bx}_k{self.bk}_n{self.threads}"
+
+    @property
+    def bm(self) -> int:
+        return self.bx
+
+    @property
+    def bn(self) -> int:
+        return self.bw
+
+    def defines(self) -> dict[str, str]:
+        return {"BW": str(self.bw), "BX": str(self.bx), "BK": str(self.bk), "NT": str(self.threads)}
+
+
+#: mul_mat_cm2 tilings: every one for CM2_SWEEP_TYPES (tools/bench_coopmat.py --cm2), the
+#: default (CM2_DEFAULT) for every type
+CM2_TILES = {t.name: t for t in (
+    Cm2Tile(128, 256, 64),   # llama.cpp's large coopmat2 tile: 128 weight rows x 256 tokens
+    Cm2Tile(128, 128, 64),
+    Cm2Tile(256, 128, 64),
+    Cm2Tile(128, 128, 32),
+    Cm2Tile(64, 128, 64, 128),
+    Cm2Tile(64, 64, 64, 128),
+)}
+CM2_DEFAULT = "w128x128_k64_n256"
+CM2_SWEEP_TYPES = COOP_SWEEP_TYPES
+_CM2_REQUIRES = ("cooperativeMatrix", "cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
+                 "cooperativeMatrixTensorAddressing", "cooperativeMatrixBlockLoads", "bufferDeviceAddress",
+                 "shaderFloat16", "vulkanMemoryModel", *_STORAGE)
+
+
+def cm2_variant_name(t: str, tile: str = CM2_DEFAULT) -> str:
+    """mul_mat_cm2_<type>_f32_<tile>."""
+    return f"mul_mat_cm2_{t}_f32_{tile}"
+
+
+def _cm2_variants() -> tuple[list[Variant], dict[str, Cm2Tile]]:
+    out: list[Variant] = []
+    tiles: dict[str, Cm2Tile] = {}
+    for t, wt in TYPES.items():
+        for key, tile in CM2_TILES.items():
+            if key != CM2_DEFAULT and t not in CM2_SWEEP_TYPES:
+                continue
+            name = cm2_variant_name(t, key)
+            out.append(Variant(name=name, source="mul_mat_cm2.comp", defines={"WTYPE": str(wt.id), **tile.defines()},
+                               bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
+                               target_env="vulkan1.3", compiler="glslang15", requires=_CM2_REQUIRES))
+            tiles[name] = tile
+    return out, tiles
+
+
+_CM2_VARIANTS, CM2_VARIANT_TILES = _cm2_variants()
+COOP_VARIANT_TILES.update(CM2_VARIANT_TILES)  # type: ignore[arg-type]  # grid and cost interface
+
 VARIANTS = (
     [_vec_variant(vec_kernel_name(t, mm), wt, VEC_CONFIG[t], mm) for t, wt in TYPES.items() for mm in VEC_MAXM]
     + [_vec_variant(name, TYPES[t], cfg, 1) for name, (t, cfg) in VEC_SWEEP.items()]
@@ -587,6 +660,7 @@ VARIANTS = (
                bindings=3, writes=(2,), push=PUSH, local_size=(256, 1, 1), requires=_STORAGE)
        for t, wt in TYPES.items()]
     + _COOP_VARIANTS
+    + _CM2_VARIANTS
     + [Variant(name="reduce_splitk_f32", source="reduce_splitk.comp", bindings=2, writes=(1,), push="I" * 6,
                local_size=(256, 1, 1))]
 )
@@ -643,9 +717,7 @@ def coop_cost(tile: CoopTile, M: int, N: int, K: int, splits: int) -> float | No
 def _best_split(tile: CoopTile, M: int, N: int, K: int) -> tuple[float, int]:
     """(modelled cost, K elements per split or 0) of the count of SPLITK_COUNTS with the least
     coop_cost (ties: fewer splits; one range is always allowed)."""
-    cost, n = min((c, n) for n in SPLITK_COUNTS if (c := coop_cost(tile, M, N, K, n)) is not None)
-    chunk = split_chunk(K, n, tile.bk)
-    return cost, chunk if n > 1 and chunk < K else 0
+    return _wave_cost(tile, M, N, K, COOP_WAVE, COOP_TILE_EFF.get(tile.name, 1.0), False)
 
 
 def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
@@ -700,40 +772,87 @@ def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) ->
     return coop_variant_name(t, None if key == COOP_CONFIG[t] else key), ks
 
 
-class _SplitkScratch:
-    """The device's buffer for split-K partial products, shared by every dispatch recorded on
-    it (they run in queue order; each reduce reads its partials before the next product writes
-    them: the sequences' hazard barriers, the begin barrier between submissions). Grows by
-    replacement, at least doubling (a model that meets M = 9, 10, ... 128 allocates a few
-    buffers, not one per M); buffers a recorded sequence may still bind stay until the device
-    closes, so all of them together stay under 4x the largest need (partials of one dispatch:
-    at most SPLITK_MAX_SCRATCH when ``coop_k_split`` chose the split)."""
+#: mul_mat_cm2 workgroups the H200 runs at once, and tilings cm2_choose weighs per type
+#: (fitted to tools/bench_coopmat.py --cm2, docs/PERFORMANCE.md)
+CM2_WAVE = 132
+CM2_CHOICES: dict[str, tuple[str, ...]] = {t: (CM2_DEFAULT,) for t in TYPES}
+CM2_TILE_EFF: dict[str, float] = {}
 
-    def __init__(self, device: Device) -> None:
+
+def cm2_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> tuple[str, int]:
+    """(variant, K elements per split) of a mul_mat_cm2 product of weight type ``t``: the
+    tiling of CM2_CHOICES[t] and split with the least modelled time (coop_cost's waves, with
+    CM2_WAVE workgroups at once and CM2_TILE_EFF); ties: the earlier tiling, fewer splits. No
+    split with VKXSPLIT_DISABLE_SPLITK; only CM2_DEFAULT with VKXSPLIT_DISABLE_COOP_SHAPES."""
+    keys = (CM2_DEFAULT,) if coop_shapes_disabled() else CM2_CHOICES[t]
+    if device is not None:
+        keys = tuple(k for k in keys if k == CM2_DEFAULT or cm2_tile_supported(device, CM2_TILES[k]))
+    best: tuple[float, str, int] | None = None
+    for key in keys:
+        tile = CM2_TILES[key]
+        cost, ks = _wave_cost(tile, M, N, K, CM2_WAVE, CM2_TILE_EFF.get(key, 1.0), splitk_disabled())
+        if best is None or cost < best[0]:
+            best = (cost, key, ks)
+    assert best is not None
+    return cm2_variant_name(t, best[1]), best[2]
+
+
+def _wave_cost(tile: Any, M: int, N: int, K: int, wave: int, eff: float, nosplit: bool) -> tuple[float, int]:
+    """(modelled time, K elements per split or 0) of the best split of SPLITK_COUNTS for
+    ``tile`` (only one range when ``nosplit``): waves of ``wave`` workgroups, each wave as
+    long as one workgroup's BM x BN x K-range work / ``eff``, plus SPLITK_FIXED_K per split."""
+    best: tuple[float, int] | None = None
+    for n in (1,) if nosplit else SPLITK_COUNTS:
+        chunk = split_chunk(K, n, tile.bk)
+        used = -(-K // max(chunk, 1))
+        if used > 1 and (chunk < SPLITK_MIN_K or 4 * M * N * used > SPLITK_MAX_SCRATCH):
+            continue
+        groups = -(-M // tile.bm) * -(-N // tile.bn) * used
+        work = chunk / eff + (SPLITK_FIXED_K if used > 1 else 0)
+        cost = -(-groups // wave) * tile.bm * tile.bn * work
+        if best is None or cost < best[0]:
+            best = (cost, chunk if used > 1 and chunk < K else 0)
+    assert best is not None
+    return best
+
+
+class _Scratch:
+    """A device's buffer for one kind of intermediate (``splitk``: split-K partial products;
+    ``xh``: the f16 copy of x that mul_mat_cm2 reads), shared by every dispatch recorded on it
+    (they run in queue order; each consumer reads before the next product writes: the
+    sequences' hazard barriers, the begin barrier between submissions). Grows by replacement,
+    at least doubling (a model that meets M = 9, 10, ... 128 allocates a few buffers, not one
+    per M); buffers a recorded sequence may still bind stay until the device closes, so all of
+    them together stay under 4x the largest need (partials of one dispatch: at most
+    SPLITK_MAX_SCRATCH when ``coop_k_split`` chose the split)."""
+
+    def __init__(self, device: Device, kind: str) -> None:
         self.device = device
+        self.kind = kind
         self.buffers: list[Any] = []
         device.adopt(self)
 
     @classmethod
-    def get(cls, device: Device, nbytes: int) -> Any:
-        sc = device.__dict__.get("_splitk_scratch")
+    def get(cls, device: Device, kind: str, nbytes: int) -> Any:
+        key = f"_{kind}_scratch"
+        sc = device.__dict__.get(key)
         if sc is None:
-            sc = device.__dict__["_splitk_scratch"] = cls(device)
+            sc = device.__dict__[key] = cls(device, kind)
         if not sc.buffers or sc.buffers[-1].size < nbytes:
             grow = 2 * sc.buffers[-1].size if sc.buffers else 1 << 20
-            sc.buffers.append(device.memory.alloc(max(nbytes, grow), "device", "splitk_scratch"))
+            sc.buffers.append(device.memory.alloc(max(nbytes, grow), "device", f"{kind}_scratch"))
         return sc.buffers[-1]
 
     def close(self) -> None:
         for b in self.buffers:
             b.close()
         self.buffers.clear()
-        self.device.__dict__.pop("_splitk_scratch", None)
+        self.device.__dict__.pop(f"_{self.kind}_scratch", None)
 
 PATHS = ("vec", "tiled", "coopmat")
 
 # VkComponentTypeKHR / VkScopeKHR values
-_FLOAT16, _FLOAT32, _SCOPE_SUBGROUP = 0, 1, 3
+_FLOAT16, _FLOAT32, _SCOPE_WORKGROUP, _SCOPE_SUBGROUP = 0, 1, 2, 3
 _SUBGROUP_ARITHMETIC = 0x4
 _STAGE_COMPUTE = 0x20
 
@@ -763,6 +882,36 @@ def coopmat_supported(device: Device) -> bool:
 
 def coopmat_available(device: Device) -> bool:
     return not coopmat_disabled() and coopmat_supported(device)
+
+
+def coopmat2_disabled() -> bool:
+    """``VKXSPLIT_DISABLE_COOPMAT2=1``: the coopmat path keeps the subgroup-scope kernel
+    (mul_mat_coopmat) on devices with VK_NV_cooperative_matrix2 (kill switch for bisecting)."""
+    return env_flag("VKXSPLIT_DISABLE_COOPMAT2")
+
+
+def coopmat2_supported(device: Device) -> bool:
+    """Whether ``device`` runs mul_mat_cm2: VK_NV_cooperative_matrix2 enabled with the features
+    the kernel needs (Device enables it only with all of them), and an f16 x f16 -> f32
+    workgroup-scope flexible shape whose granularities divide every tiling at its workgroup size."""
+    if not getattr(device, "coopmat2", False) or not all(device.features.get(f) for f in _CM2_REQUIRES):
+        return False
+    return all(cm2_tile_supported(device, tile) for tile in (CM2_TILES[CM2_DEFAULT],))
+
+
+def cm2_tile_supported(device: Device, tile: Cm2Tile) -> bool:
+    """An f16 x f16 -> f32 workgroup-scope flexible shape of ``tile.threads`` invocations whose
+    granularities divide the tile (A: BW x BK, B: BK x BX, accumulator BW x BX)."""
+    return any(f.scope == _SCOPE_WORKGROUP and f.a_type == _FLOAT16 and f.b_type == _FLOAT16
+               and f.c_type == _FLOAT32 and f.result_type == _FLOAT32
+               and f.workgroup_invocations == tile.threads
+               and tile.bw % f.m_granularity == 0 and tile.bx % f.n_granularity == 0
+               and tile.bk % f.k_granularity == 0
+               for f in getattr(device.physical, "coopmat2_flex", []))
+
+
+def coopmat2_available(device: Device) -> bool:
+    return not coopmat2_disabled() and coopmat2_supported(device)
 
 
 def vec_supported(device: Device) -> bool:
@@ -923,7 +1072,8 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     if coop_variant is not None:
         tile = COOP_VARIANT_TILES.get(coop_variant)
         if path != "coopmat" or tile is None or not coop_variant.startswith(
-                (coop_variant_name(wt.name), coop_variant_name(wt.name, emulate=True))):
+                (coop_variant_name(wt.name), coop_variant_name(wt.name, emulate=True),
+                 f"mul_mat_cm2_{wt.name}_f32")):
             raise KernelError(f"coop_variant {coop_variant!r} is not a coopmat variant for "
                               f"{wt.name.upper()} weights (and path must be 'coopmat')")
     emulated = coop_variant is not None and coop_variant.startswith("mul_mat_coopmat_emu_")
@@ -952,8 +1102,12 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     elif path == "tiled":
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
+        cm2 = coop_variant is None and coopmat2_available(dev)
         if coop_variant is None and k_split is not None:
-            cname, chosen = coop_variant_name(wt.name), k_split  # a pinned split: the default tiling
+            # a pinned split: the default tiling
+            cname, chosen = (cm2_variant_name(wt.name) if cm2 else coop_variant_name(wt.name)), k_split
+        elif cm2:
+            cname, chosen = cm2_choose(wt.name, M, N, K, dev)
         elif coop_variant is None:
             cname, chosen = coop_choose(wt.name, M, N, K, dev)
         else:
@@ -962,11 +1116,16 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
         tile = COOP_VARIANT_TILES[cname]
         if k_split is None:
             k_split = chosen
+        if cname in CM2_VARIANT_TILES:
+            # mul_mat_cm2 reads x as compact f16 rows: converted once here, not per tile
+            xh = _Scratch.get(dev, "xh", M * K * 2)
+            record_convert_rows(seq, x, xh, M, K, x_stride, x_offset)
+            x, x_stride, x_offset = xh, K, 0
         if k_split:
             if k_split % tile.bk or k_split >= K:
                 raise KernelError(f"{name}: k_split {k_split} must be a multiple of BK {tile.bk} below K")
             splits = -(-K // k_split)
-            part = _SplitkScratch.get(dev, splits * M * N * 4)
+            part = _Scratch.get(dev, "splitk", splits * M * N * 4)
             if N % 4 == 0:  # partial rows of N floats, from byte 0: 16-byte aligned when N % 4 == 0
                 flags |= FLAG_YVEC
             seq.dispatch(Kernel.get(dev, cname), [w, x, part],
@@ -992,5 +1151,6 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
-           "check_mul_mat", "coop_k_split", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "check_mul_mat", "coop_k_split", "cm2_choose", "cm2_variant_name", "coopmat2_available",
+           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]

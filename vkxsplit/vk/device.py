@@ -17,7 +17,16 @@ from typing import Any
 
 from ..errors import EnvironmentProblem, VkxError
 from .api import API_1_3, NULL, check, cstr, ffi, lib, new, next_serial, vk
-from .instance import Instance, PhysicalDeviceInfo, env_flag, new_bf16_features
+from .instance import (
+    COOPMAT2_FEATURES,
+    STYPE_COOPMAT2_FEATURES,
+    Instance,
+    PhysicalDeviceInfo,
+    chain_raw,
+    env_flag,
+    new_bf16_features,
+    raw_struct,
+)
 
 log = logging.getLogger("vkxsplit.vk")
 
@@ -29,7 +38,13 @@ OPTIONAL_EXTENSIONS = (
     "VK_KHR_cooperative_matrix", "VK_KHR_shader_bfloat16", "VK_EXT_subgroup_size_control",
     "VK_KHR_shader_integer_dot_product", "VK_KHR_8bit_storage", "VK_KHR_16bit_storage",
     "VK_KHR_shader_float16_int8", "VK_KHR_timeline_semaphore", "VK_EXT_image_drm_format_modifier",
+    "VK_NV_cooperative_matrix2",
 )
+#: what the workgroup-scope kernels (mul_mat_cm2) need of VK_NV_cooperative_matrix2; the
+#: extension is enabled only with all of them (and bufferDeviceAddress: their decode functions
+#: take a physical-storage-buffer pointer to the weight block)
+COOPMAT2_NEEDS = ("cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
+                  "cooperativeMatrixTensorAddressing", "cooperativeMatrixBlockLoads", "bufferDeviceAddress")
 
 #: pipeline compiler statistics (VKXSPLIT_PIPELINE_STATS=1): enabled only when asked for
 PIPELINE_STATS_EXT = "VK_KHR_pipeline_executable_properties"
@@ -82,18 +97,23 @@ class Device:
         self.queue_family = qf.index
         self.timestamp_bits = qf.timestamp_bits
 
+        feats = physical.features
         exts = [e for e in OPTIONAL_EXTENSIONS if physical.has(e)]
+        if "VK_NV_cooperative_matrix2" in exts and not (
+                feats.get("cooperativeMatrix") and all(feats.get(f) for f in COOPMAT2_NEEDS)):
+            exts.remove("VK_NV_cooperative_matrix2")
         if physical.api_version >= API_1_3:
             exts = [e for e in exts if e not in ("VK_EXT_subgroup_size_control",
                                                  "VK_KHR_shader_integer_dot_product")]
         self.extensions = set(exts)
-        feats = physical.features
+        cm2_on = "VK_NV_cooperative_matrix2" in self.extensions
         f11 = new("VkPhysicalDeviceVulkan11Features")
         for f in _V11:
             setattr(f11, f, 1 if feats.get(f) else 0)
         f12 = new("VkPhysicalDeviceVulkan12Features")
         for f in _V12:
             setattr(f12, f, 1 if feats.get(f) else 0)
+        f12.bufferDeviceAddress = 1 if cm2_on else 0
         f11.pNext = f12
         tail = f12
         f13 = None
@@ -120,17 +140,29 @@ class Device:
             pstats = new("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR", pipelineExecutableInfo=1)
             tail.pNext = pstats
             tail = pstats
+        # structs declared in instance.py's own ffi (newer than the vulkan package): last in the chain
+        raw: list[Any] = []
         bf16 = None
         if "VK_KHR_shader_bfloat16" in self.extensions and feats.get("shaderBFloat16Type"):
-            # declared in its own ffi (newer than the vulkan package): keep it last in the chain
             bf16, bf16_ptr = new_bf16_features()
             bf16.shaderBFloat16Type = 1
             bf16.shaderBFloat16CooperativeMatrix = 1 if feats.get("shaderBFloat16CooperativeMatrix") else 0
-            tail.pNext = bf16_ptr
+            raw.append((bf16, bf16_ptr))
+        cm2 = None
+        if cm2_on:
+            cm2, cm2_ptr = raw_struct("VkxCoopmat2Features", STYPE_COOPMAT2_FEATURES)
+            for f in COOPMAT2_FEATURES:
+                setattr(cm2, f, 1 if feats.get(f) else 0)
+            raw.append((cm2, cm2_ptr))
+        chain_raw(tail, raw)
         core = new("VkPhysicalDeviceFeatures")
         core.shaderInt64 = 1 if feats.get("shaderInt64") else 0
         core.shaderInt16 = 1 if feats.get("shaderInt16") else 0
         self.features = {k: v for k, v in feats.items() if v}
+        if not cm2_on:
+            for f in (*COOPMAT2_FEATURES, "bufferDeviceAddress"):
+                self.features.pop(f, None)
+        self.coopmat2 = cm2_on
         self.coopmat = coop is not None
         self.bf16 = bf16 is not None
 

@@ -55,6 +55,56 @@ typedef struct VkxBf16Features {
 """)
 
 
+# VK_NV_cooperative_matrix2 (extension 594), also newer than the package's headers: its
+# feature and property structs and the flexible-dimensions query, declared from the registry.
+STYPE_COOPMAT2_FEATURES = 1000593000
+STYPE_COOPMAT2_PROPERTIES = 1000593001
+STYPE_COOPMAT_FLEX_PROPERTIES = 1000593002
+COOPMAT2_FEATURES = ("cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
+                     "cooperativeMatrixReductions", "cooperativeMatrixConversions",
+                     "cooperativeMatrixPerElementOperations", "cooperativeMatrixTensorAddressing",
+                     "cooperativeMatrixBlockLoads")
+COOPMAT2_PROPERTIES = ("cooperativeMatrixWorkgroupScopeMaxWorkgroupSize",
+                       "cooperativeMatrixFlexibleDimensionsMaxDimension",
+                       "cooperativeMatrixWorkgroupScopeReservedSharedMemory")
+_bf16_ffi.cdef(
+    "typedef struct VkxCoopmat2Features { int32_t sType; void* pNext; "
+    + " ".join(f"uint32_t {f};" for f in COOPMAT2_FEATURES) + " } VkxCoopmat2Features;\n"
+    "typedef struct VkxCoopmat2Properties { int32_t sType; void* pNext; "
+    + " ".join(f"uint32_t {f};" for f in COOPMAT2_PROPERTIES) + " } VkxCoopmat2Properties;\n"
+    """typedef struct VkxCoopFlexProperties {
+    int32_t sType; void* pNext;
+    uint32_t MGranularity; uint32_t NGranularity; uint32_t KGranularity;
+    int32_t AType; int32_t BType; int32_t CType; int32_t ResultType;
+    uint32_t saturatingAccumulation; int32_t scope; uint32_t workgroupInvocations;
+} VkxCoopFlexProperties;
+typedef int32_t (*VkxPfnCoopFlex)(void* physicalDevice, uint32_t* count, VkxCoopFlexProperties* props);
+""")
+
+
+def raw_struct(ctype: str, stype: int) -> tuple[Any, Any]:
+    """A struct of the extensions declared here (VkxCoopmat2Features, ...): (the struct, a
+    ``void*`` to it for pNext chains of the vulkan ffi). Chain them after every vulkan-ffi
+    struct (their own pNext is of this ffi: use :func:`link_raw`)."""
+    s = _bf16_ffi.new(f"{ctype}*")
+    s.sType = stype
+    return s, ffi.cast("void*", int(_bf16_ffi.cast("uintptr_t", s)))
+
+
+def link_raw(first: Any, second: Any) -> None:
+    """first.pNext = second, both structs of this module's own ffi."""
+    first.pNext = _bf16_ffi.cast("void*", second)
+
+
+def chain_raw(tail: Any, raw: list[Any]) -> None:
+    """Append (struct, void*) pairs of this module's ffi to a vulkan-ffi chain ending at ``tail``."""
+    for i, (s, ptr) in enumerate(raw):
+        if i == 0:
+            tail.pNext = ptr
+        else:
+            link_raw(raw[i - 1][0], s)
+
+
 def new_bf16_features() -> tuple[Any, Any]:
     """A VkPhysicalDeviceShaderBfloat16FeaturesKHR: (the struct, a ``void*`` to it for pNext
     chains built with the vulkan ffi). Keep the struct alive while the chain is used; put it
@@ -139,6 +189,23 @@ class CoopMatShape:
 
 
 @dataclass
+class CoopMatFlex:
+    """One VkCooperativeMatrixFlexibleDimensionsPropertiesNV: matrices of any size that is a
+    multiple of the granularities, for these types, at this scope and workgroup size."""
+
+    m_granularity: int
+    n_granularity: int
+    k_granularity: int
+    a_type: int
+    b_type: int
+    c_type: int
+    result_type: int
+    saturating: bool
+    scope: int
+    workgroup_invocations: int
+
+
+@dataclass
 class PhysicalDeviceInfo:
     """Everything vkxsplit needs to know about one physical device, queried once."""
 
@@ -168,6 +235,10 @@ class PhysicalDeviceInfo:
     memory_heaps: list[MemoryHeap] = field(default_factory=list)
     queue_families: list[QueueFamily] = field(default_factory=list)
     coopmat_shapes: list[CoopMatShape] = field(default_factory=list)
+    #: VK_NV_cooperative_matrix2: its properties, and the workgroup-scope shapes of
+    #: vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV
+    coopmat2: dict[str, int] = field(default_factory=dict)
+    coopmat2_flex: list[CoopMatFlex] = field(default_factory=list)
     min_imported_host_pointer_alignment: int = 0
 
     @property
@@ -229,6 +300,26 @@ def _query_coopmat_shapes(instance_handle: Any, handle: Any) -> list[CoopMatShap
             for c in arr[0:n[0]]]
 
 
+def _query_coopmat_flex(instance_handle: Any, handle: Any) -> list[CoopMatFlex]:
+    """vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV (VK_NV_cooperative_matrix2)."""
+    p = lib.vkGetInstanceProcAddr(instance_handle, b"vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV")
+    if p == NULL:
+        return []
+    fn = _bf16_ffi.cast("VkxPfnCoopFlex", int(ffi.cast("uintptr_t", p)))
+    dev = _bf16_ffi.cast("void*", int(ffi.cast("uintptr_t", handle)))
+    n = _bf16_ffi.new("uint32_t*")
+    if fn(dev, n, _bf16_ffi.NULL) < 0 or n[0] == 0:
+        return []
+    arr = _bf16_ffi.new(f"VkxCoopFlexProperties[{n[0]}]")
+    for i in range(n[0]):
+        arr[i].sType = STYPE_COOPMAT_FLEX_PROPERTIES
+    if fn(dev, n, arr) < 0:
+        return []
+    return [CoopMatFlex(c.MGranularity, c.NGranularity, c.KGranularity, c.AType, c.BType, c.CType,
+                        c.ResultType, bool(c.saturatingAccumulation), c.scope, c.workgroupInvocations)
+            for c in arr[0:n[0]]]
+
+
 def _query_device(index: int, handle: Any, instance_handle: Any = None) -> PhysicalDeviceInfo:
     props = new("VkPhysicalDeviceProperties")
     lib.vkGetPhysicalDeviceProperties(handle, props)
@@ -261,8 +352,14 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
         hostp = new("VkPhysicalDeviceExternalMemoryHostPropertiesEXT")
         tail.pNext = hostp
         tail = hostp
+    cm2p = None
+    if info.has("VK_NV_cooperative_matrix2"):
+        cm2p, cm2p_ptr = raw_struct("VkxCoopmat2Properties", STYPE_COOPMAT2_PROPERTIES)
+        tail.pNext = cm2p_ptr  # last in the chain
     props2 = new("VkPhysicalDeviceProperties2", pNext=p11)
     lib.vkGetPhysicalDeviceProperties2(handle, props2)
+    if cm2p is not None:
+        info.coopmat2 = {f: int(getattr(cm2p, f)) for f in COOPMAT2_PROPERTIES}
     info.subgroup_size = p11.subgroupSize
     info.subgroup_stages = p11.subgroupSupportedStages
     info.subgroup_ops = p11.subgroupSupportedOperations
@@ -301,11 +398,19 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
         pexe = new("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR")
         tail.pNext = pexe
         tail = pexe
+    raw: list[Any] = []  # structs of this module's ffi, chained last
     bf16 = None
     if info.has("VK_KHR_shader_bfloat16"):
         bf16, bf16_ptr = new_bf16_features()
-        tail.pNext = bf16_ptr  # last in the chain
+        raw.append((bf16, bf16_ptr))
+    cm2 = None
+    if info.has("VK_NV_cooperative_matrix2"):
+        cm2, cm2_ptr = raw_struct("VkxCoopmat2Features", STYPE_COOPMAT2_FEATURES)
+        raw.append((cm2, cm2_ptr))
+    chain_raw(tail, raw)
     lib.vkGetPhysicalDeviceFeatures2(handle, head)
+    for f in COOPMAT2_FEATURES:
+        info.features[f] = bool(cm2 is not None and getattr(cm2, f))
     info.features["shaderInt64"] = bool(head.features.shaderInt64)
     info.features["shaderInt16"] = bool(head.features.shaderInt16)
     info.features["shaderFloat64"] = bool(head.features.shaderFloat64)
@@ -320,6 +425,8 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
         bf16 is not None and bf16.shaderBFloat16CooperativeMatrix)
     if instance_handle is not None and info.has("VK_KHR_cooperative_matrix"):
         info.coopmat_shapes = _query_coopmat_shapes(instance_handle, handle)
+    if instance_handle is not None and info.has("VK_NV_cooperative_matrix2"):
+        info.coopmat2_flex = _query_coopmat_flex(instance_handle, handle)
 
     mem = new("VkPhysicalDeviceMemoryProperties")
     lib.vkGetPhysicalDeviceMemoryProperties(handle, mem)

@@ -1,0 +1,248 @@
+"""mul_mat_cm2 (GL_NV_cooperative_matrix2, shaders/mul_mat_cm2.comp): every tiling and weight
+type against float64 numpy with weights from gguf's quantize / random valid blocks (as
+test_mul_mat), outputs poisoned with NaN. The kernels need VK_NV_cooperative_matrix2, so these
+run on the H200 (tools/device_run.sh kernels) and skip on lavapipe; what runs everywhere: the
+f16 conversion of x's rows, the selection rules, the device checks and the struct layouts the
+extension is queried and enabled with."""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import numpy as np
+import pytest
+from test_mul_mat import (
+    ALL,
+    abs_terms,
+    check,
+    coop_bound,
+    make_weights,
+    nan_y,
+    run_mm,
+    strided_x,
+    target_cols,
+    test_k,
+)
+from test_mul_mat import bufs as bufs  # noqa: F401  (fixture)
+
+from vkxsplit.errors import KernelError
+from vkxsplit.ops import convert as cv
+from vkxsplit.ops import mul_mat as mm
+from vkxsplit.ops.quant import block_size
+from vkxsplit.vk import instance as vki
+from vkxsplit.vk.command import Sequence
+
+CM2_NAMES = sorted(mm.CM2_VARIANT_TILES)
+
+
+def _skip(device, name: str | None = None) -> None:
+    if not mm.coopmat2_supported(device):
+        pytest.skip(f"'{device.name}' has no usable VK_NV_cooperative_matrix2")
+    if name is not None and not mm.cm2_tile_supported(device, mm.CM2_VARIANT_TILES[name]):
+        pytest.skip(f"'{device.name}' has no workgroup-scope shape for {name}")
+
+
+def _type_of(name: str) -> str:
+    return name.removeprefix("mul_mat_cm2_").split("_f32")[0]
+
+
+def _k_for(t: str) -> int:
+    # a last K step shorter than BK (clamped loads): floats 100 (not even a multiple of 8),
+    # 32-blocks 96, K-quants 3 blocks (BK divides 256: blocks span steps)
+    return {1: 100, 32: 96, 256: 768}[block_size(t)]
+
+
+@pytest.mark.parametrize("name", CM2_NAMES)
+def test_cm2_tiling(device, bufs, rng, name):  # noqa: F811
+    """Interior tiles (unclamped loads) and tiles crossing N and M (clamped loads, dropped
+    stores), K with a partial last step."""
+    _skip(device, name)
+    t, tile = _type_of(name), mm.CM2_VARIANT_TILES[name]
+    N, K = 2 * tile.bw + 24, _k_for(t)
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    for M in (9, 2 * tile.bx):
+        x = rng.standard_normal((M, K))
+        y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat", coop_variant=name, k_split=0)
+        assert took == "coopmat"
+        check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
+
+
+@pytest.mark.parametrize("t", ALL)
+def test_cm2_default_path(device, bufs, rng, t, monkeypatch):  # noqa: F811
+    """Without a pinned variant the coopmat path takes mul_mat_cm2 (x converted once), split as
+    cm2_choose says; VKXSPLIT_DISABLE_COOPMAT2=1 goes back to mul_mat_coopmat."""
+    _skip(device)
+    N, K = 300, test_k(t) * (4 if block_size(t) != 256 else 2)
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    converts = []
+    real = mm.record_convert_rows
+    monkeypatch.setattr(mm, "record_convert_rows", lambda *a, **k: converts.append(a[3:5]) or real(*a, **k))
+    for M in (9, 130):
+        x = rng.standard_normal((M, K))
+        y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
+        assert took == "coopmat" and converts[-1] == (M, K)
+        check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
+    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "1")
+    n = len(converts)
+    y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
+    assert took == "coopmat" and len(converts) == n
+    check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
+
+
+@pytest.mark.parametrize("t", ["f32", "f16", "bf16", "q4_0", "q5_1", "q8_0", "q4_k", "q6_k"])
+def test_cm2_row_range_strides_and_split(device, bufs, rng, t):  # noqa: F811
+    """Rows [r0, r0 + n) of W into y columns [c0, c0 + n); x with a row stride and offset
+    (converted to compact f16 rows first); y with a wider stride and an offset; nothing
+    outside the target region written; unsplit and split K (partials reduced) agree with the
+    float64 reference."""
+    _skip(device)
+    name = mm.cm2_variant_name(t)
+    tile = mm.CM2_VARIANT_TILES[name]
+    bs = block_size(t)
+    K = 3 * 256 + (256 if bs == 256 else 96)
+    n_total, r0, n = tile.bw + 80, 12, tile.bw + 20
+    M = tile.bx + 5
+    raw, W = make_weights(rng, t, n_total, K)
+    wb = bufs.new(raw.nbytes, raw)
+    xs, xo, ys, yo, c0 = K + 3, 5, n_total + 2, 3, r0 + 1
+    x = rng.standard_normal((M, K))
+    xb = strided_x(bufs, x, xs, xo)
+    ref = x @ W[r0:r0 + n].T
+    bound = coop_bound(x, abs_terms(raw, t, W)[r0:r0 + n])
+    for split in (0, tile.bk, 4 * tile.bk):
+        yb, y = nan_y(bufs, yo + M * ys)
+        seq = Sequence(device, "mm")
+        try:
+            mm.record_mul_mat(seq, wb, t, xb, yb, M, n, K, x_stride=xs, y_stride=ys, x_offset=xo, y_offset=yo,
+                              w_row_offset=r0, y_col_offset=c0, path="coopmat", coop_variant=name, k_split=split)
+            assert seq.dispatches == (3 if split else 2)  # convert, product (, reduce)
+            seq.run()
+        finally:
+            seq.close()
+        check(target_cols(y, M, n, yo, ys, c0), ref, bound)
+
+
+def test_convert_rows(device, bufs, rng):  # noqa: F811
+    """convert_rows_f32_f16: strided f32 rows to compact f16 rows, rounded as numpy's float16
+    (round to nearest even; overflow to inf, subnormals kept); padding never read."""
+    rows, n, stride, off = 7, 1000, 1013, 9
+    x = (rng.standard_normal((rows, n)) * np.logspace(-9, 5, n)).astype(np.float32)
+    x[0, :4] = [65520.0, -1e-8, 6.1e-5, np.inf]
+    src = strided_x(bufs, x, stride, off)
+    dst = bufs.new(2 * (rows * n + 16))
+    out = dst.numpy(np.uint16, (rows * n + 16,))
+    out[:] = 0xFFFF
+    seq = Sequence(device, "cv")
+    try:
+        cv.record_convert_rows(seq, src, dst, rows, n, stride, off, 16)
+        seq.run()
+    finally:
+        seq.close()
+    assert (out[:16] == 0xFFFF).all()
+    with np.errstate(over="ignore"):  # 65520 rounds to inf, as it should
+        ref = x.astype(np.float16).view(np.uint16).ravel()
+    np.testing.assert_array_equal(out[16:], ref)
+    with pytest.raises(KernelError, match="do not fit"):
+        cv.record_convert_rows(Sequence(device, "bad"), src, dst, rows + 1, n, stride, off)
+
+
+def _fake(flex: list[tuple[int, ...]], cm2: bool = True):
+    feats = {f: True for f in mm._CM2_REQUIRES}
+    phys = types.SimpleNamespace(coopmat2_flex=[
+        vki.CoopMatFlex(*g, 0, 0, 1, 1, False, 2, n) for (*g, n) in flex])
+    return types.SimpleNamespace(features=feats, physical=phys, coopmat2=cm2, name="fake")
+
+
+def test_cm2_device_checks(monkeypatch):
+    """coopmat2_supported: the extension enabled with every feature the kernel needs, and an
+    f16 x f16 -> f32 workgroup-scope flexible shape of the default tiling's workgroup size
+    whose granularities divide it; cm2_tile_supported per tiling."""
+    ok = _fake([(16, 16, 16, 256), (16, 16, 16, 128)])
+    assert mm.coopmat2_supported(ok) and mm.coopmat2_available(ok)
+    assert all(mm.cm2_tile_supported(ok, tile) for tile in mm.CM2_TILES.values())
+    assert not mm.coopmat2_supported(_fake([(16, 16, 16, 256)], cm2=False))
+    assert not mm.coopmat2_supported(_fake([(16, 16, 16, 512)]))    # no 256-invocation shape
+    assert not mm.coopmat2_supported(_fake([(48, 16, 16, 256)]))    # granularity not dividing
+    only256 = _fake([(16, 16, 16, 256)])
+    assert not mm.cm2_tile_supported(only256, mm.CM2_TILES["w64x64_k64_n128"])
+    lacking = _fake([(16, 16, 16, 256)])
+    del lacking.features["cooperativeMatrixBlockLoads"]
+    assert not mm.coopmat2_supported(lacking)
+    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "1")
+    assert mm.coopmat2_supported(ok) and not mm.coopmat2_available(ok)
+
+
+def test_cm2_choose(monkeypatch):
+    """cm2_choose: a tiling of CM2_CHOICES and the split with the least modelled time; only the
+    default tiling with VKXSPLIT_DISABLE_COOP_SHAPES; no split with VKXSPLIT_DISABLE_SPLITK;
+    splits in whole BK steps below K."""
+    for t in ALL:
+        for M, N, K in ((512, 4096, 4096), (128, 1024, 4096), (512, 14336, 4096), (512, 4096, 14336)):
+            name, ks = mm.cm2_choose(t, M, N, K)
+            assert name in mm.CM2_VARIANT_TILES and name.startswith(f"mul_mat_cm2_{t}_f32_")
+            assert ks == 0 or (ks % mm.CM2_VARIANT_TILES[name].bk == 0 and ks < K)
+    # M = 128, N = 1024: 8 x 1 tiles of 128 x 128 for a wave of CM2_WAVE: splitting K is cheaper
+    assert mm.cm2_choose("f16", 128, 1024, 4096)[1] > 0
+    monkeypatch.setenv("VKXSPLIT_DISABLE_SPLITK", "1")
+    assert mm.cm2_choose("f16", 128, 1024, 4096)[1] == 0
+    monkeypatch.setenv("VKXSPLIT_DISABLE_COOP_SHAPES", "1")
+    assert mm.cm2_choose("q4_0", 512, 4096, 4096)[0] == mm.cm2_variant_name("q4_0")
+
+
+def test_cm2_variants():
+    """Every type has the default tiling, the sweep types every tiling; tilings are multiples of
+    16 (the flexible granularity NVIDIA reports) and the kernels need what Device enables."""
+    names = {v.name: v for v in mm.VARIANTS}
+    for t in ALL:
+        assert mm.cm2_variant_name(t) in names
+    for t in mm.CM2_SWEEP_TYPES:
+        for key in mm.CM2_TILES:
+            assert mm.cm2_variant_name(t, key) in names
+    for tile in mm.CM2_TILES.values():
+        assert tile.bw % 16 == 0 and tile.bx % 16 == 0 and tile.bk % 16 == 0
+    v = names[mm.cm2_variant_name("q4_k")]
+    assert v.compiler == "glslang15" and v.target_env == "vulkan1.3"
+    assert {"cooperativeMatrixWorkgroupScope", "bufferDeviceAddress"} <= set(v.requires)
+
+
+def test_coopmat2_struct_layouts():
+    """The VK_NV_cooperative_matrix2 structs declared in vkxsplit.vk.instance (newer than the
+    `vulkan` package's headers) against the registry's C layout, rebuilt with ctypes."""
+    class Hdr(ctypes.Structure):
+        _fields_ = [("sType", ctypes.c_int32), ("pNext", ctypes.c_void_p)]
+
+    def c_layout(fields):
+        cls = type("S", (ctypes.Structure,), {"_fields_": [*Hdr._fields_, *fields]})
+        return ctypes.sizeof(cls), {f: getattr(cls, f).offset for f, _ in fields}
+
+    ffi = vki._bf16_ffi
+    u32, i32 = ctypes.c_uint32, ctypes.c_int32
+    for ctype, fields in (
+        ("VkxCoopmat2Features", [(f, u32) for f in vki.COOPMAT2_FEATURES]),
+        ("VkxCoopmat2Properties", [(f, u32) for f in vki.COOPMAT2_PROPERTIES]),
+        ("VkxCoopFlexProperties", [("MGranularity", u32), ("NGranularity", u32), ("KGranularity", u32),
+                                   ("AType", i32), ("BType", i32), ("CType", i32), ("ResultType", i32),
+                                   ("saturatingAccumulation", u32), ("scope", i32),
+                                   ("workgroupInvocations", u32)]),
+    ):
+        size, offs = c_layout(fields)
+        assert ffi.sizeof(ctype) == size, ctype
+        for f, o in offs.items():
+            assert ffi.offsetof(ctype, f) == o, (ctype, f)
+    # registry enum values: extension number 594 -> 1000000000 + 593 * 1000 + offset
+    assert (vki.STYPE_COOPMAT2_FEATURES, vki.STYPE_COOPMAT2_PROPERTIES,
+            vki.STYPE_COOPMAT_FLEX_PROPERTIES) == (1000593000, 1000593001, 1000593002)
+
+
+def test_lavapipe_has_no_coopmat2(device):
+    """This machine's device either has the extension with its features or the kernels are
+    refused with a message naming the missing feature, never a wrong answer."""
+    if mm.coopmat2_supported(device):
+        pytest.skip("this device has VK_NV_cooperative_matrix2")
+    assert not device.coopmat2
+    from vkxsplit.vk.kernel import Kernel
+    with pytest.raises(KernelError, match="needs device feature"):
+        Kernel.get(device, mm.cm2_variant_name("q4_0"))
