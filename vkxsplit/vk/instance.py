@@ -131,6 +131,15 @@ _BLIND_SPOT_MARKERS: dict[str, tuple[str, ...]] = {
     "VK_KHR_shader_bfloat16": (
         "unknown VkStructureType (1000141000)",   # VkPhysicalDeviceShaderBfloat16FeaturesKHR
     ),
+    "VK_NV_cooperative_matrix2": (
+        "unknown VkStructureType (1000593000)",   # VkPhysicalDeviceCooperativeMatrix2FeaturesNV
+        "unknown VkStructureType (1000593001)",   # ...PropertiesNV (queried before the device exists;
+                                                  # filtered once the layer named its blind spot)
+        "SPV_NV_cooperative_matrix2", "SPV_NV_tensor_addressing",  # OpExtension
+        "SPV_KHR_cooperative_matrix",             # which it requires
+        "Invalid capability operand: 543",        # CooperativeMatrix{Reductions..BlockLoads}NV 5430-5434, TensorAddressingNV 5439
+        "A SPIR-V Capability (Unhandled OpCapability) was declared",
+    ),
 }
 
 
