@@ -70,7 +70,7 @@ def variants(t: str, emulate: bool) -> list[str]:
 def auto_split(tile: object, M: int, n: int, k: int) -> int:
     """K elements per split the product's own rule gives ``tile`` (0: none)."""
     if CM2:
-        return mm._wave_cost(tile, M, n, k, mm.CM2_WAVE, mm.CM2_TILE_EFF.get(tile.name, 1.0), False)[1]
+        return mm._wave_cost(tile, M, n, k, mm.CM2_WAVE * max(1, 256 // tile.threads), 1.0, False)[1]
     return mm.coop_k_split(tile, M, n, k)
 
 
@@ -256,7 +256,8 @@ def main() -> int:
                     kw = {"path": "coopmat", "coop_variant": default, "k_split": 0}
                 else:
                     kw = {"path": "coopmat", "coop_variant": name}
-                chooser = mm.cm2_choose if CM2 or mm.coopmat2_available(dev) else mm.coop_choose
+                chooser = (mm.cm2_choose if (CM2 or mm.coopmat2_available(dev)) and t in mm.CM2_TYPES
+                           else mm.coop_choose)
                 cname, cks = chooser(t, M, n, k, dev) if name == "chosen" else (name, 0)
                 ctile = mm.COOP_VARIANT_TILES[default if name == "no-split" else cname] if name != "tiled" else None
                 tile = "64x64 f32" if ctile is None else ctile.name

@@ -2,7 +2,7 @@
 # Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
+#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [cm2-chosen] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
 # (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS)
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
@@ -58,10 +58,16 @@ for w in $what; do
     cm2-tests)
       # the VK_NV_cooperative_matrix2 kernels, and the coopmat tests that now take them
       VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 300 python3 -m pytest -q -ra -p no:cacheprovider \
-        -o addopts="" tests/test_mul_mat_cm2.py tests/test_mul_mat.py -k "cm2 or coopmat" 2>&1 | tee "$OUT/tests_cm2.log" | tail -25 ;;
+        -o addopts="" tests/test_mul_mat_cm2.py tests/test_mul_mat.py -k "cm2 or (coopmat and not emu)" 2>&1 | tee "$OUT/tests_cm2.log" | tail -25 ;;
     cm2)
       # sweep of the mul_mat_cm2 tilings and splits (env CM2_ARGS for tools/bench_coopmat.py --cm2)
-      timeout 400 python3 tools/bench_coopmat.py --cm2 ${CM2_ARGS:-} 2>&1 | tee "$OUT/bench_cm2.md" ;;
+      VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 400 python3 tools/bench_coopmat.py --cm2 ${CM2_ARGS:-} 2>&1 | tee "$OUT/bench_cm2.md" ;;
+    cm2-chosen)
+      # what models get with coopmat2: the chosen tiling and split per product, every swept
+      # type, M 128/256/512, the llama8b shapes (Q4_K: mul_mat_coopmat, not a CM2_TYPES type)
+      VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 300 python3 tools/bench_coopmat.py --cm2 --m 128,256,512 \
+        --shapes 4096x4096,1024x4096,14336x4096,4096x14336 --splits 1 --tiles w128x128_k64_n256 \
+        --reps 8 2>&1 | tee "$OUT/bench_cm2_chosen.md" | grep -E "chosen|FAIL|checks" ;;
     mulmat-tests)
       VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 300 python3 -m pytest -q -ra -p no:cacheprovider \
         -o addopts="" tests/test_mul_mat.py 2>&1 | tee "$OUT/tests_mul_mat.log" | tail -15 ;;

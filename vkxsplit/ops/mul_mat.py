@@ -618,6 +618,34 @@ CM2_TILES = {t.name: t for t in (
 )}
 CM2_DEFAULT = "w128x128_k64_n256"
 CM2_SWEEP_TYPES = COOP_SWEEP_TYPES
+#: mul_mat_cm2 workgroups of 256 invocations the H200 runs at once (one per SM: 448 tiles of
+#: 128 x 128 take 3.6x the time of 128), twice as many of 128
+CM2_WAVE = 132
+#: types whose coopmat path takes mul_mat_cm2: all but Q4_K / Q5_K, where decoding per element
+#: (the 6-bit scale unpacking for every element) makes it slower than mul_mat_coopmat's tile
+#: loader (H200, M = 512: Q4_K 71-80 TFLOP/s against 100-113; session 7, docs/PERFORMANCE.md)
+CM2_TYPES = frozenset(t for t in TYPES if t not in ("q4_k", "q5_k"))
+_CM2_FLOAT = ("w128x128_k64_n256", "w128x256_k64_n256")
+_CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128")
+#: tilings cm2_choose weighs per type, and their throughput per workgroup-second relative to
+#: w128x128_k64_n256 (H200 sweep, M = 512, `tools/bench_coopmat.py --cm2`, session 7): f16
+#: 128 x 256 1.1 (14336x4096 0.277 vs 0.306 ms for the same waves), q6_k 1.35 (0.461 vs
+#: 0.624), q4_0 64 x 128 with 128 invocations 0.55 (two per SM: 4096x4096 0.105 vs 0.112
+#: ms, 14336x4096 0.373 vs 0.441); legacy types Q4_1/Q5_x and F32/BF16 unswept, take their kin's
+CM2_CHOICES: dict[str, tuple[str, ...]] = {
+    **{t: _CM2_FLOAT for t in ("f32", "f16", "bf16")},
+    **{t: _CM2_LEGACY for t in ("q4_0", "q4_1", "q5_0", "q5_1")},
+    "q8_0": ("w128x128_k64_n256",),
+    "q6_k": ("w128x128_k64_n256", "w128x256_k64_n256"),
+    "q4_k": (CM2_DEFAULT,), "q5_k": (CM2_DEFAULT,),
+}
+CM2_TILE_EFF: dict[str, dict[str, float]] = {
+    **{t: {"w128x256_k64_n256": 1.1} for t in ("f32", "f16", "bf16")},
+    **{t: {"w64x128_k64_n128": 0.55} for t in ("q4_0", "q4_1", "q5_0", "q5_1")},
+    "q6_k": {"w128x256_k64_n256": 1.35},
+}
+
+
 _CM2_REQUIRES = ("cooperativeMatrix", "cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
                  "cooperativeMatrixTensorAddressing", "cooperativeMatrixBlockLoads", "bufferDeviceAddress",
                  "shaderFloat16", "vulkanMemoryModel", *_STORAGE)
@@ -633,7 +661,7 @@ def _cm2_variants() -> tuple[list[Variant], dict[str, Cm2Tile]]:
     tiles: dict[str, Cm2Tile] = {}
     for t, wt in TYPES.items():
         for key, tile in CM2_TILES.items():
-            if key != CM2_DEFAULT and t not in CM2_SWEEP_TYPES:
+            if key != CM2_DEFAULT and t not in CM2_SWEEP_TYPES and key not in CM2_CHOICES[t]:
                 continue
             name = cm2_variant_name(t, key)
             out.append(Variant(name=name, source="mul_mat_cm2.comp", defines={"WTYPE": str(wt.id), **tile.defines()},
@@ -772,13 +800,6 @@ def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) ->
     return coop_variant_name(t, None if key == COOP_CONFIG[t] else key), ks
 
 
-#: mul_mat_cm2 workgroups the H200 runs at once, and tilings cm2_choose weighs per type
-#: (fitted to tools/bench_coopmat.py --cm2, docs/PERFORMANCE.md)
-CM2_WAVE = 132
-CM2_CHOICES: dict[str, tuple[str, ...]] = {t: (CM2_DEFAULT,) for t in TYPES}
-CM2_TILE_EFF: dict[str, float] = {}
-
-
 def cm2_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> tuple[str, int]:
     """(variant, K elements per split) of a mul_mat_cm2 product of weight type ``t``: the
     tiling of CM2_CHOICES[t] and split with the least modelled time (coop_cost's waves, with
@@ -790,7 +811,8 @@ def cm2_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> 
     best: tuple[float, str, int] | None = None
     for key in keys:
         tile = CM2_TILES[key]
-        cost, ks = _wave_cost(tile, M, N, K, CM2_WAVE, CM2_TILE_EFF.get(key, 1.0), splitk_disabled())
+        wave = CM2_WAVE * max(1, 256 // tile.threads)
+        cost, ks = _wave_cost(tile, M, N, K, wave, CM2_TILE_EFF.get(t, {}).get(key, 1.0), splitk_disabled())
         if best is None or cost < best[0]:
             best = (cost, key, ks)
     assert best is not None
@@ -1102,7 +1124,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     elif path == "tiled":
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
-        cm2 = coop_variant is None and coopmat2_available(dev)
+        cm2 = coop_variant is None and wt.name in CM2_TYPES and coopmat2_available(dev)
         if coop_variant is None and k_split is not None:
             # a pinned split: the default tiling
             cname, chosen = (cm2_variant_name(wt.name) if cm2 else coop_variant_name(wt.name)), k_split
@@ -1152,5 +1174,5 @@ __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VEC
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coop_k_split", "cm2_choose", "cm2_variant_name", "coopmat2_available",
-           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
