@@ -534,6 +534,9 @@ _FEATURE_ROWS = (
     ("timeline semaphores", ("timelineSemaphore",), "VK_KHR_timeline_semaphore"),
     ("cooperative matrix", ("cooperativeMatrix",), "VK_KHR_cooperative_matrix"),
     ("bf16 cooperative matrix", ("shaderBFloat16CooperativeMatrix",), "VK_KHR_shader_bfloat16"),
+    ("coopmat2 (workgroup scope)", ("cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
+                                    "cooperativeMatrixTensorAddressing", "cooperativeMatrixBlockLoads"),
+     "VK_NV_cooperative_matrix2"),
 )
 
 
@@ -543,7 +546,8 @@ def _feature_rows(p: Any) -> list[dict[str, Any]]:
         vals = [bool(p.features.get(k)) for k in keys]
         why = ""
         if not all(vals):
-            if ext and ext in ("VK_KHR_cooperative_matrix", "VK_KHR_shader_bfloat16") and not p.has(ext):
+            if ext and ext in ("VK_KHR_cooperative_matrix", "VK_KHR_shader_bfloat16",
+                               "VK_NV_cooperative_matrix2") and not p.has(ext):
                 why = f"{ext} missing"
             elif keys[0] in ("subgroupSizeControl", "shaderIntegerDotProduct") and p.api_version < (1 << 22 | 3 << 12):
                 why = "queried from Vulkan 1.3 features only"
@@ -641,7 +645,17 @@ def _device_report(p: Any) -> dict[str, Any]:
                         "c_type": COMPONENT_TYPES.get(c.c_type, str(c.c_type)),
                         "result_type": COMPONENT_TYPES.get(c.result_type, str(c.result_type)),
                         "saturating": c.saturating, "scope": SCOPES.get(c.scope, str(c.scope))}
-                       for c in p.coopmat_shapes]},
+                       for c in p.coopmat_shapes],
+            "coopmat2": {"extension_present": p.has("VK_NV_cooperative_matrix2"),
+                         "properties": dict(getattr(p, "coopmat2", {}) or {}),
+                         "flexible": [{"granularity": [f.m_granularity, f.n_granularity, f.k_granularity],
+                                       "a_type": COMPONENT_TYPES.get(f.a_type, str(f.a_type)),
+                                       "b_type": COMPONENT_TYPES.get(f.b_type, str(f.b_type)),
+                                       "c_type": COMPONENT_TYPES.get(f.c_type, str(f.c_type)),
+                                       "result_type": COMPONENT_TYPES.get(f.result_type, str(f.result_type)),
+                                       "saturating": f.saturating, "scope": SCOPES.get(f.scope, str(f.scope)),
+                                       "workgroup_invocations": f.workgroup_invocations}
+                                      for f in getattr(p, "coopmat2_flex", [])]}},
         "extensions": [{"name": n, "spec_version": v} for n, v in sorted(p.extensions.items())],
         "interop": interop_report(p),
     }
@@ -1115,6 +1129,17 @@ def _render_device(d: dict[str, Any]) -> list[str]:
                       + (" sat" if c["saturating"] else ""), c["scope"]] for c in cm["shapes"]])
     elif cm["extension_present"]:
         L.append("  Cooperative matrix shapes: none reported")
+    cm2 = cm.get("coopmat2", {})
+    if cm2.get("flexible"):
+        props = cm2.get("properties", {})
+        L.append(f"  Workgroup-scope (VK_NV_cooperative_matrix2) shapes: {len(cm2['flexible'])}; max workgroup "
+                 f"{props.get('cooperativeMatrixWorkgroupScopeMaxWorkgroupSize', '?')}, max dimension "
+                 f"{props.get('cooperativeMatrixFlexibleDimensionsMaxDimension', '?')}, reserved shared "
+                 f"{props.get('cooperativeMatrixWorkgroupScopeReservedSharedMemory', '?')} bytes")
+        L += _table(["granularity", "A", "B", "C", "result", "scope", "invocations"],
+                    [["x".join(map(str, f["granularity"])), f["a_type"], f["b_type"], f["c_type"],
+                      f["result_type"] + (" sat" if f["saturating"] else ""), f["scope"],
+                      str(f["workgroup_invocations"])] for f in cm2["flexible"]])
 
     from .vk.device import OPTIONAL_EXTENSIONS
 
