@@ -46,9 +46,11 @@ from vkxsplit.ops.quant import block_size, row_bytes, weight_type  # noqa: E402
 from vkxsplit.vk.command import Sequence  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
 
-TYPES = ["f16", "q4_0", "q8_0", "q4_k", "q6_k"]
+SWEPT = ["f16", "q4_0", "q8_0", "q4_k", "q6_k"]  # the default --types (COOP_SWEEP_TYPES)
+TYPES = [*SWEPT, "f32", "bf16", "q4_1", "q5_0", "q5_1", "q5_k"]  # --types may name these too
 # byte offsets of the f16 scale fields per block (random valid blocks for the check)
-SCALES = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q6_k": [208]}
+SCALES = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q6_k": [208], "q4_1": [0, 2], "q5_0": [0],
+          "q5_1": [0, 2], "q5_k": [0, 2]}
 
 
 CM2 = False  # --cm2: the mul_mat_cm2 variants (VK_NV_cooperative_matrix2) instead
@@ -77,8 +79,13 @@ def auto_split(tile: object, M: int, n: int, k: int) -> int:
 def make_weights(rng: np.random.Generator, t: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(raw ggml bytes [n, row_bytes], float64 reference [n, k]) from gguf's dequantize."""
     wt = weight_type(t)
-    if t == "f16":
-        w = rng.standard_normal((n, k)).astype(np.float16)
+    if t in ("f16", "f32"):
+        w = rng.standard_normal((n, k)).astype(np.float16 if t == "f16" else np.float32)
+        return w.view(np.uint8).reshape(n, -1), w.astype(np.float64)
+    if t == "bf16":
+        import ml_dtypes
+
+        w = rng.standard_normal((n, k)).astype(ml_dtypes.bfloat16)
         return w.view(np.uint8).reshape(n, -1), w.astype(np.float64)
     bs, bb = GGML_QUANT_SIZES[wt.ggml]
     raw = rng.integers(0, 256, size=(n, k // bs, bb), dtype=np.uint8)
@@ -91,10 +98,10 @@ def make_weights(rng: np.random.Generator, t: str, n: int, k: int) -> tuple[np.n
 
 
 def abs_weights(raw: np.ndarray, t: str, w: np.ndarray) -> np.ndarray:
-    """|d sc q| + |dmin m| for Q4_K (the min term's magnitude counts), else |w|."""
-    if t != "q4_k":
+    """|d sc q| + |dmin m| for Q4_K / Q5_K (the min term's magnitude counts), else |w|."""
+    if t not in ("q4_k", "q5_k"):
         return np.abs(w)
-    blocks = raw.reshape(raw.shape[0], -1, 144).copy()
+    blocks = raw.reshape(raw.shape[0], -1, 144 if t == "q4_k" else 176).copy()
     blocks[:, :, 1] &= 0x7F
     blocks[:, :, 3] |= 0x80
     return np.abs(np.asarray(dequantize(blocks.reshape(raw.shape), weight_type(t).ggml),
@@ -141,7 +148,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes; emulated variants without coopmat")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 10, --quick 1)")
     ap.add_argument("--m", default=None, help="comma-separated batch sizes M to time (default 512; --quick 64)")
-    ap.add_argument("--types", default=",".join(TYPES), help="comma-separated weight types")
+    ap.add_argument("--types", default=",".join(SWEPT), help=f"comma-separated weight types ({', '.join(TYPES)})")
     ap.add_argument("--shapes", default=None, help="comma-separated NxK shapes (default 4096x4096,14336x4096)")
     ap.add_argument("--splits", default="auto",
                     help="comma-separated K splits to time every variant with: auto (coop_k_split's choice) "
