@@ -126,6 +126,23 @@ def test_cm2_row_range_strides_and_split(device, bufs, rng, t):  # noqa: F811
         check(target_cols(y, M, n, yo, ys, c0), ref, bound)
 
 
+@pytest.mark.parametrize("t", ["f16", "q4_0", "q8_0", "q6_k"])
+def test_cm2_fast_path_and_fallback(device, bufs, rng, t):  # noqa: F811
+    """Interior tiles with K = 1024: unsplit (the aligned fast path over four 256-element runs),
+    split into 256-element ranges (fast path per range) and into 192-element ranges (not whole
+    runs: every range falls back to the general interior loop); all against float64."""
+    _skip(device)
+    name = mm.cm2_variant_name(t)
+    tile = mm.CM2_VARIANT_TILES[name]
+    N, M, K = 2 * tile.bw, 2 * tile.bx, 1024
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    x = rng.standard_normal((M, K))
+    for split in (0, 256, 192):
+        y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat", coop_variant=name, k_split=split)
+        check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
+
+
 def test_convert_rows(device, bufs, rng):  # noqa: F811
     """convert_rows_f32_f16: strided f32 rows to compact f16 rows, rounded as numpy's float16
     (round to nearest even; overflow to inf, subnormals kept); padding never read."""
@@ -148,6 +165,24 @@ def test_convert_rows(device, bufs, rng):  # noqa: F811
     np.testing.assert_array_equal(out[16:], ref)
     with pytest.raises(KernelError, match="do not fit"):
         cv.record_convert_rows(Sequence(device, "bad"), src, dst, rows + 1, n, stride, off)
+
+
+def test_convert_rows_in_chunks(device, bufs, rng, monkeypatch):  # noqa: F811
+    """More rows than one dispatch's grid takes (65535) go in several dispatches, each with its
+    rows' offsets (MAX_ROWS lowered to 3 to see it with 8 rows)."""
+    monkeypatch.setattr(cv, "MAX_ROWS", 3)
+    rows, n, stride, off = 8, 300, 307, 2
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    src = strided_x(bufs, x, stride, off)
+    dst = bufs.new(2 * rows * n)
+    seq = Sequence(device, "cv")
+    try:
+        cv.record_convert_rows(seq, src, dst, rows, n, stride, off)
+        assert seq.dispatches == 3
+        seq.run()
+    finally:
+        seq.close()
+    np.testing.assert_array_equal(dst.numpy(np.uint16, (rows * n,)), x.astype(np.float16).view(np.uint16).ravel())
 
 
 def _fake(flex: list[tuple[int, ...]], cm2: bool = True):
@@ -187,6 +222,13 @@ def test_cm2_choose(monkeypatch):
             assert ks == 0 or (ks % mm.CM2_VARIANT_TILES[name].bk == 0 and ks < K)
     # M = 128, N = 1024: 8 x 1 tiles of 128 x 128 for a wave of CM2_WAVE: splitting K is cheaper
     assert mm.cm2_choose("f16", 128, 1024, 4096)[1] > 0
+    # where K % 256 == 0 every split range is whole 256-element runs (the kernel's fast path),
+    # also for K = 11008 (43 runs) and 4864 (19), which BK-sized rounding would cut elsewhere
+    for t in ALL:
+        for M, N, K in ((128, 4096, 11008), (128, 896, 4864), (256, 1024, 4096), (512, 1024, 14336)):
+            name, ks = mm.cm2_choose(t, M, N, K)
+            assert ks % 256 == 0, (t, M, N, K, name, ks)
+            assert mm.cm2_k_split(t, mm.CM2_VARIANT_TILES[name].name, M, N, K) == ks
     monkeypatch.setenv("VKXSPLIT_DISABLE_SPLITK", "1")
     assert mm.cm2_choose("f16", 128, 1024, 4096)[1] == 0
     monkeypatch.setenv("VKXSPLIT_DISABLE_COOP_SHAPES", "1")
@@ -233,9 +275,11 @@ def test_coopmat2_struct_layouts():
         assert ffi.sizeof(ctype) == size, ctype
         for f, o in offs.items():
             assert ffi.offsetof(ctype, f) == o, (ctype, f)
-    # registry enum values: extension number 594 -> 1000000000 + 593 * 1000 + offset
-    assert (vki.STYPE_COOPMAT2_FEATURES, vki.STYPE_COOPMAT2_PROPERTIES,
-            vki.STYPE_COOPMAT_FLEX_PROPERTIES) == (1000593000, 1000593001, 1000593002)
+    # the registry's VkStructureType values (vk.xml, extension 594: offsets 0, 1, 2 in the
+    # order the extension lists them: features, flexible-dimensions properties, properties)
+    assert vki.STYPE_COOPMAT2_FEATURES == 1000593000
+    assert vki.STYPE_COOPMAT_FLEX_PROPERTIES == 1000593001
+    assert vki.STYPE_COOPMAT2_PROPERTIES == 1000593002
 
 
 def test_lavapipe_has_no_coopmat2(device):

@@ -69,10 +69,10 @@ def variants(t: str, emulate: bool) -> list[str]:
     return sorted(names, key=lambda n: (n != base, n))
 
 
-def auto_split(tile: object, M: int, n: int, k: int) -> int:
+def auto_split(t: str, tile: object, M: int, n: int, k: int) -> int:
     """K elements per split the product's own rule gives ``tile`` (0: none)."""
     if CM2:
-        return mm._wave_cost(tile, M, n, k, mm.CM2_WAVE * max(1, 256 // tile.threads), 1.0, False)[1]
+        return mm.cm2_k_split(t, tile.name, M, n, k)
     return mm.coop_k_split(tile, M, n, k)
 
 
@@ -283,7 +283,7 @@ def main() -> int:
                         tile += f" split K {-(-k // chunk)}x{chunk}"
                         groups *= -(-k // chunk)
                 elif ctile is not None and name != "no-split" and not emulate and not mm.splitk_disabled():
-                    ks = auto_split(ctile, M, n, k)
+                    ks = auto_split(t, ctile, M, n, k)
                     kw["k_split"] = ks
                     if ks:
                         tile += f" split K {-(-k // ks)}x{ks}"

@@ -31,6 +31,8 @@ VARIANTS = [
 ]
 #: most workgroups per row of convert_rows (each loops over the row's remaining elements)
 ROW_GROUPS = 16
+#: most rows of one convert_rows dispatch (Vulkan's guaranteed grid size)
+MAX_ROWS = 65535
 
 
 def itemsize(dtype: str) -> int:
@@ -66,8 +68,8 @@ def record_convert_rows(seq: Sequence, src: Bindable, dst: Bindable, rows: int, 
     if (src_offset + (rows - 1) * src_stride + n) * 4 > sbytes or (dst_offset + rows * n) * 2 > dbytes:
         raise KernelError(f"convert_rows_f32_f16: {rows} rows of {n} (stride {src_stride}) do not fit "
                           f"the buffers ({sbytes} and {dbytes} bytes)")
-    if rows > 65535:
-        raise KernelError(f"convert_rows_f32_f16: {rows} rows exceed one dispatch (65535)")
     k = Kernel.get(seq.device, "convert_rows_f32_f16")
-    seq.dispatch(k, [src, dst], (n, src_offset, dst_offset, src_stride),
-                 (min(ROW_GROUPS, (n + WG - 1) // WG), rows, 1))
+    for r0 in range(0, rows, MAX_ROWS):  # the grid's y dimension: at most 65535 rows a dispatch
+        nr = min(MAX_ROWS, rows - r0)
+        seq.dispatch(k, [src, dst], (n, src_offset + r0 * src_stride, dst_offset + r0 * n, src_stride),
+                     (min(ROW_GROUPS, (n + WG - 1) // WG), nr, 1))

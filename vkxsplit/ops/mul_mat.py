@@ -814,22 +814,39 @@ def cm2_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> 
         keys = tuple(k for k in keys if k == CM2_DEFAULT or cm2_tile_supported(device, CM2_TILES[k]))
     best: tuple[float, str, int] | None = None
     for key in keys:
-        tile = CM2_TILES[key]
-        wave = CM2_WAVE * max(1, 256 // tile.threads)
-        cost, ks = _wave_cost(tile, M, N, K, wave, CM2_TILE_EFF.get(t, {}).get(key, 1.0), splitk_disabled())
+        cost, ks = _cm2_cost(t, key, M, N, K)
         if best is None or cost < best[0]:
             best = (cost, key, ks)
     assert best is not None
     return cm2_variant_name(t, best[1]), best[2]
 
 
-def _wave_cost(tile: Any, M: int, N: int, K: int, wave: int, eff: float, nosplit: bool) -> tuple[float, int]:
+def _cm2_cost(t: str, key: str, M: int, N: int, K: int) -> tuple[float, int]:
+    """(modelled time, K elements per split or 0) of mul_mat_cm2 tiling ``key`` for type ``t``.
+    Where K % 256 == 0 split ranges are whole 256-element runs, so every range keeps the
+    kernel's aligned fast path (a range of BK multiples only would drop every workgroup of the
+    split to the element loads: 48 against 201 TFLOP/s for f16)."""
+    tile = CM2_TILES[key]
+    wave = CM2_WAVE * max(1, 256 // tile.threads)
+    quantum = 256 if K % 256 == 0 else tile.bk
+    return _wave_cost(tile, M, N, K, wave, CM2_TILE_EFF.get(t, {}).get(key, 1.0), splitk_disabled(), quantum)
+
+
+def cm2_k_split(t: str, key: str, M: int, N: int, K: int) -> int:
+    """K elements per split of mul_mat_cm2 tiling ``key`` for weight type ``t`` (0: none), by
+    cm2_choose's model (no split with VKXSPLIT_DISABLE_SPLITK)."""
+    return _cm2_cost(t, key, M, N, K)[1]
+
+
+def _wave_cost(tile: Any, M: int, N: int, K: int, wave: int, eff: float, nosplit: bool,
+               quantum: int = 0) -> tuple[float, int]:
     """(modelled time, K elements per split or 0) of the best split of SPLITK_COUNTS for
-    ``tile`` (only one range when ``nosplit``): waves of ``wave`` workgroups, each wave as
-    long as one workgroup's BM x BN x K-range work / ``eff``, plus SPLITK_FIXED_K per split."""
+    ``tile`` (only one range when ``nosplit``), ranges whole multiples of ``quantum`` (default
+    the tile's BK): waves of ``wave`` workgroups, each wave as long as one workgroup's BM x BN x
+    K-range work / ``eff``, plus SPLITK_FIXED_K per split."""
     best: tuple[float, int] | None = None
     for n in (1,) if nosplit else SPLITK_COUNTS:
-        chunk = split_chunk(K, n, tile.bk)
+        chunk = split_chunk(K, n, quantum or tile.bk)
         used = -(-K // max(chunk, 1))
         if used > 1 and (chunk < SPLITK_MIN_K or 4 * M * N * used > SPLITK_MAX_SCRATCH):
             continue
@@ -919,7 +936,8 @@ def coopmat2_disabled() -> bool:
 def coopmat2_supported(device: Device) -> bool:
     """Whether ``device`` runs mul_mat_cm2: VK_NV_cooperative_matrix2 enabled with the features
     the kernel needs (Device enables it only with all of them), and an f16 x f16 -> f32
-    workgroup-scope flexible shape whose granularities divide every tiling at its workgroup size."""
+    workgroup-scope flexible shape whose granularities divide the default tiling at its
+    workgroup size (cm2_choose leaves out other tilings the device has no shape for)."""
     if not getattr(device, "coopmat2", False) or not all(device.features.get(f) for f in _CM2_REQUIRES):
         return False
     return all(cm2_tile_supported(device, tile) for tile in (CM2_TILES[CM2_DEFAULT],))
@@ -1073,9 +1091,9 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     tiled). Returns the path taken. Raises KernelError for anything no kernel handles.
 
     ``coop_variant`` (tests and benchmarks only; ``path`` must be ``coopmat``): run this
-    mul_mat_coopmat variant of the weight type instead of the default one, e.g. a tiling of
-    the sweep or an emulated variant (``mul_mat_coopmat_emu_*``, which runs on devices
-    without cooperative matrices).
+    mul_mat_coopmat or mul_mat_cm2 variant of the weight type instead of the chosen one, e.g.
+    a tiling of the sweep or an emulated variant (``mul_mat_coopmat_emu_*``, which runs on
+    devices without cooperative matrices).
 
     ``vec_variant`` (benchmarks and tests only; the path must be ``vec``): run this mat-vec
     variant of the weight type (e.g. a VEC_SWEEP one) instead of the default one for M. The
@@ -1136,6 +1154,8 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
             cname, chosen = cm2_choose(wt.name, M, N, K, dev)
         elif coop_variant is None:
             cname, chosen = coop_choose(wt.name, M, N, K, dev)
+        elif coop_variant in CM2_VARIANT_TILES:
+            cname, chosen = coop_variant, cm2_k_split(wt.name, CM2_VARIANT_TILES[coop_variant].name, M, N, K)
         else:
             cname, chosen = coop_variant, 0 if emulated or splitk_disabled() else coop_k_split(
                 COOP_VARIANT_TILES[coop_variant], M, N, K)
@@ -1178,5 +1198,5 @@ __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VEC
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coop_k_split", "cm2_choose", "cm2_variant_name", "coopmat2_available",
-           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "cm2_k_split", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]

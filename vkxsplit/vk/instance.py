@@ -58,8 +58,8 @@ typedef struct VkxBf16Features {
 # VK_NV_cooperative_matrix2 (extension 594), also newer than the package's headers: its
 # feature and property structs and the flexible-dimensions query, declared from the registry.
 STYPE_COOPMAT2_FEATURES = 1000593000
-STYPE_COOPMAT2_PROPERTIES = 1000593001
-STYPE_COOPMAT_FLEX_PROPERTIES = 1000593002
+STYPE_COOPMAT_FLEX_PROPERTIES = 1000593001
+STYPE_COOPMAT2_PROPERTIES = 1000593002
 COOPMAT2_FEATURES = ("cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
                      "cooperativeMatrixReductions", "cooperativeMatrixConversions",
                      "cooperativeMatrixPerElementOperations", "cooperativeMatrixTensorAddressing",
@@ -133,8 +133,9 @@ _BLIND_SPOT_MARKERS: dict[str, tuple[str, ...]] = {
     ),
     "VK_NV_cooperative_matrix2": (
         "unknown VkStructureType (1000593000)",   # VkPhysicalDeviceCooperativeMatrix2FeaturesNV
-        "unknown VkStructureType (1000593001)",   # ...PropertiesNV (queried before the device exists;
+        "unknown VkStructureType (1000593002)",   # ...PropertiesNV (queried before the device exists;
                                                   # filtered once the layer named its blind spot)
+        "unknown VkStructureType (1000593001)",   # VkCooperativeMatrixFlexibleDimensionsPropertiesNV
         "SPV_NV_cooperative_matrix2", "SPV_NV_tensor_addressing",  # OpExtension
         "SPV_KHR_cooperative_matrix",             # which it requires
         "Invalid capability operand: 543",        # CooperativeMatrix{Reductions..BlockLoads}NV 5430-5434, TensorAddressingNV 5439

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("vkxsplit.vk")
 
 MiB = 1 << 20
+# Vulkan 1.2 core values (the `vulkan` package's aliases of them resolve to None)
+USAGE_DEVICE_ADDRESS = 0x00020000   # VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT
+ALLOCATE_DEVICE_ADDRESS = 0x2       # VK_MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT
 BUFFER_USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
                 | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
 
@@ -98,7 +101,12 @@ class Block:
                 f"({heap.size / MiB:.0f} MiB): use a smaller model, context or batch")
         handle_types = export_types or (import_info.handleType if import_info is not None else 0)
         ext_bci = new("VkExternalMemoryBufferCreateInfo", handleTypes=handle_types) if handle_types else None
-        bci = new("VkBufferCreateInfo", size=size, usage=BUFFER_USAGE,
+        # mul_mat_cm2's decode functions take a physical-storage-buffer pointer into the weights:
+        # on a device with VK_NV_cooperative_matrix2 (bufferDeviceAddress enabled with it) plain
+        # buffers are created for device addresses (imported and exported memory stays as it was)
+        bda = bool(getattr(dev, "coopmat2", False)) and import_info is None and not export_types
+        usage = BUFFER_USAGE | (USAGE_DEVICE_ADDRESS if bda else 0)
+        bci = new("VkBufferCreateInfo", size=size, usage=usage,
                   sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE,
                   pNext=ext_bci if ext_bci is not None else NULL)
         out = ffi.new("VkBuffer*")
@@ -125,6 +133,10 @@ class Block:
             ded = new("VkMemoryDedicatedAllocateInfo", buffer=self.buffer, pNext=chain)
             keep.append(ded)
             chain = ded
+        if bda:
+            fl = new("VkMemoryAllocateFlagsInfo", flags=ALLOCATE_DEVICE_ADDRESS, pNext=chain)
+            keep.append(fl)
+            chain = fl
         mai = new("VkMemoryAllocateInfo", allocationSize=max(size, req.size), memoryTypeIndex=type_index,
                   pNext=chain)
         mem = ffi.new("VkDeviceMemory*")
