@@ -635,7 +635,9 @@ _CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128")
 #: w128x128_k64_n256 (H200 sweep, M = 512, `tools/bench_coopmat.py --cm2`, session 7): f16
 #: 128 x 256 1.1 (14336x4096 0.277 vs 0.306 ms for the same waves), q6_k 1.35 (0.461 vs
 #: 0.624), q4_0 64 x 128 with 128 invocations 0.55 (two per SM: 4096x4096 0.105 vs 0.112
-#: ms, 14336x4096 0.373 vs 0.441); legacy types Q4_1/Q5_x and F32/BF16 unswept, take their kin's
+#: ms, 14336x4096 0.373 vs 0.441); Q4_1/Q5_0/Q5_1 and F32/BF16 take their kin's tilings
+#: (measured with them, M = 512: Q4_1 145-154, Q5_0 127-135, Q5_1 134-143, F32 146-164, BF16
+#: 163-165 TFLOP/s; Q5_K through mul_mat_cm2 58-67, so it stays out of CM2_TYPES)
 CM2_CHOICES: dict[str, tuple[str, ...]] = {
     **{t: _CM2_FLOAT for t in ("f32", "f16", "bf16")},
     **{t: _CM2_LEGACY for t in ("q4_0", "q4_1", "q5_0", "q5_1")},
