@@ -20,17 +20,7 @@
 #ifndef VKX_DEQUANT_GLSL
 #define VKX_DEQUANT_GLSL
 
-#define WT_F32 0
-#define WT_F16 1
-#define WT_Q4_0 2
-#define WT_Q4_1 3
-#define WT_Q5_0 6
-#define WT_Q5_1 7
-#define WT_Q8_0 8
-#define WT_Q4_K 12
-#define WT_Q5_K 13
-#define WT_Q6_K 14
-#define WT_BF16 30
+#include "ggml_types.glsl"
 
 layout(std430, binding = W_BINDING) readonly buffer WBytes { uint8_t w_u8[]; };
 layout(std430, binding = W_BINDING) readonly buffer WHalves { uint16_t w_u16[]; };
