@@ -256,3 +256,41 @@ def test_command_line_and_load_model(synth, tmp_path):
     for kw in ({"split": "tensor:1,1"}, {"device": None}):
         with pytest.raises(VkxError, match="no split, backends or device"):
             vkxsplit.load_model(path, devices="0,0", **kw)
+
+
+def test_close_with_a_stuck_stage_frees_nothing_in_use(synth, caplog):
+    """Closing right after a failed step whose stage-0 work is still queued behind a stuck GPU
+    (a gate that never opens in time) must not free the memory, host pages, timelines or devices
+    that work will use: close() logs and leaves them allocated; once the GPU moves on they can
+    be freed in the usual order."""
+    import logging
+
+    from vkxsplit.vk.event import Gate
+
+    path = synth[3]
+    m = PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5)
+    gate = Gate(m.devices[0])
+    hold = gate.hold(watchdog_s=30)
+    st0 = m.stages[0]
+    orig = st0._submit
+    st0._submit = lambda *a, **k: orig(*a, **dict(k, waits=[*k.get("waits", ()), hold.point]))
+    with pytest.raises(WaitTimeout):
+        m._run([3, 1, 4, 1, 5, 9, 2, 6], all_logits=True)
+    stages, links, tls, devices = list(m.stages), list(m.links), list(m.link_timelines), list(m.devices)
+    m.timeout = 0.3
+    with caplog.at_level(logging.ERROR, logger="vkxsplit.pipeline"):
+        m.close()
+    assert "still queued" in caplog.text
+    assert all(d.handle is not None for d in devices) and all(link.mapping is not None for link in links)
+    hold.release()
+    for d in devices:
+        d.wait_idle()  # the held work ran (on memory still allocated)
+    gate.close()
+    for st in stages:
+        st.close()
+    for link in links:
+        link.close()
+    for tl in tls:
+        tl.close()
+    for d in devices:
+        d.close()

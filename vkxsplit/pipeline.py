@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .attach import HostBridge, HostMapping, _memfd, host_page_align, import_host_pages
-from .errors import VkxError
+from .errors import VkxError, WaitTimeout
 from .gguf_model import ModelFile, default_model_path
 from .gguf_model import load_model as load_gguf
 from .model import LanguageModel, Model, slot_rows
@@ -141,6 +141,8 @@ class PipelineModel(LanguageModel):
         self.links: list[HostLink] = []
         self.link_timelines: list[Timeline] = []
         self.relays: list[HostBridge] = []
+        #: the steps of the last _run per stage (close() must not free what a queued one uses)
+        self._last_steps: list[list[Any]] = []
         self.stages: list[Model] = []
         self.file: ModelFile = load_gguf(self.path)
         try:
@@ -222,6 +224,7 @@ class PipelineModel(LanguageModel):
         self._check_step(T)
         last = len(self.stages) - 1
         steps: list[list[Any]] = [[] for _ in self.stages]
+        self._last_steps = steps
         try:
             for j, s in enumerate(range(0, T, self.piece)):
                 piece = ids[s:s + self.piece]
@@ -283,6 +286,26 @@ class PipelineModel(LanguageModel):
         for r in self.relays:  # signals whatever is pending: no stage stays blocked on a link
             r.close()
         self.relays.clear()
+        # every submitted step must have finished before its memory, the links' host pages and
+        # imports, or the devices go; one still queued (a stuck GPU) keeps all of it, leaked
+        busy = []
+        for st_steps in self._last_steps:
+            for step in st_steps:
+                try:
+                    step.wait(min(5.0, self.timeout or 5.0))
+                except WaitTimeout:
+                    busy.append(step)
+                except VkxError:
+                    pass  # finished, with an error its step already raised
+        self._last_steps = []
+        if busy:
+            log.error("pipeline closed while %d steps are still queued (a stuck GPU?): its devices, memory "
+                      "and host pages are left allocated", len(busy))
+            self.stages.clear()
+            self.links.clear()
+            self.link_timelines.clear()
+            self.devices.clear()
+            return
         for st in self.stages:
             st.close()  # waits for its steps
         self.stages.clear()
