@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from vkxsplit import plan
 from vkxsplit.backend import Capabilities
 from vkxsplit.errors import PlanError
 from vkxsplit.executor import BackendOp, HubOp, build_schedule
@@ -384,6 +385,35 @@ def test_profile_is_keyed_by_device_uuid_and_driver(tmp_path):
     assert stale.get("hub", "submit") is None and "driver_version changed" in stale.stale_reason
     p.path.write_text("{broken")
     assert Profile.for_device(fake_device(), tmp_path).stale_reason.startswith("unreadable")
+
+
+def test_profile_is_keyed_by_the_kernels(tmp_path, monkeypatch):
+    """Other shipped SPIR-V (an upgrade, a rebuild) or a kill switch that changes which kernels
+    run gives another profile: costs measured with the old kernels are not reused; the same
+    kernels and switches find the saved one again."""
+    from vkxsplit import shaders
+
+    for k in plan.KERNEL_SWITCHES:
+        monkeypatch.delenv(k, raising=False)
+    p = Profile.for_device(fake_device(), tmp_path)
+    p.put("hub", "submit", 2e-5)
+    p.save()
+    assert json.loads(p.path.read_text())["kernels"] == plan.kernels_ident()
+    assert Profile.for_device(fake_device(), tmp_path).get("hub", "submit") == 2e-5
+    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "1")
+    switched = Profile.for_device(fake_device(), tmp_path)
+    assert switched.path != p.path and switched.get("hub", "submit") is None
+    monkeypatch.delenv("VKXSPLIT_DISABLE_COOPMAT2")
+    real = shaders.shipped()
+    name = next(iter(real))
+    changed = {**real, name: {**real[name], "spv_sha256": "0" * 64}}
+    monkeypatch.setattr(shaders, "shipped", lambda: changed)
+    rebuilt = Profile.for_device(fake_device(), tmp_path)
+    assert rebuilt.path != p.path and rebuilt.get("hub", "submit") is None
+    # a file carrying other kernels under this name (copied over) is not trusted either
+    rebuilt.path.write_text(p.path.read_text())
+    stale = Profile.for_device(fake_device(), tmp_path)
+    assert stale.get("hub", "submit") is None and "kernels changed" in stale.stale_reason
 
 
 def test_prediction_counts_the_hosts_enqueue_time():

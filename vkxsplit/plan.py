@@ -24,7 +24,8 @@ The executor (:class:`vkxsplit.executor.Executor`) runs it. Spec grammar (``docs
 Costs (:class:`CostModel`) come from measurements on this machine: hub ops from GPU
 timestamps of the graph itself, backends from host timers on the graph's ``mul_mat`` shapes;
 they are kept in a JSON :class:`Profile` under ``vkxsplit.vk.device.cache_dir()``, keyed by
-the hub's device UUID and driver version (a new driver means a new profile, measured again).
+the hub's device UUID, driver version and kernels (the shipped SPIR-V and the kill switches
+set: :func:`kernels_ident`); when any changes, a new profile is measured.
 """
 
 from __future__ import annotations
@@ -482,15 +483,35 @@ DEFAULTS = {"hub_gflops": 100.0, "hub_gbs": 50.0, "backend_gflops": 10.0, "laten
             "submit_s": 3e-5, "convert_ns_per_elem": 0.1, "enqueue_s": 2e-5}
 
 
+#: settings that change which kernels the hub runs (so what a profile measured)
+KERNEL_SWITCHES = ("VKXSPLIT_DISABLE_COOPMAT", "VKXSPLIT_DISABLE_COOPMAT2", "VKXSPLIT_DISABLE_VECQ",
+                   "VKXSPLIT_DISABLE_SPLITK", "VKXSPLIT_DISABLE_COOP_SHAPES", "VKXSPLIT_DISABLE_FUSION")
+
+
+def kernels_ident() -> str:
+    """A hash of the kernels the hub would run: every shipped SPIR-V module's hash and the
+    kill switches set (KERNEL_SWITCHES). New kernels (a vkxsplit upgrade, a rebuild) or another
+    switch mean other costs: a profile measured before does not apply."""
+    from .shaders import shipped
+
+    h = hashlib.sha256()
+    for name, meta in sorted(shipped().items()):
+        h.update(f"{name}:{meta.get('spv_sha256', '')}\n".encode())
+    for k in KERNEL_SWITCHES:
+        h.update(f"{k}={os.environ.get(k, '')}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def _hub_ident(device: Any) -> dict[str, Any]:
     p = device.physical
-    return {"device": device.name, "device_uuid": bytes(p.device_uuid).hex(), "driver_version": int(p.driver_version)}
+    return {"device": device.name, "device_uuid": bytes(p.device_uuid).hex(), "driver_version": int(p.driver_version),
+            "kernels": kernels_ident()}
 
 
 class Profile:
     """Measured costs of one hub device, as JSON under the cache dir. The file name and its
-    content carry the device UUID and driver version: when either changes, what was measured
-    no longer applies and is measured again."""
+    content carry the device UUID, driver version and kernels (:func:`kernels_ident`): when
+    any changes, what was measured no longer applies and is measured again."""
 
     def __init__(self, path: Path | None = None, ident: dict[str, Any] | None = None) -> None:
         self.path = path
@@ -504,7 +525,8 @@ class Profile:
         from .vk.device import cache_dir
 
         ident = _hub_ident(device)
-        key = hashlib.sha256(f"{ident['device_uuid']}:{ident['driver_version']}".encode()).hexdigest()[:16]
+        key = hashlib.sha256(f"{ident['device_uuid']}:{ident['driver_version']}:{ident['kernels']}".encode()
+                             ).hexdigest()[:16]
         p = cls(Path(directory or cache_dir()) / f"profile-{key}.json", ident)
         p._load()
         return p
@@ -521,7 +543,7 @@ class Profile:
         if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
             self.stale_reason = "another profile format"
             return
-        for k in ("device_uuid", "driver_version"):
+        for k in ("device_uuid", "driver_version", "kernels"):
             if data.get(k) != self.ident.get(k):
                 self.stale_reason = f"{k} changed ({data.get(k)} -> {self.ident.get(k)})"
                 return
