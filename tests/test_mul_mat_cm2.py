@@ -211,6 +211,34 @@ def test_cm2_device_checks(monkeypatch):
     assert mm.coopmat2_supported(ok) and not mm.coopmat2_available(ok)
 
 
+def test_cm2_eligible(monkeypatch):
+    """mul_mat_cm2 runs only for CM2_TYPES, where the kernel is available, and on weights in a
+    block made for device addresses (plain device memory on a coopmat2 device); weights in an
+    exported or imported block (an arena shared with a backend) keep mul_mat_coopmat. This
+    machine's own buffers are never such blocks (lavapipe has no coopmat2)."""
+    from vkxsplit.vk.kernel import View
+
+    monkeypatch.setattr(mm, "coopmat2_available", lambda dev: True)
+    plain = types.SimpleNamespace(block=types.SimpleNamespace(device_address=True), size=4096)
+    shared = types.SimpleNamespace(block=types.SimpleNamespace(device_address=False), size=4096)
+    assert mm.cm2_eligible(None, "q4_0", plain) and mm.cm2_eligible(None, "f16", View(plain, 256))
+    assert not mm.cm2_eligible(None, "q4_0", shared) and not mm.cm2_eligible(None, "q4_0", View(shared, 256))
+    assert not mm.cm2_eligible(None, "q4_k", plain)  # not a CM2_TYPES type
+    monkeypatch.setattr(mm, "coopmat2_available", lambda dev: False)
+    assert not mm.cm2_eligible(None, "q4_0", plain)
+
+
+def test_device_buffers_here_have_no_device_addresses(device):
+    """Only a coopmat2 device creates blocks for device addresses (bufferDeviceAddress is
+    enabled with the extension, never otherwise)."""
+    b = device.memory.alloc(1024, "device", "t")
+    try:
+        assert b.block.device_address == bool(device.coopmat2)
+        assert device.features.get("bufferDeviceAddress", False) == bool(device.coopmat2)
+    finally:
+        b.close()
+
+
 def test_cm2_choose(monkeypatch):
     """cm2_choose: a tiling of CM2_CHOICES and the split with the least modelled time; only the
     default tiling with VKXSPLIT_DISABLE_COOP_SHAPES; no split with VKXSPLIT_DISABLE_SPLITK;

@@ -400,6 +400,8 @@ def test_profile_is_keyed_by_the_kernels(tmp_path, monkeypatch):
     p.save()
     assert json.loads(p.path.read_text())["kernels"] == plan.kernels_ident()
     assert Profile.for_device(fake_device(), tmp_path).get("hub", "submit") == 2e-5
+    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "0")  # off, as unset: the same profile
+    assert Profile.for_device(fake_device(), tmp_path).path == p.path
     monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "1")
     switched = Profile.for_device(fake_device(), tmp_path)
     assert switched.path != p.path and switched.get("hub", "submit") is None

@@ -224,7 +224,9 @@ class PipelineModel(LanguageModel):
         self._check_step(T)
         last = len(self.stages) - 1
         steps: list[list[Any]] = [[] for _ in self.stages]
-        self._last_steps = steps
+        # what close() must see finished: this step's and any earlier failed step's (one still
+        # queued behind a stuck stage stays there until a step after it completes)
+        self._last_steps = [*self._last_steps, *steps]
         try:
             for j, s in enumerate(range(0, T, self.piece)):
                 piece = ids[s:s + self.piece]
@@ -238,11 +240,11 @@ class PipelineModel(LanguageModel):
                         waits = [(tl, v)]
                     # (stages before the last make no logits: one graph for both kinds of step)
                     step = st._submit(piece, self.n_past + s, all_logits and i == last, slot=j, waits=waits)
+                    steps[i].append(step)
                     pts = step._final_points()
                     if len(pts) != 1:  # stages run split none: one hub point ends a step
                         raise VkxError(f"stage {i}: a step ended in {len(pts)} points")
                     prev = pts[0]
-                    steps[i].append(step)
             for i in reversed(range(len(self.stages))):
                 steps[i][-1].wait(self.timeout)  # (a stage's steps end in queue order)
             for r in self.relays:
@@ -250,6 +252,7 @@ class PipelineModel(LanguageModel):
         except BaseException:
             self._reset_relays()
             raise
+        self._last_steps = steps  # (each stage's queue ran past the earlier ones too)
         for st, st_steps in zip(self.stages, steps):
             for step in st_steps:
                 st._count(step)
@@ -288,19 +291,19 @@ class PipelineModel(LanguageModel):
         self.relays.clear()
         # every submitted step must have finished before its memory, the links' host pages and
         # imports, or the devices go; one still queued (a stuck GPU) keeps all of it, leaked
-        busy = []
-        for st_steps in self._last_steps:
-            for step in st_steps:
-                try:
-                    step.wait(min(5.0, self.timeout or 5.0))
-                except WaitTimeout:
-                    busy.append(step)
-                except VkxError:
-                    pass  # finished, with an error its step already raised
+        busy = None
+        for step in (step for st_steps in self._last_steps for step in st_steps):
+            try:
+                step.wait(min(5.0, self.timeout or 5.0))
+            except WaitTimeout:
+                busy = step  # one is enough to keep everything (and not wait 5 s for each)
+                break
+            except VkxError:
+                pass  # finished, with an error its step already raised
         self._last_steps = []
-        if busy:
-            log.error("pipeline closed while %d steps are still queued (a stuck GPU?): its devices, memory "
-                      "and host pages are left allocated", len(busy))
+        if busy is not None:
+            log.error("pipeline closed while steps are still queued (a stuck GPU?): its devices, memory "
+                      "and host pages are left allocated")
             self.stages.clear()
             self.links.clear()
             self.link_timelines.clear()

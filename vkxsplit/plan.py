@@ -493,12 +493,13 @@ def kernels_ident() -> str:
     kill switches set (KERNEL_SWITCHES). New kernels (a vkxsplit upgrade, a rebuild) or another
     switch mean other costs: a profile measured before does not apply."""
     from .shaders import shipped
+    from .vk.instance import env_flag
 
     h = hashlib.sha256()
     for name, meta in sorted(shipped().items()):
         h.update(f"{name}:{meta.get('spv_sha256', '')}\n".encode())
     for k in KERNEL_SWITCHES:
-        h.update(f"{k}={os.environ.get(k, '')}\n".encode())
+        h.update(f"{k}={int(env_flag(k))}\n".encode())  # (unset, "", "0", "off": the same)
     return h.hexdigest()[:16]
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import KernelError
 from ..shaders import Variant
 from ..vk.instance import env_flag
-from ..vk.kernel import Bindable, Kernel, as_range
+from ..vk.kernel import Bindable, Kernel, View, as_range
 from .convert import record_convert_rows
 from .quant import TYPES, TypeLike, WeightType, weight_type
 
@@ -960,6 +960,17 @@ def coopmat2_available(device: Device) -> bool:
     return not coopmat2_disabled() and coopmat2_supported(device)
 
 
+def cm2_eligible(device: Device, t: str, w: Bindable) -> bool:
+    """Whether a product of ``t`` weights bound as ``w`` runs mul_mat_cm2 on ``device``: a
+    CM2_TYPES type, the kernel available, and the weights in a block created for device
+    addresses (the decode functions take a pointer into it; exported or imported blocks, such
+    as an arena shared with an attached backend, are not: those products keep mul_mat_coopmat)."""
+    if t not in CM2_TYPES or not coopmat2_available(device):
+        return False
+    buf = w.buffer if isinstance(w, View) else w
+    return bool(getattr(getattr(buf, "block", None), "device_address", False))
+
+
 def vec_supported(device: Device) -> bool:
     """The mat-vec kernel reduces with subgroup arithmetic in compute shaders."""
     return _vec_ok(device.physical)
@@ -1148,7 +1159,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     elif path == "tiled":
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
-        cm2 = coop_variant is None and wt.name in CM2_TYPES and coopmat2_available(dev)
+        cm2 = coop_variant is None and cm2_eligible(dev, wt.name, w)
         if coop_variant is None and k_split is not None:
             # a pinned split: the default tiling
             cname, chosen = (cm2_variant_name(wt.name) if cm2 else coop_variant_name(wt.name)), k_split
@@ -1200,5 +1211,5 @@ __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VEC
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coop_k_split", "cm2_choose", "cm2_variant_name", "coopmat2_available",
-           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "cm2_k_split", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "cm2_k_split", "cm2_eligible", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]

@@ -105,6 +105,7 @@ class Block:
         # on a device with VK_NV_cooperative_matrix2 (bufferDeviceAddress enabled with it) plain
         # buffers are created for device addresses (imported and exported memory stays as it was)
         bda = bool(getattr(dev, "coopmat2", False)) and import_info is None and not export_types
+        self.device_address = bda  # (mul_mat_cm2 reads weights only from such blocks)
         usage = BUFFER_USAGE | (USAGE_DEVICE_ADDRESS if bda else 0)
         bci = new("VkBufferCreateInfo", size=size, usage=usage,
                   sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE,
