@@ -7,7 +7,10 @@
 // 24, 34, 144, 176, 210 bytes = QBYTES of dequant.glsl).
 //
 // The including shader defines WTYPE (ggml type id); this file defines QK, CM2_DECODE
-// (", dq_elem" or empty: F16 needs no decode) and the buffer w_blocks[].
+// (", dq_elem" or empty: F16 needs no decode) and the buffer w_blocks[]. The decode itself is
+// cm2_dq_body.glsl, included into dq_elem (block B = r.b behind the driver's pointer) and, with
+// CM2_SSBO_DECODE, into dq_ssbo (B = w_blocks[bi]); CM2_NO_REF leaves out the pointer type and
+// dq_elem (no device addresses needed).
 #ifndef VKX_CM2_DECODE_GLSL
 #define VKX_CM2_DECODE_GLSL
 
@@ -65,59 +68,27 @@ struct WBlock { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; float16_t d;
 #endif
 
 layout(std430, binding = 0) readonly buffer WB { WBlock w_blocks[]; };
-layout(buffer_reference, std430, buffer_reference_align = CM2_ALIGN) readonly buffer WRef { WBlock b; };
 
-#if WTYPE == WT_Q4_K || WTYPE == WT_Q5_K
-// ggml's get_scale_min_k4: 6-bit scale and min of sub-block s (0..7) of a K-quant block
-uvec2 cm2_scale_min(const in WRef r, uint s) {
-    if (s < 4u)
-        return uvec2(uint(r.b.scales[s]) & 63u, uint(r.b.scales[s + 4u]) & 63u);
-    uint hi = uint(r.b.scales[s + 4u]);
-    return uvec2((hi & 15u) | ((uint(r.b.scales[s - 4u]) >> 6) << 4),
-                 (hi >> 4) | ((uint(r.b.scales[s]) >> 6) << 4));
-}
-#endif
+#ifndef CM2_NO_REF
+layout(buffer_reference, std430, buffer_reference_align = CM2_ALIGN) readonly buffer WRef { WBlock b; };
 
 float16_t dq_elem(const in WRef r, const in uint blockCoords[2], const in uint coordInBlock[2]) {
     const uint j = coordInBlock[1];
-#if WTYPE == WT_F32
-    return float16_t(r.b.v);
-#elif WTYPE == WT_BF16
-    return float16_t(uintBitsToFloat(uint(r.b.v) << 16));
-#elif WTYPE == WT_Q4_0 || WTYPE == WT_Q4_1
-    const uint q = (uint(r.b.qs[j & 15u]) >> ((j & 16u) >> 2)) & 15u;
-#if WTYPE == WT_Q4_0
-    return float16_t(float(int(q) - 8) * float(r.b.d));
-#else
-    return float16_t(float(q) * float(r.b.d) + float(r.b.m));
-#endif
-#elif WTYPE == WT_Q5_0 || WTYPE == WT_Q5_1
-    const uint lo = (uint(r.b.qs[j & 15u]) >> ((j & 16u) >> 2)) & 15u;
-#if WTYPE == WT_Q5_0
-    const uint h = (uint(r.b.qh[j >> 3]) >> (j & 7u)) & 1u;
-    return float16_t(float(int(lo | (h << 4)) - 16) * float(r.b.d));
-#else
-    const uint h = (r.b.qh >> j) & 1u;
-    return float16_t(float(lo | (h << 4)) * float(r.b.d) + float(r.b.m));
-#endif
-#elif WTYPE == WT_Q8_0
-    return float16_t(float(int(r.b.qs[j])) * float(r.b.d));
-#elif WTYPE == WT_Q4_K || WTYPE == WT_Q5_K
-    const uint g = j >> 6, l = j & 63u;              // 64-element group, element in it
-    const uvec2 sm = cm2_scale_min(r, 2u * g + (l >> 5));
-    uint q = (uint(r.b.qs[32u * g + (l & 31u)]) >> ((l & 32u) >> 3)) & 15u;
-#if WTYPE == WT_Q5_K
-    q |= ((uint(r.b.qh[l & 31u]) >> (2u * g + (l >> 5))) & 1u) << 4;
-#endif
-    return float16_t(float(r.b.d) * float(sm.x) * float(q) - float(r.b.dmin) * float(sm.y));
-#elif WTYPE == WT_Q6_K
-    const uint half_ = j >> 7, quarter = (j >> 5) & 3u, l = j & 31u;
-    const uint lo = (uint(r.b.ql[64u * half_ + l + 32u * (quarter & 1u)]) >> (4u * (quarter >> 1))) & 15u;
-    const uint hb = (uint(r.b.qh[32u * half_ + l]) >> (2u * quarter)) & 3u;
-    const int sc = int(r.b.scales[8u * half_ + (l >> 4) + 2u * quarter]);
-    return float16_t(float(r.b.d) * float(sc) * float(int(lo | (hb << 4)) - 32));
-#endif
+#define B r.b
+#include "cm2_dq_body.glsl"
+#undef B
 }
+#endif
+
+#ifdef CM2_SSBO_DECODE
+// the same decode of element j of block bi, read from the binding (cm2_decode_check.comp: the
+// formulas checked against gguf's dequantize on any device, without coopmat2 or device addresses)
+float16_t dq_ssbo(const uint bi, const uint j) {
+#define B w_blocks[bi]
+#include "cm2_dq_body.glsl"
+#undef B
+}
+#endif
 #endif  // WTYPE != F16
 
 #endif

@@ -32,6 +32,7 @@ from vkxsplit.ops import mul_mat as mm
 from vkxsplit.ops.quant import block_size
 from vkxsplit.vk import instance as vki
 from vkxsplit.vk.command import Sequence
+from vkxsplit.vk.kernel import Kernel
 
 CM2_NAMES = sorted(mm.CM2_VARIANT_TILES)
 
@@ -141,6 +142,36 @@ def test_cm2_fast_path_and_fallback(device, bufs, rng, t):  # noqa: F811
     for split in (0, 256, 192):
         y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat", coop_variant=name, k_split=split)
         check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
+
+
+@pytest.mark.parametrize("t", [t for t in ALL if t != "f16"])
+def test_cm2_decode_matches_gguf(device, bufs, rng, t):  # noqa: F811
+    """The decode functions mul_mat_cm2 gives the driver (shaders/cm2_dq_body.glsl), run element
+    by element from an ordinary binding (cm2_decode_check_<type>), against gguf's dequantize of
+    the same blocks (random valid blocks, and gguf's quantize where it supports the type): each
+    element within the f16 rounding of the float64 value (bound 2^-10 |w| + 2^-24, plus f32
+    rounding of the terms for types with a min); every element written."""
+    n_blocks = 64
+    k = n_blocks * block_size(t)
+    for raw, W in (make_weights(rng, t, 1, k, random_bits=True), make_weights(rng, t, 1, k)):
+        wb = bufs.new(raw.nbytes, raw)
+        ob = bufs.new(2 * k)
+        out = ob.numpy(np.uint16, (k,))
+        out[:] = 0x7E00  # f16 NaN: an element not written fails
+        seq = Sequence(device, "dq")
+        try:
+            seq.dispatch(Kernel.get(device, f"cm2_decode_check_{t}"), [wb, ob], (k,), (-(-k // 64), 1, 1))
+            seq.run()
+        finally:
+            seq.close()
+        got = out.view(np.float16).astype(np.float64)
+        ref = W.ravel()
+        assert np.isfinite(got).all() or not np.isfinite(ref).all()
+        err = np.abs(got - ref)
+        # (plus f32 rounding of the terms where d sc q - dmin m cancels: abs_terms)
+        bound = 2.0 ** -10 * np.abs(ref) + 2.0 ** -22 * abs_terms(raw, t, W).ravel() + 2.0 ** -24
+        bad = err > bound
+        assert not bad.any(), f"{bad.sum()} of {k} elements off; first at {np.argmax(bad)}: {got[bad][:4]} vs {ref[bad][:4]}"
 
 
 def test_convert_rows(device, bufs, rng):  # noqa: F811

@@ -678,6 +678,14 @@ def _cm2_variants() -> tuple[list[Variant], dict[str, Cm2Tile]]:
 
 
 _CM2_VARIANTS, CM2_VARIANT_TILES = _cm2_variants()
+#: test kernels: the mul_mat_cm2 decode of every type but F16 (read as is), element by element
+#: from an ordinary binding (shaders/cm2_decode_check.comp), so its formulas are checked against
+#: gguf's dequantize on any device (tests/test_mul_mat_cm2.py), not only where coopmat2 runs
+CM2_CHECK_VARIANTS = [
+    Variant(name=f"cm2_decode_check_{t}", source="cm2_decode_check.comp", defines={"WTYPE": str(wt.id)},
+            bindings=2, writes=(1,), push="I", local_size=(64, 1, 1), compiler="glslang",
+            requires=("shaderFloat16", "shaderInt8", *_STORAGE))
+    for t, wt in TYPES.items() if t != "f16"]
 COOP_VARIANT_TILES.update(CM2_VARIANT_TILES)  # type: ignore[arg-type]  # grid and cost interface
 
 VARIANTS = (
@@ -695,6 +703,7 @@ VARIANTS = (
        for t, wt in TYPES.items()]
     + _COOP_VARIANTS
     + _CM2_VARIANTS
+    + CM2_CHECK_VARIANTS
     + [Variant(name="reduce_splitk_f32", source="reduce_splitk.comp", bindings=2, writes=(1,), push="I" * 6,
                local_size=(256, 1, 1))]
 )
