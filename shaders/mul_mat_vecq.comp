@@ -34,9 +34,11 @@
 //         selected by the parity of the block's halfword index
 // Partial sums are reduced through shared memory (any subgroup size).
 //
-// Defines: WTYPE (Q4_0, Q4_1, Q8_0 or Q4_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT.
+// RPT > 1 (Q4_0 / Q8_0, BLK 1): a thread works on RPT rows (row0 + r + i NR), loading each x
+// block once for all of them; a workgroup computes NR RPT rows.
+// Defines: WTYPE (Q4_0, Q4_1, Q8_0 or Q4_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
-// Workgroups: ceil(N / NR) folded into (x, y) as x + y * gl_NumWorkGroups.x.
+// Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_8bit_storage : require
 #extension GL_EXT_control_flow_attributes : require
@@ -85,6 +87,15 @@
 #endif
 #ifndef IDP_SAT
 #define IDP_SAT 0
+#endif
+#ifndef RPT
+#define RPT 1
+#endif
+#if RPT > 1 && (BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0))
+#error "RPT > 1: Q4_0 / Q8_0 with BLK 1 only"
+#endif
+#if NR * RPT * MAXM > WG
+#error "the final reduction needs a thread per (row, column): NR * RPT * MAXM <= WG"
 #endif
 #if WG % NR != 0
 #error "WG must be a multiple of NR"
@@ -237,6 +248,50 @@ void decode_block(const uint w[QW + 1u], uint G, uint g) {
 }
 #endif
 
+#if RPT > 1
+// RPT rows per thread (rows row0 + r + i NR, i < RPT): each x block's loads (two uvec4 and its
+// meta) serve RPT weight blocks instead of one
+shared float red2[RPT][MAXM][WG];
+float accr[RPT][MAXM];
+
+// scale and quant words of a BLK-1 block from its QW + 1 loaded words (as decode_block)
+void unpack_block(const uint w[QW + 1u], uint G, out float d, out uint q[QW]) {
+    const bool odd = ((HB * G) & 1u) != 0u;
+    const vec2 dd = unpackHalf2x16(w[0]);
+    [[unroll]] for (uint j = 0u; j < QW; ++j) {
+        q[j] = odd ? w[j + 1u] : funnel16(w[j], w[j + 1u]);
+    }
+    d = odd ? dd.y : dd.x;
+}
+
+// block index g of RPT rows (scales d[i], quant words q[i]) against x block g of each column
+void block_rows(const float d[RPT], const uint q[RPT][QW], uint g) {
+    [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+        const uint xb = xbk[m] + g;
+        const uvec4 x0 = xq4[2u * xb];
+        const uvec4 x1 = xq4[2u * xb + 1u];
+        const uvec2 meta = xqm[mbase + xb];
+        const uint X[8] = uint[8](x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w);
+        const float dx = uintBitsToFloat(meta.x);
+        [[unroll]] for (uint i = 0u; i < RPT; ++i) {
+            int s = 0;
+#if WTYPE == WT_Q4_0
+            [[unroll]] for (uint j = 0u; j < 4u; ++j) {
+                s = dot4(q[i][j] & 0x0F0F0F0Fu, X[j], s);
+                s = dot4((q[i][j] >> 4) & 0x0F0F0F0Fu, X[j + 4u], s);
+            }
+            s -= 8 * int(meta.y);
+#else
+            [[unroll]] for (uint j = 0u; j < 8u; ++j) {
+                s = dot4(q[i][j], X[j], s);
+            }
+#endif
+            accr[i][m] = fma(d[i] * dx, float(s), accr[i][m]);
+        }
+    }
+}
+#endif
+
 #if WTYPE == WT_Q4_K
 // byte b (0..11) of the packed 6-bit scales and mins
 uint scb(const uint sc[3], uint b) {
@@ -289,7 +344,11 @@ void superblock(const uvec4 v[9], uint sb) {
 
 void main() {
     const uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+#if RPT > 1
+    const uint row0 = wg * NR * RPT;
+#else
     const uint row0 = wg * NR;
+#endif
     if (row0 >= p.N) {
         return;  // whole workgroup: the padding of the folded grid
     }
@@ -305,7 +364,34 @@ void main() {
         acc[m] = 0.0;
     }
 
-#if BLK == 8
+#if RPT > 1
+    uint G0[RPT];  // global index of the first block of each of this thread's rows
+    [[unroll]] for (uint i = 0u; i < RPT; ++i) {
+        G0[i] = (p.w_row0 + min(row0 + r + i * NR, p.N - 1u)) * nb;
+        [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+            accr[i][m] = 0.0;
+        }
+    }
+    for (uint g0 = lane; g0 < nb; g0 += UNR * L) {
+        uint w[UNR][RPT][QW + 1u];
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            [[unroll]] for (uint i = 0u; i < RPT; ++i) {
+                load_block(G0[i] + min(g0 + u * L, nb - 1u), w[u][i]);
+            }
+        }
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            const uint g = g0 + u * L;
+            if (u == 0u || g < nb) {
+                float d[RPT];
+                uint q[RPT][QW];
+                [[unroll]] for (uint i = 0u; i < RPT; ++i) {
+                    unpack_block(w[u][i], G0[i] + g, d[i], q[i]);
+                }
+                block_rows(d, q, g);
+            }
+        }
+    }
+#elif BLK == 8
     const uint ng = nb / 8u;          // groups per row
     const uint gb = row * (ng * GW);  // first uvec4 of the row
     for (uint g0 = lane; g0 < ng; g0 += UNR * L) {
@@ -357,6 +443,28 @@ void main() {
     }
 #endif
 
+#if RPT > 1
+    [[unroll]] for (uint i = 0u; i < RPT; ++i) {
+        [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+            red2[i][m][tid] = accr[i][m];
+        }
+    }
+    barrier();
+    if (tid < NR * RPT * MAXM) {
+        const uint rr = tid % NR;
+        const uint i = (tid / NR) % RPT;
+        const uint m = tid / (NR * RPT);
+        const uint n = row0 + rr + i * NR;
+        if (m < p.M && n < p.N) {
+            float s = 0.0;
+            [[unroll]] for (uint k = 0u; k < L; ++k) {
+                s += red2[i][m][k * NR + rr];
+            }
+            y[p.y_offset + m * p.y_stride + p.y_col0 + n] = s;
+        }
+    }
+    return;
+#endif
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
         red[m][tid] = acc[m];
     }

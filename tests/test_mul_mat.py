@@ -925,14 +925,15 @@ def test_mat_vecq_variant(device, bufs, rng, name):
     _vecq_skip(device, name)
     t, cfg, maxm = mm.VECQ_SWEEP[name]
     lanes = cfg.wg // cfg.nr
+    rows = cfg.rows  # per workgroup: nr teams x rpt rows per thread
     Ms = (1,) if maxm == 1 else (3, 4)
     unit = 256 if cfg.blk == 8 or t == "q4_k" else 32  # (Q4_K: one super-block per unit)
     for M in Ms:
-        _vecq_run(device, bufs, rng, t, name, M, n_total=cfg.nr + 3, r0=0, n=cfg.nr + 3, K=512, y_col=0)
-        _vecq_run(device, bufs, rng, t, name, M, n_total=2 * cfg.nr + 5, r0=3, n=cfg.nr + 2,
+        _vecq_run(device, bufs, rng, t, name, M, n_total=rows + 3, r0=0, n=rows + 3, K=512, y_col=0)
+        _vecq_run(device, bufs, rng, t, name, M, n_total=2 * rows + 5, r0=3, n=rows + 2,
                   K=1280 if unit == 256 else 288, y_col=5, x_off=3)
     K = unit * (2 * cfg.unr * lanes + 3)
-    _vecq_run(device, bufs, rng, t, name, Ms[-1], n_total=cfg.nr + 1, r0=1, n=cfg.nr, K=K, y_col=2,
+    _vecq_run(device, bufs, rng, t, name, Ms[-1], n_total=rows + 1, r0=1, n=rows, K=K, y_col=2,
               random_bits=True)
 
 

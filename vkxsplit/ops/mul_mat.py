@@ -212,7 +212,9 @@ class VecqConfig:
     blocks per load unit (8: 16-byte aligned 8-block groups, K % 256 == 0, not Q4_1; 1: single blocks,
     any K % 32 == 0), ``unr`` units per thread per loop iteration, ``idp`` 1: packed 4x8 dot
     products (OpSDot; needs shaderIntegerDotProduct), 0: the same sums with int multiply-adds
-    of unpacked bytes (``_emu``), ``sat``: OpSDotAccSat instead of OpSDot + add."""
+    of unpacked bytes (``_emu``), ``sat``: OpSDotAccSat instead of OpSDot + add, ``rpt`` rows
+    per thread (Q4_0 / Q8_0 with ``blk`` 1: each x block loaded once for ``rpt`` rows; a
+    workgroup then computes ``nr * rpt`` rows)."""
 
     wg: int
     nr: int
@@ -220,15 +222,25 @@ class VecqConfig:
     unr: int = 1
     idp: int = 1
     sat: int = 0
+    rpt: int = 1
 
     @property
     def tag(self) -> str:
         return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
+                + (f"_r{self.rpt}" if self.rpt > 1 else "")
                 + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
 
+    @property
+    def rows(self) -> int:
+        """Rows per workgroup (``nr`` teams, ``rpt`` rows per thread)."""
+        return self.nr * self.rpt
+
     def defines(self) -> dict[str, str]:
-        return {"WG": str(self.wg), "NR": str(self.nr), "BLK": str(self.blk), "UNR": str(self.unr),
-                "IDP": str(self.idp), "IDP_SAT": str(self.sat)}
+        d = {"WG": str(self.wg), "NR": str(self.nr), "BLK": str(self.blk), "UNR": str(self.unr),
+             "IDP": str(self.idp), "IDP_SAT": str(self.sat)}
+        if self.rpt > 1:
+            d["RPT"] = str(self.rpt)
+        return d
 
 
 VECQ_QUANTIZE = "quantize_q8_1"   # the quantize-x kernel (shaders/quantize_q8_1.comp)
@@ -245,10 +257,14 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # per row: q4_0 4096x14336 27.7 us vs 19.1 for nr4), b1_wg128_nr4_u4 (no faster
                 # than u1), b1_wg256_nr2_u2 and b1_wg128_nr1_u2 (slower at 14336x4096)
                 VecqConfig(128, 2, blk=1, unr=2), VecqConfig(64, 2, blk=1, unr=2), VecqConfig(128, 2, blk=1, unr=4),
+                # session 7, not yet measured: 2 and 4 rows per thread (x loads shared by the rows;
+                # Q4_0 spends as many x loads per block as Q8_0 for half the weight bytes)
                 # session 7, swept and dropped: 128 and 256 threads per row for long rows
                 # (b1_wg128_nr1_u2, b1_wg256_nr2_u2, b1_wg256_nr1_u2): Q4_0 4096x14336 dot only
                 # 14.2 / 14.5 / 16.9 us against 13.2 for b1_wg128_nr2_u2, so the 7-block chain
                 # per thread at 64 threads per row is not what holds Q4_0 at 60% of copy
+                VecqConfig(128, 2, blk=1, unr=2, rpt=2), VecqConfig(64, 2, blk=1, unr=2, rpt=2),
+                VecqConfig(128, 2, blk=1, rpt=4),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
@@ -262,7 +278,7 @@ _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
 #: mul_mat_vecq_<type>_q8_1_m<1|4>_<shape tag>; :func:`vecq_variant` picks the default ones
 VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
     **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES
-       if c.blk == 1 or t not in _VECQ_SINGLE},
+       if (c.blk == 1 or t not in _VECQ_SINGLE) and (c.rpt == 1 or t in ("q4_0", "q8_0"))},
     **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4
        if t not in _VECQ_SINGLE},
 }
@@ -991,7 +1007,8 @@ def _vec_ok(p: Any) -> bool:
 
 def _grid(path: str, wt: WeightType, M: int, N: int, variant: str | None = None) -> tuple[int, int, int]:
     if path == "vec":
-        g = max(1, -(-N // (vec_config(variant).nr if variant else VEC_CONFIG[wt.name].nr)))
+        cfg = vec_config(variant) if variant else VEC_CONFIG[wt.name]
+        g = max(1, -(-N // getattr(cfg, "rows", cfg.nr)))  # (vecq shapes: nr teams x rpt rows each)
         gx = min(g, MAX_GROUPS)
         return gx, -(-g // gx), 1
     if path == "tiled":
