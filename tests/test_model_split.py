@@ -298,3 +298,25 @@ def test_norms_writing_q8_1_stay_on_the_hub(split_model):
             assert np.isfinite(m.last_logits()).all()
     finally:
         m.set_split("none")
+
+
+def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys):
+    """`vkxsplit run` with neither --split nor --backends on a CPU Vulkan device (this machine's
+    lavapipe) attaches the cpu backend and runs mode:cpu, saying so on stderr; the greedy text is
+    the one the hub alone writes (first tokens of the default model); --split none keeps the old
+    behaviour without the note."""
+    from vkxsplit.cli import main
+    from vkxsplit.runner import CPU_HUB_SPLIT
+    from vkxsplit.vk.api import vk
+    from vkxsplit.vk.device import Device
+
+    with Device.open() as d:
+        cpu_hub = d.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+    args = ["run", "-p", "The capital of France is", "-n", "3", "--no-chat"]
+    assert main(args) == 0
+    auto = capsys.readouterr()
+    assert main([*args, "--split", "none"]) == 0
+    plain = capsys.readouterr()
+    assert ("is a CPU device" in auto.err and f"--split {CPU_HUB_SPLIT} --backends cpu" in auto.err) == cpu_hub
+    assert "is a CPU device" not in plain.err
+    assert auto.out == plain.out and auto.out.startswith("The capital of France is")

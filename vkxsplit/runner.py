@@ -63,8 +63,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(`vkxsplit info` lists what this machine can run)")
 
 
+#: the split `run` / `bench` take on a CPU hub when given neither --split nor --backends
+CPU_HUB_SPLIT = "mode:cpu"
+
+
 def _load(args: argparse.Namespace) -> Any:
     from .model import load_model
+    from .vk.api import vk
     from .vk.device import Device
 
     if getattr(args, "devices", None):
@@ -86,11 +91,23 @@ def _load(args: argparse.Namespace) -> Any:
         raise VkxError("--layer-split and --micro-batches go with --devices (a model split over several GPUs)")
     if getattr(args, "split_mode", "layer") != "layer":
         raise VkxError("--split-mode row goes with --devices (a model split over two GPUs)")
-    dev = Device.open(args.device) if args.device is not None else None
-    model = load_model(args.model, split=args.split, backends=args.backends, device=dev, n_ctx=args.ctx_size,
-                       ubatch=args.ubatch, progress=Progress("loading"))
-    if dev is not None:
-        model._own_device = True
+    dev = Device.open(args.device)
+    split, backends = args.split, args.backends
+    try:
+        if split is None and backends is None and dev.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+            # No GPU: the hub is a CPU Vulkan driver (lavapipe), whose shaders run the matrix
+            # products far slower than the cpu backend's; what the planner picks there (`auto`:
+            # mode:cpu at T = 1 and 40 for SmolLM2, prompt 7.8 -> 245-260 tok/s, generation
+            # 11.4 -> 22.7-25.3 on 2 cores), without its first-run measurement
+            split, backends = CPU_HUB_SPLIT, "cpu"
+            print(f"vkxsplit: '{dev.name}' is a CPU device: the cpu backend takes the matrix products "
+                  f"(--split {CPU_HUB_SPLIT} --backends cpu; --split none keeps them on the hub)", file=sys.stderr)
+        model = load_model(args.model, split=split, backends=backends, device=dev, n_ctx=args.ctx_size,
+                           ubatch=args.ubatch, progress=Progress("loading"))
+    except BaseException:
+        dev.close()
+        raise
+    model._own_device = True
     return model
 
 
