@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for w in $what; do
   case $w in
     tests)
-      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 420 python3 -m pytest -q -ra -p no:cacheprovider \
+      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 540 python3 -m pytest -q -ra -p no:cacheprovider \
         -o addopts="" tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     kernels)
       timeout 300 python3 tools/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.md" ;;
