@@ -304,7 +304,7 @@ def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys):
     """`vkxsplit run` with neither --split nor --backends on a CPU Vulkan device (this machine's
     lavapipe) attaches the cpu backend and runs mode:cpu, saying so on stderr; the greedy text is
     the one the hub alone writes (first tokens of the default model); --split none keeps the old
-    behaviour without the note."""
+    behaviour without the note; `bench` without them measures and labels the same default."""
     from vkxsplit.cli import main
     from vkxsplit.runner import CPU_HUB_SPLIT
     from vkxsplit.vk.api import vk
@@ -320,3 +320,10 @@ def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys):
     assert ("is a CPU device" in auto.err and f"--split {CPU_HUB_SPLIT} --backends cpu" in auto.err) == cpu_hub
     assert "is a CPU device" not in plain.err
     assert auto.out == plain.out and auto.out.startswith("The capital of France is")
+    # bench measures and labels what run does
+    import json
+
+    assert main(["bench", "-p", "4", "-n", "1", "-r", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    want = (CPU_HUB_SPLIT, "vulkan,cpu") if cpu_hub else ("none", "vulkan")
+    assert {(r["split"], r["backends"]) for r in rows} == {want}

@@ -100,6 +100,7 @@ def _load(args: argparse.Namespace) -> Any:
             # mode:cpu at T = 1 and 40 for SmolLM2, prompt 7.8 -> 245-260 tok/s, generation
             # 11.4 -> 22.7-25.3 on 2 cores), without its first-run measurement
             split, backends = CPU_HUB_SPLIT, "cpu"
+            args.split, args.backends = split, backends  # (what `bench` reports)
             print(f"vkxsplit: '{dev.name}' is a CPU device: the cpu backend takes the matrix products "
                   f"(--split {CPU_HUB_SPLIT} --backends cpu; --split none keeps them on the hub)", file=sys.stderr)
         model = load_model(args.model, split=split, backends=backends, device=dev, n_ctx=args.ctx_size,
@@ -189,8 +190,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         parse_spec(s)  # a typo in the third config fails before the first one runs
     rows = []
     a = argparse.Namespace(**vars(args))
-    a.split = splits[0]
+    default = args.split is None and args.backends is None
+    a.split = None if default else splits[0]  # None: run's default (on a CPU hub: mode:cpu)
     model = _load(a)  # loaded once: every split config runs over the same weights and backends
+    if default:
+        splits = [a.split or "none"]
+        args.backends = a.backends
     multi = bool(getattr(args, "devices", None))
     try:
         for split in splits:
