@@ -300,11 +300,13 @@ def test_norms_writing_q8_1_stay_on_the_hub(split_model):
         m.set_split("none")
 
 
-def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys):
+def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys, monkeypatch):
     """`vkxsplit run` with neither --split nor --backends on a CPU Vulkan device (this machine's
     lavapipe) attaches the cpu backend and runs mode:cpu, saying so on stderr; the greedy text is
     the one the hub alone writes (first tokens of the default model); --split none keeps the old
-    behaviour without the note; `bench` without them measures and labels the same default."""
+    behaviour without the note; where the cpu backend's f32 copy of the weights would not fit in
+    half the available memory the hub keeps everything; `bench` without them measures and labels
+    the same default."""
     from vkxsplit.cli import main
     from vkxsplit.runner import CPU_HUB_SPLIT
     from vkxsplit.vk.api import vk
@@ -320,6 +322,16 @@ def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys):
     assert ("is a CPU device" in auto.err and f"--split {CPU_HUB_SPLIT} --backends cpu" in auto.err) == cpu_hub
     assert "is a CPU device" not in plain.err
     assert auto.out == plain.out and auto.out.startswith("The capital of France is")
+    # where the cpu backend's f32 weights would not fit, the hub keeps everything, and says why
+    from vkxsplit import runner
+
+    assert runner._cpu_backend_bytes(None) > 4 * 100_000_000  # ~135M parameters, 4 bytes each
+    monkeypatch.setattr(runner, "_available_memory", lambda: 1 << 20)
+    assert main(args) == 0
+    small = capsys.readouterr()
+    assert ("does not fit the available memory" in small.err) == cpu_hub and "takes the matrix" not in small.err
+    assert small.out == plain.out
+    monkeypatch.undo()
     # bench measures and labels what run does
     import json
 

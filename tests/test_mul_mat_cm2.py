@@ -151,6 +151,9 @@ def test_cm2_decode_matches_gguf(device, bufs, rng, t):  # noqa: F811
     the same blocks (random valid blocks, and gguf's quantize where it supports the type): each
     element within the f16 rounding of the float64 value (bound 2^-10 |w| + 2^-24, plus f32
     rounding of the terms for types with a min); every element written."""
+    missing = [f for f in ("shaderFloat16", "shaderInt8") if not device.features.get(f)]
+    if missing:
+        pytest.skip(f"'{device.name}' lacks {', '.join(missing)}")
     n_blocks = 64
     k = n_blocks * block_size(t)
     for raw, W in (make_weights(rng, t, 1, k, random_bits=True), make_weights(rng, t, 1, k)):
@@ -166,11 +169,11 @@ def test_cm2_decode_matches_gguf(device, bufs, rng, t):  # noqa: F811
             seq.close()
         got = out.view(np.float16).astype(np.float64)
         ref = W.ravel()
-        assert np.isfinite(got).all() or not np.isfinite(ref).all()
+        assert np.isfinite(ref).all() and np.isfinite(got).all()  # (NaN: an element not written)
         err = np.abs(got - ref)
         # (plus f32 rounding of the terms where d sc q - dmin m cancels: abs_terms)
         bound = 2.0 ** -10 * np.abs(ref) + 2.0 ** -22 * abs_terms(raw, t, W).ravel() + 2.0 ** -24
-        bad = err > bound
+        bad = ~(err <= bound)
         assert not bad.any(), f"{bad.sum()} of {k} elements off; first at {np.argmax(bad)}: {got[bad][:4]} vs {ref[bad][:4]}"
 
 

@@ -1842,7 +1842,13 @@ def cmd_plan(args: Any) -> int:
     dev = Device.open(args.device) if args.device is not None else None
     ub = max(Ts)
     n_ctx = args.ctx_size or max(ub + 1, 256)
-    model = load_model(args.model, split=args.split, backends=args.backends, device=dev, n_ctx=n_ctx, ubatch=ub)
+    try:
+        model = load_model(args.model, split=args.split, backends=args.backends, device=dev, n_ctx=n_ctx,
+                           ubatch=ub)
+    except BaseException:
+        if dev is not None:
+            dev.close()
+        raise
     if dev is not None:
         model._own_device = True
     try:

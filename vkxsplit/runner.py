@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,28 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 #: the split `run` / `bench` take on a CPU hub when given neither --split nor --backends
 CPU_HUB_SPLIT = "mode:cpu"
+#: ... when the cpu backend's f32 weights take at most this share of the available memory
+CPU_HUB_MEMORY_SHARE = 0.5
+
+
+def _cpu_backend_bytes(model: Any) -> int:
+    """Bytes of the f32 copies the cpu backend makes of the model's matrices (4 per element)."""
+    from .gguf_model import default_model_path
+    from .gguf_model import load_model as load_gguf
+
+    with load_gguf(model or default_model_path()) as mf:
+        return 4 * sum(t.n_elements for t in mf.tensors.values() if t.n_dims >= 2)
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -98,11 +121,19 @@ def _load(args: argparse.Namespace) -> Any:
             # No GPU: the hub is a CPU Vulkan driver (lavapipe), whose shaders run the matrix
             # products far slower than the cpu backend's; what the planner picks there (`auto`:
             # mode:cpu at T = 1 and 40 for SmolLM2, prompt 7.8 -> 245-260 tok/s, generation
-            # 11.4 -> 22.7-25.3 on 2 cores), without its first-run measurement
-            split, backends = CPU_HUB_SPLIT, "cpu"
-            args.split, args.backends = split, backends  # (what `bench` reports)
-            print(f"vkxsplit: '{dev.name}' is a CPU device: the cpu backend takes the matrix products "
-                  f"(--split {CPU_HUB_SPLIT} --backends cpu; --split none keeps them on the hub)", file=sys.stderr)
+            # 11.4 -> 22.7-25.3 on 2 cores), without its first-run measurement. The cpu backend
+            # keeps an f32 copy of every matrix it multiplies: only where that fits in memory.
+            need, have = _cpu_backend_bytes(args.model), _available_memory()
+            if have is None or need <= CPU_HUB_MEMORY_SHARE * have:
+                split, backends = CPU_HUB_SPLIT, "cpu"
+                args.split, args.backends = split, backends  # (what `bench` reports)
+                print(f"vkxsplit: '{dev.name}' is a CPU device: the cpu backend takes the matrix products "
+                      f"(--split {CPU_HUB_SPLIT} --backends cpu; --split none keeps them on the hub)",
+                      file=sys.stderr)
+            else:
+                print(f"vkxsplit: '{dev.name}' is a CPU device, but the cpu backend's f32 copy of the weights "
+                      f"({need / 2**30:.1f} GiB) does not fit the available memory ({have / 2**30:.1f} GiB): "
+                      "the hub runs everything (give --split/--backends to choose)", file=sys.stderr)
         model = load_model(args.model, split=split, backends=backends, device=dev, n_ctx=args.ctx_size,
                            ubatch=args.ubatch, progress=Progress("loading"))
     except BaseException:

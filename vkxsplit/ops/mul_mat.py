@@ -257,12 +257,12 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # per row: q4_0 4096x14336 27.7 us vs 19.1 for nr4), b1_wg128_nr4_u4 (no faster
                 # than u1), b1_wg256_nr2_u2 and b1_wg128_nr1_u2 (slower at 14336x4096)
                 VecqConfig(128, 2, blk=1, unr=2), VecqConfig(64, 2, blk=1, unr=2), VecqConfig(128, 2, blk=1, unr=4),
-                # session 7, not yet measured: 2 and 4 rows per thread (x loads shared by the rows;
-                # Q4_0 spends as many x loads per block as Q8_0 for half the weight bytes)
                 # session 7, swept and dropped: 128 and 256 threads per row for long rows
                 # (b1_wg128_nr1_u2, b1_wg256_nr2_u2, b1_wg256_nr1_u2): Q4_0 4096x14336 dot only
                 # 14.2 / 14.5 / 16.9 us against 13.2 for b1_wg128_nr2_u2, so the 7-block chain
-                # per thread at 64 threads per row is not what holds Q4_0 at 60% of copy
+                # per thread at 64 threads per row is not what holds Q4_0 at 60% of copy.
+                # Session 7, not yet measured: 2 and 4 rows per thread (x loads shared by the rows;
+                # Q4_0 spends as many x loads per block as Q8_0 for half the weight bytes)
                 VecqConfig(128, 2, blk=1, unr=2, rpt=2), VecqConfig(64, 2, blk=1, unr=2, rpt=2),
                 VecqConfig(128, 2, blk=1, rpt=4),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
