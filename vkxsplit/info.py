@@ -610,6 +610,16 @@ def shader_report() -> dict[str, Any]:
     return out
 
 
+def _coop_types(c: Any) -> dict[str, Any]:
+    """Component types, saturation and scope of a cooperative-matrix shape (KHR or NV flexible)."""
+    def name(v: int) -> str:
+        return COMPONENT_TYPES.get(v, str(v))
+
+    return {"a_type": name(c.a_type), "b_type": name(c.b_type), "c_type": name(c.c_type),
+            "result_type": name(c.result_type), "saturating": c.saturating,
+            "scope": SCOPES.get(c.scope, str(c.scope))}
+
+
 def _device_report(p: Any) -> dict[str, Any]:
     from .vk.interop import interop_report
 
@@ -640,21 +650,11 @@ def _device_report(p: Any) -> dict[str, Any]:
         "limits": lim,
         "cooperative_matrix": {
             "extension_present": coop_ext, "supported": bool(p.features.get("cooperativeMatrix")),
-            "shapes": [{"m": c.m, "n": c.n, "k": c.k, "a_type": COMPONENT_TYPES.get(c.a_type, str(c.a_type)),
-                        "b_type": COMPONENT_TYPES.get(c.b_type, str(c.b_type)),
-                        "c_type": COMPONENT_TYPES.get(c.c_type, str(c.c_type)),
-                        "result_type": COMPONENT_TYPES.get(c.result_type, str(c.result_type)),
-                        "saturating": c.saturating, "scope": SCOPES.get(c.scope, str(c.scope))}
-                       for c in p.coopmat_shapes],
+            "shapes": [{"m": c.m, "n": c.n, "k": c.k, **_coop_types(c)} for c in p.coopmat_shapes],
             "coopmat2": {"extension_present": p.has("VK_NV_cooperative_matrix2"),
                          "properties": dict(getattr(p, "coopmat2", {}) or {}),
                          "flexible": [{"granularity": [f.m_granularity, f.n_granularity, f.k_granularity],
-                                       "a_type": COMPONENT_TYPES.get(f.a_type, str(f.a_type)),
-                                       "b_type": COMPONENT_TYPES.get(f.b_type, str(f.b_type)),
-                                       "c_type": COMPONENT_TYPES.get(f.c_type, str(f.c_type)),
-                                       "result_type": COMPONENT_TYPES.get(f.result_type, str(f.result_type)),
-                                       "saturating": f.saturating, "scope": SCOPES.get(f.scope, str(f.scope)),
-                                       "workgroup_invocations": f.workgroup_invocations}
+                                       **_coop_types(f), "workgroup_invocations": f.workgroup_invocations}
                                       for f in getattr(p, "coopmat2_flex", [])]}},
         "extensions": [{"name": n, "spec_version": v} for n, v in sorted(p.extensions.items())],
         "interop": interop_report(p),

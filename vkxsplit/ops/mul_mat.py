@@ -764,19 +764,29 @@ def coop_cost(tile: CoopTile, M: int, N: int, K: int, splits: int) -> float | No
     that split is not allowed: ranges under SPLITK_MIN_K, partials over SPLITK_MAX_SCRATCH):
     waves of COOP_WAVE workgroups, each wave as long as one workgroup's tile work, BM x BN x
     its K range / COOP_TILE_EFF, plus SPLITK_FIXED_K of work per split workgroup."""
-    chunk = split_chunk(K, splits, tile.bk)
-    n = -(-K // max(chunk, 1))
-    if n > 1 and (chunk < SPLITK_MIN_K or 4 * M * N * n > SPLITK_MAX_SCRATCH):
+    got = _split_cost(tile, M, N, K, splits, COOP_WAVE, COOP_TILE_EFF.get(tile.name, 1.0), tile.bk)
+    return None if got is None else got[0]
+
+
+def _split_cost(tile: Any, M: int, N: int, K: int, splits: int, wave: int, eff: float,
+                quantum: int) -> tuple[float, int] | None:
+    """(modelled time, K elements per split or 0) of ``tile`` with K cut into ``splits``
+    ranges of whole ``quantum`` multiples (None when not allowed: ranges under SPLITK_MIN_K,
+    partials over SPLITK_MAX_SCRATCH): waves of ``wave`` workgroups, each wave as long as one
+    workgroup's BM x BN x K-range work / ``eff``, plus SPLITK_FIXED_K per split workgroup."""
+    chunk = split_chunk(K, splits, quantum)
+    used = -(-K // max(chunk, 1))
+    if used > 1 and (chunk < SPLITK_MIN_K or 4 * M * N * used > SPLITK_MAX_SCRATCH):
         return None
-    groups = -(-M // tile.bm) * -(-N // tile.bn) * n
-    work = chunk / COOP_TILE_EFF.get(tile.name, 1.0) + (SPLITK_FIXED_K if n > 1 else 0)
-    return -(-groups // COOP_WAVE) * tile.bm * tile.bn * work
+    groups = -(-M // tile.bm) * -(-N // tile.bn) * used
+    work = chunk / eff + (SPLITK_FIXED_K if used > 1 else 0)
+    return -(-groups // wave) * tile.bm * tile.bn * work, (chunk if used > 1 and chunk < K else 0)
 
 
-def _best_split(tile: CoopTile, M: int, N: int, K: int) -> tuple[float, int]:
+def _best_split(tile: CoopTile, M: int, N: int, K: int, nosplit: bool = False) -> tuple[float, int]:
     """(modelled cost, K elements per split or 0) of the count of SPLITK_COUNTS with the least
-    coop_cost (ties: fewer splits; one range is always allowed)."""
-    return _wave_cost(tile, M, N, K, COOP_WAVE, COOP_TILE_EFF.get(tile.name, 1.0), False)
+    coop_cost (ties: fewer splits; one range is always allowed; only that with ``nosplit``)."""
+    return _wave_cost(tile, M, N, K, COOP_WAVE, COOP_TILE_EFF.get(tile.name, 1.0), nosplit)
 
 
 def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
@@ -823,7 +833,7 @@ def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) ->
     best: tuple[float, str, int] | None = None
     for key in keys:  # the default first: it keeps ties
         tile = COOP_TILES[key]
-        cost, ks = (coop_cost(tile, M, N, K, 1) or 0.0, 0) if nosplit else _best_split(tile, M, N, K)
+        cost, ks = _best_split(tile, M, N, K, nosplit)
         if best is None or cost < best[0]:
             best = (cost, key, ks)
     assert best is not None
@@ -873,15 +883,9 @@ def _wave_cost(tile: Any, M: int, N: int, K: int, wave: int, eff: float, nosplit
     K-range work / ``eff``, plus SPLITK_FIXED_K per split."""
     best: tuple[float, int] | None = None
     for n in (1,) if nosplit else SPLITK_COUNTS:
-        chunk = split_chunk(K, n, quantum or tile.bk)
-        used = -(-K // max(chunk, 1))
-        if used > 1 and (chunk < SPLITK_MIN_K or 4 * M * N * used > SPLITK_MAX_SCRATCH):
-            continue
-        groups = -(-M // tile.bm) * -(-N // tile.bn) * used
-        work = chunk / eff + (SPLITK_FIXED_K if used > 1 else 0)
-        cost = -(-groups // wave) * tile.bm * tile.bn * work
-        if best is None or cost < best[0]:
-            best = (cost, chunk if used > 1 and chunk < K else 0)
+        got = _split_cost(tile, M, N, K, n, wave, eff, quantum or tile.bk)
+        if got is not None and (best is None or got[0] < best[0]):
+            best = got
     assert best is not None
     return best
 

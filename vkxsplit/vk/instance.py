@@ -109,9 +109,7 @@ def new_bf16_features() -> tuple[Any, Any]:
     """A VkPhysicalDeviceShaderBfloat16FeaturesKHR: (the struct, a ``void*`` to it for pNext
     chains built with the vulkan ffi). Keep the struct alive while the chain is used; put it
     last in a chain (its own pNext is of the other ffi)."""
-    s = _bf16_ffi.new("VkxBf16Features*")
-    s.sType = STYPE_BFLOAT16_FEATURES
-    return s, ffi.cast("void*", int(_bf16_ffi.cast("uintptr_t", s)))
+    return raw_struct("VkxBf16Features", STYPE_BFLOAT16_FEATURES)
 
 
 # Validation layers older than an extension (Debian 12 ships 1.3.239; VK_KHR_cooperative_matrix
