@@ -52,13 +52,15 @@ struct WBlock { float16_t d; float16_t m; uint qh; uint8_t qs[16]; };
 #define CM2_ALIGN 2
 struct WBlock { float16_t d; int8_t qs[32]; };
 #elif WTYPE == WT_Q4_K
+// ggml's block_q4_K as words: h = (d, dmin) half pair and the 12 bytes of 6-bit scales/mins,
+// read with one 16-byte load (144-byte blocks: 16-byte aligned wherever the tensor is)
 #define QK 256
-#define CM2_ALIGN 2
-struct WBlock { float16_t d; float16_t dmin; uint8_t scales[12]; uint8_t qs[128]; };
+#define CM2_ALIGN 16
+struct WBlock { uvec4 h; uint qs[32]; };
 #elif WTYPE == WT_Q5_K
 #define QK 256
-#define CM2_ALIGN 2
-struct WBlock { float16_t d; float16_t dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
+#define CM2_ALIGN 16
+struct WBlock { uvec4 h; uint qh[8]; uint qs[32]; };  // 176 bytes
 #elif WTYPE == WT_Q6_K
 #define QK 256
 #define CM2_ALIGN 2

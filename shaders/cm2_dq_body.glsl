@@ -24,22 +24,25 @@
 #elif WTYPE == WT_Q8_0
     return float16_t(float(int(B.qs[j])) * float(B.d));
 #elif WTYPE == WT_Q4_K || WTYPE == WT_Q5_K
+    // the header as one uvec4 (d, dmin; scale bytes 0-3, 4-7, 8-11) and ggml's
+    // get_scale_min_k4(s) for all 8 sub-blocks at once, branch-free (as ggml-vulkan's
+    // dequantFuncQ4_K): sub-blocks 0-3 take bytes 0-3 (scales) and 4-7 (mins) as they are,
+    // 4-7 the nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 / 4-7 above them
+    const uvec4 h = B.h;
     const uint g = j >> 6, l = j & 63u;              // 64-element group, element in it
-    const uint s = 2u * g + (l >> 5);                // sub-block: ggml's get_scale_min_k4(s)
-    uint sc, mn;
-    if (s < 4u) {
-        sc = uint(B.scales[s]) & 63u;
-        mn = uint(B.scales[s + 4u]) & 63u;
-    } else {
-        const uint hi = uint(B.scales[s + 4u]);
-        sc = (hi & 15u) | ((uint(B.scales[s - 4u]) >> 6) << 4);
-        mn = (hi >> 4) | ((uint(B.scales[s]) >> 6) << 4);
-    }
-    uint q = (uint(B.qs[32u * g + (l & 31u)]) >> ((l & 32u) >> 3)) & 15u;
+    const uint s = 2u * g + (l >> 5);                // sub-block
+    const uint sc_hi = (h.w & 0x0F0F0F0Fu) | ((h.y & 0xC0C0C0C0u) >> 2);
+    const uint mn_hi = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z & 0xC0C0C0C0u) >> 2);
+    const uint sh = 8u * (s & 3u);
+    const uint sc = ((s < 4u ? h.y : sc_hi) >> sh) & 63u;
+    const uint mn = ((s < 4u ? h.z : mn_hi) >> sh) & 63u;
+    const uint qb = 32u * g + (l & 31u);             // byte of the nibbles, low or high by l & 32
+    uint q = (B.qs[qb >> 2] >> (8u * (qb & 3u) + ((l & 32u) >> 3))) & 15u;
 #if WTYPE == WT_Q5_K
-    q |= ((uint(B.qh[l & 31u]) >> s) & 1u) << 4;
+    q |= ((B.qh[(l & 31u) >> 2] >> (8u * (l & 3u) + s)) & 1u) << 4;
 #endif
-    return float16_t(float(B.d) * float(sc) * float(q) - float(B.dmin) * float(mn));
+    const vec2 dm = unpackHalf2x16(h.x);
+    return float16_t(dm.x * float(sc) * float(q) - dm.y * float(mn));
 #elif WTYPE == WT_Q6_K
     const uint half_ = j >> 7, quarter = (j >> 5) & 3u, l = j & 31u;
     const uint lo = (uint(B.ql[64u * half_ + l + 32u * (quarter & 1u)]) >> (4u * (quarter >> 1))) & 15u;

@@ -112,3 +112,54 @@ def test_get_rows_errors(device, bufs, seq):
     with pytest.raises(KernelError, match="overlaps"):
         record_get_rows(seq, wb, "f32", ib, ib, 1, 2)
     assert seq.dispatches == 0
+
+
+@pytest.mark.parametrize("t", [t for t in ALL if t not in ("f32", "f16", "bf16")])
+def test_dequant_rows_f16(device, bufs, rng, t):
+    """dequant_rows_<type>_f16 (mul_mat's dequantize-first path): rows row0.. of every quantized
+    type to compact f16 rows at an offset, against gguf's dequantize rounded to f16 (within one
+    f16 ulp: the f16 conversion's rounding is the driver's), outputs poisoned with NaN, nothing
+    outside the n rows written."""
+    from vkxsplit.ops.get_rows import record_dequant_rows
+
+    n_rows, K = 11, test_k(t)
+    raw, W = make_weights(rng, t, n_rows, K, random_bits=True)
+    wb = bufs(raw.nbytes, raw)
+    row0, n, oo = 3, 7, 8
+    nel = oo + n * K + 8
+    ob = bufs(2 * nel)
+    out = ob.numpy(np.uint16, (nel,))
+    out[:] = 0x7E00  # f16 NaN
+    seq = Sequence(device, "dequant_rows")
+    try:
+        record_dequant_rows(seq, wb, t, ob, n, K, row0=row0, out_offset=oo)
+        seq.run()
+    finally:
+        seq.close()
+    got = out[oo:oo + n * K].view(np.float16).astype(np.float64).reshape(n, K)
+    ref = W[row0:row0 + n].astype(np.float32).astype(np.float16).astype(np.float64)
+    assert not np.isnan(got).any()
+    ulp = np.spacing(np.abs(ref).astype(np.float16)).astype(np.float64)
+    assert (np.abs(got - ref) <= ulp).all()
+    assert (out[:oo] == 0x7E00).all() and (out[oo + n * K:] == 0x7E00).all()
+
+
+def test_dequant_rows_errors(device, bufs, seq):
+    from vkxsplit.ops.get_rows import record_dequant_rows
+
+    K = 256
+    wb = bufs(row_bytes("q4_0", K) * 4)
+    ob = bufs(2 * 4 * K)
+    with pytest.raises(KernelError, match="only quantized"):
+        record_dequant_rows(seq, wb, "f16", ob, 4, K)
+    with pytest.raises(KernelError, match="block size"):
+        record_dequant_rows(seq, wb, "q4_0", ob, 4, 48)
+    with pytest.raises(KernelError, match="do not fit the weight"):
+        record_dequant_rows(seq, wb, "q4_0", ob, 4, K, row0=1)
+    with pytest.raises(KernelError, match="output binding"):
+        record_dequant_rows(seq, wb, "q4_0", ob, 4, K, out_offset=4)
+    with pytest.raises(KernelError, match="multiple of 4"):
+        record_dequant_rows(seq, wb, "q4_0", ob, 1, K, out_offset=2)
+    with pytest.raises(KernelError, match="overlaps"):
+        record_dequant_rows(seq, wb, "q4_0", wb, 1, 32)
+    assert seq.dispatches == 0

@@ -68,6 +68,15 @@ def test_cm2_tiling(device, bufs, rng, name):  # noqa: F811
         y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat", coop_variant=name, k_split=0)
         assert took == "coopmat"
         check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
+    if tile.pf or tile.bk > 64:
+        # the tilings that differ only in the aligned fast path: K = 512 (two 256-element runs)
+        K = 512
+        raw, W = make_weights(rng, t, N, K)
+        wb = bufs.new(raw.nbytes, raw)
+        M = 2 * tile.bx + 5
+        x = rng.standard_normal((M, K))
+        y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat", coop_variant=name, k_split=0)
+        check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
 
 
 @pytest.mark.parametrize("t", ALL)
@@ -85,9 +94,11 @@ def test_cm2_default_path(device, bufs, rng, t, monkeypatch):  # noqa: F811
     for M in (9, 130):
         x = rng.standard_normal((M, K))
         y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
-        assert took == "coopmat" and (converts[-1] == (M, K) if t in mm.CM2_TYPES else not converts)
+        cm2 = t in mm.CM2_TYPES or (mm.dq16_available(device, t) and mm.dq16_chosen(t, M, N, K))
+        assert took == "coopmat" and (converts[-1] == (M, K) if cm2 else not converts)
         check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
     monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "1")
+    converts.clear()
     n = len(converts)
     y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
     assert took == "coopmat" and len(converts) == n
@@ -271,6 +282,58 @@ def test_device_buffers_here_have_no_device_addresses(device):
         assert device.features.get("bufferDeviceAddress", False) == bool(device.coopmat2)
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("t", ["q4_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"])
+def test_cm2_dq16(device, bufs, rng, t, monkeypatch):  # noqa: F811
+    """The dequantize-first path (dq16=True): W's rows w_row0.. decoded to f16 rows, then
+    mul_mat_cm2's F16 kernel, unsplit and split, into y columns at an offset, against float64;
+    VKXSPLIT_DISABLE_DQ16=1 never takes it by itself."""
+    _skip(device)
+    N, K, row0 = 260, 4 * test_k(t) if block_size(t) != 256 else 1024, 5
+    raw, W = make_weights(rng, t, N + row0, K)
+    wb = bufs.new(raw.nbytes, raw)
+    passes = []
+    real = mm.record_dequant_rows
+    monkeypatch.setattr(mm, "record_dequant_rows", lambda *a, **k: passes.append(a[4:6]) or real(*a, **k))
+    M = 137
+    x = rng.standard_normal((M, K))
+    ref = x @ W[row0:].T
+    for ks in (0, 256):
+        y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * (N + 3), "coopmat", dq16=True, k_split=ks,
+                         w_row_offset=row0, y_col_offset=3)
+        assert took == "coopmat" and passes[-1] == (N, K)
+        check(y.reshape(M, N + 3)[:, 3:], ref, coop_bound(x, abs_terms(raw[row0:], t, W[row0:])))
+    monkeypatch.setenv("VKXSPLIT_DISABLE_DQ16", "1")
+    n = len(passes)
+    y, _ = run_mm(device, bufs, wb, t, rng.standard_normal((512, K)), 512, N, K, 512 * (N + row0), "coopmat")
+    assert len(passes) == n
+
+
+def test_dq16_choice(device, monkeypatch):
+    """dq16_chosen: never for small batches of the cheap-to-decode types, for large ones where
+    the model says the f16 rate pays for the pass; dq16 only where it can run (raises on a
+    device without coopmat2, such as lavapipe); the kill switch."""
+    for t in mm.DQ16_DIRECT_COST:
+        picks = [mm.dq16_chosen(t, M, 4096, 4096) for M in (16, 128, 512, 4096)]
+        assert picks == sorted(picks), (t, picks)  # once it pays, it pays for every larger M
+    assert not mm.dq16_chosen("f16", 4096, 4096, 4096) and not mm.dq16_chosen("q4_0", 16, 4096, 4096)
+    assert mm.dq16_chosen("q4_0", 8192, 4096, 4096)
+    if not mm.coopmat2_available(device):
+        assert not mm.dq16_available(device, "q4_0")
+        wb = device.memory.alloc(18 * 64, "host", name="w")
+        xb = device.memory.alloc(4 * 16 * 32, "host", name="x")
+        yb = device.memory.alloc(4 * 16 * 64, "host", name="y")
+        seq = Sequence(device, "dq16")
+        try:
+            with pytest.raises(KernelError, match="dq16"):
+                mm.record_mul_mat(seq, wb, "q4_0", xb, yb, 16, 64, 32, path="coopmat", dq16=True)
+        finally:
+            seq.close()
+            for b in (wb, xb, yb):
+                b.close()
+    monkeypatch.setenv("VKXSPLIT_DISABLE_DQ16", "1")
+    assert mm.dq16_disabled()
 
 
 def test_cm2_choose(monkeypatch):

@@ -42,6 +42,7 @@ from gguf.quants import dequantize  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
+from vkxsplit.ops.get_rows import record_dequant_rows  # noqa: E402
 from vkxsplit.ops.quant import block_size, row_bytes, weight_type  # noqa: E402
 from vkxsplit.vk.command import Sequence  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
@@ -251,10 +252,38 @@ def main() -> int:
                 runs += [("no-split", "1"), ("tiled", "-")]
             if not emulate:
                 runs.append(("chosen", "-"))
+            dq = not emulate and mm.dq16_available(dev, t) and not mm.dq16_disabled()
+            if dq:  # the dequantize-first path against decoding in the tile loader, and its pass alone
+                runs += [("direct", "-"), ("dq16", "-"), ("dequant", "-")]
             for name, sp in runs:
                 # "auto": the coopmat variants split K where mm.coop_k_split says so (real coopmat
                 # only); a count: split into that many ranges; "no-split": the default variant
                 # with k_split=0, for the comparison
+                if name in ("direct", "dq16", "dequant"):
+                    if name == "dequant":
+                        wh = dev.memory.alloc(n * k * 2, "device", "wh")
+                        try:
+                            sec = timed(dev, lambda s, w=w, wh=wh, n=n, k=k, t=t:
+                                        record_dequant_rows(s, w, t, wh, n, k), reps)
+                        finally:
+                            wh.close()
+                        gbs = (n * row_bytes(t, k) + 2 * n * k) / sec / 1e9
+                        print(f"| {t} | {M} | {n}x{k} | dequant_rows_{t}_f16 alone | {gbs:.0f} GB/s "
+                              f"(read + write) | - | {sec * 1e3:.3f} | - |")
+                        continue
+                    use = name == "dq16"
+                    cname, cks = mm.cm2_choose("f16" if use else t, M, n, k, dev) if (
+                        use or t in mm.CM2_TYPES) else mm.coop_choose(t, M, n, k, dev)
+                    tile = mm.COOP_VARIANT_TILES[cname].name + (f" split K {-(-k // cks)}x{cks}" if cks else "")
+                    tile += " after dequant_rows" if use else ""
+                    try:
+                        sec = timed(dev, lambda s, w=w, x=x, y=y, n=n, k=k, t=t, use=use, M=M:
+                                    mm.record_mul_mat(s, w, t, x, y, M, n, k, path="coopmat", dq16=use), reps)
+                    except VkxError as exc:
+                        print(f"| {t} | {M} | {n}x{k} | {name} | {tile} | - | - | {str(exc)[:60]} |")
+                        continue
+                    print(f"| {t} | {M} | {n}x{k} | {name} | {tile} | - | {sec * 1e3:.3f} | {flop / sec / 1e12:.3g} |")
+                    continue
                 if name == "tiled":
                     kw = {"path": "tiled"}
                 elif name == "chosen":  # what a model gets: record_mul_mat's own choice (coop_choose)
@@ -271,7 +300,9 @@ def main() -> int:
                 bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
                 groups = -(-M // bm) * -(-n // bn)
                 if name == "chosen":
-                    if cks:
+                    if mm.dq16_available(dev, t) and mm.dq16_chosen(t, M, n, k):
+                        tile = "dq16 (dequant_rows, then f16)"
+                    elif cks:
                         tile += f" split K {-(-k // cks)}x{cks}"
                         groups *= -(-k // cks)
                 elif ctile is not None and name != "no-split" and sp != "auto":

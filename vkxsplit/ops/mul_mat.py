@@ -33,6 +33,7 @@ from ..shaders import Variant
 from ..vk.instance import env_flag
 from ..vk.kernel import Bindable, Kernel, View, as_range
 from .convert import record_convert_rows
+from .get_rows import record_dequant_rows
 from .quant import TYPES, TypeLike, WeightType, weight_type
 
 if TYPE_CHECKING:
@@ -609,10 +610,11 @@ class Cm2Tile:
     bx: int
     bk: int
     threads: int = 256
+    pf: int = 0  # 1: the fast path loads the next step's operands before this step's product
 
     @property
     def name(self) -> str:
-        return f"w{self.bw}x{self.bx}_k{self.bk}_n{self.threads}"
+        return f"w{self.bw}x{self.bx}_k{self.bk}_n{self.threads}" + ("_pf" if self.pf else "")
 
     @property
     def bm(self) -> int:
@@ -623,7 +625,10 @@ class Cm2Tile:
         return self.bw
 
     def defines(self) -> dict[str, str]:
-        return {"BW": str(self.bw), "BX": str(self.bx), "BK": str(self.bk), "NT": str(self.threads)}
+        d = {"BW": str(self.bw), "BX": str(self.bx), "BK": str(self.bk), "NT": str(self.threads)}
+        if self.pf:
+            d["PF"] = "1"
+        return d
 
 
 #: mul_mat_cm2 tilings: every one for CM2_SWEEP_TYPES (tools/bench_coopmat.py --cm2), the
@@ -635,6 +640,12 @@ CM2_TILES = {t.name: t for t in (
     Cm2Tile(128, 128, 32),
     Cm2Tile(64, 128, 64, 128),
     Cm2Tile(64, 64, 64, 128),
+    # session 8, not yet measured: prefetching (the next K step's loads issued before this
+    # step's product) and 128-wide K steps, for F16 short of 300 TFLOP/s at 4096x4096x512
+    Cm2Tile(128, 128, 64, pf=1),
+    Cm2Tile(128, 256, 64, pf=1),
+    Cm2Tile(128, 128, 128),
+    Cm2Tile(128, 128, 128, pf=1),
 )}
 CM2_DEFAULT = "w128x128_k64_n256"
 CM2_SWEEP_TYPES = COOP_SWEEP_TYPES
@@ -875,6 +886,43 @@ def cm2_k_split(t: str, key: str, M: int, N: int, K: int) -> int:
     return _cm2_cost(t, key, M, N, K)[1]
 
 
+#: Dequantize-first (dq16): on a coopmat2 device a product of quantized weights may decode its
+#: N x K weights once into f16 rows (dequant_rows_<type>_f16, a scratch of N K 2 bytes) and run
+#: mul_mat_cm2's F16 kernel on them, instead of decoding in the tile loader for every tile of
+#: x (ceil(M / BX) times). It pays where M is large enough that F16's rate makes up for the
+#: extra pass. The model: each path's wave cost (cm2_choose's units) times the type's cost per
+#: unit relative to F16 (DQ16_DIRECT_COST, from the H200's default-tiling rates at M = 512:
+#: the tile loader's decode, or mul_mat_coopmat's for Q4_K / Q5_K), against F16's cost plus
+#: the pass's bytes (read the blocks, write f16) at DQ16_UNITS_PER_BYTE.
+#: Provisional (session 8, not yet measured): the pass at ~3 TB/s against F16's 1.27 ps per unit.
+DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.31, "q4_1": 1.31, "q5_0": 1.49, "q5_1": 1.41, "q8_0": 1.31,
+                                      "q4_k": 2.0, "q5_k": 2.05, "q6_k": 1.86}
+DQ16_UNITS_PER_BYTE = 0.26
+
+
+def dq16_disabled() -> bool:
+    """``VKXSPLIT_DISABLE_DQ16=1``: quantized products never take the dequantize-first path."""
+    return env_flag("VKXSPLIT_DISABLE_DQ16")
+
+
+def dq16_available(device: Device, t: str) -> bool:
+    """Whether a product of ``t`` weights may take the dequantize-first path on ``device``: a
+    quantized type, mul_mat_cm2 available (its F16 kernel reads the f16 rows; no device
+    addresses needed, so weights in exported or imported blocks qualify too)."""
+    return t in DQ16_DIRECT_COST and not dq16_disabled() and coopmat2_available(device)
+
+
+def dq16_chosen(t: str, M: int, N: int, K: int) -> bool:
+    """Whether the model above prefers the dequantize-first path for this product."""
+    if t not in DQ16_DIRECT_COST:
+        return False
+    direct = min(_cm2_cost(t, key, M, N, K)[0] for key in CM2_CHOICES[t]) * DQ16_DIRECT_COST[t]
+    wt = TYPES[t]
+    pass_bytes = N * (wt.row_bytes(K) + 2 * K)
+    first = min(_cm2_cost("f16", key, M, N, K)[0] for key in CM2_CHOICES["f16"]) + pass_bytes * DQ16_UNITS_PER_BYTE
+    return first < direct
+
+
 def _wave_cost(tile: Any, M: int, N: int, K: int, wave: int, eff: float, nosplit: bool,
                quantum: int = 0) -> tuple[float, int]:
     """(modelled time, K elements per split or 0) of the best split of SPLITK_COUNTS for
@@ -892,7 +940,7 @@ def _wave_cost(tile: Any, M: int, N: int, K: int, wave: int, eff: float, nosplit
 
 class _Scratch:
     """A device's buffer for one kind of intermediate (``splitk``: split-K partial products;
-    ``xh``: the f16 copy of x that mul_mat_cm2 reads), shared by every dispatch recorded on it
+    ``xh``: the f16 copy of x that mul_mat_cm2 reads; ``wh``: the f16 rows of dq16's weights), shared by every dispatch recorded on it
     (they run in queue order; each consumer reads before the next product writes: the
     sequences' hazard barriers, the begin barrier between submissions). Grows by replacement,
     at least doubling (a model that meets M = 9, 10, ... 128 allocates a few buffers, not one
@@ -1125,7 +1173,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
                    M: int, N: int, K: int, x_stride: int | None = None, y_stride: int | None = None,
                    x_offset: int = 0, y_offset: int = 0, w_row_offset: int = 0, path: str | None = None,
                    y_col_offset: int | None = None, *, coop_variant: str | None = None,
-                   vec_variant: str | None = None, k_split: int | None = None) -> str:
+                   vec_variant: str | None = None, k_split: int | None = None, dq16: bool | None = None) -> str:
     """Record ``y[y_offset + m*y_stride + y_col_offset + n] = sum_k x[x_offset + m*x_stride + k]
     * W[w_row_offset + n, k]`` for m < M, n < N (offsets and strides in elements; W rows are
     raw ggml rows of K elements starting at byte 0 of ``w``). ``x_stride`` defaults to K,
@@ -1147,7 +1195,11 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     pinned without ``coop_variant``, the type's default tiling runs it. None: without
     ``coop_variant`` :func:`coop_choose` picks tiling and split, with a real one
     :func:`coop_k_split` picks the split (never for emulated variants;
-    ``VKXSPLIT_DISABLE_SPLITK=1`` turns splits off); 0: no split."""
+    ``VKXSPLIT_DISABLE_SPLITK=1`` turns splits off); 0: no split.
+
+    ``dq16`` (coopmat path, quantized weights, coopmat2 devices): True decodes W's N rows to f16
+    first and runs mul_mat_cm2's F16 kernel on them (dq16_chosen's model otherwise: None; False
+    never)."""
     wt = weight_type(w_type)
     dev = seq.device
     if vec_variant is not None:
@@ -1163,6 +1215,9 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
                  f"mul_mat_cm2_{wt.name}_f32")):
             raise KernelError(f"coop_variant {coop_variant!r} is not a coopmat variant for "
                               f"{wt.name.upper()} weights (and path must be 'coopmat')")
+    if dq16 and (coop_variant is not None or path not in (None, "coopmat") or not dq16_available(dev, wt.name)):
+        raise KernelError(f"mul_mat[{wt.name.upper()}]: dq16 (dequantize first) needs quantized weights, "
+                          f"the coopmat path and VK_NV_cooperative_matrix2 (not disabled), and no coop_variant")
     emulated = coop_variant is not None and coop_variant.startswith("mul_mat_coopmat_emu_")
     path = check_mul_mat(wt, M, N, K, path=path, device=None if emulated else dev)
     if vec_variant in VEC_WIDE and K % WIDE_K:
@@ -1189,6 +1244,12 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     elif path == "tiled":
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
+        if coop_variant is None and dq16 is not False and dq16_available(dev, wt.name) and (
+                dq16 or dq16_chosen(wt.name, M, N, K)):
+            # dequantize first: W's N rows once to f16, then mul_mat_cm2's F16 kernel on them
+            wh = _Scratch.get(dev, "wh", N * K * 2)
+            record_dequant_rows(seq, w, wt, wh, N, K, row0=w_row_offset)
+            w, wt, w_row_offset = wh, TYPES["f16"], 0
         cm2 = coop_variant is None and cm2_eligible(dev, wt.name, w)
         if coop_variant is None and k_split is not None:
             # a pinned split: the default tiling
@@ -1241,5 +1302,5 @@ __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VEC
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
            "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coop_k_split", "cm2_choose", "cm2_variant_name", "coopmat2_available",
-           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "cm2_k_split", "cm2_eligible", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
+           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "cm2_k_split", "cm2_eligible", "dq16_available", "dq16_chosen", "dq16_disabled", "DQ16_DIRECT_COST", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
