@@ -12,10 +12,9 @@
 // stored transposed into y (rows of x, columns of W), elements outside M x N dropped.
 //
 // Tile (defines): BW rows of W x BX rows of x per workgroup, BK the K slice per step, NT
-// invocations, PF 1 the prefetching fast path. Interior tiles load unclamped (with alignment
-// the compiler can prove where K and the K range allow: the fast path below); tiles crossing
-// N or M, and the last K step when BK does not divide K, load with
-// gl_CooperativeMatrixClampModeConstantNV (zeros outside).
+// invocations. Interior tiles load unclamped (with alignment the compiler can prove where K
+// and the K range allow: the fast path below); tiles crossing N or M, and the last K step
+// when BK does not divide K, load with gl_CooperativeMatrixClampModeConstantNV (zeros outside).
 //
 // Push constants: as mul_mat_coopmat (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row0,
 // y_col0, flags, ksplit); x_stride / x_offset / flags are the f32 x's and unused here (xh is
@@ -43,12 +42,6 @@
 #endif
 #ifndef NT
 #define NT 256
-#endif
-#ifndef PF
-#define PF 0
-#endif
-#if PF && (256 / BK) % 2 != 0
-#error "PF: an even number of BK steps per 256"
 #endif
 
 layout(local_size_x = NT) in;
@@ -110,27 +103,6 @@ void main() {
         lw = setTensorLayoutStrideNV(lw, stride, 1);
 #endif
         const uint iters = (k1 - k0) / 256u;
-#if PF
-        // PF: the next step's operands are loaded before this step's product (two pairs of
-        // matrices in turn), so the loads can be in flight while the tensor cores work
-        coopmat<float16_t, gl_ScopeWorkgroup, BW, BK, gl_MatrixUseA> a2;
-        coopmat<float16_t, gl_ScopeWorkgroup, BK, BX, gl_MatrixUseB> b2;
-        coopMatLoadTensorNV(a, w_blocks, 0, sliceTensorLayoutNV(lw, p.w_row0 + n0, BW, kk, BK) CM2_DECODE);
-        coopMatLoadTensorNV(b, xh, 0, sliceTensorLayoutNV(lx, m0, BX, kk, BK), tr);
-        [[dont_unroll]] for (uint i = 0u; i < iters; ++i) {
-            const uint kb = kk + 256u * i;
-            [[unroll]] for (uint j = 0u; j < 256u / BK; j += 2u) {
-                coopMatLoadTensorNV(a2, w_blocks, 0, sliceTensorLayoutNV(lw, p.w_row0 + n0, BW, kb + (j + 1u) * BK, BK) CM2_DECODE);
-                coopMatLoadTensorNV(b2, xh, 0, sliceTensorLayoutNV(lx, m0, BX, kb + (j + 1u) * BK, BK), tr);
-                acc = coopMatMulAdd(a, b, acc);
-                if (j + 2u < 256u / BK || i + 1u < iters) {
-                    coopMatLoadTensorNV(a, w_blocks, 0, sliceTensorLayoutNV(lw, p.w_row0 + n0, BW, kb + (j + 2u) * BK, BK) CM2_DECODE);
-                    coopMatLoadTensorNV(b, xh, 0, sliceTensorLayoutNV(lx, m0, BX, kb + (j + 2u) * BK, BK), tr);
-                }
-                acc = coopMatMulAdd(a2, b2, acc);
-            }
-        }
-#else
         [[dont_unroll]] for (uint i = 0u; i < iters; ++i) {
             [[unroll]] for (uint j = 0u; j < 256u / BK; ++j) {
                 coopMatLoadTensorNV(a, w_blocks, 0, sliceTensorLayoutNV(lw, p.w_row0 + n0, BW, kk, BK) CM2_DECODE);
@@ -139,7 +111,6 @@ void main() {
                 kk += BK;
             }
         }
-#endif
         k = k1;
     } else if (interior) {
         for (; k < kfull; k += BK) {

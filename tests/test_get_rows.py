@@ -144,6 +144,29 @@ def test_dequant_rows_f16(device, bufs, rng, t):
     assert (out[:oo] == 0x7E00).all() and (out[oo + n * K:] == 0x7E00).all()
 
 
+def test_dequant_rows_loops_over_rows(device, bufs, rng, monkeypatch):
+    """More rows than workgroups across them (each workgroup loops) and rows longer than one
+    workgroup's 2048 elements."""
+    from vkxsplit.ops import get_rows as gr
+
+    monkeypatch.setattr(gr, "DQ_ROW_GROUPS", 3)
+    n, K = 10, 2304
+    raw, W = make_weights(rng, "q8_0", n, K, random_bits=True)
+    wb = bufs(raw.nbytes, raw)
+    ob = bufs(2 * n * K)
+    out = ob.numpy(np.uint16, (n * K,))
+    out[:] = 0x7E00
+    seq = Sequence(device, "dequant_rows")
+    try:
+        gr.record_dequant_rows(seq, wb, "q8_0", ob, n, K)
+        seq.run()
+    finally:
+        seq.close()
+    got = out.view(np.float16).astype(np.float64).reshape(n, K)
+    ref = W.astype(np.float32).astype(np.float16).astype(np.float64)
+    assert (np.abs(got - ref) <= np.spacing(np.abs(ref).astype(np.float16)).astype(np.float64)).all()
+
+
 def test_dequant_rows_errors(device, bufs, seq):
     from vkxsplit.ops.get_rows import record_dequant_rows
 
@@ -157,9 +180,9 @@ def test_dequant_rows_errors(device, bufs, seq):
     with pytest.raises(KernelError, match="do not fit the weight"):
         record_dequant_rows(seq, wb, "q4_0", ob, 4, K, row0=1)
     with pytest.raises(KernelError, match="output binding"):
-        record_dequant_rows(seq, wb, "q4_0", ob, 4, K, out_offset=4)
-    with pytest.raises(KernelError, match="multiple of 4"):
-        record_dequant_rows(seq, wb, "q4_0", ob, 1, K, out_offset=2)
+        record_dequant_rows(seq, wb, "q4_0", ob, 4, K, out_offset=8)
+    with pytest.raises(KernelError, match="multiple of 8"):
+        record_dequant_rows(seq, wb, "q4_0", ob, 1, K, out_offset=4)
     with pytest.raises(KernelError, match="overlaps"):
         record_dequant_rows(seq, wb, "q4_0", wb, 1, 32)
     assert seq.dispatches == 0

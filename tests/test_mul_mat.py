@@ -1068,5 +1068,15 @@ def test_vecq_default_policy(device, monkeypatch):
     assert mm.vecq_variant(device, "q6_k", 1) is None and mm.vecq_variant(device, "f16", 1) is None
     for t in mm.VECQ_GPU_TYPES:
         assert f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}" in mm.VECQ_SWEEP
+    # tall products (the FFN's gate / up) take VECQ_GPU_M1_TALL's shape on GPUs only
+    gpu_q4 = f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=False).tag}"
+    tall = mm.vecq_for_shape(gpu_q4, "q4_0", 14336, 4096)
+    assert tall != gpu_q4 and tall in mm.VECQ_SWEEP and mm.VECQ_SWEEP[tall][1].rpt == 4
+    assert mm.vecq_for_shape(gpu_q4, "q4_0", 4096, 4096) == gpu_q4
+    assert mm.vecq_for_shape(gpu_q4, "q4_0", 4096, 14336) == gpu_q4
+    cpu_q4 = f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=True).tag}"
+    assert mm.vecq_for_shape(cpu_q4, "q4_0", 14336, 4096) == cpu_q4
+    gpu_q8 = f"mul_mat_vecq_q8_0_q8_1_m1_{mm.vecq_default_config('q8_0', cpu=False).tag}"
+    assert mm.vecq_for_shape(gpu_q8, "q8_0", 14336, 4096) == gpu_q8
     monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ", "1")
     assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)

@@ -77,12 +77,13 @@ class DecodeQ8:
         return any(overlap(xs, span(t)) for n in self.g.nodes[self._cur[1] + 1:] for t in n.writes())
 
     def mul_mat(self, name: str, w: Tensor, x: Tensor, out: Tensor) -> Tensor:
-        from .ops.mul_mat import vecq_scratch_bytes
+        from .ops.mul_mat import vecq_for_shape, vecq_scratch_bytes
 
         g = self.g
         v = self.variants.get(w.dtype)
         if v is None or x.cols % 32:
             return g.add("mul_mat", name, [w, x], out)
+        v = vecq_for_shape(v, w.dtype, w.rows, w.cols)  # tall products: their own shape
         if self._stale(x):
             nbytes = vecq_scratch_bytes(x.rows, x.cols)
             xq = Tensor(f"xq:{x.name}", (1, nbytes // 4), "q8_1", self.scratch(nbytes))

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 WG = 64
 MAX_GROUPS = 65535
+DQ_WG = 256          # dequant_rows: threads per workgroup, 8 elements each
+DQ_ROW_GROUPS = 4096  # dequant_rows: workgroups across the rows (each loops over n / 4096 rows)
 
 VARIANTS = [
     Variant(name=f"get_rows_{t}_f32", source="get_rows.comp", defines={"WTYPE": str(wt.id)},
@@ -28,7 +30,7 @@ VARIANTS = [
 ] + [
     # rows of quantized weights to compact f16 rows (mul_mat's dequantize-first path, dq16)
     Variant(name=f"dequant_rows_{t}_f16", source="dequant_rows.comp", defines={"WTYPE": str(wt.id)},
-            bindings=2, writes=(1,), push="I" * 4, local_size=(WG, 1, 1),
+            bindings=2, writes=(1,), push="I" * 4, local_size=(DQ_WG, 1, 1),
             requires=("storageBuffer16BitAccess", "storageBuffer8BitAccess"))
     for t, wt in TYPES.items() if wt.quantized
 ]
@@ -94,7 +96,7 @@ def record_get_rows(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, i
 def record_dequant_rows(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, out: Bindable, n: int, K: int,
                         row0: int = 0, out_offset: int = 0) -> None:
     """Record ``out[out_offset + i*K + k] = f16(dequant(W[row0 + i, k]))`` for i < n, k < K
-    (quantized types; ``out`` holds f16, offsets in elements, ``out_offset`` % 4 == 0)."""
+    (quantized types; ``out`` holds f16, offsets in elements, ``out_offset`` % 8 == 0)."""
     wt = weight_type(w_type)
     name = f"dequant_rows[{wt.name.upper()}, n={n}, K={K}]"
     if not wt.quantized:
@@ -105,13 +107,13 @@ def record_dequant_rows(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
     if K == 0 or K % wt.block_size:
         raise KernelError(f"{name}: K must be a positive multiple of the {wt.name.upper()} block size "
                           f"{wt.block_size}")
-    if out_offset % 4:
-        raise KernelError(f"{name}: out_offset must be a multiple of 4 (8-byte stores)")
+    if out_offset % 8:
+        raise KernelError(f"{name}: out_offset must be a multiple of 8 (16-byte stores)")
     rbytes = wt.row_bytes(K)
     _, w_off, w_size, _ = as_range(w)
     _, o_off, o_size, _ = as_range(out)
-    if w_off % 16 or o_off % 8:
-        raise KernelError(f"{name}: the weight binding must start 16-byte aligned, out 8-byte aligned")
+    if w_off % 16 or o_off % 16:
+        raise KernelError(f"{name}: the weight and output bindings must start 16-byte aligned")
     if (row0 + n) * rbytes > w_size:
         raise KernelError(f"{name}: rows {row0}..{row0 + n} of {rbytes} bytes do not fit the weight "
                           f"binding ({w_size} bytes)")
@@ -121,10 +123,10 @@ def record_dequant_rows(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
         raise KernelError(f"{name}: offsets exceed 32 bits")
     if _overlap(out, w):
         raise KernelError(f"{name}: out overlaps the weights")
-    gx = (K // 4 + WG - 1) // WG
+    gx = (K // 8 + DQ_WG - 1) // DQ_WG
     if gx > MAX_GROUPS:
         raise KernelError(f"{name}: rows of {K} elements are too long for one dispatch")
     if n == 0:
         return
     seq.dispatch(Kernel.get(seq.device, f"dequant_rows_{wt.name}_f16"), [w, out], (n, K, row0, out_offset),
-                 (gx, min(n, MAX_GROUPS), 1))
+                 (gx, min(n, DQ_ROW_GROUPS), 1))

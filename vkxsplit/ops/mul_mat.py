@@ -296,7 +296,16 @@ VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, b
 #: (barrier mode with the quantize, summed over 4096x14336, 14336x4096, 4096x4096): Q4_0 with 64
 #: threads per row, 2 blocks per iteration, 46.2 vs 48.3 us (4096x14336: 17.1 vs 18.9); Q8_0
 #: with 64-thread workgroups of 2 rows, 59.8 vs 63.6 us (14336x4096: 23.9 vs 26.2)
-VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(64, 2, blk=1, unr=2)}
+#: Session 8 (H200, barrier mode with the quantize, us at 4096x14336 / 14336x4096 / 4096x4096
+#: / 1024x4096): Q8_0 with 2 rows per thread (x loads shared by them), 22.9 / 22.9 / 11.4 / 9.4
+#: against 23.8 / 23.9 / 12.0 / 9.5 for b1_wg64_nr2_u2 (dot only 79% of copy at 4096x14336).
+VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2)}
+#: GPU decode shapes for tall products (N >= VECQ_TALL_N rows of K <= VECQ_TALL_K: the FFN's
+#: gate and up), where they beat the type's shape. Session 8, H200: Q4_0 4 rows per thread at
+#: 14336x4096 15.9 us against 18.9 (dot only 64% of copy against 52%), but slower at 4096x4096
+#: (11.9 against 10.3), 1024x4096 (11.4 / 8.1) and 4096x14336 (24.4 / 17.0)
+VECQ_GPU_M1_TALL = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4)}
+VECQ_TALL_N, VECQ_TALL_K = 8192, 4096
 
 
 def vecq_default_config(t: str, cpu: bool) -> VecqConfig:
@@ -327,6 +336,17 @@ def vecq_decode(physical: Any, features: Any = None) -> dict[str, str]:
     cpu = getattr(physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
     return {t: f"mul_mat_vecq_{t}_q8_1_m1_{vecq_default_config(t, cpu).tag}" for t in VECQ_TYPES
             if cpu or t in VECQ_GPU_TYPES}
+
+
+def vecq_for_shape(variant: str, t: str, N: int, K: int) -> str:
+    """The decode variant for an N x K product of ``t`` weights, given the type's default
+    ``variant`` (:func:`vecq_variant`): VECQ_GPU_M1_TALL's shape where the default is the GPU
+    one and the product is tall; the default otherwise."""
+    tall = VECQ_GPU_M1_TALL.get(t)
+    if (tall is None or N < VECQ_TALL_N or K > VECQ_TALL_K
+            or variant != f"mul_mat_vecq_{t}_q8_1_m1_{vecq_default_config(t, cpu=False).tag}"):
+        return variant
+    return f"mul_mat_vecq_{t}_q8_1_m1_{tall.tag}"
 
 
 def vecq_variant(device: Device, t: str, M: int) -> str | None:
@@ -610,11 +630,10 @@ class Cm2Tile:
     bx: int
     bk: int
     threads: int = 256
-    pf: int = 0  # 1: the fast path loads the next step's operands before this step's product
 
     @property
     def name(self) -> str:
-        return f"w{self.bw}x{self.bx}_k{self.bk}_n{self.threads}" + ("_pf" if self.pf else "")
+        return f"w{self.bw}x{self.bx}_k{self.bk}_n{self.threads}"
 
     @property
     def bm(self) -> int:
@@ -625,10 +644,7 @@ class Cm2Tile:
         return self.bw
 
     def defines(self) -> dict[str, str]:
-        d = {"BW": str(self.bw), "BX": str(self.bx), "BK": str(self.bk), "NT": str(self.threads)}
-        if self.pf:
-            d["PF"] = "1"
-        return d
+        return {"BW": str(self.bw), "BX": str(self.bx), "BK": str(self.bk), "NT": str(self.threads)}
 
 
 #: mul_mat_cm2 tilings: every one for CM2_SWEEP_TYPES (tools/bench_coopmat.py --cm2), the
@@ -640,22 +656,22 @@ CM2_TILES = {t.name: t for t in (
     Cm2Tile(128, 128, 32),
     Cm2Tile(64, 128, 64, 128),
     Cm2Tile(64, 64, 64, 128),
-    # session 8, not yet measured: prefetching (the next K step's loads issued before this
-    # step's product) and 128-wide K steps, for F16 short of 300 TFLOP/s at 4096x4096x512
-    Cm2Tile(128, 128, 64, pf=1),
-    Cm2Tile(128, 256, 64, pf=1),
-    Cm2Tile(128, 128, 128),
-    Cm2Tile(128, 128, 128, pf=1),
+    # session 8, swept and dropped (H200, M = 512, f16): the fast path loading the next K
+    # step's operands before this step's product (a second pair of workgroup matrices): 0.10-
+    # 0.16x (the driver's staging serialises, 20-33 TFLOP/s); BK 128: 0.87-0.89x of BK 64
 )}
 CM2_DEFAULT = "w128x128_k64_n256"
 CM2_SWEEP_TYPES = COOP_SWEEP_TYPES
 #: mul_mat_cm2 workgroups of 256 invocations the H200 runs at once (one per SM: 448 tiles of
 #: 128 x 128 take 3.6x the time of 128), twice as many of 128
 CM2_WAVE = 132
-#: types whose coopmat path takes mul_mat_cm2: all but Q4_K / Q5_K, where decoding per element
-#: (the 6-bit scale unpacking for every element) makes it slower than mul_mat_coopmat's tile
-#: loader (H200, M = 512: Q4_K 71-80 TFLOP/s against 100-113; session 7, docs/PERFORMANCE.md)
-CM2_TYPES = frozenset(t for t in TYPES if t not in ("q4_k", "q5_k"))
+#: types whose coopmat path takes mul_mat_cm2: every type. (Session 7 kept Q4_K / Q5_K on
+#: mul_mat_coopmat: decoding the 6-bit scales per element with byte loads and a branch ran at
+#: 71-80 / 58-67 TFLOP/s against 100-113. Session 8 reads the 12 scale bytes and (d, dmin)
+#: with one 16-byte load and unpacks them branch-free, as ggml-vulkan: H200, M = 512, default
+#: tiling, 4096x4096 / 14336x4096: Q4_K 136 / 126 against mul_mat_coopmat's 99.6 / 102, Q5_K
+#: 103 / 93.6 against 97.8 / 99.2; docs/PERFORMANCE.md)
+CM2_TYPES = frozenset(TYPES)
 _CM2_FLOAT = ("w128x128_k64_n256", "w128x256_k64_n256")
 _CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128")
 #: tilings cm2_choose weighs per type, and their throughput per workgroup-second relative to
@@ -891,13 +907,16 @@ def cm2_k_split(t: str, key: str, M: int, N: int, K: int) -> int:
 #: mul_mat_cm2's F16 kernel on them, instead of decoding in the tile loader for every tile of
 #: x (ceil(M / BX) times). It pays where M is large enough that F16's rate makes up for the
 #: extra pass. The model: each path's wave cost (cm2_choose's units) times the type's cost per
-#: unit relative to F16 (DQ16_DIRECT_COST, from the H200's default-tiling rates at M = 512:
-#: the tile loader's decode, or mul_mat_coopmat's for Q4_K / Q5_K), against F16's cost plus
-#: the pass's bytes (read the blocks, write f16) at DQ16_UNITS_PER_BYTE.
-#: Provisional (session 8, not yet measured): the pass at ~3 TB/s against F16's 1.27 ps per unit.
-DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.31, "q4_1": 1.31, "q5_0": 1.49, "q5_1": 1.41, "q8_0": 1.31,
-                                      "q4_k": 2.0, "q5_k": 2.05, "q6_k": 1.86}
-DQ16_UNITS_PER_BYTE = 0.26
+#: unit relative to F16 (DQ16_DIRECT_COST: the H200's default-tiling rates at M = 512, F16 201 /
+#: 196 TFLOP/s at 4096x4096 / 14336x4096 against the type's), against F16's cost plus the
+#: pass's bytes (read the blocks, write f16) at DQ16_UNITS_PER_BYTE (F16's units per second,
+#: 67.1 M in 85 us at 4096x4096x512, over the pass's measured bytes per second).
+#: Session 8 sweep (tools/bench_coopmat.py --cm2): Q4_0 151 / 136, Q8_0 152 / 142, Q4_K 136 /
+#: 126, Q5_K 103 / 93.6, Q6_K 106 / 95.2; Q4_1 / Q5_0 / Q5_1 scaled from Q4_0 by their chosen
+#: rates of session 7 (154, 135, 143 against 163).
+DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.38, "q4_1": 1.46, "q5_0": 1.67, "q5_1": 1.57, "q8_0": 1.35,
+                                      "q4_k": 1.52, "q5_k": 2.0, "q6_k": 1.98}
+DQ16_UNITS_PER_BYTE = 0.75  # provisional: the first pass's 1.05 TB/s
 
 
 def dq16_disabled() -> bool:
@@ -1300,7 +1319,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
-           "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
+           "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "VECQ_GPU_M1_TALL", "vecq_for_shape", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coop_k_split", "cm2_choose", "cm2_variant_name", "coopmat2_available",
            "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "cm2_k_split", "cm2_eligible", "dq16_available", "dq16_chosen", "dq16_disabled", "DQ16_DIRECT_COST", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
