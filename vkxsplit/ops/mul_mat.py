@@ -916,7 +916,10 @@ def cm2_k_split(t: str, key: str, M: int, N: int, K: int) -> int:
 #: rates of session 7 (154, 135, 143 against 163).
 DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.38, "q4_1": 1.46, "q5_0": 1.67, "q5_1": 1.57, "q8_0": 1.35,
                                       "q4_k": 1.52, "q5_k": 2.0, "q6_k": 1.98}
-DQ16_UNITS_PER_BYTE = 0.75  # provisional: the first pass's 1.05 TB/s
+#: fewest rows of x the path is taken for: the sweep's range (M = 128-512); at one tile of x
+#: (M <= 128) every weight is decoded once either way
+DQ16_MIN_M = 128
+DQ16_UNITS_PER_BYTE = 0.30  # the pass at ~2.6 TB/s (2.3-3.4 measured, session 8)
 
 
 def dq16_disabled() -> bool:
@@ -933,7 +936,7 @@ def dq16_available(device: Device, t: str) -> bool:
 
 def dq16_chosen(t: str, M: int, N: int, K: int) -> bool:
     """Whether the model above prefers the dequantize-first path for this product."""
-    if t not in DQ16_DIRECT_COST:
+    if t not in DQ16_DIRECT_COST or M < DQ16_MIN_M:
         return False
     direct = min(_cm2_cost(t, key, M, N, K)[0] for key in CM2_CHOICES[t]) * DQ16_DIRECT_COST[t]
     wt = TYPES[t]
