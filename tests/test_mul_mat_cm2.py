@@ -328,6 +328,24 @@ def test_dq16_choice(device, monkeypatch):
     assert mm.dq16_disabled()
 
 
+def test_dq16_out_of_memory_falls_back(monkeypatch, caplog):
+    """No device memory for dq16's f16 rows: the model's choice falls back to the tile loader
+    (None, said once per device); a forced dq16 raises OutOfDeviceMemory."""
+    from vkxsplit.errors import OutOfDeviceMemory
+
+    def full(dev, kind, nbytes):
+        raise OutOfDeviceMemory("vkAllocateMemory", -2)  # VK_ERROR_OUT_OF_DEVICE_MEMORY
+
+    monkeypatch.setattr(mm._Scratch, "get", staticmethod(full))
+    dev = types.SimpleNamespace()
+    with caplog.at_level("WARNING", logger="vkxsplit.mul_mat"):
+        assert mm._dq16_rows(dev, "mul_mat[Q4_K]", 1 << 30, forced=False) is None
+        assert mm._dq16_rows(dev, "mul_mat[Q4_K]", 1 << 30, forced=False) is None
+    assert sum("dequantize-first" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(OutOfDeviceMemory):
+        mm._dq16_rows(dev, "mul_mat[Q4_K]", 1 << 30, forced=True)
+
+
 def test_cm2_choose(monkeypatch):
     """cm2_choose: a tiling of CM2_CHOICES and the split with the least modelled time; only the
     default tiling with VKXSPLIT_DISABLE_COOP_SHAPES; no split with VKXSPLIT_DISABLE_SPLITK;

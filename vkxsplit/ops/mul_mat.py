@@ -25,10 +25,11 @@ the full tensor as ``w``); results go to y columns ``y_col_offset + n`` (default
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import KernelError
+from ..errors import KernelError, OutOfDeviceMemory
 from ..shaders import Variant
 from ..vk.instance import env_flag
 from ..vk.kernel import Bindable, Kernel, View, as_range
@@ -39,6 +40,8 @@ from .quant import TYPES, TypeLike, WeightType, weight_type
 if TYPE_CHECKING:
     from ..vk.command import Sequence
     from ..vk.device import Device
+
+log = logging.getLogger("vkxsplit.mul_mat")
 
 MAX_VEC_M = 8           # the mat-vec kernel handles up to this many columns of x in one pass
 PUSH = "I" * 10         # M, N, K, x_stride, y_stride, x_offset, y_offset, w_row0, y_col0, flags
@@ -1191,6 +1194,22 @@ def _overlap(a: Bindable, b: Bindable) -> bool:
     return ba == bb and oa < ob + sb and ob < oa + sa
 
 
+def _dq16_rows(dev: Device, name: str, nbytes: int, forced: bool) -> Any:
+    """The device's scratch for dq16's f16 weight rows, or None where the device has no memory
+    left for it and the path was the model's choice (the product then decodes in the tile
+    loader, said once per device); raises OutOfDeviceMemory where ``forced``."""
+    try:
+        return _Scratch.get(dev, "wh", nbytes)
+    except OutOfDeviceMemory:
+        if forced:
+            raise
+        if not getattr(dev, "_dq16_oom_said", False):
+            dev._dq16_oom_said = True
+            log.warning("%s: no device memory for the %d MiB of f16 weight rows of the dequantize-first "
+                        "path; decoding in the tile loader instead", name, nbytes >> 20)
+        return None
+
+
 def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x: Bindable, y: Bindable,
                    M: int, N: int, K: int, x_stride: int | None = None, y_stride: int | None = None,
                    x_offset: int = 0, y_offset: int = 0, w_row_offset: int = 0, path: str | None = None,
@@ -1269,9 +1288,10 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
         if coop_variant is None and dq16 is not False and dq16_available(dev, wt.name) and (
                 dq16 or dq16_chosen(wt.name, M, N, K)):
             # dequantize first: W's N rows once to f16, then mul_mat_cm2's F16 kernel on them
-            wh = _Scratch.get(dev, "wh", N * K * 2)
-            record_dequant_rows(seq, w, wt, wh, N, K, row0=w_row_offset)
-            w, wt, w_row_offset = wh, TYPES["f16"], 0
+            wh = _dq16_rows(dev, name, N * K * 2, forced=bool(dq16))
+            if wh is not None:
+                record_dequant_rows(seq, w, wt, wh, N, K, row0=w_row_offset)
+                w, wt, w_row_offset = wh, TYPES["f16"], 0
         cm2 = coop_variant is None and cm2_eligible(dev, wt.name, w)
         if coop_variant is None and k_split is not None:
             # a pinned split: the default tiling
