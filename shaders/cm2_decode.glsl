@@ -3,8 +3,10 @@
 // the driver calls for each element it stages (coopMatLoadTensorNV(..., DECODE)), with the
 // block's address, the block's coordinates and the element's coordinates inside the block
 // (row 0, column 0..QK-1). Layouts: ggml's block_* structs (ggml-common.h), every member 1- or
-// 2-byte aligned but Q5_1's 4-byte qh, so std430 packs them without padding (sizes 18, 20, 22,
-// 24, 34, 144, 176, 210 bytes = QBYTES of dequant.glsl).
+// 2-byte aligned but Q5_1's 4-byte qh and Q4_K/Q5_K's, declared as words (a uvec4 header: their
+// 144- and 176-byte blocks are 16-byte aligned because record_mul_mat requires a 16-byte
+// aligned weight binding), so std430 packs them without padding (sizes 18, 20, 22, 24, 34, 144,
+// 176, 210 bytes = QBYTES of dequant.glsl).
 //
 // The including shader defines WTYPE (ggml type id); this file defines QK, CM2_DECODE
 // (", dq_elem" or empty: F16 needs no decode) and the buffer w_blocks[]. The decode itself is
@@ -53,7 +55,7 @@ struct WBlock { float16_t d; float16_t m; uint qh; uint8_t qs[16]; };
 struct WBlock { float16_t d; int8_t qs[32]; };
 #elif WTYPE == WT_Q4_K
 // ggml's block_q4_K as words: h = (d, dmin) half pair and the 12 bytes of 6-bit scales/mins,
-// read with one 16-byte load (144-byte blocks: 16-byte aligned wherever the tensor is)
+// read with one 16-byte load (144-byte blocks of a 16-byte aligned binding)
 #define QK 256
 #define CM2_ALIGN 16
 struct WBlock { uvec4 h; uint qs[32]; };

@@ -312,6 +312,19 @@ def test_decode_q8_placement_rules():
     q8.mul_mat("blk.1.attn_q", wq, h2, t("q2"))
     assert "xq" not in n2.params  # fusing would overwrite a's q8_1 before blk.0.late read it
     assert g.nodes[-2].op == "quantize_q8_1" and g.nodes[-2].inputs[0] is h2
+    # tall products (gate / up: N x K weights with 8192 <= N <= 4 K) take their own GPU shape;
+    # weight tensors are (rows N, cols K)
+    from vkxsplit.ops import mul_mat as mm
+
+    gpu = f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=False).tag}"
+    g3 = Graph("t3", T=1)
+    q83 = DecodeQ8(g3, {"q4_0": gpu}, lambda nbytes: None)
+    hx = Tensor("hx", (1, 4096), "f32")
+    q83.mul_mat("up", Tensor("wu", (14336, 4096), "q4_0", weight=True), hx, Tensor("u", (1, 14336), "f32"))
+    q83.mul_mat("down", Tensor("wd", (4096, 14336), "q4_0", weight=True), Tensor("u2", (1, 14336), "f32"),
+                Tensor("d", (1, 4096), "f32"))
+    up, down = g3.mul_mats()
+    assert up.params["vecq"] == mm.vecq_for_shape(gpu, "q4_0", 14336, 4096) != gpu and down.params["vecq"] == gpu
     # fuse off (VKXSPLIT_DISABLE_FUSION): quantize nodes only
     g2 = Graph("t2", T=1)
     q82 = DecodeQ8(g2, {"q4_0": "vq4"}, lambda nbytes: None, fuse=False)

@@ -80,14 +80,17 @@ def test_cm2_default_path(device, bufs, rng, t, monkeypatch):  # noqa: F811
     N, K = 300, test_k(t) * (4 if block_size(t) != 256 else 2)
     raw, W = make_weights(rng, t, N, K)
     wb = bufs.new(raw.nbytes, raw)
-    converts = []
-    real = mm.record_convert_rows
+    converts, passes = [], []
+    real, real_dq = mm.record_convert_rows, mm.record_dequant_rows
     monkeypatch.setattr(mm, "record_convert_rows", lambda *a, **k: converts.append(a[3:5]) or real(*a, **k))
+    monkeypatch.setattr(mm, "record_dequant_rows", lambda *a, **k: passes.append(a[4:6]) or real_dq(*a, **k))
     for M in (9, 130):
         x = rng.standard_normal((M, K))
+        n = len(passes)
         y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
-        cm2 = t in mm.CM2_TYPES or (mm.dq16_available(device, t) and mm.dq16_chosen(t, M, N, K))
-        assert took == "coopmat" and (converts[-1] == (M, K) if cm2 else not converts)
+        assert took == "coopmat" and converts[-1] == (M, K)  # every type takes mul_mat_cm2
+        dq = mm.dq16_available(device, t) and mm.dq16_chosen(t, M, N, K)
+        assert len(passes) == n + dq and (not dq or passes[-1] == (N, K))
         check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
     monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "1")
     converts.clear()
@@ -311,6 +314,12 @@ def test_dq16_choice(device, monkeypatch):
         assert picks == sorted(picks), (t, picks)  # once it pays, it pays for every larger M
     assert not mm.dq16_chosen("f16", 4096, 4096, 4096) and not mm.dq16_chosen("q4_0", 16, 4096, 4096)
     assert mm.dq16_chosen("q4_0", 8192, 4096, 4096)
+    # the H200 sweep: the tile loader at M = 128, dq16 at M = 512 for every llama8b shape
+    for t in ("q4_0", "q4_k", "q6_k"):
+        for N, K in ((4096, 4096), (14336, 4096), (4096, 14336)):
+            assert not mm.dq16_chosen(t, 128, N, K) and mm.dq16_chosen(t, 512, N, K), (t, N, K)
+    # no f16 copy over DQ16_MAX_BYTES (an all-logits output projection of a 128k vocabulary)
+    assert not mm.dq16_chosen("q6_k", 4096, 128256, 4096) and 2 * 128256 * 4096 > mm.DQ16_MAX_BYTES
     if not mm.coopmat2_available(device):
         assert not mm.dq16_available(device, "q4_0")
         wb = device.memory.alloc(18 * 64, "host", name="w")
@@ -326,6 +335,43 @@ def test_dq16_choice(device, monkeypatch):
                 b.close()
     monkeypatch.setenv("VKXSPLIT_DISABLE_DQ16", "1")
     assert mm.dq16_disabled()
+
+
+def test_dq16_needs_the_coopmat_path(device, bufs, monkeypatch):  # noqa: F811
+    """dq16=True for a product that resolves to another path (M <= 8: vec) raises, also where
+    the device could run dq16."""
+    monkeypatch.setattr(mm, "dq16_available", lambda dev, t: True)
+    wb, xb, yb = bufs.new(18 * 64), bufs.new(4 * 4 * 32), bufs.new(4 * 4 * 64)
+    seq = Sequence(device, "dq16")
+    try:
+        with pytest.raises(KernelError, match="dq16 needs the coopmat path"):
+            mm.record_mul_mat(seq, wb, "q4_0", xb, yb, 4, 64, 32, dq16=True)
+        assert seq.dispatches == 0
+    finally:
+        seq.close()
+
+
+def test_scratch_grows_to_the_exact_size_when_doubling_does_not_fit(monkeypatch):
+    """_Scratch.get doubles a buffer that is too small; where the doubled size does not fit
+    the device's memory it takes the size asked for, and raises only when that fails too."""
+    from vkxsplit.errors import OutOfDeviceMemory
+
+    made = []
+
+    class Mem:
+        def alloc(self, nbytes, kind, name):
+            if nbytes > 7 << 18:  # 1.75 MiB of device memory
+                raise OutOfDeviceMemory("vkAllocateMemory", -2)
+            made.append(nbytes)
+            return types.SimpleNamespace(size=nbytes, close=lambda: None)
+
+    dev = types.SimpleNamespace(memory=Mem(), adopt=lambda obj: None)
+    assert mm._Scratch.get(dev, "wh", 1 << 20).size == 1 << 20
+    # 1.5 MiB: doubling to 2 MiB does not fit, 1.5 does
+    assert mm._Scratch.get(dev, "wh", 3 << 19).size == 3 << 19 and made == [1 << 20, 3 << 19]
+    assert mm._Scratch.get(dev, "wh", 1 << 20).size == 3 << 19 and len(made) == 2  # reused
+    with pytest.raises(OutOfDeviceMemory):
+        mm._Scratch.get(dev, "wh", 2 << 20)
 
 
 def test_dq16_out_of_memory_falls_back(monkeypatch, caplog):

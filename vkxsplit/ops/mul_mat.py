@@ -303,8 +303,9 @@ VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, b
 #: / 1024x4096): Q8_0 with 2 rows per thread (x loads shared by them), 22.9 / 22.9 / 11.4 / 9.4
 #: against 23.8 / 23.9 / 12.0 / 9.5 for b1_wg64_nr2_u2 (dot only 79% of copy at 4096x14336).
 VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2)}
-#: GPU decode shapes for tall products (N >= VECQ_TALL_N rows of K <= VECQ_TALL_K: the FFN's
-#: gate and up), where they beat the type's shape. Session 8, H200: Q4_0 4 rows per thread at
+#: GPU decode shapes for tall products (VECQ_TALL_N <= N <= 4 K, K <= VECQ_TALL_K: the FFN's
+#: gate and up, 2.7-3.5x wider than K in llama-family models; not an output projection, whose
+#: vocabulary is 8-31x K), where they beat the type's shape. Session 8, H200: Q4_0 4 rows per thread at
 #: 14336x4096 15.9 us against 18.9 (dot only 64% of copy against 52%), but slower at 4096x4096
 #: (11.9 against 10.3), 1024x4096 (11.4 / 8.1) and 4096x14336 (24.4 / 17.0)
 VECQ_GPU_M1_TALL = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4)}
@@ -344,9 +345,11 @@ def vecq_decode(physical: Any, features: Any = None) -> dict[str, str]:
 def vecq_for_shape(variant: str, t: str, N: int, K: int) -> str:
     """The decode variant for an N x K product of ``t`` weights, given the type's default
     ``variant`` (:func:`vecq_variant`): VECQ_GPU_M1_TALL's shape where the default is the GPU
-    one and the product is tall; the default otherwise."""
+    one and the product is tall; the default otherwise. (A graph decides on the weight's
+    rows; where a plan splits that product's rows between backends the hub's share runs the
+    same shape, correct for any rows, measured only for the whole.)"""
     tall = VECQ_GPU_M1_TALL.get(t)
-    if (tall is None or N < VECQ_TALL_N or K > VECQ_TALL_K
+    if (tall is None or N < VECQ_TALL_N or N > 4 * K or K > VECQ_TALL_K
             or variant != f"mul_mat_vecq_{t}_q8_1_m1_{vecq_default_config(t, cpu=False).tag}"):
         return variant
     return f"mul_mat_vecq_{t}_q8_1_m1_{tall.tag}"
@@ -919,10 +922,16 @@ def cm2_k_split(t: str, key: str, M: int, N: int, K: int) -> int:
 #: rates of session 7 (154, 135, 143 against 163).
 DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.38, "q4_1": 1.46, "q5_0": 1.67, "q5_1": 1.57, "q8_0": 1.35,
                                       "q4_k": 1.52, "q5_k": 2.0, "q6_k": 1.98}
-#: fewest rows of x the path is taken for: the sweep's range (M = 128-512); at one tile of x
-#: (M <= 128) every weight is decoded once either way
-DQ16_MIN_M = 128
-DQ16_UNITS_PER_BYTE = 0.30  # the pass at ~2.6 TB/s (2.3-3.4 measured, session 8)
+#: fewest rows of x the model takes the path for: more than one 128-row tile of x (at M <= 128
+#: the tile loader decodes every weight once too, and the sweep's M = 128 cases all lost: Q4_0
+#: 119 vs 138, Q4_K 109 vs 119 TFLOP/s at 14336x4096)
+DQ16_MIN_M = 129
+DQ16_UNITS_PER_BYTE = 0.30
+#: the pass's own dispatch and the barrier after it (~2 us at F16's 0.79 units per ps)
+DQ16_FIXED_UNITS = 1.6e6
+#: largest f16 copy the model makes (N K 2 bytes): the FFN of a 70B model (28672 x 8192, 448
+#: MiB) fits, an all-logits output projection of a 128k vocabulary (1 GiB) does not
+DQ16_MAX_BYTES = 512 << 20  # the pass at ~2.6 TB/s (2.3-3.4 measured, session 8)
 
 
 def dq16_disabled() -> bool:
@@ -938,13 +947,17 @@ def dq16_available(device: Device, t: str) -> bool:
 
 
 def dq16_chosen(t: str, M: int, N: int, K: int) -> bool:
-    """Whether the model above prefers the dequantize-first path for this product."""
-    if t not in DQ16_DIRECT_COST or M < DQ16_MIN_M:
+    """Whether the model above prefers the dequantize-first path for this product (the
+    direct side modelled as mul_mat_cm2 with every tiling of CM2_CHOICES: where the device
+    filters tilings, VKXSPLIT_DISABLE_COOP_SHAPES is set or the weights keep mul_mat_coopmat,
+    the real direct path is no faster, so the pick errs towards the tile loader)."""
+    if t not in DQ16_DIRECT_COST or M < DQ16_MIN_M or 2 * N * K > DQ16_MAX_BYTES:
         return False
     direct = min(_cm2_cost(t, key, M, N, K)[0] for key in CM2_CHOICES[t]) * DQ16_DIRECT_COST[t]
     wt = TYPES[t]
     pass_bytes = N * (wt.row_bytes(K) + 2 * K)
-    first = min(_cm2_cost("f16", key, M, N, K)[0] for key in CM2_CHOICES["f16"]) + pass_bytes * DQ16_UNITS_PER_BYTE
+    first = (min(_cm2_cost("f16", key, M, N, K)[0] for key in CM2_CHOICES["f16"])
+             + pass_bytes * DQ16_UNITS_PER_BYTE + DQ16_FIXED_UNITS)
     return first < direct
 
 
@@ -987,7 +1000,13 @@ class _Scratch:
             sc = device.__dict__[key] = cls(device, kind)
         if not sc.buffers or sc.buffers[-1].size < nbytes:
             grow = 2 * sc.buffers[-1].size if sc.buffers else 1 << 20
-            sc.buffers.append(device.memory.alloc(max(nbytes, grow), "device", f"{kind}_scratch"))
+            try:
+                buf = device.memory.alloc(max(nbytes, grow), "device", f"{kind}_scratch")
+            except OutOfDeviceMemory:
+                if grow <= nbytes:
+                    raise
+                buf = device.memory.alloc(nbytes, "device", f"{kind}_scratch")  # no room to double
+            sc.buffers.append(buf)
         return sc.buffers[-1]
 
     def close(self) -> None:
@@ -1261,6 +1280,9 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
                           f"the coopmat path and VK_NV_cooperative_matrix2 (not disabled), and no coop_variant")
     emulated = coop_variant is not None and coop_variant.startswith("mul_mat_coopmat_emu_")
     path = check_mul_mat(wt, M, N, K, path=path, device=None if emulated else dev)
+    if dq16 and path != "coopmat":
+        raise KernelError(f"mul_mat[{wt.name.upper()}, M={M}]: dq16 needs the coopmat path, this product "
+                          f"takes '{path}'")
     if vec_variant in VEC_WIDE and K % WIDE_K:
         raise KernelError(f"vec_variant {vec_variant!r} needs K % {WIDE_K} == 0 (16-byte aligned rows "
                           f"of whole 8-block groups), got K = {K}")
