@@ -463,3 +463,30 @@ def test_decode_q8_1_paths_are_reported(report):
     assert all(d["kernels"]["decode_q8_1"] == {} for d in json.loads(off.stdout)["devices"])
     text = run_info(env={"VKXSPLIT_DISABLE_VECQ": "1"}).stdout
     assert "decode x as q8_1" in text and "VKXSPLIT_DISABLE_VECQ" in text
+
+
+def test_prefill_path_is_reported(report, monkeypatch):
+    """The mat-mat path of products over 8 rows: this machine's devices as record_mul_mat
+    decides (coopmat availability); a fake coopmat2 device gets mul_mat_cm2 with dq16 from
+    DQ16_MIN_M, which the kill switches take away."""
+    from vkxsplit.info import prefill_report
+    from vkxsplit.ops import mul_mat as mm
+    from vkxsplit.vk import instance as vki
+    from vkxsplit.vk.device import COOPMAT2_NEEDS
+
+    for d in report["devices"]:
+        pf = d["kernels"]["prefill"]
+        assert pf["path"] in ("mul_mat_cm2", "mul_mat_coopmat", "tiled")
+        assert pf["dq16"] == (pf["path"] == "mul_mat_cm2")
+        if d["type"] == "cpu":  # lavapipe: no cooperative matrices
+            assert pf == {"path": "tiled", "dq16": False, "dq16_min_m": None}
+    feats = {f: True for f in (*mm._CM2_REQUIRES, *COOPMAT2_NEEDS, "cooperativeMatrix")}
+    flex = [vki.CoopMatFlex(16, 16, 16, 0, 0, 1, 1, False, 2, n) for n in (128, 256)]
+    p = SimpleNamespace(features=feats, name="fake", coopmat2_flex=flex,
+                        has=lambda e: e == "VK_NV_cooperative_matrix2")
+    assert prefill_report(p) == {"path": "mul_mat_cm2", "dq16": True, "dq16_min_m": mm.DQ16_MIN_M}
+    monkeypatch.setenv("VKXSPLIT_DISABLE_DQ16", "1")
+    assert prefill_report(p)["dq16"] is False
+    p.has = lambda e: False  # no extension: no cooperative matrix shapes either here
+    p.coopmat_shapes, p.min_subgroup_size, p.max_subgroup_size, p.limits = [], 32, 32, {}
+    assert prefill_report(p)["path"] == "tiled"

@@ -585,6 +585,30 @@ def kernel_report(p: Any, variants: dict[str, Any]) -> dict[str, Any]:
             "subgroup_sizes": [sizes[k] for k in sorted(sizes)]}
 
 
+def prefill_report(p: Any) -> dict[str, Any]:
+    """The mat-mat path (M > 8) a hub on ``p`` takes, as record_mul_mat decides it on the
+    device vkxsplit would open: mul_mat_cm2 (VK_NV_cooperative_matrix2, every type; quantized
+    weights dequantized to f16 rows first where dq16_chosen says so), mul_mat_coopmat
+    (VK_KHR_cooperative_matrix) or the f32 tiled kernel; the kill switches are honoured."""
+    from types import SimpleNamespace
+
+    from .ops import mul_mat as mm
+    from .vk.device import COOPMAT2_NEEDS
+
+    feats = p.features
+    cm2 = (p.has("VK_NV_cooperative_matrix2") and bool(feats.get("cooperativeMatrix"))
+           and all(feats.get(f) for f in COOPMAT2_NEEDS))
+    dev = SimpleNamespace(features=feats, physical=p, coopmat2=cm2, name=p.name)
+    if mm.coopmat2_available(dev):
+        path = "mul_mat_cm2"
+    elif mm.coopmat_available(dev):
+        path = "mul_mat_coopmat"
+    else:
+        path = "tiled"
+    dq16 = path == "mul_mat_cm2" and not mm.dq16_disabled()
+    return {"path": path, "dq16": dq16, "dq16_min_m": mm.DQ16_MIN_M if dq16 else None}
+
+
 def shader_report() -> dict[str, Any]:
     from . import shaders
 
@@ -897,6 +921,7 @@ def _collect_with(inst: Any, device: int | None, gl: _Glfw | None, surface_info:
 
         # decode mat-vecs that read x as q8_1 (integer dot products), by weight type
         d["kernels"]["decode_q8_1"] = vecq_decode(p)
+        d["kernels"]["prefill"] = prefill_report(p)
         d["attach_matrix"] = attach_matrix(p, backends, d["interop"], mappable, mappable_why)
         devices.append(d)
 
@@ -1190,8 +1215,19 @@ def _render_device(d: dict[str, Any]) -> list[str]:
         L += _wrap(f"missing {miss}: {len(vs)} variant(s): " + " ".join(vs[:6])
                    + (" ..." if len(vs) > 6 else ""), "        ", "    - ")
     dq = k.get("decode_q8_1") or {}
-    L += _kv("decode x as q8_1", (", ".join(sorted(dq)) + f" ({next(iter(dq.values())).rsplit('_m1_', 1)[1]})")
+    shapes: dict[str, list[str]] = {}
+    for t, v in sorted(dq.items()):
+        shapes.setdefault(v.rsplit("_m1_", 1)[1], []).append(t)
+    L += _kv("decode x as q8_1", "; ".join(f"{', '.join(ts)} ({sh})" for sh, ts in shapes.items())
              if dq else "no (f32 x: no integer dot products here, or VKXSPLIT_DISABLE_VECQ)", "    ")
+    pf = k.get("prefill")
+    if pf:
+        what = {"mul_mat_cm2": "mul_mat_cm2 (VK_NV_cooperative_matrix2), every type",
+                "mul_mat_coopmat": "mul_mat_coopmat (VK_KHR_cooperative_matrix)",
+                "tiled": "tiled f32 kernel (no usable cooperative matrices)"}[pf["path"]]
+        if pf["dq16"]:
+            what += f"; quantized weights dequantized to f16 first where modelled faster (M >= {pf['dq16_min_m']})"
+        L += _kv("prefill (M > 8)", what, "    ")
 
     L.append(f"  Attach matrix (GPU{d['index']} as hub; under each row: why not a better path)")
     rows2 = [[row["backend"], PATH_LABELS[row["memory"]], PATH_LABELS[row["event"]]] for row in d["attach_matrix"]]
