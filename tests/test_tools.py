@@ -176,3 +176,14 @@ def test_tensor_split_tools_quick(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| spin") or ln.startswith("| block")]
     assert len(rows) == 4 and all(float(ln.split("|")[5]) < 1e-3 for ln in rows), r.stdout[-2000:]
+
+
+def test_warm_pipelines(tmp_path):
+    """tools/warm_pipelines.py creates the usable pipelines it is asked for and writes the
+    pipeline cache (the device_run.sh `warm` target, before tests on a fresh GPU machine)."""
+    r = run_tool(["tools/warm_pipelines.py", "--prefix", "get_rows_,dequant_rows_"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "created" in r.stdout and " of " in r.stdout and "FAILED" not in r.stdout
+    made = int(r.stdout.split("created ", 1)[1].split(" ", 1)[0])
+    assert made >= 19  # get_rows for 11 types, dequant_rows for the 8 quantized ones
+    assert list((tmp_path / "cache").glob("pipelines-*.bin"))

@@ -2,8 +2,9 @@
 # Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [cm2-chosen] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
-# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS)
+#   bash tools/device_run.sh [warm] [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [cm2-chosen] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
+# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS, WARM_ARGS)
+# Put `warm` before the test targets on a fresh machine (tools/warm_pipelines.py says why).
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
 . .device/on-device.sh || exit 1
@@ -15,6 +16,10 @@ python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed (tes
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for w in $what; do
   case $w in
+    warm)
+      # every usable pipeline into the cache the test targets read (env WARM_ARGS, e.g.
+      # --prefix mul_mat_cm2_): a cold machine compiles them far faster without the validation layer
+      VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 240 python3 tools/warm_pipelines.py ${WARM_ARGS:-} 2>&1 | tail -12 ;;
     tests)
       VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 540 python3 -m pytest -q -ra -p no:cacheprovider \
         -o addopts="" tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
