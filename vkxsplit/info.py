@@ -593,12 +593,9 @@ def prefill_report(p: Any) -> dict[str, Any]:
     from types import SimpleNamespace
 
     from .ops import mul_mat as mm
-    from .vk.device import COOPMAT2_NEEDS
+    from .vk.device import coopmat2_enablable
 
-    feats = p.features
-    cm2 = (p.has("VK_NV_cooperative_matrix2") and bool(feats.get("cooperativeMatrix"))
-           and all(feats.get(f) for f in COOPMAT2_NEEDS))
-    dev = SimpleNamespace(features=feats, physical=p, coopmat2=cm2, name=p.name)
+    dev = SimpleNamespace(features=p.features, physical=p, coopmat2=coopmat2_enablable(p), name=p.name)
     if mm.coopmat2_available(dev):
         path = "mul_mat_cm2"
     elif mm.coopmat_available(dev):

@@ -882,13 +882,20 @@ def cm2_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> 
     keys = (CM2_DEFAULT,) if coop_shapes_disabled() else CM2_CHOICES[t]
     if device is not None:
         keys = tuple(k for k in keys if k == CM2_DEFAULT or cm2_tile_supported(device, CM2_TILES[k]))
+    _, key, ks = _cm2_best(t, keys, M, N, K)
+    return cm2_variant_name(t, key), ks
+
+
+def _cm2_best(t: str, keys: tuple[str, ...], M: int, N: int, K: int) -> tuple[float, str, int]:
+    """(modelled time, tiling, K elements per split or 0) of the cheapest of ``keys`` for type
+    ``t`` (ties: the earlier tiling)."""
     best: tuple[float, str, int] | None = None
     for key in keys:
         cost, ks = _cm2_cost(t, key, M, N, K)
         if best is None or cost < best[0]:
             best = (cost, key, ks)
     assert best is not None
-    return cm2_variant_name(t, best[1]), best[2]
+    return best
 
 
 def _cm2_cost(t: str, key: str, M: int, N: int, K: int) -> tuple[float, int]:
@@ -953,10 +960,9 @@ def dq16_chosen(t: str, M: int, N: int, K: int) -> bool:
     the real direct path is no faster, so the pick errs towards the tile loader)."""
     if t not in DQ16_DIRECT_COST or M < DQ16_MIN_M or 2 * N * K > DQ16_MAX_BYTES:
         return False
-    direct = min(_cm2_cost(t, key, M, N, K)[0] for key in CM2_CHOICES[t]) * DQ16_DIRECT_COST[t]
-    wt = TYPES[t]
-    pass_bytes = N * (wt.row_bytes(K) + 2 * K)
-    first = (min(_cm2_cost("f16", key, M, N, K)[0] for key in CM2_CHOICES["f16"])
+    direct = _cm2_best(t, CM2_CHOICES[t], M, N, K)[0] * DQ16_DIRECT_COST[t]
+    pass_bytes = N * (TYPES[t].row_bytes(K) + 2 * K)
+    first = (_cm2_best("f16", CM2_CHOICES["f16"], M, N, K)[0]
              + pass_bytes * DQ16_UNITS_PER_BYTE + DQ16_FIXED_UNITS)
     return first < direct
 
@@ -1275,9 +1281,9 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
                  f"mul_mat_cm2_{wt.name}_f32")):
             raise KernelError(f"coop_variant {coop_variant!r} is not a coopmat variant for "
                               f"{wt.name.upper()} weights (and path must be 'coopmat')")
-    if dq16 and (coop_variant is not None or path not in (None, "coopmat") or not dq16_available(dev, wt.name)):
+    if dq16 and (coop_variant is not None or not dq16_available(dev, wt.name)):
         raise KernelError(f"mul_mat[{wt.name.upper()}]: dq16 (dequantize first) needs quantized weights, "
-                          f"the coopmat path and VK_NV_cooperative_matrix2 (not disabled), and no coop_variant")
+                          f"VK_NV_cooperative_matrix2 (not disabled) and no coop_variant")
     emulated = coop_variant is not None and coop_variant.startswith("mul_mat_coopmat_emu_")
     path = check_mul_mat(wt, M, N, K, path=path, device=None if emulated else dev)
     if dq16 and path != "coopmat":

@@ -72,6 +72,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vkxsplit"
 
 
+
+def coopmat2_enablable(physical: Any) -> bool:
+    """Whether a Device on ``physical`` enables VK_NV_cooperative_matrix2: the extension, the
+    cooperativeMatrix feature and every feature of COOPMAT2_NEEDS."""
+    feats = physical.features
+    return (physical.has("VK_NV_cooperative_matrix2") and bool(feats.get("cooperativeMatrix"))
+            and all(feats.get(f) for f in COOPMAT2_NEEDS))
+
 class Device:
     """The hub's logical device. Use :meth:`open` or ``Device(instance, physical)``."""
 
@@ -99,8 +107,7 @@ class Device:
 
         feats = physical.features
         exts = [e for e in OPTIONAL_EXTENSIONS if physical.has(e)]
-        if "VK_NV_cooperative_matrix2" in exts and not (
-                feats.get("cooperativeMatrix") and all(feats.get(f) for f in COOPMAT2_NEEDS)):
+        if "VK_NV_cooperative_matrix2" in exts and not coopmat2_enablable(physical):
             exts.remove("VK_NV_cooperative_matrix2")
         if physical.api_version >= API_1_3:
             exts = [e for e in exts if e not in ("VK_EXT_subgroup_size_control",
