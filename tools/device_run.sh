@@ -2,9 +2,12 @@
 # Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [warm] [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [cm2-chosen] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests]
-# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS, WARM_ARGS)
+#   bash tools/device_run.sh [warm] [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [cm2-chosen] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests] [save-cache]
+# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS, WARM_ARGS,
+#  TESTS_ARGS: the pytest selection of `tests` (default: tests), TESTS_TIMEOUT (default 540 s))
 # Put `warm` before the test targets on a fresh machine (tools/warm_pipelines.py says why).
+# Target save-cache writes the pipeline caches (ours and the driver's) to $OUT/pcache.tgz; carry
+# that file back as .pcache.tgz and the next (fresh) machine starts warm: it is unpacked here.
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
 set -uo pipefail
 . .device/on-device.sh || exit 1
@@ -13,6 +16,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 what=${*:-tests kernels models handoff info}
 # native helpers: build in place (gcc + cffi are there); tests skip what needs them otherwise
 python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed (tests needing it skip)"
+if [[ -f .pcache.tgz ]]; then tar -C / -xzf .pcache.tgz && echo "pipeline caches unpacked from .pcache.tgz"; fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for w in $what; do
   case $w in
@@ -21,8 +25,11 @@ for w in $what; do
       # --prefix mul_mat_cm2_): a cold machine compiles them far faster without the validation layer
       VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 240 python3 tools/warm_pipelines.py ${WARM_ARGS:-} 2>&1 | tail -12 ;;
     tests)
-      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 540 python3 -m pytest -q -ra -p no:cacheprovider \
-        -o addopts="" tests 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -ra -p no:cacheprovider \
+        --durations=12 -o addopts="" ${TESTS_ARGS:-tests} 2>&1 | tee "$OUT/tests.log" | tail -60 ;;
+    save-cache)
+      tar -C / -czf "$OUT/pcache.tgz" tmp/vkxcache $(cd / && ls -d root/.cache/nvidia 2>/dev/null) 2>/dev/null
+      ls -la "$OUT/pcache.tgz" ;;
     kernels)
       timeout 300 python3 tools/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.md" ;;
     models)
