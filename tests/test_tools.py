@@ -74,12 +74,19 @@ def test_bench_matvec_quick(tmp_path):
 
 def test_bench_coopmat_splits_and_tiles(tmp_path):
     """--splits with counts and --tiles: each listed tiling timed once per count, plus the
-    "chosen" row only where real cooperative matrices exist (lavapipe: emulated, none)."""
+    "chosen" row only where real cooperative matrices exist (lavapipe: emulated, none). The
+    tiling: the default one of the kernels the device runs (emulated or real)."""
+    import vkxsplit.ops.mul_mat as mm
+    from vkxsplit.vk.device import Device
+
+    with Device.open() as d:
+        emulate = not mm.coopmat_available(d)
+    tile = mm.COOP_VARIANT_TILES[mm.coop_variant_name("q4_0", emulate=emulate)].name
     r = run_tool(["tools/bench_coopmat.py", "--quick", "--types", "q4_0", "--splits", "1,2",
-                  "--tiles", "t64x64_k32_w32x32"], tmp_path)
+                  "--tiles", tile], tmp_path)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     rows = [ln for ln in r.stdout.splitlines()
-            if ln.startswith("| q4_0 | 64 | 128x256 |") and "| t64x64_k32_w32x32" in ln]
+            if ln.startswith("| q4_0 | 64 | 128x256 |") and f"| {tile}" in ln]
     assert len(rows) == 2 and "split K 2x128" in rows[1] and "split K" not in rows[0], rows
 
 
@@ -148,7 +155,17 @@ def test_bench_warm_up_runs_until_the_gpu_is_warm(monkeypatch):
 
 def test_bench_link_quick(tmp_path):
     """The cross-device link bench on two VkDevices of the one device: every table printed, the
-    host-relayed exchange and the flag all-reduce exact (no wrong element), no give-up."""
+    host-relayed exchange exact (no wrong element). The flag all-reduce is exact with no give-up
+    on CPU devices (lavapipe: one coherent memory); on a GPU it is what the bench measures (on the
+    H200 two VkDevices of one GPU never see each other's flag writes: docs/MULTI_GPU.md), so
+    there only the row's shape is checked."""
+    import json as _json
+
+    from vkxsplit.vk.api import vk
+    from vkxsplit.vk.device import Device
+
+    with Device.open() as d:
+        cpu = d.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
     r = run_tool(["tools/bench_link.py", "--devices", "0,0", "--quick"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
     lines = r.stdout.splitlines()
@@ -156,7 +173,10 @@ def test_bench_link_quick(tmp_path):
     flags = [[c.strip() for c in ln.split("|")] for ln in lines if ln.startswith("| atomic | 16384 |")]
     assert len(relay) == 1 and len(flags) == 1, r.stdout[-2000:]
     assert relay[0][4] == "[0, 0]"  # wrong elements (dev0, dev1)
-    assert flags[0][6] == "[0, 0]" and flags[0][7] == "[0, 0]"  # wrong elements; gave up
+    wrong, gave_up = _json.loads(flags[0][6]), _json.loads(flags[0][7])
+    assert len(wrong) == 2 and len(gave_up) == 2 and all(isinstance(v, int) for v in wrong + gave_up)
+    if cpu:
+        assert wrong == [0, 0] and gave_up == [0, 0]
 
 
 def test_tensor_split_tools_quick(tmp_path):

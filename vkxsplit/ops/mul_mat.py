@@ -358,7 +358,7 @@ def vecq_for_shape(variant: str, t: str, N: int, K: int) -> str:
 def vecq_variant(device: Device, t: str, M: int) -> str | None:
     """The integer-dot-product mat-vec variant a graph uses for ``M`` columns of x times ``t``
     weights on ``device`` (x quantized to q8_1 once, shared by every mat-vec reading it), or
-    None where the f32-x kernels stay: other types (Q4_K on GPUs), M > 1, no
+    None where the f32-x kernels stay: other types (those outside VECQ_GPU_TYPES on GPUs), M > 1, no
     shaderIntegerDotProduct, or VKXSPLIT_DISABLE_VECQ."""
     return vecq_decode(device.physical, device.features).get(t) if M == 1 else None
 
