@@ -2,8 +2,11 @@
 // blocks (one QK-element run of one row each, byte-for-byte as in GGUF), and a decode function
 // the driver calls for each element it stages (coopMatLoadTensorNV(..., DECODE)), with the
 // block's address, the block's coordinates and the element's coordinates inside the block
-// (row 0, column 0..QK-1). Layouts: ggml's block_* structs (ggml-common.h), every member 1- or
-// 2-byte aligned but Q5_1's 4-byte qh and Q4_K/Q5_K's, declared as words (a uvec4 header: their
+// (row 0, column 0..QK-1). Layouts: ggml's block_* structs (ggml-common.h), the quant bytes
+// declared as 16-bit pairs (elements 2i and 2i + 1 of a block read the same halfword: the
+// driver decodes elements in pairs, and a pair whose loads are one load is decoded with one;
+// ggml-vulkan's *_packed16 views), every member 1- or 2-byte aligned but Q5_1's 4-byte qh
+// and Q4_K/Q5_K's, declared as words (a uvec4 header: their
 // 144- and 176-byte blocks are 16-byte aligned because record_mul_mat requires a 16-byte
 // aligned weight binding), so std430 packs them without padding (sizes 18, 20, 22, 24, 34, 144,
 // 176, 210 bytes = QBYTES of dequant.glsl).
@@ -36,23 +39,23 @@ struct WBlock { uint16_t v; };
 #elif WTYPE == WT_Q4_0
 #define QK 32
 #define CM2_ALIGN 2
-struct WBlock { float16_t d; uint8_t qs[16]; };
+struct WBlock { float16_t d; uint16_t qs[8]; };
 #elif WTYPE == WT_Q4_1
 #define QK 32
 #define CM2_ALIGN 2
-struct WBlock { float16_t d; float16_t m; uint8_t qs[16]; };
+struct WBlock { float16_t d; float16_t m; uint16_t qs[8]; };
 #elif WTYPE == WT_Q5_0
 #define QK 32
 #define CM2_ALIGN 2
-struct WBlock { float16_t d; uint8_t qh[4]; uint8_t qs[16]; };
+struct WBlock { float16_t d; uint16_t qh[2]; uint16_t qs[8]; };
 #elif WTYPE == WT_Q5_1
 #define QK 32
 #define CM2_ALIGN 4
-struct WBlock { float16_t d; float16_t m; uint qh; uint8_t qs[16]; };
+struct WBlock { float16_t d; float16_t m; uint qh; uint16_t qs[8]; };
 #elif WTYPE == WT_Q8_0
 #define QK 32
 #define CM2_ALIGN 2
-struct WBlock { float16_t d; int8_t qs[32]; };
+struct WBlock { float16_t d; uint16_t qs[16]; };
 #elif WTYPE == WT_Q4_K
 // ggml's block_q4_K as words: h = (d, dmin) half pair and the 12 bytes of 6-bit scales/mins,
 // read with one 16-byte load (144-byte blocks of a 16-byte aligned binding)
@@ -66,7 +69,7 @@ struct WBlock { uvec4 h; uint qh[8]; uint qs[32]; };  // 176 bytes
 #elif WTYPE == WT_Q6_K
 #define QK 256
 #define CM2_ALIGN 2
-struct WBlock { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; float16_t d; };
+struct WBlock { uint16_t ql[64]; uint16_t qh[32]; int8_t scales[16]; float16_t d; };
 #else
 #error "unknown WTYPE"
 #endif

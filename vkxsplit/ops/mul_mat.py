@@ -218,7 +218,8 @@ class VecqConfig:
     products (OpSDot; needs shaderIntegerDotProduct), 0: the same sums with int multiply-adds
     of unpacked bytes (``_emu``), ``sat``: OpSDotAccSat instead of OpSDot + add, ``rpt`` rows
     per thread (Q4_0 / Q8_0 with ``blk`` 1: each x block loaded once for ``rpt`` rows; a
-    workgroup then computes ``nr * rpt`` rows)."""
+    workgroup then computes ``nr * rpt`` rows), ``sg`` 1: the partial sums reduced with
+    subgroupAdd per row instead of one thread adding a row's ``wg // nr`` partials in order."""
 
     wg: int
     nr: int
@@ -227,11 +228,12 @@ class VecqConfig:
     idp: int = 1
     sat: int = 0
     rpt: int = 1
+    sg: int = 0
 
     @property
     def tag(self) -> str:
         return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
-                + (f"_r{self.rpt}" if self.rpt > 1 else "")
+                + (f"_r{self.rpt}" if self.rpt > 1 else "") + ("_sg" if self.sg else "")
                 + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
 
     @property
@@ -244,6 +246,8 @@ class VecqConfig:
              "IDP": str(self.idp), "IDP_SAT": str(self.sat)}
         if self.rpt > 1:
             d["RPT"] = str(self.rpt)
+        if self.sg:
+            d["SG"] = "1"
         return d
 
 
@@ -269,6 +273,15 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # Q4_0 spends as many x loads per block as Q8_0 for half the weight bytes)
                 VecqConfig(128, 2, blk=1, unr=2, rpt=2), VecqConfig(64, 2, blk=1, unr=2, rpt=2),
                 VecqConfig(128, 2, blk=1, rpt=4),
+                # session 9, not yet measured: the final reduction with subgroupAdd (SG 1; the
+                # in-order sum of 64-128 partials by one thread is ~1 us at the end of every
+                # workgroup), which also makes 128 threads per row worth a new look (session 7
+                # measured them with the serial sum): the defaults with it, and 128 threads per
+                # row with 1, 2 and 4 rows per thread
+                VecqConfig(128, 2, blk=1, unr=2, sg=1), VecqConfig(128, 2, blk=1, unr=2, rpt=2, sg=1),
+                VecqConfig(128, 2, blk=1, rpt=4, sg=1), VecqConfig(128, 1, blk=1, unr=2, sg=1),
+                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1), VecqConfig(128, 1, blk=1, rpt=4, sg=1),
+                VecqConfig(256, 2, blk=1, unr=2, rpt=2, sg=1),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
