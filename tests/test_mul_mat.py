@@ -1077,6 +1077,18 @@ def test_vecq_default_policy(device, monkeypatch):
     cpu_q4 = f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=True).tag}"
     assert mm.vecq_for_shape(cpu_q4, "q4_0", 14336, 4096) == cpu_q4
     gpu_q8 = f"mul_mat_vecq_q8_0_q8_1_m1_{mm.vecq_default_config('q8_0', cpu=False).tag}"
-    assert mm.vecq_for_shape(gpu_q8, "q8_0", 14336, 4096) == gpu_q8
+    tall8 = mm.vecq_for_shape(gpu_q8, "q8_0", 14336, 4096)
+    assert tall8 != gpu_q8 and tall8 in mm.VECQ_SWEEP and mm.VECQ_SWEEP[tall8][1].sg == 1
+    assert mm.vecq_for_shape(gpu_q8, "q8_0", 4096, 14336) == gpu_q8
+    # VKXSPLIT_DISABLE_VECQ_SG: the shapes before the subgroupAdd ones (no `_sg` tag anywhere)
+    assert mm.VECQ_SWEEP[gpu_q4][1].sg == 1
+    monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ_SG", "1")
+    for t in mm.VECQ_GPU_TYPES:
+        v = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}"
+        assert v in mm.VECQ_SWEEP and "_sg" not in v
+        for n, k in ((14336, 4096), (4096, 14336), (4096, 4096)):
+            assert "_sg" not in mm.vecq_for_shape(v, t, n, k)
+    assert mm.vecq_for_shape(gpu_q8, "q8_0", 14336, 4096) == gpu_q8  # (its old shape's name)
+    monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_SG")
     monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ", "1")
     assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)

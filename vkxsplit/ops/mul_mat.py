@@ -282,6 +282,10 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 VecqConfig(128, 2, blk=1, rpt=4, sg=1), VecqConfig(128, 1, blk=1, unr=2, sg=1),
                 VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1), VecqConfig(128, 1, blk=1, rpt=4, sg=1),
                 VecqConfig(256, 2, blk=1, unr=2, rpt=2, sg=1),
+                # session 9, second sweep: one loop iteration per thread at K = 14336 (128 or 256
+                # threads per row, all of a thread's blocks loaded before any is used)
+                VecqConfig(128, 1, blk=1, unr=4, sg=1), VecqConfig(128, 1, blk=1, unr=4, rpt=2, sg=1),
+                VecqConfig(256, 1, blk=1, unr=2, sg=1), VecqConfig(256, 1, blk=1, unr=2, rpt=2, sg=1),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
@@ -315,19 +319,36 @@ VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, b
 #: Session 8 (H200, barrier mode with the quantize, us at 4096x14336 / 14336x4096 / 4096x4096
 #: / 1024x4096): Q8_0 with 2 rows per thread (x loads shared by them), 22.9 / 22.9 / 11.4 / 9.4
 #: against 23.8 / 23.9 / 12.0 / 9.5 for b1_wg64_nr2_u2 (dot only 79% of copy at 4096x14336).
-VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2)}
+#: Session 9 (H200, dot only, us at 4096x14336 / 14336x4096 / 4096x4096): Q4_0 with 128
+#: threads per row, 2 rows per thread and the subgroupAdd reduction, 12.6 / 13.2 / 6.4 against
+#: 13.2 / 15.1 / 6.8 (63% of copy at 4096x14336 against 60%); the reduction alone changed
+#: nothing (13.4 / 14.4 / 6.7). VKXSPLIT_DISABLE_VECQ_SG=1 keeps the session-8 shapes.
+VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1),
+                       "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2)}
+_VECQ_GPU_M1_S8 = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2)}
 #: GPU decode shapes for tall products (VECQ_TALL_N <= N <= 4 K, K <= VECQ_TALL_K: the FFN's
 #: gate and up, 2.7-3.5x wider than K in llama-family models; not an output projection, whose
 #: vocabulary is 8-31x K), where they beat the type's shape. Session 8, H200: Q4_0 4 rows per thread at
 #: 14336x4096 15.9 us against 18.9 (dot only 64% of copy against 52%), but slower at 4096x4096
 #: (11.9 against 10.3), 1024x4096 (11.4 / 8.1) and 4096x14336 (24.4 / 17.0)
-VECQ_GPU_M1_TALL = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4)}
+#: Session 9: Q8_0 with 128 threads per row, 2 rows per thread, subgroupAdd: 14336x4096 18.2
+#: us against 19.1 (82% of copy), but 19.3 / 8.1 against 19.0 / 7.9 at 4096x14336 / 4096x4096
+VECQ_GPU_M1_TALL = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4), "q8_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1)}
+_VECQ_GPU_M1_TALL_S8 = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4)}
 VECQ_TALL_N, VECQ_TALL_K = 8192, 4096
+
+
+def vecq_sg_disabled() -> bool:
+    """``VKXSPLIT_DISABLE_VECQ_SG=1``: GPU decode keeps session 8's shapes (64 threads per row,
+    one thread adding a row's partials) instead of the subgroupAdd shapes (bisecting)."""
+    return env_flag("VKXSPLIT_DISABLE_VECQ_SG")
 
 
 def vecq_default_config(t: str, cpu: bool) -> VecqConfig:
     """The decode (M = 1) integer-dot-product shape of weight type ``t`` on a CPU or GPU device."""
-    return VECQ_DEFAULT_M1["cpu"] if cpu else VECQ_GPU_M1_BY_TYPE.get(t, VECQ_DEFAULT_M1["gpu"])
+    if cpu:
+        return VECQ_DEFAULT_M1["cpu"]
+    return (_VECQ_GPU_M1_S8 if vecq_sg_disabled() else VECQ_GPU_M1_BY_TYPE).get(t, VECQ_DEFAULT_M1["gpu"])
 #: types whose vecq path GPUs take by default. H200 sweep (session 4, tools/bench_matvec.py,
 #: the separate quantize included): Q4_1 vecq 18.1 us vs 21.9 for the f32-x kernel at
 #: 4096x14336; Q4_K (one 256-weight super-block per thread) 58.1 us vs 62.0 summed over the
@@ -361,7 +382,7 @@ def vecq_for_shape(variant: str, t: str, N: int, K: int) -> str:
     one and the product is tall; the default otherwise. (A graph decides on the weight's
     rows; where a plan splits that product's rows between backends the hub's share runs the
     same shape, correct for any rows, measured only for the whole.)"""
-    tall = VECQ_GPU_M1_TALL.get(t)
+    tall = (_VECQ_GPU_M1_TALL_S8 if vecq_sg_disabled() else VECQ_GPU_M1_TALL).get(t)
     if (tall is None or N < VECQ_TALL_N or N > 4 * K or K > VECQ_TALL_K
             or variant != f"mul_mat_vecq_{t}_q8_1_m1_{vecq_default_config(t, cpu=False).tag}"):
         return variant
@@ -697,19 +718,20 @@ _CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128")
 #: w128x128_k64_n256 (H200 sweep, M = 512, `tools/bench_coopmat.py --cm2`, session 7): f16
 #: 128 x 256 1.1 (14336x4096 0.277 vs 0.306 ms for the same waves), q6_k 1.35 (0.461 vs
 #: 0.624), q4_0 64 x 128 with 128 invocations 0.55 (two per SM: 4096x4096 0.105 vs 0.112
-#: ms, 14336x4096 0.373 vs 0.441); Q4_1/Q5_0/Q5_1 and F32/BF16 take their kin's tilings
+#: ms, 14336x4096 0.373 vs 0.441; session 9 with the halfword-pair decodes: Q8_0 the same,
+#: 0.108 vs 0.117 ms and, split in two at 14336x4096, 0.406 vs 0.434); Q4_1/Q5_0/Q5_1 and
+#: F32/BF16 take their kin's tilings
 #: (measured with them, M = 512: Q4_1 145-154, Q5_0 127-135, Q5_1 134-143, F32 146-164, BF16
 #: 163-165 TFLOP/s; Q5_K through mul_mat_cm2 58-67, so it stays out of CM2_TYPES)
 CM2_CHOICES: dict[str, tuple[str, ...]] = {
     **{t: _CM2_FLOAT for t in ("f32", "f16", "bf16")},
-    **{t: _CM2_LEGACY for t in ("q4_0", "q4_1", "q5_0", "q5_1")},
-    "q8_0": ("w128x128_k64_n256",),
+    **{t: _CM2_LEGACY for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
     "q6_k": ("w128x128_k64_n256", "w128x256_k64_n256"),
     "q4_k": (CM2_DEFAULT,), "q5_k": (CM2_DEFAULT,),
 }
 CM2_TILE_EFF: dict[str, dict[str, float]] = {
     **{t: {"w128x256_k64_n256": 1.1} for t in ("f32", "f16", "bf16")},
-    **{t: {"w64x128_k64_n128": 0.55} for t in ("q4_0", "q4_1", "q5_0", "q5_1")},
+    **{t: {"w64x128_k64_n128": 0.55} for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
     "q6_k": {"w128x256_k64_n256": 1.35},
 }
 
