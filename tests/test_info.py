@@ -446,9 +446,8 @@ def test_opaque_fd_mmap_probe(device):
 def test_decode_q8_1_paths_are_reported(report):
     """Which decode mat-vecs read x as q8_1: the JSON names shipped integer-dot-product
     variants exactly where the device has the integer dot product feature (as the report
-    lists it; Q4_K on CPU devices and where VECQ_GPU_TYPES lists it), all usable there; the kill switch empties it and the
+    lists it; Q4_K too, on CPUs and GPUs), all usable there; the kill switch empties it and the
     text says so."""
-    from vkxsplit.ops.mul_mat import VECQ_GPU_TYPES
     from vkxsplit.shaders import all_variants
 
     for d in report["devices"]:
@@ -456,8 +455,7 @@ def test_decode_q8_1_paths_are_reported(report):
         if not d["features"].get("shaderIntegerDotProduct"):
             assert dq == {}
             continue
-        assert {"q4_0", "q4_1", "q8_0"} <= set(dq) <= {"q4_0", "q4_1", "q8_0", "q4_k"}
-        assert ("q4_k" in dq) == (d["type"] == "cpu" or "q4_k" in VECQ_GPU_TYPES)
+        assert set(dq) == {"q4_0", "q4_1", "q8_0", "q4_k"}  # (Q4_K on GPUs too since session 4)
         for t, v in dq.items():
             assert v in all_variants() and v.startswith(f"mul_mat_vecq_{t}_q8_1_m1_") and v in d["kernels"]["usable"]
     off = run_info("--json", env={"VKXSPLIT_DISABLE_VECQ": "1"})

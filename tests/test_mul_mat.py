@@ -1056,6 +1056,7 @@ def test_vecq_default_policy(device, monkeypatch):
     found a faster one), and every GPU choice is a built variant."""
     from vkxsplit.vk.api import vk
 
+    monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_SG", raising=False)  # (the suite may run with it)
     if not device.features.get("shaderIntegerDotProduct"):
         assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)
         return
