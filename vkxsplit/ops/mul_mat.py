@@ -273,19 +273,13 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # Q4_0 spends as many x loads per block as Q8_0 for half the weight bytes)
                 VecqConfig(128, 2, blk=1, unr=2, rpt=2), VecqConfig(64, 2, blk=1, unr=2, rpt=2),
                 VecqConfig(128, 2, blk=1, rpt=4),
-                # session 9, not yet measured: the final reduction with subgroupAdd (SG 1; the
-                # in-order sum of 64-128 partials by one thread is ~1 us at the end of every
-                # workgroup), which also makes 128 threads per row worth a new look (session 7
-                # measured them with the serial sum): the defaults with it, and 128 threads per
-                # row with 1, 2 and 4 rows per thread
-                VecqConfig(128, 2, blk=1, unr=2, sg=1), VecqConfig(128, 2, blk=1, unr=2, rpt=2, sg=1),
-                VecqConfig(128, 2, blk=1, rpt=4, sg=1), VecqConfig(128, 1, blk=1, unr=2, sg=1),
-                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1), VecqConfig(128, 1, blk=1, rpt=4, sg=1),
-                VecqConfig(256, 2, blk=1, unr=2, rpt=2, sg=1),
-                # session 9, second sweep: one loop iteration per thread at K = 14336 (128 or 256
-                # threads per row, all of a thread's blocks loaded before any is used)
-                VecqConfig(128, 1, blk=1, unr=4, sg=1), VecqConfig(128, 1, blk=1, unr=4, rpt=2, sg=1),
-                VecqConfig(256, 1, blk=1, unr=2, sg=1), VecqConfig(256, 1, blk=1, unr=2, rpt=2, sg=1),
+                # session 9 (H200, docs/PERFORMANCE.md section 0000000): the final reduction with
+                # subgroupAdd (SG 1) alone, and 128 threads per row with 2 rows per thread (the Q4_0
+                # default, Q8_0's tall shape). Swept and dropped (no longer built): the SG versions
+                # of b1_wg128_nr2_u2_r2 / b1_wg128_nr2_r4, 128 threads per row with 1 or 4 rows per
+                # thread or 4 blocks per iteration, 256 threads per row (Q4_0 4096x14336 dot only
+                # 12.9-18.0 us against 12.6; Q8_0 none faster at more than one shape)
+                VecqConfig(128, 2, blk=1, unr=2, sg=1), VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
