@@ -338,11 +338,19 @@ def vecq_sg_disabled() -> bool:
     return env_flag("VKXSPLIT_DISABLE_VECQ_SG")
 
 
+def _vecq_gpu_tables() -> tuple[dict[str, VecqConfig], dict[str, VecqConfig]]:
+    """(shape per type, shape per type for tall products) GPUs decode with: session 8's with
+    VKXSPLIT_DISABLE_VECQ_SG, else the current ones."""
+    if vecq_sg_disabled():
+        return _VECQ_GPU_M1_S8, _VECQ_GPU_M1_TALL_S8
+    return VECQ_GPU_M1_BY_TYPE, VECQ_GPU_M1_TALL
+
+
 def vecq_default_config(t: str, cpu: bool) -> VecqConfig:
     """The decode (M = 1) integer-dot-product shape of weight type ``t`` on a CPU or GPU device."""
     if cpu:
         return VECQ_DEFAULT_M1["cpu"]
-    return (_VECQ_GPU_M1_S8 if vecq_sg_disabled() else VECQ_GPU_M1_BY_TYPE).get(t, VECQ_DEFAULT_M1["gpu"])
+    return _vecq_gpu_tables()[0].get(t, VECQ_DEFAULT_M1["gpu"])
 #: types whose vecq path GPUs take by default. H200 sweep (session 4, tools/bench_matvec.py,
 #: the separate quantize included): Q4_1 vecq 18.1 us vs 21.9 for the f32-x kernel at
 #: 4096x14336; Q4_K (one 256-weight super-block per thread) 58.1 us vs 62.0 summed over the
@@ -376,7 +384,7 @@ def vecq_for_shape(variant: str, t: str, N: int, K: int) -> str:
     one and the product is tall; the default otherwise. (A graph decides on the weight's
     rows; where a plan splits that product's rows between backends the hub's share runs the
     same shape, correct for any rows, measured only for the whole.)"""
-    tall = (_VECQ_GPU_M1_TALL_S8 if vecq_sg_disabled() else VECQ_GPU_M1_TALL).get(t)
+    tall = _vecq_gpu_tables()[1].get(t)
     if (tall is None or N < VECQ_TALL_N or N > 4 * K or K > VECQ_TALL_K
             or variant != f"mul_mat_vecq_{t}_q8_1_m1_{vecq_default_config(t, cpu=False).tag}"):
         return variant
