@@ -6,7 +6,7 @@
 // declared as 16-bit pairs (elements 2i and 2i + 1 of a block read the same halfword: the
 // driver decodes elements in pairs, and a pair whose loads are one load is decoded with one;
 // ggml-vulkan's *_packed16 views), every member 1- or 2-byte aligned but Q5_1's 4-byte qh
-// and Q4_K/Q5_K's, declared as words (a uvec4 header: their
+// and Q4_K/Q5_K's header, read as one uvec4 (their
 // 144- and 176-byte blocks are 16-byte aligned because record_mul_mat requires a 16-byte
 // aligned weight binding), so std430 packs them without padding (sizes 18, 20, 22, 24, 34, 144,
 // 176, 210 bytes = QBYTES of dequant.glsl).
@@ -61,11 +61,11 @@ struct WBlock { float16_t d; uint16_t qs[16]; };
 // read with one 16-byte load (144-byte blocks of a 16-byte aligned binding)
 #define QK 256
 #define CM2_ALIGN 16
-struct WBlock { uvec4 h; uint qs[32]; };
+struct WBlock { uvec4 h; uint16_t qs[64]; };
 #elif WTYPE == WT_Q5_K
 #define QK 256
 #define CM2_ALIGN 16
-struct WBlock { uvec4 h; uint qh[8]; uint qs[32]; };  // 176 bytes
+struct WBlock { uvec4 h; uint16_t qh[16]; uint16_t qs[64]; };  // 176 bytes
 #elif WTYPE == WT_Q6_K
 #define QK 256
 #define CM2_ALIGN 2

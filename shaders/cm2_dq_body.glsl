@@ -39,10 +39,11 @@
     const uint sh = 8u * (s & 3u);
     const uint sc = ((s < 4u ? h.y : sc_hi) >> sh) & 63u;
     const uint mn = ((s < 4u ? h.z : mn_hi) >> sh) & 63u;
-    const uint qb = 32u * g + (l & 31u);             // byte of the nibbles, low or high by l & 32
-    uint q = (B.qs[qb >> 2] >> (8u * (qb & 3u) + ((l & 32u) >> 3))) & 15u;
+    // the nibbles' byte 32 g + (l & 31) (low or high nibble by l & 32) and Q5_K's high bits
+    // (bit s of byte l & 31 of qh) as halfwords, bit 0 of j masked as in the types above
+    uint q = (uint(B.qs[16u * g + ((l & 30u) >> 1)]) >> (8u * (j & 1u) + ((l & 32u) >> 3))) & 15u;
 #if WTYPE == WT_Q5_K
-    q |= ((B.qh[(l & 31u) >> 2] >> (8u * (l & 3u) + s)) & 1u) << 4;
+    q |= ((uint(B.qh[(l & 30u) >> 1]) >> (8u * (j & 1u) + s)) & 1u) << 4;
 #endif
     const vec2 dm = unpackHalf2x16(h.x);
     return float16_t(dm.x * float(sc) * float(q) - dm.y * float(mn));

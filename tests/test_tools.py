@@ -25,6 +25,7 @@ def test_bench_kernels_quick(tmp_path):
     r = run_tool(["tools/bench_kernels.py", "--quick"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "compute-shader copy" in r.stdout and "| q4_0 |" in r.stdout and "mat-mat" in r.stdout
+    assert "| q4_0 | 512x1024 | f32 x" in r.stdout and "| weights of |" in r.stdout
 
 
 def test_bench_models_tiny(tmp_path):

@@ -2,7 +2,9 @@
 """Kernel throughput on the hub device, timed with GPU timestamps, printed as markdown tables.
 
 - copy bandwidth measured by Vulkan itself (vkCmdCopyBuffer, bytes read + written / time)
-- mat-vec GB/s (weight bytes / time) at M = 1 for Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16
+- mat-vec GB/s (weight bytes / time) at M = 1 for Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16: the f32-x
+  kernel and, for the types decode takes through it, the q8_1-x (integer dot product) path
+  with and without its quantize dispatch; and a copy of the same bytes per size
 - mat-mat TFLOP/s at M = 512 for the same types, tiled and cooperative-matrix paths
 
 Usage: python tools/bench_kernels.py [--quick]   (tools/device_bench.sh runs it on the H200)
@@ -19,18 +21,106 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchutil  # noqa: E402
+from bench_matvec import ROTATE_BYTES, time_vecq  # noqa: E402
 from benchutil import spin_up  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
+from vkxsplit.ops import mul_mat as mm  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.mul_mat import record_mul_mat  # noqa: E402
 from vkxsplit.ops.quant import row_bytes  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
+from vkxsplit.vk.kernel import View  # noqa: E402
 
 
 def timed(dev: Device, record, reps: int) -> float:
     """Seconds per repetition of ``record(seq)``, from GPU timestamps (after one warm-up)."""
     return benchutil.timed(dev, lambda s, _i: record(s), reps, warmup=1)
+
+
+def rotating(dev: Device, rng: np.random.Generator, nbytes: int, rotate: int) -> list:
+    """Copies of one random weight matrix of ``nbytes`` totalling >= ``rotate`` bytes (so
+    timings rotating through them read DRAM, not the 50 MB L2)."""
+    host = rng.integers(0, 64, nbytes, dtype=np.uint8)  # f16 fields < 2: finite
+    ws = []
+    for _ in range(max(2, -(-rotate // nbytes))):
+        ws.append(dev.memory.alloc(nbytes, "device", "w"))
+        ws[-1].write(host)
+    return ws
+
+
+def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int, reps: int,
+                 rotate: int) -> list[tuple[str, float]]:
+    """(path, seconds) rows of one type and shape for :func:`matvec`."""
+    vecq = mm.vecq_decode(dev.physical, dev.features)
+    ws = rotating(dev, rng, n * row_bytes(ty, k), rotate)
+    x = dev.memory.alloc(8 * k * 4, "device", "x")
+    x.write(rng.standard_normal(8 * k).astype(np.float32) * 0.01)
+    ystride = -(-n // 64) * 64
+    y = dev.memory.alloc(reps * 8 * ystride * 4, "device", "y")
+    xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
+    yv = View(y, 0, 8 * ystride * 4)
+    try:
+        out = [("f32 x (`record_mul_mat`)", benchutil.timed(
+            dev, lambda s, i: record_mul_mat(s, ws[i % len(ws)], ty, x, yv, 1, n, k), reps))]
+        v = vecq.get(ty)
+        if v is not None and k % 32 == 0:
+            v = mm.vecq_for_shape(v, ty, n, k)
+            tb, _, tk = time_vecq(dev, ty, v, 1, n, k, ws, x, xq, y, ystride, reps)
+            tag = mm.VECQ_SWEEP[v][1].tag
+            out += [(f"x as q8_1: quantize + dot (`{tag}`)", tb), (f"x as q8_1: dot only (`{tag}`)", tk)]
+        return out
+    finally:
+        for buf in (*ws, x, y, xq):
+            buf.close()
+
+
+def copy_time(dev: Device, nbytes: int, reps: int, rotate: int) -> float:
+    """Seconds per compute copy moving ``nbytes`` (half read, half written), rotating buffers
+    totalling >= ``rotate`` bytes, a barrier after each."""
+    half = nbytes // 2 // 16 * 16
+    bufs = [dev.memory.alloc(half, "device", "c") for _ in range(2 * max(2, -(-rotate // nbytes)))]
+    try:
+        t = benchutil.timed(dev, lambda s, i: record_copy(s, bufs[(2 * i) % len(bufs)],
+                                                          bufs[(2 * i + 1) % len(bufs)], half), reps)
+    finally:
+        for buf in bufs:
+            buf.close()
+    return t * nbytes / (2 * half)
+
+
+def matvec(dev: Device, rng: np.random.Generator, types: list[str], shapes: list[tuple[int, int]],
+           copy_bw: float, reps: int, rotate: int) -> None:
+    """The mat-vec table: per type and shape, the f32-x kernel record_mul_mat picks at M = 1,
+    and for the types a decode step takes through the integer-dot-product path (x quantized to
+    q8_1, ``vecq_decode``) that path with its quantize dispatch and without it (in a model the
+    norm writes x as q8_1); then a compute copy moving the same bytes (half read, half
+    written), so each row can be read against what a launch of that size reaches. Weights
+    rotate through copies totalling >= ``rotate`` bytes (DRAM, not the 50 MB L2); a barrier
+    after every dispatch, as in a decode step."""
+    print("mat-vec (M = 1), N x K = output rows x inner dimension; weights rotate through >= "
+          f"{rotate >> 20} MiB of copies; a barrier after each dispatch\n")
+    print("| type | N x K | path | us | GB/s | % of copy |\n|---|---|---|---:|---:|---:|")
+    labels: dict[int, list[str]] = {}
+    for ty in types:
+        for n, k in shapes:
+            wbytes = n * row_bytes(ty, k)
+            labels.setdefault(wbytes, []).append(f"{ty} {n}x{k}")
+            try:
+                rows = matvec_times(dev, rng, ty, n, k, reps, rotate)
+            except VkxError as exc:
+                print(f"| {ty} | {n}x{k} | - | - | - | {str(exc)[:60]} |")
+                continue
+            for path, t in rows:
+                gbs = wbytes / t / 1e9
+                print(f"| {ty} | {n}x{k} | {path} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
+    print("\ncompute copy moving each row's weight bytes (half read, half written; rotating "
+          "buffers, a barrier after each), the reach of one launch of that size:\n")
+    print("| bytes | weights of | us | GB/s | % of copy |\n|---:|---|---:|---:|---:|")
+    for nb in sorted(labels):
+        t = copy_time(dev, nb, reps, rotate)
+        gbs = nb / t / 1e9
+        print(f"| {nb} | {', '.join(labels[nb])} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
 
 
 def main() -> int:
@@ -60,24 +150,7 @@ def main() -> int:
 
     types = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16"]
     shapes = [(4096, 4096), (4096, 14336), (14336, 4096)] if not args.quick else [(512, 1024)]
-    print("mat-vec (M = 1), N x K = output rows x inner dimension\n")
-    print("| type | N x K | us | GB/s | % of copy |\n|---|---|---:|---:|---:|")
-    for ty in types:
-        for n, k in shapes:
-            wbytes = n * row_bytes(ty, k)
-            w = dev.memory.alloc(wbytes, "device", "w")
-            w.write(rng.integers(0, 64, wbytes, dtype=np.uint8))
-            x = dev.memory.alloc(8 * k * 4, "device", "x")
-            y = dev.memory.alloc(8 * n * 4, "device", "y")
-            x.write(rng.standard_normal(8 * k).astype(np.float32) * 0.01)
-            try:
-                t = timed(dev, lambda s, w=w, x=x, y=y, n=n, k=k, ty=ty: record_mul_mat(s, w, ty, x, y, 1, n, k), reps)
-                gbs = wbytes / t / 1e9
-                print(f"| {ty} | {n}x{k} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
-            except VkxError as exc:
-                print(f"| {ty} | {n}x{k} | - | - | {exc} |")
-            for buf in (w, x, y):
-                buf.close()
+    matvec(dev, rng, types, shapes, copy_bw, reps, (8 << 20) if args.quick else ROTATE_BYTES)
     M = 64 if args.quick else 512
     paths = ["tiled"] + (["coopmat"] if dev.coopmat else [])
     print(f"\nmat-mat (M = {M})\n")

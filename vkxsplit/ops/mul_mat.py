@@ -698,6 +698,10 @@ CM2_TILES = {t.name: t for t in (
     Cm2Tile(128, 128, 32),
     Cm2Tile(64, 128, 64, 128),
     Cm2Tile(64, 64, 64, 128),
+    # session 10's sweep (F16 at 4096x4096x512: 128 workgroups of 64 x 256, one wave of the
+    # 132 SMs; 128 x 256 with the 24 KB K step of BK 32)
+    Cm2Tile(64, 256, 64),
+    Cm2Tile(128, 256, 32),
     # session 8, swept and dropped (H200, M = 512, f16): the fast path loading the next K
     # step's operands before this step's product (a second pair of workgroup matrices): 0.10-
     # 0.16x (the driver's staging serialises, 20-33 TFLOP/s); BK 128: 0.87-0.89x of BK 64
