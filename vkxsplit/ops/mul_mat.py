@@ -698,10 +698,12 @@ CM2_TILES = {t.name: t for t in (
     Cm2Tile(128, 128, 32),
     Cm2Tile(64, 128, 64, 128),
     Cm2Tile(64, 64, 64, 128),
-    # session 10's sweep (F16 at 4096x4096x512: 128 workgroups of 64 x 256, one wave of the
-    # 132 SMs; 128 x 256 with the 24 KB K step of BK 32)
+    # session 10: 64 rows of W x 256 of x, 256 invocations (the same accumulator area as
+    # 128 x 128; each staged W tile, decoded once, serves 256 rows of x): the quantized
+    # types' fastest tile loader (H200, M = 512, 4096x4096: Q4_K 172 vs 137 TFLOP/s, Q6_K
+    # 164 vs 140, Q4_0 187 vs 178); F16 191 vs 202. Swept and dropped with it: 128 x 256 at
+    # BK 32 (a 24 KB K step: F16 120-206, no better than BK 64)
     Cm2Tile(64, 256, 64),
-    Cm2Tile(128, 256, 32),
     # session 8, swept and dropped (H200, M = 512, f16): the fast path loading the next K
     # step's operands before this step's product (a second pair of workgroup matrices): 0.10-
     # 0.16x (the driver's staging serialises, 20-33 TFLOP/s); BK 128: 0.87-0.89x of BK 64
@@ -719,7 +721,7 @@ CM2_WAVE = 132
 #: 103 / 93.6 against 97.8 / 99.2; docs/PERFORMANCE.md)
 CM2_TYPES = frozenset(TYPES)
 _CM2_FLOAT = ("w128x128_k64_n256", "w128x256_k64_n256")
-_CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128")
+_CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128", "w64x256_k64_n256")
 #: tilings cm2_choose weighs per type, and their throughput per workgroup-second relative to
 #: w128x128_k64_n256 (H200 sweep, M = 512, `tools/bench_coopmat.py --cm2`, session 7): f16
 #: 128 x 256 1.1 (14336x4096 0.277 vs 0.306 ms for the same waves), q6_k 1.35 (0.461 vs
@@ -732,8 +734,8 @@ _CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128")
 CM2_CHOICES: dict[str, tuple[str, ...]] = {
     **{t: _CM2_FLOAT for t in ("f32", "f16", "bf16")},
     **{t: _CM2_LEGACY for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
-    "q6_k": ("w128x128_k64_n256", "w128x256_k64_n256"),
-    "q4_k": (CM2_DEFAULT,), "q5_k": (CM2_DEFAULT,),
+    "q6_k": ("w128x128_k64_n256", "w128x256_k64_n256", "w64x256_k64_n256"),
+    "q4_k": (CM2_DEFAULT, "w64x256_k64_n256"), "q5_k": (CM2_DEFAULT, "w64x256_k64_n256"),
 }
 CM2_TILE_EFF: dict[str, dict[str, float]] = {
     **{t: {"w128x256_k64_n256": 1.1} for t in ("f32", "f16", "bf16")},
