@@ -721,16 +721,14 @@ CM2_WAVE = 132
 #: 103 / 93.6 against 97.8 / 99.2; docs/PERFORMANCE.md)
 CM2_TYPES = frozenset(TYPES)
 _CM2_FLOAT = ("w128x128_k64_n256", "w128x256_k64_n256")
-_CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128", "w64x256_k64_n256")
 #: tilings cm2_choose weighs per type, and their throughput per workgroup-second relative to
-#: w128x128_k64_n256 (H200 sweep, M = 512, `tools/bench_coopmat.py --cm2`, session 7): f16
-#: 128 x 256 1.1 (14336x4096 0.277 vs 0.306 ms for the same waves), q6_k 1.35 (0.461 vs
-#: 0.624), q4_0 64 x 128 with 128 invocations 0.55 (two per SM: 4096x4096 0.105 vs 0.112
-#: ms, 14336x4096 0.373 vs 0.441; session 9 with the halfword-pair decodes: Q8_0 the same,
-#: 0.108 vs 0.117 ms and, split in two at 14336x4096, 0.406 vs 0.434); Q4_1/Q5_0/Q5_1 and
-#: F32/BF16 take their kin's tilings
-#: (measured with them, M = 512: Q4_1 145-154, Q5_0 127-135, Q5_1 134-143, F32 146-164, BF16
-#: 163-165 TFLOP/s; Q5_K through mul_mat_cm2 58-67, so it stays out of CM2_TYPES)
+#: w128x128_k64_n256 (CM2_TILE_EFF; H200, M = 512, 4096x4096 and 14336x4096, `tools/bench_coopmat.py
+#: --cm2`, session 10, docs/PERFORMANCE.md): 64 x 256 (the same accumulator area) 1.05-1.3 for
+#: every quantized type (Q4_0 0.092 vs 0.096 ms at 4096x4096, Q4_K 0.100 vs 0.125, Q5_K 0.109 vs
+#: 0.142), the 128-invocation 64 x 128 (two per SM) 0.5-0.55 for the 32-element block types, Q6_K's
+#: 128 x 256 1.25 (session 7: 1.35); f16 128 x 256 1.1 (session 7: 14336x4096 0.277 vs 0.306 ms for
+#: the same waves; 64 x 256 is no faster for F16: 0.090 vs 0.085 ms); F32/BF16 take F16's
+_CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128", "w64x256_k64_n256")
 CM2_CHOICES: dict[str, tuple[str, ...]] = {
     **{t: _CM2_FLOAT for t in ("f32", "f16", "bf16")},
     **{t: _CM2_LEGACY for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
@@ -739,8 +737,14 @@ CM2_CHOICES: dict[str, tuple[str, ...]] = {
 }
 CM2_TILE_EFF: dict[str, dict[str, float]] = {
     **{t: {"w128x256_k64_n256": 1.1} for t in ("f32", "f16", "bf16")},
-    **{t: {"w64x128_k64_n128": 0.55} for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
-    "q6_k": {"w128x256_k64_n256": 1.35},
+    "q4_0": {"w64x128_k64_n128": 0.51, "w64x256_k64_n256": 1.05},
+    "q4_1": {"w64x128_k64_n128": 0.53, "w64x256_k64_n256": 1.15},
+    "q5_0": {"w64x128_k64_n128": 0.55, "w64x256_k64_n256": 1.17},
+    "q5_1": {"w64x128_k64_n128": 0.5, "w64x256_k64_n256": 1.12},
+    "q8_0": {"w64x128_k64_n128": 0.55, "w64x256_k64_n256": 1.07},
+    "q4_k": {"w64x256_k64_n256": 1.24},
+    "q5_k": {"w64x256_k64_n256": 1.3},
+    "q6_k": {"w128x256_k64_n256": 1.25, "w64x256_k64_n256": 1.2},
 }
 
 
@@ -963,15 +967,18 @@ def cm2_k_split(t: str, key: str, M: int, N: int, K: int) -> int:
 #: mul_mat_cm2's F16 kernel on them, instead of decoding in the tile loader for every tile of
 #: x (ceil(M / BX) times). It pays where M is large enough that F16's rate makes up for the
 #: extra pass. The model: each path's wave cost (cm2_choose's units) times the type's cost per
-#: unit relative to F16 (DQ16_DIRECT_COST: the H200's default-tiling rates at M = 512, F16 201 /
-#: 196 TFLOP/s at 4096x4096 / 14336x4096 against the type's), against F16's cost plus the
-#: pass's bytes (read the blocks, write f16) at DQ16_UNITS_PER_BYTE (F16's units per second,
-#: 67.1 M in 85 us at 4096x4096x512, over the pass's measured bytes per second).
-#: Session 8 sweep (tools/bench_coopmat.py --cm2): Q4_0 151 / 136, Q8_0 152 / 142, Q4_K 136 /
-#: 126, Q5_K 103 / 93.6, Q6_K 106 / 95.2; Q4_1 / Q5_0 / Q5_1 scaled from Q4_0 by their chosen
-#: rates of session 7 (154, 135, 143 against 163).
-DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.38, "q4_1": 1.46, "q5_0": 1.67, "q5_1": 1.57, "q8_0": 1.35,
-                                      "q4_k": 1.52, "q5_k": 2.0, "q6_k": 1.98}
+#: unit relative to F16 (DQ16_DIRECT_COST), against F16's cost plus the pass's bytes (read the
+#: blocks, write f16) at DQ16_UNITS_PER_BYTE (F16's units per second, 67.1 M in 85 us at
+#: 4096x4096x512, over the pass's measured bytes per second). DQ16_DIRECT_COST is fitted
+#: (session 10, H200, `tools/bench_coopmat.py --cm2`, M = 512) so that the model's direct / dq16
+#: ratio at 14336x4096 (the FFN's shape) is the measured one, each type's fastest tiling
+#: against dq16: Q4_0 0.346 / 0.313 ms, Q4_1 0.347 / 0.310, Q8_0 0.404 / 0.319, Q5_0 0.410 /
+#: 0.319, Q5_1 0.375 / 0.314, Q4_K 0.384 / 0.324, Q5_K 0.413 / 0.327, Q6_K 0.389 / 0.324. (Fitted
+#: at 4096x4096 the costs come out 2-8% lower: the wave model flatters the direct side's splits
+#: at 14336x4096. With these the pick at 4096x4096 x 512 is dq16 for every type: 0.096 vs
+#: 0.092 ms for Q4_0 / Q4_1's 64 x 256 tile loader, a tie or a win for dq16 elsewhere.)
+DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.32, "q4_1": 1.4, "q5_0": 1.65, "q5_1": 1.47, "q8_0": 1.67,
+                                      "q4_k": 1.6, "q5_k": 1.8, "q6_k": 1.66}
 #: fewest rows of x the model takes the path for: more than one 128-row tile of x (at M <= 128
 #: the tile loader decodes every weight once too, and the sweep's M = 128 cases all lost: Q4_0
 #: 119 vs 138, Q4_K 109 vs 119 TFLOP/s at 14336x4096)
