@@ -60,6 +60,9 @@ def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int,
     y = dev.memory.alloc(reps * 8 * ystride * 4, "device", "y")
     xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
     yv = View(y, 0, 8 * ystride * 4)
+    # working clocks again after the host-side set-up above (session 10: without this the
+    # first shape of a type timed up to 4x slow, e.g. Q6_K 4096x4096 47 us against bench_matvec's 11)
+    spin_up(dev, 0.5)
     try:
         out = [("f32 x (`record_mul_mat`)", benchutil.timed(
             dev, lambda s, i: record_mul_mat(s, ws[i % len(ws)], ty, x, yv, 1, n, k), reps))]
