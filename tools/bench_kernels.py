@@ -164,7 +164,9 @@ def main() -> int:
             w = dev.memory.alloc(wbytes, "device", "w")
             w.write(rng.integers(0, 64, wbytes, dtype=np.uint8))
             x = dev.memory.alloc(M * k * 4, "device", "x")
+            x.write(rng.standard_normal(M * k).astype(np.float32))
             y = dev.memory.alloc(M * n * 4, "device", "y")
+            spin_up(dev, 0.5)
             for path in paths:
                 try:
                     t = timed(dev, lambda s, w=w, x=x, y=y, n=n, k=k, ty=ty, path=path:
