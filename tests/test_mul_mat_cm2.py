@@ -410,6 +410,14 @@ def test_cm2_choose(monkeypatch):
             name, ks = mm.cm2_choose(t, M, N, K)
             assert ks % 256 == 0, (t, M, N, K, name, ks)
             assert mm.cm2_k_split(t, mm.CM2_VARIANT_TILES[name].name, M, N, K) == ks
+    # the H200's clear wins (session 10, tools/bench_coopmat.py --cm2, M = 256, 4096x4096): the
+    # 64 x 256 tile loader split in two for the K-quants (Q4_K 0.061 ms, dq16 0.069; Q6_K 0.062,
+    # dq16 0.067); the 64 x 128 one for Q8_0 at M = 512 14336x4096 loses to dq16 (0.402 vs 0.318)
+    for t in ("q4_k", "q6_k"):
+        name, ks = mm.cm2_choose(t, 256, 4096, 4096)
+        assert name == mm.cm2_variant_name(t, "w64x256_k64_n256") and ks == 2048, (t, name, ks)
+        assert not mm.dq16_chosen(t, 256, 4096, 4096)
+    assert mm.dq16_chosen("q8_0", 512, 14336, 4096)
     monkeypatch.setenv("VKXSPLIT_DISABLE_SPLITK", "1")
     assert mm.cm2_choose("f16", 128, 1024, 4096)[1] == 0
     monkeypatch.setenv("VKXSPLIT_DISABLE_COOP_SHAPES", "1")
