@@ -57,8 +57,9 @@ struct WBlock { float16_t d; float16_t m; uint qh; uint16_t qs[8]; };
 #define CM2_ALIGN 2
 struct WBlock { float16_t d; uint16_t qs[16]; };
 #elif WTYPE == WT_Q4_K
-// ggml's block_q4_K as words: h = (d, dmin) half pair and the 12 bytes of 6-bit scales/mins,
-// read with one 16-byte load (144-byte blocks of a 16-byte aligned binding)
+// ggml's block_q4_K: h = (d, dmin) half pair and the 12 bytes of 6-bit scales/mins as one
+// uvec4, read with one 16-byte load (144-byte blocks of a 16-byte aligned binding); the
+// nibbles (and Q5_K's high bits) as halfwords
 #define QK 256
 #define CM2_ALIGN 16
 struct WBlock { uvec4 h; uint16_t qs[64]; };

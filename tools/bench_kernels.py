@@ -38,52 +38,66 @@ def timed(dev: Device, record, reps: int) -> float:
     return benchutil.timed(dev, lambda s, _i: record(s), reps, warmup=1)
 
 
-def rotating(dev: Device, rng: np.random.Generator, nbytes: int, rotate: int) -> list:
-    """Copies of one random weight matrix of ``nbytes`` totalling >= ``rotate`` bytes (so
-    timings rotating through them read DRAM, not the 50 MB L2)."""
+def rotating(dev: Device, rng: np.random.Generator, nbytes: int, rotate: int, bufs: list) -> list:
+    """Copies of one random weight matrix of ``nbytes`` totalling >= ``rotate`` bytes, appended
+    to ``bufs`` as they are made (the caller closes them, also when an allocation fails), so
+    timings rotating through them read DRAM, not the 50 MB L2."""
     host = rng.integers(0, 64, nbytes, dtype=np.uint8)  # f16 fields < 2: finite
     ws = []
     for _ in range(max(2, -(-rotate // nbytes))):
         ws.append(dev.memory.alloc(nbytes, "device", "w"))
+        bufs.append(ws[-1])
         ws[-1].write(host)
     return ws
 
 
 def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int, reps: int,
-                 rotate: int) -> list[tuple[str, float]]:
-    """(path, seconds) rows of one type and shape for :func:`matvec`."""
+                 rotate: int) -> list[tuple[str, float | str]]:
+    """(path, seconds, or the error that stopped it) rows of one type and shape for :func:`matvec`."""
     vecq = mm.vecq_decode(dev.physical, dev.features)
-    ws = rotating(dev, rng, n * row_bytes(ty, k), rotate)
-    x = dev.memory.alloc(8 * k * 4, "device", "x")
-    x.write(rng.standard_normal(8 * k).astype(np.float32) * 0.01)
-    ystride = -(-n // 64) * 64
-    y = dev.memory.alloc(reps * 8 * ystride * 4, "device", "y")
-    xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
-    yv = View(y, 0, 8 * ystride * 4)
-    # working clocks again after the host-side set-up above (session 10: without this the
-    # first shape of a type timed up to 4x slow, e.g. Q6_K 4096x4096 47 us against bench_matvec's 11)
-    spin_up(dev, 0.5)
+    bufs: list = []
+    out: list[tuple[str, float | str]] = []
     try:
-        out = [("f32 x (`record_mul_mat`)", benchutil.timed(
-            dev, lambda s, i: record_mul_mat(s, ws[i % len(ws)], ty, x, yv, 1, n, k), reps))]
+        ws = rotating(dev, rng, n * row_bytes(ty, k), rotate, bufs)
+        x = dev.memory.alloc(8 * k * 4, "device", "x")
+        bufs.append(x)
+        x.write(rng.standard_normal(8 * k).astype(np.float32) * 0.01)
+        ystride = -(-n // 64) * 64
+        y = dev.memory.alloc(reps * 8 * ystride * 4, "device", "y")
+        bufs.append(y)
+        xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
+        bufs.append(xq)
+        yv = View(y, 0, 8 * ystride * 4)
+        # working clocks again after the host-side set-up above (session 10: without this the
+        # first shape of a type timed up to 4x slow, e.g. Q6_K 4096x4096 47 us against bench_matvec's 11)
+        spin_up(dev, 0.5)
+        t = benchutil.timed(dev, lambda s, i: record_mul_mat(s, ws[i % len(ws)], ty, x, yv, 1, n, k), reps)
+        out.append(("f32 x (`record_mul_mat`)", t))
         v = vecq.get(ty)
         if v is not None and k % 32 == 0:
             v = mm.vecq_for_shape(v, ty, n, k)
-            tb, _, tk = time_vecq(dev, ty, v, 1, n, k, ws, x, xq, y, ystride, reps)
             tag = mm.VECQ_SWEEP[v][1].tag
-            out += [(f"x as q8_1: quantize + dot (`{tag}`)", tb), (f"x as q8_1: dot only (`{tag}`)", tk)]
-        return out
+            try:
+                tb, _, tk = time_vecq(dev, ty, v, 1, n, k, ws, x, xq, y, ystride, reps)
+                out += [(f"x as q8_1: quantize + dot (`{tag}`)", tb), (f"x as q8_1: dot only (`{tag}`)", tk)]
+            except VkxError as exc:
+                out.append((f"x as q8_1 (`{tag}`)", str(exc)[:60]))
+    except VkxError as exc:
+        out.append(("-", str(exc)[:60]))
     finally:
-        for buf in (*ws, x, y, xq):
+        for buf in bufs:
             buf.close()
+    return out
 
 
 def copy_time(dev: Device, nbytes: int, reps: int, rotate: int) -> float:
     """Seconds per compute copy moving ``nbytes`` (half read, half written), rotating buffers
-    totalling >= ``rotate`` bytes, a barrier after each."""
+    totalling >= ``rotate`` bytes, a barrier after each. Raises VkxError (buffers closed)."""
     half = nbytes // 2 // 16 * 16
-    bufs = [dev.memory.alloc(half, "device", "c") for _ in range(2 * max(2, -(-rotate // nbytes)))]
+    bufs = []
     try:
+        for _ in range(2 * max(2, -(-rotate // nbytes))):
+            bufs.append(dev.memory.alloc(half, "device", "c"))
         t = benchutil.timed(dev, lambda s, i: record_copy(s, bufs[(2 * i) % len(bufs)],
                                                           bufs[(2 * i + 1) % len(bufs)], half), reps)
     finally:
@@ -98,30 +112,34 @@ def matvec(dev: Device, rng: np.random.Generator, types: list[str], shapes: list
     and for the types a decode step takes through the integer-dot-product path (x quantized to
     q8_1, ``vecq_decode``) that path with its quantize dispatch and without it (in a model the
     norm writes x as q8_1); then a compute copy moving the same bytes (half read, half
-    written), so each row can be read against what a launch of that size reaches. Weights
-    rotate through copies totalling >= ``rotate`` bytes (DRAM, not the 50 MB L2); a barrier
-    after every dispatch, as in a decode step."""
-    print("mat-vec (M = 1), N x K = output rows x inner dimension; weights rotate through >= "
-          f"{rotate >> 20} MiB of copies; a barrier after each dispatch\n")
+    written: the same DRAM traffic in one launch of that size), so each row can be read
+    against it. Weights rotate through copies totalling >= ``rotate`` bytes (each repetition
+    reads a copy the previous min(reps, copies) - 1 did not: DRAM, not the 50 MB L2); a
+    barrier after every dispatch, as in a decode step."""
+    print("mat-vec (M = 1), N x K = output rows x inner dimension; each repetition reads a weight "
+          f"copy none of the previous min({reps}, copies) - 1 read (copies totalling >= {rotate >> 20} "
+          "MiB); a barrier after each dispatch\n")
     print("| type | N x K | path | us | GB/s | % of copy |\n|---|---|---|---:|---:|---:|")
     labels: dict[int, list[str]] = {}
     for ty in types:
         for n, k in shapes:
             wbytes = n * row_bytes(ty, k)
             labels.setdefault(wbytes, []).append(f"{ty} {n}x{k}")
-            try:
-                rows = matvec_times(dev, rng, ty, n, k, reps, rotate)
-            except VkxError as exc:
-                print(f"| {ty} | {n}x{k} | - | - | - | {str(exc)[:60]} |")
-                continue
-            for path, t in rows:
+            for path, t in matvec_times(dev, rng, ty, n, k, reps, rotate):
+                if isinstance(t, str):  # the error that stopped this row
+                    print(f"| {ty} | {n}x{k} | {path} | - | - | {t} |")
+                    continue
                 gbs = wbytes / t / 1e9
                 print(f"| {ty} | {n}x{k} | {path} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
     print("\ncompute copy moving each row's weight bytes (half read, half written; rotating "
           "buffers, a barrier after each), the reach of one launch of that size:\n")
     print("| bytes | weights of | us | GB/s | % of copy |\n|---:|---|---:|---:|---:|")
     for nb in sorted(labels):
-        t = copy_time(dev, nb, reps, rotate)
+        try:
+            t = copy_time(dev, nb, reps, rotate)
+        except VkxError as exc:
+            print(f"| {nb} | {', '.join(labels[nb])} | - | - | {str(exc)[:60]} |")
+            continue
         gbs = nb / t / 1e9
         print(f"| {nb} | {', '.join(labels[nb])} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
 

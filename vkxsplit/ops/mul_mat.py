@@ -975,8 +975,9 @@ def cm2_k_split(t: str, key: str, M: int, N: int, K: int) -> int:
 #: against dq16: Q4_0 0.346 / 0.313 ms, Q4_1 0.347 / 0.310, Q8_0 0.404 / 0.319, Q5_0 0.410 /
 #: 0.319, Q5_1 0.375 / 0.314, Q4_K 0.384 / 0.324, Q5_K 0.413 / 0.327, Q6_K 0.389 / 0.324. (Fitted
 #: at 4096x4096 the costs come out 2-8% lower: the wave model flatters the direct side's splits
-#: at 14336x4096. With these the pick at 4096x4096 x 512 is dq16 for every type: 0.096 vs
-#: 0.092 ms for Q4_0 / Q4_1's 64 x 256 tile loader, a tie or a win for dq16 elsewhere.)
+#: at 14336x4096. With these the pick at 4096x4096 x 512 is dq16 for every type but Q4_1
+#: (its 64 x 256 tile loader, 0.093 vs 0.096 ms): for Q4_0 0.096 vs the tile loader's 0.091
+#: ms, a tie or a win for dq16 elsewhere.)
 DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.32, "q4_1": 1.4, "q5_0": 1.65, "q5_1": 1.47, "q8_0": 1.67,
                                       "q4_k": 1.6, "q5_k": 1.8, "q6_k": 1.66}
 #: fewest rows of x the model takes the path for: more than one 128-row tile of x (at M <= 128
