@@ -1,5 +1,5 @@
 #version 450
-// mul_mat_vecq_<q4_0|q4_1|q8_0|q4_k>_q8_1_m<MAXM>_*: y[m, c0 + n] = sum_b d_w d_x[m, b] * sum_i wq_i xq_i
+// mul_mat_vecq_<q4_0|q4_1|q8_0|q4_k|q6_k>_q8_1_m<MAXM>_*: y[m, c0 + n] = sum_b d_w d_x[m, b] * sum_i wq_i xq_i
 // for M <= MAXM columns of x quantized to 8-bit blocks by quantize_q8_1.comp (binding 1, its
 // scratch layout: 32 int8 per block as two uvec4, then a uvec2 (d bits, integer sum) per
 // block), Q4_0 / Q8_0 weights (binding 0). ggml's MMVQ scheme: the weight quants stay 8-bit
@@ -12,6 +12,9 @@
 //         20-byte blocks, word-aligned: BLK 1 only)
 //   Q4_K: per 32-weight sub-block j of a 256-weight super-block, d sc_j d_x sum n q minus
 //         dmin m_j d_x sum q (superblock(); one super-block per load unit: "BLK 1")
+//   Q6_K: per 32-weight run of a 256-weight super-block, d d_x (sc_a s_a + sc_b s_b) with s_a,
+//         s_b the integer sums of its two 16-weight halves, the 6-bit codes minus 32 as signed
+//         bytes (superblock6(); one super-block per load unit: "BLK 1")
 //   acc += (d_w * d_x) * float(s)                (|s| < 2^17: exact in f32)
 //
 // IDP 1: the packed 4x8 dot products of SPV_KHR_integer_dot_product (OpSDot, or with
@@ -40,7 +43,7 @@
 //
 // RPT > 1 (Q4_0 / Q8_0, BLK 1): a thread works on RPT rows (row0 + r + i NR), loading each x
 // block once for all of them; a workgroup computes NR RPT rows.
-// Defines: WTYPE (Q4_0, Q4_1, Q8_0 or Q4_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG.
+// Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -68,8 +71,11 @@
 #elif WTYPE == WT_Q4_K
 #define QW 4u    // (unused: Q4_K reads whole 144-byte super-blocks, see superblock())
 #define GW 9u
+#elif WTYPE == WT_Q6_K
+#define QW 4u    // (unused: Q6_K reads whole 210-byte super-blocks, see superblock6())
+#define GW 9u
 #else
-#error "mul_mat_vecq: Q4_0, Q4_1, Q8_0 and Q4_K only"
+#error "mul_mat_vecq: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K only"
 #endif
 #define GQ (4u * GW)  // words per group
 #define HB (QBYTES / 2u)  // halfwords per block
@@ -118,8 +124,8 @@
 #if BLK != 1 && BLK != 8
 #error "BLK: 1 or 8"
 #endif
-#if (WTYPE == WT_Q4_1 || WTYPE == WT_Q4_K) && BLK != 1
-#error "Q4_1, Q4_K: BLK 1 only"
+#if (WTYPE == WT_Q4_1 || WTYPE == WT_Q4_K || WTYPE == WT_Q6_K) && BLK != 1
+#error "Q4_1, Q4_K, Q6_K: BLK 1 only"
 #endif
 
 #if IDP
@@ -360,6 +366,75 @@ void superblock(const uvec4 v[9], uint sb) {
 }
 #endif
 
+#if WTYPE == WT_Q6_K
+// the 4-byte word i of a 2-byte aligned block's bytes: from the raw words r (loaded from the
+// word holding the block's first byte) as they are, or shifted by 2 bytes for an odd start
+uint bw6(const bool odd, const uint lo, const uint hi) {
+    return odd ? funnel16(lo, hi) : lo;
+}
+
+// one Q6_K super-block (ggml's block_q6_K: ql[128] low nibbles, qh[64] high 2-bit pairs,
+// int8 scales[16], f16 d; 210 bytes, 2-byte aligned) at global super-block index G, super-block
+// sb of the row. Half h (128 weights) has ql bytes 64h.., qh bytes 32h.., scales 8h..; its run c
+// (32 weights, q8_1 block 8 sb + 4h + c) takes for weight l the low (c < 2) or high nibble of ql
+// byte 64h + 32(c & 1) + l and bits 2c.. of qh byte 32h + l, scale 8h + 2c for l < 16, + 1 after
+// (ggml's dequantize_row_q6_K). The code minus 32 fits a signed byte: four at a time as
+// ((q | 0x80) - 0x20) ^ 0x80 per byte (no borrow crosses a byte).
+void superblock6(uint G, uint sb) {
+    const uint hb = 105u * G;            // halfword index of the block
+    const uint wb = hb >> 1;             // word holding its first byte
+    const bool odd = (hb & 1u) != 0u;    // the block starts 2 bytes into that word
+    const float d = unpackHalf2x16(uint(w_u16[hb + 104u])).x;
+    [[unroll]] for (uint h = 0u; h < 2u; ++h) {
+        // raw words: ql bytes 64h.. (16 words + 1), qh bytes 128 + 32h.. (8 + 1), scales
+        // 192 + 8h.. (2 + 1; the last only for an odd start: it holds d's bytes then, and
+        // lies past the block for an even one)
+        uint rq[17], rh[9], rs[3];
+        [[unroll]] for (uint i = 0u; i < 17u; ++i) {
+            rq[i] = w_u32[wb + 16u * h + i];
+        }
+        [[unroll]] for (uint i = 0u; i < 9u; ++i) {
+            rh[i] = w_u32[wb + 32u + 8u * h + i];
+        }
+        rs[0] = w_u32[wb + 48u + 2u * h];
+        rs[1] = w_u32[wb + 49u + 2u * h];
+        rs[2] = (odd || h == 0u) ? w_u32[wb + 50u + 2u * h] : 0u;
+        uint QL[16], QH[8];
+        [[unroll]] for (uint i = 0u; i < 16u; ++i) {
+            QL[i] = bw6(odd, rq[i], rq[i + 1u]);
+        }
+        [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+            QH[i] = bw6(odd, rh[i], rh[i + 1u]);
+        }
+        const uint S[2] = uint[2](bw6(odd, rs[0], rs[1]), bw6(odd, rs[1], rs[2]));
+        [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+            const int sa = bitfieldExtract(int(S[c >> 1]), int(16u * (c & 1u)), 8);       // scale 8h + 2c
+            const int sbb = bitfieldExtract(int(S[c >> 1]), int(16u * (c & 1u) + 8u), 8); // 8h + 2c + 1
+            uint R[8];
+            [[unroll]] for (uint k = 0u; k < 8u; ++k) {
+                const uint q = ((QL[8u * (c & 1u) + k] >> (4u * (c >> 1))) & 0x0F0F0F0Fu)
+                             | (((QH[k] >> (2u * c)) & 0x03030303u) << 4);
+                R[k] = ((q | 0x80808080u) - 0x20202020u) ^ 0x80808080u;
+            }
+            [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+                const uint xb = xbk[m] + 8u * sb + 4u * h + c;
+                const uvec4 x0 = xq4[2u * xb];
+                const uvec4 x1 = xq4[2u * xb + 1u];
+                const uvec2 meta = xqm[mbase + xb];
+                const uint X[8] = uint[8](x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w);
+                int s0 = 0, s1 = 0;
+                [[unroll]] for (uint k = 0u; k < 4u; ++k) {
+                    s0 = dot4(R[k], X[k], s0);
+                    s1 = dot4(R[k + 4u], X[k + 4u], s1);
+                }
+                // |sa s0 + sbb s1| <= 2 * 128 * 16 * 32 * 127 < 2^24: exact in f32
+                acc[m] = fma(d * uintBitsToFloat(meta.x), float(sa * s0 + sbb * s1), acc[m]);
+            }
+        }
+    }
+}
+#endif
+
 void main() {
     const uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
 #if RPT > 1
@@ -442,6 +517,17 @@ void main() {
             const uint g = g0 + u * L;
             if (u == 0u || g < nsb) {
                 superblock(v[u], g);
+            }
+        }
+    }
+#elif WTYPE == WT_Q6_K
+    const uint nsb = nb / 8u;   // super-blocks per row (K % 256 == 0)
+    const uint S0 = row * nsb;  // global index of the row's first super-block
+    for (uint g0 = lane; g0 < nsb; g0 += UNR * L) {
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            const uint g = g0 + u * L;
+            if (u == 0u || g < nsb) {
+                superblock6(S0 + g, g);
             }
         }
     }

@@ -446,8 +446,8 @@ def test_opaque_fd_mmap_probe(device):
 def test_decode_q8_1_paths_are_reported(report):
     """Which decode mat-vecs read x as q8_1: the JSON names shipped integer-dot-product
     variants exactly where the device has the integer dot product feature (as the report
-    lists it; Q4_K too, on CPUs and GPUs), all usable there; the kill switch empties it and the
-    text says so."""
+    lists it; Q4_K too, on CPUs and GPUs; Q6_K on CPUs), all usable there; the kill switch empties
+    it and the text says so."""
     from vkxsplit.shaders import all_variants
 
     for d in report["devices"]:
@@ -455,7 +455,8 @@ def test_decode_q8_1_paths_are_reported(report):
         if not d["features"].get("shaderIntegerDotProduct"):
             assert dq == {}
             continue
-        assert set(dq) == {"q4_0", "q4_1", "q8_0", "q4_k"}  # (Q4_K on GPUs too since session 4)
+        want = {"q4_0", "q4_1", "q8_0", "q4_k"} | ({"q6_k"} if d["type"] == "cpu" else set())
+        assert set(dq) == want  # (Q4_K on GPUs too since session 4; Q6_K on CPUs since session 10)
         for t, v in dq.items():
             assert v in all_variants() and v.startswith(f"mul_mat_vecq_{t}_q8_1_m1_") and v in d["kernels"]["usable"]
     off = run_info("--json", env={"VKXSPLIT_DISABLE_VECQ": "1"})

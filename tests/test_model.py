@@ -291,7 +291,7 @@ def test_decode_q8_placement_rules():
     norm = g.nodes[-1]
     q8.mul_mat("blk.0.attn_q", wq, h, t("q"))
     q8.mul_mat("blk.0.attn_k", wk, h, t("k"))
-    q8.mul_mat("blk.0.attn_v", w6, h, t("v"))  # a type without a vecq variant: f32 x
+    q8.mul_mat("blk.0.attn_v", w6, h, t("v"))  # a type the map names no variant for: f32 x
     mms = g.mul_mats()
     assert norm.params.get("xq") is not None and "quantize_q8_1" not in g.ops()
     assert mms[0].params["xq"] is mms[1].params["xq"] is norm.params["xq"] and "xq" not in mms[2].params

@@ -927,7 +927,7 @@ def test_mat_vecq_variant(device, bufs, rng, name):
     lanes = cfg.wg // cfg.nr
     rows = cfg.rows  # per workgroup: nr teams x rpt rows per thread
     Ms = (1,) if maxm == 1 else (3, 4)
-    unit = 256 if cfg.blk == 8 or t == "q4_k" else 32  # (Q4_K: one super-block per unit)
+    unit = 256 if cfg.blk == 8 or t in ("q4_k", "q6_k") else 32  # (K-quants: one super-block per unit)
     for M in Ms:
         _vecq_run(device, bufs, rng, t, name, M, n_total=rows + 3, r0=0, n=rows + 3, K=512, y_col=0)
         _vecq_run(device, bufs, rng, t, name, M, n_total=2 * rows + 5, r0=3, n=rows + 2,
@@ -1039,7 +1039,7 @@ def test_vecq_tables():
     for name, (t, cfg, maxm) in mm.VECQ_SWEEP.items():
         assert t in mm.VECQ_TYPES and name == f"mul_mat_vecq_{t}_q8_1_m{maxm}_{cfg.tag}"
         assert mm.vec_config(name) == cfg and cfg.wg % cfg.nr == 0 and cfg.nr * maxm <= cfg.wg
-        assert cfg.blk in (1, 8) and not (cfg.sat and not cfg.idp) and (cfg.blk == 1 or t not in ("q4_1", "q4_k"))
+        assert cfg.blk in (1, 8) and not (cfg.sat and not cfg.idp) and (cfg.blk == 1 or t not in ("q4_1", "q4_k", "q6_k"))
         v = allv[name]
         assert ("shaderIntegerDotProduct" in v.requires) == bool(cfg.idp)
         assert {"storageBuffer16BitAccess", "storageBuffer8BitAccess"} <= set(v.requires)
@@ -1051,7 +1051,7 @@ def test_vecq_tables():
 
 def test_vecq_default_policy(device, monkeypatch):
     """Which decode mat-vecs take x as q8_1: Q4_0/Q4_1/Q8_0 everywhere with integer dot
-    products, Q4_K too since the H200 sweep, never at M > 1, never with
+    products, Q4_K too since the H200 sweep, Q6_K on CPU devices, never at M > 1, never with
     the kill switch; the variant's shape is the device kind's (on GPUs per type where the sweep
     found a faster one), and every GPU choice is a built variant."""
     from vkxsplit.vk.api import vk
@@ -1066,7 +1066,7 @@ def test_vecq_default_policy(device, monkeypatch):
         want = f"mul_mat_vecq_{t}_q8_1_m1_{cfg.tag}" if cpu or t in mm.VECQ_GPU_TYPES else None
         assert mm.vecq_variant(device, t, 1) == want and (want is None or want in mm.VECQ_SWEEP)
         assert mm.vecq_variant(device, t, 2) is None
-    assert mm.vecq_variant(device, "q6_k", 1) is None and mm.vecq_variant(device, "f16", 1) is None
+    assert mm.vecq_variant(device, "f16", 1) is None and mm.vecq_variant(device, "q5_k", 1) is None
     for t in mm.VECQ_GPU_TYPES:
         assert f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}" in mm.VECQ_SWEEP
     # tall products (the FFN's gate / up) take VECQ_GPU_M1_TALL's shape on GPUs only

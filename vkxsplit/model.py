@@ -497,7 +497,8 @@ class Model(LanguageModel):
         if T == 1:
             split_kv = {"n_splits": self.decode_splits,
                         "scratch": Tensor("attn_scratch", (1,), "f32", self.attn_scratch)}
-        # decode: Q4_0/Q4_1/Q8_0 (and on CPU devices Q4_K) mat-vecs read x as q8_1 (DecodeQ8)
+        # decode: the mat-vecs of the types vecq_variant names a kernel for on this device
+        # (Q4_0/Q4_1/Q8_0/Q4_K; Q6_K on CPU devices) read x as q8_1 (DecodeQ8)
         from .ops.mul_mat import VECQ_TYPES, vecq_variant
 
         q8 = DecodeQ8(g, {t: v for t in VECQ_TYPES if (v := vecq_variant(self.device, t, T)) is not None},

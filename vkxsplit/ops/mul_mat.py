@@ -254,8 +254,8 @@ class VecqConfig:
 VECQ_QUANTIZE = "quantize_q8_1"   # the quantize-x kernel (shaders/quantize_q8_1.comp)
 VECQ_QUANTIZE_WG = 256            # its workgroup: 8 threads per 32-element block
 VECQ_BLOCK_BYTES = 40             # scratch bytes per block of x: 32 int8 + f32 d + int32 sum
-VECQ_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k")
-_VECQ_SINGLE = ("q4_1", "q4_k")  # single-block (one super-block for Q4_K) loads only
+VECQ_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
+_VECQ_SINGLE = ("q4_1", "q4_k", "q6_k")  # single-block (one super-block for the K-quants) loads only
 _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), VecqConfig(256, 8),
                 VecqConfig(64, 4), VecqConfig(128, 4, unr=2), VecqConfig(128, 4, sat=1),
                 VecqConfig(128, 4, blk=1), VecqConfig(128, 4, blk=1, unr=2), VecqConfig(256, 4, blk=1, unr=2),
