@@ -311,6 +311,9 @@ def main() -> int:
             x.write(rng.standard_normal(8 * k).astype(np.float32) * 0.01)
             ystride = -(-n // 64) * 64  # 256-byte aligned y slots
             y = dev.memory.alloc(reps * 8 * ystride * 4, "device", "y")
+            # working clocks again after writing the copies (session 10: the first variant timed
+            # per shape ran up to 4x slow without this, e.g. Q6_K 4096x4096 38.0 us vs 11.3)
+            spin_up(dev, 0.5)
             runs = [(v, 1) for v in by_type[t]] + [(v, 4) for v in m4_by_type[t]]
             for v, m in runs:
                 if v in failed or (v in mm.VEC_WIDE and k % mm.WIDE_K):

@@ -354,7 +354,11 @@ def vecq_default_config(t: str, cpu: bool) -> VecqConfig:
 #: types whose vecq path GPUs take by default. H200 sweep (session 4, tools/bench_matvec.py,
 #: the separate quantize included): Q4_1 vecq 18.1 us vs 21.9 for the f32-x kernel at
 #: 4096x14336; Q4_K (one 256-weight super-block per thread) 58.1 us vs 62.0 summed over the
-#: three llama8b shapes (slower only at 4096x4096: 11.6 vs 10.5)
+#: three llama8b shapes (slower only at 4096x4096: 11.6 vs 10.5). Not Q6_K (session 10: its
+#: vecq kernel, one 210-byte super-block per thread, is no faster than the f32-x kernel there:
+#: dot only 26.3 vs 27.1 us at 4096x14336, 11.2 vs 11.3 at 4096x4096, 5.9 vs 5.7 at 1024x4096,
+#: and the quantize is extra where the norm does not write q8_1); CPU devices take it for every
+#: VECQ_TYPES type (llvmpipe, Q6_K 576x1536: 561 us with the quantize against 3026)
 VECQ_GPU_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k")
 
 
