@@ -11,7 +11,8 @@
 //   Q4_1: s = sum_i n_i q_x,i, plus m_w d_x sum_i q_x,i (the block's min through the x sum;
 //         20-byte blocks, word-aligned: BLK 1 only)
 //   Q4_K: per 32-weight sub-block j of a 256-weight super-block, d sc_j d_x sum n q minus
-//         dmin m_j d_x sum q (superblock(); one super-block per load unit: "BLK 1")
+//         dmin m_j d_x sum q (superblock(); one super-block per load unit: "BLK 1"; with
+//         KSUB 4 a quarter super-block per unit, kquarter(): the header and 32 nibble bytes)
 //   Q6_K: per 32-weight run of a 256-weight super-block, d d_x (sc_a s_a + sc_b s_b) with s_a,
 //         s_b the integer sums of its two 16-weight halves, the 6-bit codes minus 32 as signed
 //         bytes (superblock6(); one super-block per load unit: "BLK 1")
@@ -43,7 +44,8 @@
 //
 // RPT > 1 (Q4_0 / Q8_0, BLK 1): a thread works on RPT rows (row0 + r + i NR), loading each x
 // block once for all of them; a workgroup computes NR RPT rows.
-// Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG.
+// Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG,
+// KSUB.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -103,6 +105,12 @@
 #endif
 #ifndef SG
 #define SG 0
+#endif
+#ifndef KSUB
+#define KSUB 1  // Q4_K: load units per super-block (1: whole super-blocks; 4: quarters)
+#endif
+#if KSUB != 1 && (KSUB != 4 || WTYPE != WT_Q4_K)
+#error "KSUB 4: Q4_K only"
 #endif
 #if SG
 #extension GL_KHR_shader_subgroup_basic : require
@@ -327,41 +335,40 @@ uint scb(const uint sc[3], uint b) {
 // sub-blocks of 32 line up with 8 q8_1 blocks of x. Sub-block j: w = d sc_j n - dmin m_j, so
 // sum w x = d sc_j dx sum n q - dmin m_j dx sum q (the x block sum). Bytes 32c..32c+31 of the
 // nibbles hold sub-block 2c (low nibbles) and 2c + 1 (high nibbles).
+void kquarter(const uvec4 hd, const uvec4 qa, const uvec4 qb, uint sb, uint c) {
+    // quarter c of super-block sb: header hd (d, dmin; scale bytes 0-3, 4-7, 8-11) and nibble
+    // bytes 32c..32c+31 (qa, qb) = sub-blocks 2c (low nibbles) and 2c + 1 (high); ggml's
+    // get_scale_min_k4 branch-free (sub-blocks 4-7: the nibbles of bytes 8-11 with the top
+    // 2 bits of bytes 0-3 / 4-7 above them), as cm2_dq_body.glsl
+    const vec2 dm = unpackHalf2x16(hd.x);
+    const uint sc_hi = (hd.w & 0x0F0F0F0Fu) | ((hd.y & 0xC0C0C0C0u) >> 2);
+    const uint mn_hi = ((hd.w >> 4) & 0x0F0F0F0Fu) | ((hd.z & 0xC0C0C0C0u) >> 2);
+    const uint W[8] = uint[8](qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w);
+    [[unroll]] for (uint h = 0u; h < 2u; ++h) {
+        const uint j = 2u * c + h;
+        const uint sh = 8u * (j & 3u);
+        const float dsc = dm.x * float(((j < 4u ? hd.y : sc_hi) >> sh) & 63u);
+        const float dmn = dm.y * float(((j < 4u ? hd.z : mn_hi) >> sh) & 63u);
+        [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+            const uint xb = xbk[m] + 8u * sb + j;
+            const uvec4 x0 = xq4[2u * xb];
+            const uvec4 x1 = xq4[2u * xb + 1u];
+            const uvec2 meta = xqm[mbase + xb];
+            const uint X[8] = uint[8](x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w);
+            int s = 0;
+            [[unroll]] for (uint k = 0u; k < 8u; ++k) {
+                s = dot4((W[k] >> (4u * h)) & 0x0F0F0F0Fu, X[k], s);
+            }
+            const float dx = uintBitsToFloat(meta.x);
+            acc[m] = fma(dsc * dx, float(s), acc[m]);
+            acc[m] = fma(-dmn * dx, float(int(meta.y)), acc[m]);
+        }
+    }
+}
+
 void superblock(const uvec4 v[9], uint sb) {
-    const vec2 dm = unpackHalf2x16(v[0].x);
-    const uint sc[3] = uint[3](v[0].y, v[0].z, v[0].w);
     [[unroll]] for (uint c = 0u; c < 4u; ++c) {
-        uint W[8];
-        [[unroll]] for (uint k = 0u; k < 8u; ++k) {
-            W[k] = v[1u + 2u * c + (k >> 2)][k & 3u];
-        }
-        [[unroll]] for (uint h = 0u; h < 2u; ++h) {
-            const uint j = 2u * c + h;
-            uint scj, mj;
-            if (j < 4u) {
-                scj = scb(sc, j) & 63u;
-                mj = scb(sc, j + 4u) & 63u;
-            } else {
-                scj = (scb(sc, j + 4u) & 0xFu) | ((scb(sc, j - 4u) >> 6) << 4);
-                mj = (scb(sc, j + 4u) >> 4) | ((scb(sc, j) >> 6) << 4);
-            }
-            const float dsc = dm.x * float(scj);
-            const float dmn = dm.y * float(mj);
-            [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
-                const uint xb = xbk[m] + 8u * sb + j;
-                const uvec4 x0 = xq4[2u * xb];
-                const uvec4 x1 = xq4[2u * xb + 1u];
-                const uvec2 meta = xqm[mbase + xb];
-                const uint X[8] = uint[8](x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w);
-                int s = 0;
-                [[unroll]] for (uint k = 0u; k < 8u; ++k) {
-                    s = dot4((W[k] >> (4u * h)) & 0x0F0F0F0Fu, X[k], s);
-                }
-                const float dx = uintBitsToFloat(meta.x);
-                acc[m] = fma(dsc * dx, float(s), acc[m]);
-                acc[m] = fma(-dmn * dx, float(int(meta.y)), acc[m]);
-            }
-        }
+        kquarter(v[0], v[1u + 2u * c], v[2u + 2u * c], sb, c);
     }
 }
 #endif
@@ -499,6 +506,28 @@ void main() {
             const uint g = g0 + u * L;
             if (u == 0u || g < ng) {
                 group(q[u], 8u * g);
+            }
+        }
+    }
+#elif WTYPE == WT_Q4_K && KSUB == 4
+    // quarter super-blocks as load units: unit g = 4 sb + c reads sb's header and nibble bytes
+    // 32c..32c+31 (3 uvec4; the 4 lanes of one super-block read the same header)
+    const uint nsb = nb / 8u;
+    const uint nu = 4u * nsb;
+    const uint sbase = row * (nsb * 9u);
+    for (uint g0 = lane; g0 < nu; g0 += UNR * L) {
+        uvec4 v[UNR][3];
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            const uint g = min(g0 + u * L, nu - 1u);
+            const uint b = sbase + (g >> 2) * 9u;
+            v[u][0] = w_u128[b];
+            v[u][1] = w_u128[b + 1u + 2u * (g & 3u)];
+            v[u][2] = w_u128[b + 2u + 2u * (g & 3u)];
+        }
+        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
+            const uint g = g0 + u * L;
+            if (u == 0u || g < nu) {
+                kquarter(v[u][0], v[u][1], v[u][2], g >> 2, g & 3u);
             }
         }
     }

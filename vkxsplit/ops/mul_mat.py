@@ -211,7 +211,7 @@ def _wide_variant(name: str, wt: WeightType, cfg: WideConfig, maxm: int) -> Vari
 @dataclass(frozen=True)
 class VecqConfig:
     """Shape of an integer-dot-product mat-vec kernel (``shaders/mul_mat_vecq.comp``, Q4_0 /
-    Q4_1 / Q8_0 weights times x quantized to 8-bit blocks by ``quantize_q8_1.comp``): ``wg``
+    Q4_1 / Q8_0 / Q4_K / Q6_K weights times x quantized to 8-bit blocks by ``quantize_q8_1.comp``): ``wg``
     threads per workgroup, ``nr`` rows per workgroup (``wg // nr`` threads per row), ``blk`` weight
     blocks per load unit (8: 16-byte aligned 8-block groups, K % 256 == 0, not Q4_1; 1: single blocks,
     any K % 32 == 0), ``unr`` units per thread per loop iteration, ``idp`` 1: packed 4x8 dot
@@ -219,7 +219,9 @@ class VecqConfig:
     of unpacked bytes (``_emu``), ``sat``: OpSDotAccSat instead of OpSDot + add, ``rpt`` rows
     per thread (Q4_0 / Q8_0 with ``blk`` 1: each x block loaded once for ``rpt`` rows; a
     workgroup then computes ``nr * rpt`` rows), ``sg`` 1: the partial sums reduced with
-    subgroupAdd per row instead of one thread adding a row's ``wg // nr`` partials in order."""
+    subgroupAdd per row instead of one thread adding a row's ``wg // nr`` partials in order,
+    ``sub`` (Q4_K) load units per super-block: 1 whole super-blocks, 4 quarters (the header and
+    32 nibble bytes each: four times the units per row, so short rows keep more lanes busy)."""
 
     wg: int
     nr: int
@@ -229,11 +231,13 @@ class VecqConfig:
     sat: int = 0
     rpt: int = 1
     sg: int = 0
+    sub: int = 1
 
     @property
     def tag(self) -> str:
         return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
-                + (f"_r{self.rpt}" if self.rpt > 1 else "") + ("_sg" if self.sg else "")
+                + (f"_r{self.rpt}" if self.rpt > 1 else "") + (f"_s{self.sub}" if self.sub > 1 else "")
+                + ("_sg" if self.sg else "")
                 + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
 
     @property
@@ -248,6 +252,8 @@ class VecqConfig:
             d["RPT"] = str(self.rpt)
         if self.sg:
             d["SG"] = "1"
+        if self.sub > 1:
+            d["KSUB"] = str(self.sub)
         return d
 
 
@@ -280,6 +286,10 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # thread or 4 blocks per iteration, 256 threads per row (Q4_0 4096x14336 dot only
                 # 12.9-18.0 us against 12.6; Q8_0 none faster at more than one shape)
                 VecqConfig(128, 2, blk=1, unr=2, sg=1), VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1),
+                # session 10, Q4_K only: quarter super-blocks per load unit (K = 4096 has 16
+                # super-blocks per row, so 32 threads per row of whole ones leave half idle)
+                VecqConfig(128, 4, blk=1, sub=4), VecqConfig(128, 2, blk=1, sub=4),
+                VecqConfig(128, 2, blk=1, unr=2, sub=4), VecqConfig(128, 1, blk=1, unr=2, sub=4, sg=1),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
@@ -293,7 +303,8 @@ _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
 #: mul_mat_vecq_<type>_q8_1_m<1|4>_<shape tag>; :func:`vecq_variant` picks the default ones
 VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
     **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES
-       if (c.blk == 1 or t not in _VECQ_SINGLE) and (c.rpt == 1 or t in ("q4_0", "q8_0"))},
+       if (c.blk == 1 or t not in _VECQ_SINGLE) and (c.rpt == 1 or t in ("q4_0", "q8_0"))
+       and (c.sub == 1 or t == "q4_k")},
     **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4
        if t not in _VECQ_SINGLE},
 }
@@ -318,7 +329,8 @@ VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, b
 #: 13.2 / 15.1 / 6.8 (63% of copy at 4096x14336 against 60%); the reduction alone changed
 #: nothing (13.4 / 14.4 / 6.7). VKXSPLIT_DISABLE_VECQ_SG=1 keeps the session-8 shapes.
 VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1),
-                       "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2)}
+                       "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2),
+                       "q4_k": VecqConfig(128, 2, blk=1, unr=2, sub=4)}
 _VECQ_GPU_M1_S8 = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2)}
 #: GPU decode shapes for tall products (VECQ_TALL_N <= N <= 4 K, K <= VECQ_TALL_K: the FFN's
 #: gate and up, 2.7-3.5x wider than K in llama-family models; not an output projection, whose
