@@ -327,7 +327,11 @@ VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, b
 #: Session 9 (H200, dot only, us at 4096x14336 / 14336x4096 / 4096x4096): Q4_0 with 128
 #: threads per row, 2 rows per thread and the subgroupAdd reduction, 12.6 / 13.2 / 6.4 against
 #: 13.2 / 15.1 / 6.8 (63% of copy at 4096x14336 against 60%); the reduction alone changed
-#: nothing (13.4 / 14.4 / 6.7). VKXSPLIT_DISABLE_VECQ_SG=1 keeps the session-8 shapes.
+#: nothing (13.4 / 14.4 / 6.7). Session 10: Q4_K with quarter super-blocks per load unit (64
+#: threads per row, 2 units per iteration), dot only 16.2 / 14.5 / 7.9 / 4.4 us at 4096x14336 /
+#: 14336x4096 / 4096x4096 / 1024x4096 against 18.5 / 21.1 / 8.4 / 6.4 for whole super-blocks
+#: (b1_wg128_nr4_s4: 15.1 / 16.0 / 7.2 / 5.0, 2% slower over a llama layer's products); llama8b
+#: q4_k tg128 229.5 -> 254.8 tok/s. VKXSPLIT_DISABLE_VECQ_SG=1 keeps the session-8 shapes.
 VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1),
                        "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2),
                        "q4_k": VecqConfig(128, 2, blk=1, unr=2, sub=4)}
@@ -346,7 +350,8 @@ VECQ_TALL_N, VECQ_TALL_K = 8192, 4096
 
 def vecq_sg_disabled() -> bool:
     """``VKXSPLIT_DISABLE_VECQ_SG=1``: GPU decode keeps session 8's shapes (64 threads per row,
-    one thread adding a row's partials) instead of the subgroupAdd shapes (bisecting)."""
+    one thread adding a row's partials; Q4_K whole super-blocks) instead of the later ones (the
+    subgroupAdd shapes, Q4_K's quarter super-blocks; bisecting)."""
     return env_flag("VKXSPLIT_DISABLE_VECQ_SG")
 
 
