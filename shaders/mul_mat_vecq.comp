@@ -16,7 +16,8 @@
 //   Q6_K: per 32-weight run of a 256-weight super-block, d d_x (sc_a s_a + sc_b s_b) with s_a,
 //         s_b the integer sums of its two 16-weight halves, the 6-bit codes minus 32 as signed
 //         bytes (superblock6(); one super-block per load unit: "BLK 1")
-//   acc += (d_w * d_x) * float(s)                (|s| < 2^17: exact in f32)
+//   acc += (d_w * d_x) * float(s)                (|s| < 2^17: exact in f32; Q6_K's
+//                                                 sc_a s_a + sc_b s_b < 2^24, exact too)
 //
 // IDP 1: the packed 4x8 dot products of SPV_KHR_integer_dot_product (OpSDot, or with
 // IDP_SAT 1 OpSDotAccSat), declared with GL_EXT_spirv_intrinsics (the GLSL extension

@@ -192,9 +192,10 @@ def _q8_1_round(x):
     return (np.where(d > 0, q, 0) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k"])
 def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
-    """Decode (T = 1) reads Q4_0 / Q4_1 / Q8_0 weights with x quantized to q8_1 once per x (shared by
+    """Decode (T = 1) reads Q4_0 / Q4_1 / Q8_0 weights (and Q4_K / Q6_K where the device's vecq
+    table has them: a 256-wide model) with x quantized to q8_1 once per x (shared by
     q/k/v and by gate/up; by the norm or SwiGLU that makes x, else a quantize node). Checked:
     the graph's quantize points; the wiring, exactly: after a step, ffn_down's output (x from
     the SwiGLU's q8_1) and the logits (the output norm's q8_1) equal float64 products of the dequantized weights
@@ -208,9 +209,11 @@ def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
     from vkxsplit.synth import write_synthetic
 
     if vecq_variant(device, qtype, 1) is None:
-        pytest.skip(f"{device.name} has no shaderIntegerDotProduct (the f32-x mat-vec is kept)")
+        pytest.skip(f"{device.name} decodes {qtype} with the f32-x mat-vec (no shaderIntegerDotProduct, "
+                    "or a type outside its vecq table)")
     L = 2
-    path = write_synthetic(tmp_path / f"dq-{qtype}.gguf", "smol135m", qtype, seed=6, n_vocab=700, n_layer=L)
+    shape = "tiny" if qtype in ("q4_k", "q6_k") else "smol135m"  # (K-quants: rows of 256-multiples)
+    path = write_synthetic(tmp_path / f"dq-{qtype}.gguf", shape, qtype, seed=6, n_vocab=700, n_layer=L)
     ids = [int(i) for i in np.random.default_rng(8).integers(0, 700, 10)]
     mf = load_gguf(path)
     got, quantized = {}, {}
