@@ -132,7 +132,7 @@ def matvec(dev: Device, rng: np.random.Generator, types: list[str], shapes: list
                 gbs = wbytes / t / 1e9
                 print(f"| {ty} | {n}x{k} | {path} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
     print("\ncompute copy moving each row's weight bytes (half read, half written; rotating "
-          "buffers, a barrier after each), the reach of one launch of that size:\n")
+          "buffers, a barrier after each): the same DRAM traffic in one launch of that size:\n")
     print("| bytes | weights of | us | GB/s | % of copy |\n|---:|---|---:|---:|---:|")
     for nb in sorted(labels):
         try:
