@@ -5,7 +5,10 @@
 - mat-vec GB/s (weight bytes / time) at M = 1 for Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16: the f32-x
   kernel and, for the types decode takes through it, the q8_1-x (integer dot product) path
   with and without its quantize dispatch; and a copy of the same bytes per size
-- mat-mat TFLOP/s at M = 512 for the same types, tiled and cooperative-matrix paths
+- per weight size, the fastest read-only launch of the same bytes (``probe_read``): a
+  mat-vec's ceiling at that size
+- mat-mat TFLOP/s at M = 512 for the same types, tiled and cooperative-matrix paths, and the
+  cooperative-matrix multiply-add rate without loads (``probe_mma``): the mat-mat's ceiling
 
 Usage: python tools/bench_kernels.py [--quick]   (tools/device_bench.sh runs it on the H200)
 """
@@ -26,9 +29,11 @@ from benchutil import spin_up  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
+from vkxsplit.ops import probe as pr  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.mul_mat import record_mul_mat  # noqa: E402
 from vkxsplit.ops.quant import row_bytes  # noqa: E402
+from vkxsplit.vk.command import Sequence  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
 from vkxsplit.vk.kernel import View  # noqa: E402
 
@@ -106,6 +111,45 @@ def copy_time(dev: Device, nbytes: int, reps: int, rotate: int) -> float:
     return t * nbytes / (2 * half)
 
 
+READ_GRIDS = (None, 1024, 2048)  # probe_read workgroups: one pass (each thread loads once), or fewer looping
+
+
+def read_time(dev: Device, nbytes: int, reps: int, rotate: int) -> tuple[float, str]:
+    """(seconds, configuration) of the fastest read-only launch of ``nbytes`` (``probe_read``,
+    unrolls x grids), rotating buffers totalling >= ``rotate`` bytes, a barrier after each; its
+    sums are checked against numpy first. Raises VkxError (buffers closed)."""
+    nbytes = nbytes // 16 * 16
+    host = np.random.default_rng(nbytes).integers(0, 1 << 32, nbytes // 4, dtype=np.uint64).astype(np.uint32)
+    want = int(host.astype(np.uint64).sum()) % (1 << 32)
+    bufs = []
+    try:
+        for _ in range(max(2, -(-rotate // nbytes))):
+            bufs.append(dev.memory.alloc(nbytes, "device", "r"))
+            bufs[-1].write(host)
+        out = dev.memory.alloc(16, "host", "sum")
+        bufs.append(out)
+        srcs = bufs[:-1]
+        best: tuple[float, str] = (float("inf"), "")
+        for u in pr.READ_UNROLLS:
+            for g in READ_GRIDS:
+                groups = pr.read_groups(dev, nbytes, u) if g is None else min(g, pr.read_groups(dev, nbytes, u))
+                out.numpy(np.uint32)[0] = 0
+                seq = Sequence(dev, "read check")
+                pr.record_probe_read(seq, srcs[0], out, nbytes, u, groups)
+                seq.run(timeout=60)
+                seq.close()
+                got = int(out.numpy(np.uint32)[0])
+                if got != want:
+                    raise VkxError(f"probe_read_u{u} on {groups} workgroups summed {got:#x}, numpy {want:#x}")
+                t = benchutil.timed(dev, lambda s, i, u=u, groups=groups: pr.record_probe_read(
+                    s, srcs[i % len(srcs)], out, nbytes, u, groups), reps)
+                best = min(best, (t, f"u{u}, {groups} workgroups"))
+        return best
+    finally:
+        for buf in bufs:
+            buf.close()
+
+
 def matvec(dev: Device, rng: np.random.Generator, types: list[str], shapes: list[tuple[int, int]],
            copy_bw: float, reps: int, rotate: int) -> None:
     """The mat-vec table: per type and shape, the f32-x kernel record_mul_mat picks at M = 1,
@@ -142,6 +186,78 @@ def matvec(dev: Device, rng: np.random.Generator, types: list[str], shapes: list
             continue
         gbs = nb / t / 1e9
         print(f"| {nb} | {', '.join(labels[nb])} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
+    print("\nread-only launch of each row's weight bytes (`probe_read`: 16-byte loads, the fastest of "
+          f"unrolls {pr.READ_UNROLLS} x grids; rotating buffers, a barrier after each): a mat-vec's "
+          "ceiling at that size\n")
+    print("| bytes | weights of | fastest | us | GB/s | % of copy |\n|---:|---|---|---:|---:|---:|")
+    for nb in sorted(labels):
+        try:
+            t, how = read_time(dev, nb, reps, rotate)
+        except VkxError as exc:
+            print(f"| {nb} | {', '.join(labels[nb])} | - | - | - | {str(exc)[:60]} |")
+            continue
+        gbs = nb / t / 1e9
+        print(f"| {nb} | {', '.join(labels[nb])} | {how} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
+
+
+def mma(dev: Device, reps: int, quick: bool) -> None:
+    """The cooperative-matrix multiply-add rate without loads (``probe_mma``): subgroup scope
+    on a full grid, and each workgroup-scope tile mul_mat_cm2 keeps on the grid a 4096 x 4096 x
+    512 product gives it (and 1, 2, 4 times the SMs' worth); K loops of 64 steps (a K = 4096
+    product's) and 16 times that. Results checked against numpy first (integer operands)."""
+    rows = []
+    for tile in (None, *pr.MMA_WG_TILES):
+        name = pr.mma_variant(tile)
+        if not pr.mma_supported(dev, tile):
+            print(f"{name}: not supported here")
+            continue
+        (ar, ac), (br, bc), per = pr.mma_shapes(tile)
+        if tile is None:
+            grids = [64] if quick else [1056, 4224]
+        else:
+            g0 = (4096 // tile.bw) * (512 // tile.bx)
+            grids = [2] if quick else sorted({g0, 132, 264, 528})
+        iters_list = [4] if quick else [4096 // tile.bk if tile else 256, 16 * (4096 // tile.bk if tile else 256)]
+        rng = np.random.default_rng(3)
+        a = rng.integers(-1, 2, (ar, ac)).astype(np.float16)
+        b = rng.integers(-1, 2, (br, bc)).astype(np.float16)
+        ba, bb = dev.memory.alloc(a.nbytes, "host", "a"), dev.memory.alloc(b.nbytes, "host", "b")
+        bo = dev.memory.alloc(4 * per * max(grids), "device", "o")
+        try:
+            ba.numpy(np.float16)[:] = a.ravel()
+            bb.numpy(np.float16)[:] = b.ravel()
+            chk = dev.memory.alloc(4 * per, "host", "chk")
+            try:
+                seq = Sequence(dev, "mma check")
+                pr.record_probe_mma(seq, ba, bb, chk, 5, 1, tile)
+                seq.run(timeout=60)
+                seq.close()
+                a64, b64 = a.astype(np.float64), b.astype(np.float64)
+                if tile is None:
+                    one = np.einsum("ikl,jlm->ijkm", a64.reshape(-1, 16, 16), b64.reshape(-1, 16, 16)).reshape(-1)
+                    want = np.tile(5 * one, per // one.size)
+                else:
+                    want = (5 * (a64 @ b64)).ravel()
+                if not np.array_equal(chk.numpy(np.float32)[:per].astype(np.float64), want):
+                    raise VkxError(f"{name}: result differs from numpy")
+            finally:
+                chk.close()
+            spin_up(dev, 0.5)
+            for g in grids:
+                for it in iters_list:
+                    t = benchutil.timed(dev, lambda s, _i, g=g, it=it, tile=tile, ba=ba, bb=bb, bo=bo:
+                        pr.record_probe_mma(s, ba, bb, bo, it, g, tile), max(3, reps // 4))
+                    rows.append((name, g, it, t, pr.mma_flops(tile, g, it) / t / 1e12))
+        except VkxError as exc:
+            print(f"{name}: {str(exc)[:80]}")
+        finally:
+            for buf in (ba, bb, bo):
+                buf.close()
+    print("\ncooperative-matrix multiply-adds without loads (`probe_mma`, f16 x f16 -> f32; operands "
+          "loaded once, a barrier after each dispatch)\n")
+    print("| kernel | workgroups | K steps | us | TFLOP/s |\n|---|---:|---:|---:|---:|")
+    for name, g, it, t, tf in rows:
+        print(f"| {name} | {g} | {it} | {t * 1e6:.1f} | {tf:.1f} |")
 
 
 def main() -> int:
@@ -194,6 +310,7 @@ def main() -> int:
                     print(f"| {ty} | {path} | {n}x{k} | - | {str(exc)[:60]} |")
             for buf in (w, x, y):
                 buf.close()
+    mma(dev, reps, args.quick)
     dev.close()
     return 0
 

@@ -1,0 +1,85 @@
+"""Probes (vkxsplit.ops.probe): the read-only launch and the cooperative-matrix multiply-add
+loops that tools/bench_kernels.py reads the library's kernels against. A probe that skipped
+work would look fast, so each is checked here: the read against numpy's wrapping sum of the
+words, the multiply-adds against float64 (integer operands: every sum is exact in f32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vkxsplit.errors import KernelError
+from vkxsplit.ops import probe as pr
+from vkxsplit.vk.command import Sequence
+
+
+@pytest.mark.parametrize("unroll", pr.READ_UNROLLS)
+@pytest.mark.parametrize("nbytes,groups", [(16, None), (4096 * 16 + 48, None), (1 << 20, None),
+                                           (1 << 20, 3), (5 * 256 * 8 * 16 + 16, 2)])
+def test_probe_read_sums_every_word(device, unroll, nbytes, groups):
+    rng = np.random.default_rng(nbytes + unroll)
+    words = rng.integers(0, 1 << 32, nbytes // 4 + 8, dtype=np.uint64).astype(np.uint32)
+    mem = device.memory
+    src, out = mem.alloc(words.nbytes, "host", "src"), mem.alloc(16, "host", "out")
+    try:
+        src.numpy(np.uint32)[:] = words
+        out.numpy(np.uint32)[:] = 0
+        s = Sequence(device, "read")
+        pr.record_probe_read(s, src, out, nbytes, unroll, groups)
+        s.run(timeout=60)
+        s.close()
+        want = int(words[: nbytes // 4].astype(np.uint64).sum()) % (1 << 32)  # the 8 words past nbytes: unread
+        assert int(out.numpy(np.uint32)[0]) == want
+    finally:
+        src.close()
+        out.close()
+
+
+def test_probe_read_rejects_bad_sizes(device):
+    mem = device.memory
+    src, out = mem.alloc(64, "host", "src"), mem.alloc(16, "host", "out")
+    try:
+        s = Sequence(device, "bad")
+        for nbytes in (0, 24, 80):  # not a multiple of 16; past the binding
+            with pytest.raises(KernelError, match="probe_read"):
+                pr.record_probe_read(s, src, out, nbytes)
+        with pytest.raises(KernelError, match="unroll"):
+            pr.record_probe_read(s, src, out, 64, unroll=3)
+        s.close()
+    finally:
+        src.close()
+        out.close()
+
+
+@pytest.mark.parametrize("tile", [None, *pr.MMA_WG_TILES], ids=lambda t: "sg" if t is None else t.tag)
+def test_probe_mma_is_iters_times_the_product(device, tile):
+    if not pr.mma_supported(device, tile):
+        pytest.skip(f"'{device.name}' cannot run {pr.mma_variant(tile)}")
+    rng = np.random.default_rng(7)
+    (ar, ac), (br, bc), per = pr.mma_shapes(tile)
+    a = rng.integers(-1, 2, (ar, ac)).astype(np.float16)
+    b = rng.integers(-1, 2, (br, bc)).astype(np.float16)
+    groups, iters = 3, 37
+    mem = device.memory
+    ba, bb, bo = mem.alloc(a.nbytes, "host", "a"), mem.alloc(b.nbytes, "host", "b"), mem.alloc(4 * per * groups, "host", "o")
+    try:
+        ba.numpy(np.float16)[:] = a.ravel()
+        bb.numpy(np.float16)[:] = b.ravel()
+        bo.numpy(np.float32)[:] = np.nan  # poisoned: an unstored element fails
+        s = Sequence(device, "mma")
+        pr.record_probe_mma(s, ba, bb, bo, iters, groups, tile)
+        s.run(timeout=60)
+        s.close()
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        if tile is None:  # per subgroup, FM x FN 16 x 16 blocks: fragment i of A times fragment j of B
+            fa, fb = a64.reshape(-1, 16, 16), b64.reshape(-1, 16, 16)
+            one = np.einsum("ikl,jlm->ijkm", fa, fb).reshape(-1)
+            want = np.tile(iters * one, per * groups // one.size)
+        else:
+            want = np.tile((iters * (a64 @ b64)).ravel(), groups)
+        assert np.array_equal(bo.numpy(np.float32)[: per * groups].astype(np.float64), want)
+        assert pr.mma_flops(tile, groups, iters) == 2 * iters * groups * (
+            per * 16 if tile is None else tile.bw * tile.bx * tile.bk)
+    finally:
+        for buf in (ba, bb, bo):
+            buf.close()

@@ -1,0 +1,147 @@
+"""Probes: kernels that measure the device, not compute an op (``shaders/probe.comp``).
+
+The kernel benchmark (``tools/bench_kernels.py``) reads each kernel of the library against
+what one launch of its kind can do at all on the device and driver:
+
+- :func:`record_probe_read`: a read-only launch of ``nbytes`` (16-byte loads, several in flight
+  per thread) summing every 32-bit word into one counter: the ceiling of a mat-vec of the same
+  weight bytes, which reads them and writes almost nothing.
+- :func:`record_probe_mma`: cooperative-matrix multiply-adds on operands loaded once, at
+  subgroup scope (``probe_mma_f16_sg``, VK_KHR_cooperative_matrix, 16 x 16 x 16) or at the
+  workgroup scope and tile of ``mul_mat_cm2`` (``probe_mma_f16_wg_*``, VK_NV_cooperative_matrix2):
+  the matrix units' rate as the driver issues them, without the loads of a real product.
+
+Both produce a result the tests check against numpy (the sum of the words; ``iters`` times the
+operands' product), so a probe that skipped work would fail rather than look fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import KernelError
+from ..shaders import Variant
+from ..vk.command import Sequence
+from ..vk.kernel import Bindable, Kernel, as_range
+from .mul_mat import _CM2_REQUIRES, _COOP_REQUIRES, COOP_SUBGROUP
+
+READ_WG = 256
+READ_UNROLLS = (2, 4, 8)
+#: subgroup-scope probe: fragments of A and B per subgroup (FM x FN 16 x 16 accumulators)
+MMA_SG_FM, MMA_SG_FN, MMA_SG_WG = 2, 4, 128
+
+
+@dataclass(frozen=True)
+class MmaTile:
+    """Workgroup-scope probe tile: A is ``bw`` x ``bk``, B ``bk`` x ``bx``, ``nt`` invocations."""
+
+    bw: int
+    bx: int
+    bk: int
+    nt: int
+
+    @property
+    def tag(self) -> str:
+        return f"w{self.bw}x{self.bx}_k{self.bk}_n{self.nt}"
+
+
+#: the workgroup-scope tiles probed: mul_mat_cm2's F16 default (128 x 128, K step 64) and its
+#: 128 x 256 alternative (the two F16 tilings it keeps)
+MMA_WG_TILES = (MmaTile(128, 128, 64, 256), MmaTile(128, 256, 64, 256))
+
+VARIANTS = [
+    *[Variant(name=f"probe_read_u{u}", source="probe.comp", defines={"PROBE": "1", "WG": str(READ_WG), "U": str(u)},
+              bindings=2, writes=(1,), push="I", local_size=(READ_WG, 1, 1)) for u in READ_UNROLLS],
+    Variant(name="probe_mma_f16_sg", source="probe.comp",
+            defines={"PROBE": "2", "WG": str(MMA_SG_WG), "FM": str(MMA_SG_FM), "FN": str(MMA_SG_FN)},
+            bindings=3, writes=(2,), push="I", local_size=(MMA_SG_WG, 1, 1), target_env="vulkan1.3",
+            compiler="glslang", subgroup_size=COOP_SUBGROUP, requires=_COOP_REQUIRES),
+    *[Variant(name=f"probe_mma_f16_wg_{t.tag}", source="probe.comp",
+              defines={"PROBE": "3", "WG": str(t.nt), "BW": str(t.bw), "BX": str(t.bx), "BK": str(t.bk)},
+              bindings=3, writes=(2,), push="I", local_size=(t.nt, 1, 1), target_env="vulkan1.3",
+              compiler="glslang15", requires=_CM2_REQUIRES) for t in MMA_WG_TILES],
+]
+
+
+def read_groups(device: object, nbytes: int, unroll: int) -> int:
+    """Workgroups for one pass (each thread loads ``unroll`` uvec4 once), at most the device's
+    limit."""
+    limit = device.physical.limits["maxComputeWorkGroupCount"][0]  # type: ignore[attr-defined]
+    return max(1, min(limit, -(-(nbytes // 16) // (READ_WG * unroll))))
+
+
+def record_probe_read(seq: Sequence, src: Bindable, out: Bindable, nbytes: int, unroll: int = 4,
+                      groups: int | None = None) -> None:
+    """Add every 32-bit word of ``src[:nbytes]`` (a multiple of 16) into the word ``out[0]``
+    (wrapping; the caller zeroes it), ``unroll`` 16-byte loads per thread in flight, on
+    ``groups`` workgroups (default: one pass, :func:`read_groups`)."""
+    if unroll not in READ_UNROLLS:
+        raise KernelError(f"probe_read: unroll {unroll} is not one of {READ_UNROLLS}")
+    _, off, size, _ = as_range(src)
+    if nbytes <= 0 or nbytes % 16 or off % 16 or size < nbytes:
+        raise KernelError(f"probe_read: {nbytes} bytes must be a positive multiple of 16 within a "
+                          f"16-byte aligned binding of {size} bytes")
+    if nbytes // 16 >= 1 << 32:
+        raise KernelError(f"probe_read: {nbytes} bytes is more than 2^32 uvec4")
+    _, ooff, osize, _ = as_range(out)
+    if ooff % 4 or osize < 4:
+        raise KernelError("probe_read: the out binding must hold one aligned 32-bit word")
+    g = read_groups(seq.device, nbytes, unroll) if groups is None else groups
+    seq.dispatch(Kernel.get(seq.device, f"probe_read_u{unroll}"), [src, out], (nbytes // 16,), g)
+
+
+def mma_variant(tile: MmaTile | None) -> str:
+    """The probe's variant name: subgroup scope for ``None``, else the workgroup-scope tile's."""
+    return "probe_mma_f16_sg" if tile is None else f"probe_mma_f16_wg_{tile.tag}"
+
+
+def mma_shapes(tile: MmaTile | None) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """(A elements as (rows, cols), B as (rows, cols), output floats per workgroup) of the probe:
+    subgroup scope stacks its FM A and FN B fragments (each 16 x 16, row-major) along rows."""
+    if tile is None:
+        return (16 * MMA_SG_FM, 16), (16 * MMA_SG_FN, 16), (MMA_SG_WG // COOP_SUBGROUP) * MMA_SG_FM * MMA_SG_FN * 256
+    return (tile.bw, tile.bk), (tile.bk, tile.bx), tile.bw * tile.bx
+
+
+def mma_flops(tile: MmaTile | None, groups: int, iters: int) -> int:
+    """Floating-point operations (2 per multiply-add) of one probe dispatch."""
+    if tile is None:
+        per_group = (MMA_SG_WG // COOP_SUBGROUP) * MMA_SG_FM * MMA_SG_FN * 2 * 16 ** 3
+    else:
+        per_group = 2 * tile.bw * tile.bx * tile.bk
+    return per_group * groups * iters
+
+
+def mma_supported(device: object, tile: MmaTile | None = None) -> bool:
+    """Whether ``device`` runs the probe: the subgroup-scope kernels' requirements
+    (``coopmat_supported``) or, for a workgroup-scope tile, mul_mat_cm2's and a flexible shape
+    of the tile's invocations."""
+    from . import mul_mat as mm
+
+    if tile is None:
+        return mm.coopmat_supported(device)  # type: ignore[arg-type]
+    return mm.coopmat2_supported(device) and mm.cm2_tile_supported(  # type: ignore[arg-type]
+        device, mm.Cm2Tile(tile.bw, tile.bx, tile.bk, tile.nt))  # type: ignore[arg-type]
+
+
+def record_probe_mma(seq: Sequence, a: Bindable, b: Bindable, out: Bindable, iters: int, groups: int,
+                     tile: MmaTile | None = None) -> None:
+    """``iters`` rounds of multiply-adds on the f16 operands ``a`` and ``b`` (shapes from
+    :func:`mma_shapes`) on ``groups`` workgroups; each workgroup stores its f32 accumulators
+    (``iters`` times the products) at its slot of ``out``. ``tile`` None: subgroup scope."""
+    name = mma_variant(tile)
+    if tile is not None and tile not in MMA_WG_TILES:
+        raise KernelError(f"probe_mma: tile {tile.tag} is not one of {[t.tag for t in MMA_WG_TILES]}")
+    if not 0 < iters < 1 << 31 or groups < 1:
+        raise KernelError(f"{name}: iters {iters} and groups {groups} must be positive")
+    (ar, ac), (br, bc), per = mma_shapes(tile)
+    for what, buf, need in (("a", a, 2 * ar * ac), ("b", b, 2 * br * bc), ("out", out, 4 * per * groups)):
+        _, off, size, _ = as_range(buf)
+        if off % 16 or size < need:
+            raise KernelError(f"{name}: the {what} binding must hold {need} bytes, 16-byte aligned "
+                              f"(has {size} at offset {off})")
+    seq.dispatch(Kernel.get(seq.device, name), [a, b, out], (iters,), groups)
+
+
+__all__ = ["MMA_WG_TILES", "MmaTile", "READ_UNROLLS", "mma_flops", "mma_shapes", "mma_supported", "mma_variant", "read_groups",
+           "record_probe_mma", "record_probe_read"]
