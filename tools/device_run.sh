@@ -31,7 +31,7 @@ for w in $what; do
       tar -C / -czf "$OUT/pcache.tgz" tmp/vkxcache $(cd / && ls -d root/.cache/nvidia 2>/dev/null) 2>/dev/null
       ls -la "$OUT/pcache.tgz" ;;
     kernels)
-      timeout 300 python3 tools/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.md" ;;
+      timeout ${KERNELS_TIMEOUT:-480} python3 tools/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.md" ;;
     models)
       timeout 420 python3 tools/bench_models.py ${MODELS_ARGS:-} 2>&1 | tee "$OUT/bench_models.md" ;;
     handoff)
