@@ -20,16 +20,19 @@ def test_probe_read_sums_every_word(device, unroll, nbytes, groups):
     rng = np.random.default_rng(nbytes + unroll)
     words = rng.integers(0, 1 << 32, nbytes // 4 + 8, dtype=np.uint64).astype(np.uint32)
     mem = device.memory
-    src, out = mem.alloc(words.nbytes, "host", "src"), mem.alloc(16, "host", "out")
+    g = pr.read_groups(device, nbytes, unroll) if groups is None else groups
+    src, out = mem.alloc(words.nbytes, "host", "src"), mem.alloc(4 * g + 4, "host", "out")
     try:
         src.numpy(np.uint32)[:] = words
-        out.numpy(np.uint32)[:] = 0
+        out.numpy(np.uint32)[:] = 0xDEADBEEF  # poisoned: a workgroup that skips its store fails
         s = Sequence(device, "read")
         pr.record_probe_read(s, src, out, nbytes, unroll, groups)
         s.run(timeout=60)
         s.close()
         want = int(words[: nbytes // 4].astype(np.uint64).sum()) % (1 << 32)  # the 8 words past nbytes: unread
-        assert int(out.numpy(np.uint32)[0]) == want
+        got = out.numpy(np.uint32)
+        assert int(got[:g].astype(np.uint64).sum()) % (1 << 32) == want
+        assert got[g] == 0xDEADBEEF  # nothing past the workgroups' words
     finally:
         src.close()
         out.close()
@@ -43,6 +46,8 @@ def test_probe_read_rejects_bad_sizes(device):
         for nbytes in (0, 24, 80):  # not a multiple of 16; past the binding
             with pytest.raises(KernelError, match="probe_read"):
                 pr.record_probe_read(s, src, out, nbytes)
+        with pytest.raises(KernelError, match="one per workgroup"):
+            pr.record_probe_read(s, src, out, 64, groups=5)  # out holds 4 words
         with pytest.raises(KernelError, match="unroll"):
             pr.record_probe_read(s, src, out, 64, unroll=3)
         s.close()

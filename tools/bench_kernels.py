@@ -126,23 +126,25 @@ def read_time(dev: Device, nbytes: int, reps: int, rotate: int) -> tuple[float, 
         for _ in range(max(2, -(-rotate // nbytes))):
             bufs.append(dev.memory.alloc(nbytes, "device", "r"))
             bufs[-1].write(host)
-        out = dev.memory.alloc(16, "host", "sum")
+        srcs = list(bufs)
+        words = 4 * max(pr.read_groups(dev, nbytes, u) for u in pr.READ_UNROLLS)
+        out = dev.memory.alloc(words, "host", "sums")  # the check reads it
         bufs.append(out)
-        srcs = bufs[:-1]
+        out_dev = dev.memory.alloc(words, "device", "sums")  # the timings write it (no writes across PCIe)
+        bufs.append(out_dev)
         best: tuple[float, str] = (float("inf"), "")
         for u in pr.READ_UNROLLS:
             for g in READ_GRIDS:
                 groups = pr.read_groups(dev, nbytes, u) if g is None else min(g, pr.read_groups(dev, nbytes, u))
-                out.numpy(np.uint32)[0] = 0
                 seq = Sequence(dev, "read check")
                 pr.record_probe_read(seq, srcs[0], out, nbytes, u, groups)
                 seq.run(timeout=60)
                 seq.close()
-                got = int(out.numpy(np.uint32)[0])
+                got = int(out.numpy(np.uint32)[:groups].astype(np.uint64).sum()) % (1 << 32)
                 if got != want:
                     raise VkxError(f"probe_read_u{u} on {groups} workgroups summed {got:#x}, numpy {want:#x}")
                 t = benchutil.timed(dev, lambda s, i, u=u, groups=groups: pr.record_probe_read(
-                    s, srcs[i % len(srcs)], out, nbytes, u, groups), reps)
+                    s, srcs[i % len(srcs)], out_dev, nbytes, u, groups), reps)
                 best = min(best, (t, f"u{u}, {groups} workgroups"))
         return best
     finally:
@@ -260,6 +262,24 @@ def mma(dev: Device, reps: int, quick: bool) -> None:
         print(f"| {name} | {g} | {it} | {t * 1e6:.1f} | {tf:.1f} |")
 
 
+def stats(dev: Device) -> None:
+    """The driver's compiler statistics (VKXSPLIT_PIPELINE_STATS=1; registers decide how many
+    workgroups an SM holds) of the F16 coopmat2 tilings, the probes and the decode defaults."""
+    from vkxsplit.vk.kernel import Kernel
+
+    names = [mm.cm2_variant_name("f16", tile) for tile in mm.CM2_CHOICES["f16"]]
+    names += [pr.mma_variant(t) for t in (None, *pr.MMA_WG_TILES)] + [f"probe_read_u{u}" for u in pr.READ_UNROLLS]
+    names += sorted({v for v in mm.vecq_decode(dev.physical, dev.features).values() if v})
+    print("\ncompiler statistics (VKXSPLIT_PIPELINE_STATS=1)\n\n| variant | statistics |\n|---|---|")
+    for name in names:
+        try:
+            st = Kernel.get(dev, name).statistics()
+        except VkxError as exc:
+            print(f"| {name} | {str(exc)[:60]} |")
+            continue
+        print(f"| {name} | {', '.join(f'{k} {v:g}' for k, v in st.items()) or '-'} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes (lavapipe smoke run)")
@@ -311,6 +331,8 @@ def main() -> int:
             for buf in (w, x, y):
                 buf.close()
     mma(dev, reps, args.quick)
+    if dev.pipeline_stats:
+        stats(dev)
     dev.close()
     return 0
 

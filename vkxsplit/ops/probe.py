@@ -4,7 +4,7 @@ The kernel benchmark (``tools/bench_kernels.py``) reads each kernel of the libra
 what one launch of its kind can do at all on the device and driver:
 
 - :func:`record_probe_read`: a read-only launch of ``nbytes`` (16-byte loads, several in flight
-  per thread) summing every 32-bit word into one counter: the ceiling of a mat-vec of the same
+  per thread) summing the 32-bit words, one sum per workgroup: the ceiling of a mat-vec of the same
   weight bytes, which reads them and writes almost nothing.
 - :func:`record_probe_mma`: cooperative-matrix multiply-adds on operands loaded once, at
   subgroup scope (``probe_mma_f16_sg``, VK_KHR_cooperative_matrix, 16 x 16 x 16) or at the
@@ -72,9 +72,9 @@ def read_groups(device: object, nbytes: int, unroll: int) -> int:
 
 def record_probe_read(seq: Sequence, src: Bindable, out: Bindable, nbytes: int, unroll: int = 4,
                       groups: int | None = None) -> None:
-    """Add every 32-bit word of ``src[:nbytes]`` (a multiple of 16) into the word ``out[0]``
-    (wrapping; the caller zeroes it), ``unroll`` 16-byte loads per thread in flight, on
-    ``groups`` workgroups (default: one pass, :func:`read_groups`)."""
+    """Sum the 32-bit words of ``src[:nbytes]`` (a multiple of 16), wrapping, one word per
+    workgroup: ``out[w]`` for workgroup ``w`` of ``groups`` (default: one pass,
+    :func:`read_groups`); ``unroll`` 16-byte loads per thread in flight."""
     if unroll not in READ_UNROLLS:
         raise KernelError(f"probe_read: unroll {unroll} is not one of {READ_UNROLLS}")
     _, off, size, _ = as_range(src)
@@ -83,10 +83,10 @@ def record_probe_read(seq: Sequence, src: Bindable, out: Bindable, nbytes: int, 
                           f"16-byte aligned binding of {size} bytes")
     if nbytes // 16 >= 1 << 32:
         raise KernelError(f"probe_read: {nbytes} bytes is more than 2^32 uvec4")
-    _, ooff, osize, _ = as_range(out)
-    if ooff % 4 or osize < 4:
-        raise KernelError("probe_read: the out binding must hold one aligned 32-bit word")
     g = read_groups(seq.device, nbytes, unroll) if groups is None else groups
+    _, ooff, osize, _ = as_range(out)
+    if ooff % 4 or osize < 4 * g:
+        raise KernelError(f"probe_read: the out binding must hold {g} aligned 32-bit words (one per workgroup)")
     seq.dispatch(Kernel.get(seq.device, f"probe_read_u{unroll}"), [src, out], (nbytes // 16,), g)
 
 
