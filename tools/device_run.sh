@@ -5,6 +5,8 @@
 #   bash tools/device_run.sh [warm] [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [cm2-chosen] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests] [save-cache]
 # (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS, WARM_ARGS,
 #  TESTS_ARGS: the pytest selection of `tests` (default: tests), TESTS_TIMEOUT (default 540 s))
+# The validation layer for the test targets: apt-get download vulkan-validationlayers into .device/gl
+# (on-device.sh unpacks every .deb there; without it VKXSPLIT_VALIDATION=1 tests error at set-up).
 # Put `warm` before the test targets on a fresh machine (tools/warm_pipelines.py says why).
 # Target save-cache writes the pipeline caches (ours and the driver's) to $OUT/pcache.tgz; carry
 # that file back as .pcache.tgz and the next (fresh) machine starts warm: it is unpacked here.
