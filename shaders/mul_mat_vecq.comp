@@ -45,16 +45,8 @@
 //
 // RPT > 1 (Q4_0 / Q8_0, BLK 1): a thread works on RPT rows (row0 + r + i NR), loading each x
 // block once for all of them; a workgroup computes NR RPT rows.
-// STAGE 1 (Q4_0 / Q8_0, BLK 1, any RPT; K % 256 == 0, so every row starts 16-byte aligned): the
-// weights go through shared memory in K-chunks of CH = UNR L blocks per row. The whole workgroup
-// loads a chunk of all its NR RPT rows as consecutive uvec4 (thread t: uvec4 t, t + WG, ... of
-// the rows' chunks, row after row: whole 32-byte sectors per warp instead of lanes 18 / 34 bytes
-// apart), then each thread decodes the blocks the RPT path gives it (lane + u L of the chunk)
-// from shared words as load_block / unpack_block do: the same sums in the same order. Two
-// stages: chunk c + 1's global loads are issued into registers before chunk c is computed
-// from shared memory, and stored to shared after the next barrier.
 // Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG,
-// KSUB, STAGE.
+// KSUB.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -125,14 +117,8 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
-#ifndef STAGE
-#define STAGE 0
-#endif
 #if RPT > 1 && (BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0))
 #error "RPT > 1: Q4_0 / Q8_0 with BLK 1 only"
-#endif
-#if STAGE && (BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0))
-#error "STAGE: Q4_0 / Q8_0 with BLK 1 only"
 #endif
 #if NR * RPT * MAXM > WG
 #error "the final reduction needs a thread per (row, column): NR * RPT * MAXM <= WG"
@@ -293,10 +279,10 @@ void decode_block(const uint w[QW + 1u], uint G, uint g) {
 }
 #endif
 
-#if RPT > 1 || STAGE
+#if RPT > 1
 // RPT rows per thread (rows row0 + r + i NR, i < RPT): each x block's loads (two uvec4 and its
-// meta) serve RPT weight blocks instead of one (STAGE with RPT 1: the same code, one row)
-#if RPT > 1 && !SG
+// meta) serve RPT weight blocks instead of one
+#if !SG
 shared float red2[RPT][MAXM][WG];
 #endif
 float accr[RPT][MAXM];
@@ -335,45 +321,6 @@ void block_rows(const float d[RPT], const uint q[RPT][QW], uint g) {
 #endif
             accr[i][m] = fma(d[i] * dx, float(s), accr[i][m]);
         }
-    }
-}
-#endif
-
-#if STAGE
-// (plain integers: the preprocessor's #if checks below take no u suffix)
-#if WTYPE == WT_Q4_0
-#define SGW 9   // uvec4 per 8 blocks, as GW
-#else
-#define SGW 17
-#endif
-#define CH (UNR * L)              // blocks per row and chunk
-#define CV (CH / 8 * SGW)         // uvec4 per row and chunk
-#define STOT (NR * RPT * CV)      // uvec4 per chunk of the workgroup's rows
-#define SLD ((STOT + WG - 1) / WG)  // global uvec4 loads per thread and chunk
-#if CH % 8 != 0
-#error "STAGE: UNR * WG / NR must be a multiple of 8 (chunks of whole 16-byte 8-block groups)"
-#endif
-#if SG
-#define RED_BYTES (NR * RPT * MAXM * WG * 4)
-#elif RPT > 1
-#define RED_BYTES ((RPT + 1) * MAXM * WG * 4)
-#else
-#define RED_BYTES (MAXM * WG * 4)
-#endif
-#if 16 * STOT + RED_BYTES > 32768
-#error "STAGE: more than 32 KiB of shared memory (lavapipe's limit)"
-#endif
-// the chunk of row j of the workgroup's rows at uvec4 j CV..
-shared uvec4 wst[STOT];
-
-// the QW + 1 words of block gl of row j's staged chunk from the word holding its first byte,
-// as load_block reads them (the chunk starts 16-byte aligned and HB is odd, so gl's parity is
-// the halfword parity of the block's start). The last word of a block at an even halfword is
-// half the next block's; a chunk ends with an odd block, so no block's words pass its chunk.
-void stage_words(uint j, uint gl, out uint w[QW + 1u]) {
-    const uint wb = 4u * uint(CV) * j + ((HB * gl) >> 1);
-    [[unroll]] for (uint i = 0u; i <= QW; ++i) {
-        w[i] = wst[(wb + i) >> 2][(wb + i) & 3u];
     }
 }
 #endif
@@ -518,66 +465,7 @@ void main() {
         acc[m] = 0.0;
     }
 
-#if STAGE
-    [[unroll]] for (uint i = 0u; i < RPT; ++i) {
-        [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
-            accr[i][m] = 0.0;
-        }
-    }
-    // this thread's uvec4 of every chunk: v = tid + k WG (row j = v / CV, v % CV into its chunk),
-    // as the index of chunk 0's uvec4 and the row's last uvec4: a partial last chunk reads that
-    // one again past the row's end (never past the binding; those blocks are not computed).
-    // Threads past STOT (SLD WG > STOT) load its last uvec4 and store nothing.
-    const uint rv = nb / 8u * GW;  // uvec4 per row (K % 256 == 0)
-    const uint nch = (nb + uint(CH) - 1u) / uint(CH);
-    uint src[SLD], lim[SLD];
-    [[unroll]] for (uint k = 0u; k < SLD; ++k) {
-        const uint v = min(tid + k * uint(WG), uint(STOT) - 1u);
-        const uint base = (p.w_row0 + min(row0 + v / uint(CV), p.N - 1u)) * rv;
-        src[k] = base + v % uint(CV);
-        lim[k] = base + rv - 1u;
-    }
-    // two stages: chunk c + 1's loads are in flight (registers) while chunk c is computed
-    uvec4 nxt[SLD];
-    [[unroll]] for (uint k = 0u; k < SLD; ++k) {
-        nxt[k] = w_u128[min(src[k], lim[k])];
-    }
-    for (uint c = 0u; c < nch; ++c) {
-        [[unroll]] for (uint k = 0u; k < SLD; ++k) {
-            if (STOT % WG == 0 || tid + k * uint(WG) < uint(STOT)) {
-                wst[tid + k * uint(WG)] = nxt[k];
-            }
-        }
-        barrier();
-        if (c + 1u < nch) {
-            const uint o = (c + 1u) * uint(CV);
-            [[unroll]] for (uint k = 0u; k < SLD; ++k) {
-                nxt[k] = w_u128[min(src[k] + o, lim[k])];
-            }
-        }
-        // the RPT path's blocks in its order: g = c CH + lane + u L is its g0 + u L
-        [[unroll]] for (uint u = 0u; u < UNR; ++u) {
-            const uint gl = lane + u * L;
-            const uint g = c * uint(CH) + gl;
-            if (g < nb) {
-                float d[RPT];
-                uint q[RPT][QW];
-                [[unroll]] for (uint i = 0u; i < RPT; ++i) {
-                    uint w[QW + 1u];
-                    stage_words(r + i * NR, gl, w);
-                    unpack_block(w, gl, d[i], q[i]);
-                }
-                block_rows(d, q, g);
-            }
-        }
-        barrier();  // chunk c read by every thread before chunk c + 1 overwrites it
-    }
-#if RPT == 1
-    [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
-        acc[m] = accr[0][m];  // the reduction below reads acc without rows per thread
-    }
-#endif
-#elif RPT > 1
+#if RPT > 1
     uint G0[RPT];  // global index of the first block of each of this thread's rows
     [[unroll]] for (uint i = 0u; i < RPT; ++i) {
         G0[i] = (p.w_row0 + min(row0 + r + i * NR, p.N - 1u)) * nb;

@@ -20,7 +20,6 @@ accumulate with truncation: (2^-10 + 2 K 2^-23) * (|x| @ A^T) instead.
 from __future__ import annotations
 
 import types
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -922,42 +921,20 @@ def test_mat_vecq_variant(device, bufs, rng, name):
     its rows per workgroup, row ranges with y column offsets, x with an offset and a stride,
     an odd number of blocks per row (single-block variants: both halfword parities in each
     row position), and enough blocks for several loop iterations per lane plus a remainder
-    with random quant bytes (Q8_0 codes -128). Staged variants (K % 256 == 0): one partial
-    chunk, and several chunks of unr * lanes blocks per row plus a partial one."""
+    with random quant bytes (Q8_0 codes -128)."""
     _vecq_skip(device, name)
     t, cfg, maxm = mm.VECQ_SWEEP[name]
     lanes = cfg.wg // cfg.nr
     rows = cfg.rows  # per workgroup: nr teams x rpt rows per thread
     Ms = (1,) if maxm == 1 else (3, 4)
-    unit = 256 if cfg.blk == 8 or cfg.stg or t in ("q4_k", "q6_k") else 32  # (K-quants: one super-block per unit)
+    unit = 256 if cfg.blk == 8 or t in ("q4_k", "q6_k") else 32  # (K-quants: one super-block per unit)
     for M in Ms:
         _vecq_run(device, bufs, rng, t, name, M, n_total=rows + 3, r0=0, n=rows + 3, K=512, y_col=0)
         _vecq_run(device, bufs, rng, t, name, M, n_total=2 * rows + 5, r0=3, n=rows + 2,
                   K=1280 if unit == 256 else 288, y_col=5, x_off=3)
-    # (staged: 2 chunks of unr * lanes blocks and 24 blocks of a third; the weights end with the
-    # last row, so its partial chunk must not read past the binding)
-    K = 256 * (2 * cfg.unr * lanes // 8 + 3) if cfg.stg else unit * (2 * cfg.unr * lanes + 3)
+    K = unit * (2 * cfg.unr * lanes + 3)
     _vecq_run(device, bufs, rng, t, name, Ms[-1], n_total=rows + 1, r0=1, n=rows, K=K, y_col=2,
               random_bits=True)
-
-
-def test_mat_vecq_staged_matches_unstaged(device, bufs, rng):
-    """A staged variant (weights through shared memory) gives the same bits as its unstaged
-    twin: the same blocks per thread, the same sums in the same order. Rows past N in the last
-    workgroup, a row offset, K with a partial last chunk."""
-    pairs = [(n, t, c, f"mul_mat_vecq_{t}_q8_1_m1_{replace(c, stg=0).tag}")
-             for n, (t, c, _) in mm.VECQ_SWEEP.items() if c.stg]
-    pairs = [pr for pr in pairs if pr[3] in mm.VECQ_SWEEP]  # (those with a built twin)
-    assert pairs
-    for st, t, cfg, plain in pairs:
-        _vecq_skip(device, st)
-        K = 256 * (cfg.unr * (cfg.wg // cfg.nr) // 8 + 1)
-        x = rng.standard_normal((1, K)).astype(np.float32)
-        seed = int(rng.integers(1 << 30))
-        n = 2 * cfg.rows + 1
-        a = _vecq_run(device, bufs, np.random.default_rng(seed), t, st, 1, n + 2, 2, n, K, 1, x=x)
-        b = _vecq_run(device, bufs, np.random.default_rng(seed), t, plain, 1, n + 2, 2, n, K, 1, x=x)
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), st
 
 
 def test_q8_1_quantize_edge_cases(device, bufs, rng):
@@ -1020,7 +997,6 @@ def test_mat_vecq_errors(device, bufs, seq):
     b1 = "mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr4_emu"
     cases = [
         (dict(variant="mul_mat_vecq_q4_0_q8_1_m1_b8_wg128_nr4_emu"), "K % 256"),
-        (dict(variant="mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr2_u2_r2_st"), "_st' needs K % 256 == 0, got K = 288"),
         (dict(variant="mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr4_emu"), "not an integer-dot"),
         (dict(variant="mul_mat_vec_q4_0_f32_m1"), "not an integer-dot"),
         (dict(variant=b1, M=2), "not an integer-dot"),

@@ -202,6 +202,25 @@ def matvec(dev: Device, rng: np.random.Generator, types: list[str], shapes: list
         print(f"| {nb} | {', '.join(labels[nb])} | {how} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
 
 
+def read_rates(dev: Device, copy_bw: float, reps: int, quick: bool) -> None:
+    """Read-only rates of the device (``probe_read``): two buffers of 8 / 16 MiB read in turn
+    stay in the 50 MB L2 (the rate tile loads of a mat-mat draw on: the tiles of x and W are
+    read many times, from L2), and 512 MiB ones come from DRAM (a read-only launch far past its
+    fixed cost)."""
+    print("\nread-only rates (`probe_read`, two buffers read in turn, a barrier after each; the "
+          "fastest of its unrolls x grids)\n")
+    print("| buffer | from | fastest | us | GB/s | % of copy rate |\n|---:|---|---|---:|---:|---:|")
+    sizes = [(1 << 20, "L2")] if quick else [(8 << 20, "L2"), (16 << 20, "L2"), (512 << 20, "DRAM")]
+    for nb, where in sizes:
+        try:
+            t, how = read_time(dev, nb, reps, 0)
+        except VkxError as exc:
+            print(f"| {nb >> 20} MiB | {where} | - | - | - | {str(exc)[:60]} |")
+            continue
+        print(f"| {nb >> 20} MiB | {where} | {how} | {t * 1e6:.1f} | {nb / t / 1e9:.0f} | "
+              f"{100 * nb / t / 1e9 / copy_bw:.0f}% |")
+
+
 def mma(dev: Device, reps: int, quick: bool) -> None:
     """The cooperative-matrix multiply-add rate without loads (``probe_mma``): subgroup scope
     on a full grid, and each workgroup-scope tile mul_mat_cm2 keeps on the grid a 4096 x 4096 x
@@ -308,6 +327,7 @@ def main() -> int:
     types = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16"]
     shapes = [(4096, 4096), (4096, 14336), (14336, 4096)] if not args.quick else [(512, 1024)]
     matvec(dev, rng, types, shapes, copy_bw, reps, (8 << 20) if args.quick else ROTATE_BYTES)
+    read_rates(dev, copy_bw, reps, args.quick)
     M = 64 if args.quick else 512
     paths = ["tiled"] + (["coopmat"] if dev.coopmat else [])
     print(f"\nmat-mat (M = {M})\n")

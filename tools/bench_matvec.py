@@ -333,8 +333,7 @@ def main() -> int:
             if vecq_by_type[t] and k % 32 == 0:
                 xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
                 qruns = [(None, 1)] + [(v, m) for v, m in vecq_by_type[t] if v not in failed and v not in skipped
-                                       and not ((mm.VECQ_SWEEP[v][1].blk == 8 or mm.VECQ_SWEEP[v][1].stg)
-                                                and k % mm.WIDE_K)]
+                                       and not (mm.VECQ_SWEEP[v][1].blk == 8 and k % mm.WIDE_K)]
                 for v, m in qruns:
                     label = f"`{v}`" if v else "`quantize_q8_1` only"
                     tag = mm.VECQ_SWEEP[v][1].tag + " +q8_1" if v else "-"

@@ -221,11 +221,7 @@ class VecqConfig:
     workgroup then computes ``nr * rpt`` rows), ``sg`` 1: the partial sums reduced with
     subgroupAdd per row instead of one thread adding a row's ``wg // nr`` partials in order,
     ``sub`` (Q4_K) load units per super-block: 1 whole super-blocks, 4 quarters (the header and
-    32 nibble bytes each: four times the units per row, so short rows keep more lanes busy),
-    ``stg`` 1 (Q4_0 / Q8_0 with ``blk`` 1, K % 256 == 0): the weights staged through shared
-    memory, K-chunks of ``unr * wg // nr`` blocks per row loaded by the whole workgroup as
-    consecutive 16-byte loads (the next chunk's in flight while one is computed), then decoded
-    per thread as without it (the same sums in the same order)."""
+    32 nibble bytes each: four times the units per row, so short rows keep more lanes busy)."""
 
     wg: int
     nr: int
@@ -236,13 +232,12 @@ class VecqConfig:
     rpt: int = 1
     sg: int = 0
     sub: int = 1
-    stg: int = 0
 
     @property
     def tag(self) -> str:
         return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
                 + (f"_r{self.rpt}" if self.rpt > 1 else "") + (f"_s{self.sub}" if self.sub > 1 else "")
-                + ("_sg" if self.sg else "") + ("_st" if self.stg else "")
+                + ("_sg" if self.sg else "")
                 + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
 
     @property
@@ -259,8 +254,6 @@ class VecqConfig:
             d["SG"] = "1"
         if self.sub > 1:
             d["KSUB"] = str(self.sub)
-        if self.stg:
-            d["STAGE"] = "1"
         return d
 
 
@@ -297,11 +290,12 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # super-blocks per row, so 32 threads per row of whole ones leave half idle)
                 VecqConfig(128, 4, blk=1, sub=4), VecqConfig(128, 2, blk=1, sub=4),
                 VecqConfig(128, 2, blk=1, unr=2, sub=4), VecqConfig(128, 1, blk=1, unr=2, sub=4, sg=1),
-                # session 11, Q4_0 / Q8_0 only, not yet measured on the H200: the GPU default shapes with
-                # the weights staged through shared memory (a K-chunk of 256 / 128 blocks per row
-                # loaded by the whole workgroup as consecutive uvec4, two stages; 9 / 17 KiB for Q4_0
-                # / Q8_0), against Q4_0's 62% of copy at 4096x14336 with lanes 18 bytes apart
-                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, stg=1), VecqConfig(128, 2, blk=1, unr=2, rpt=2, stg=1),
+                # session 11, swept and dropped (tree ed4c4a3): Q4_0 / Q8_0 weights staged through
+                # shared memory (the workgroup loading each K-chunk of its rows as coalesced uvec4,
+                # the next chunk in flight in registers, each thread decoding its blocks from
+                # shared words). H200 dot only, us at 4096x14336 / 14336x4096: Q4_0 16.3 / 16.1
+                # against 12.5 / 12.2, Q8_0 20.9 / 22.1 against 19.1 / 18.3: the barriers and
+                # shared round trip cost more than the scattered loads they replace
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
@@ -316,7 +310,7 @@ _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
 VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
     **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES
        if (c.blk == 1 or t not in _VECQ_SINGLE) and (c.rpt == 1 or t in ("q4_0", "q8_0"))
-       and (c.sub == 1 or t == "q4_k") and (not c.stg or t in ("q4_0", "q8_0"))},
+       and (c.sub == 1 or t == "q4_k")},
     **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4
        if t not in _VECQ_SINGLE},
 }
@@ -488,9 +482,6 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
     if cfg.blk == 8 and K % WIDE_K:
         raise KernelError(f"{name}: variant {variant!r} needs K % {WIDE_K} == 0 (16-byte aligned rows of "
                           "whole 8-block groups)")
-    if cfg.stg and K % WIDE_K:
-        raise KernelError(f"{name}: variant {variant!r} needs K % {WIDE_K} == 0, got K = {K} (its weights are "
-                          "staged as 16-byte loads of 16-byte aligned rows)")
     x_stride, y_col, y_stride = _layout(name, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset,
                                         y_col_offset)
     check_q8_1_scratch(name, xq_scratch, M, K, (("the weights", w), ("x", x), ("y", y)))
