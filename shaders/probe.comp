@@ -7,7 +7,8 @@
 // issued per thread before any is used) and add every 32-bit word (wrapping) into the word of
 // the workgroup: out[w] for workgroup w, their sum the sum of all words. A mat-vec reads its weights and writes almost nothing, so a read-only
 // launch of the same bytes is its ceiling (a copy also writes half its traffic).
-// Push: n (uvec4s). Workgroups: any count; workgroup w reads chunks w, w + groups, ... of
+// Push: n (uvec4s), passes (times the grid reads the buffer, each workgroup another's chunks
+// each pass; the sums count each word that many times). Workgroups: any count; workgroup w reads chunks w, w + groups, ... of
 // WG U uvec4s.
 //
 // PROBE 2, probe_mma_f16_sg: subgroup-scope (VK_KHR_cooperative_matrix) f16 x f16 -> f32
@@ -45,13 +46,18 @@ layout(local_size_x = WG) in;
 #endif
 layout(std430, binding = 0) readonly buffer Src { uvec4 src[]; };
 layout(std430, binding = 1) writeonly buffer Out { uint out_sum[]; };
-layout(push_constant) uniform Push { uint n; } p;
+layout(push_constant) uniform Push { uint n, passes; } p;
 shared uint part[WG];
 
 void main() {
     const uint chunk = WG * U;
     uint s = 0u;
-    for (uint base = gl_WorkGroupID.x * chunk; base < p.n; base += gl_NumWorkGroups.x * chunk) {
+    // passes > 1: the workgroup reads again, each pass the chunks of another workgroup (97
+    // further on: most likely one another multiprocessor ran, so not from this one's L1); a
+    // buffer that fits in L2 then measures the L2's rate rather than one launch's fixed cost
+    for (uint pass = 0u; pass < p.passes; ++pass)
+    for (uint base = ((gl_WorkGroupID.x + 97u * pass) % gl_NumWorkGroups.x) * chunk; base < p.n;
+         base += gl_NumWorkGroups.x * chunk) {
         uvec4 v[U];
         [[unroll]] for (uint u = 0u; u < U; ++u) {
             const uint i = base + u * WG + gl_LocalInvocationID.x;

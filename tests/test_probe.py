@@ -14,9 +14,10 @@ from vkxsplit.vk.command import Sequence
 
 
 @pytest.mark.parametrize("unroll", pr.READ_UNROLLS)
-@pytest.mark.parametrize("nbytes,groups", [(16, None), (4096 * 16 + 48, None), (1 << 20, None),
-                                           (1 << 20, 3), (5 * 256 * 8 * 16 + 16, 2)])
-def test_probe_read_sums_every_word(device, unroll, nbytes, groups):
+@pytest.mark.parametrize("nbytes,groups,passes", [(16, None, 1), (4096 * 16 + 48, None, 1), (1 << 20, None, 1),
+                                                  (1 << 20, 3, 1), (5 * 256 * 8 * 16 + 16, 2, 1),
+                                                  (4096 * 16 + 48, 5, 3)])
+def test_probe_read_sums_every_word(device, unroll, nbytes, groups, passes):
     rng = np.random.default_rng(nbytes + unroll)
     words = rng.integers(0, 1 << 32, nbytes // 4 + 8, dtype=np.uint64).astype(np.uint32)
     mem = device.memory
@@ -26,10 +27,10 @@ def test_probe_read_sums_every_word(device, unroll, nbytes, groups):
         src.numpy(np.uint32)[:] = words
         out.numpy(np.uint32)[:] = 0xDEADBEEF  # poisoned: a workgroup that skips its store fails
         s = Sequence(device, "read")
-        pr.record_probe_read(s, src, out, nbytes, unroll, groups)
+        pr.record_probe_read(s, src, out, nbytes, unroll, groups, passes)
         s.run(timeout=60)
         s.close()
-        want = int(words[: nbytes // 4].astype(np.uint64).sum()) % (1 << 32)  # the 8 words past nbytes: unread
+        want = passes * int(words[: nbytes // 4].astype(np.uint64).sum()) % (1 << 32)  # the 8 words past nbytes: unread
         got = out.numpy(np.uint32)
         assert int(got[:g].astype(np.uint64).sum()) % (1 << 32) == want
         assert got[g] == 0xDEADBEEF  # nothing past the workgroups' words
@@ -46,6 +47,8 @@ def test_probe_read_rejects_bad_sizes(device):
         for nbytes in (0, 24, 80):  # not a multiple of 16; past the binding
             with pytest.raises(KernelError, match="probe_read"):
                 pr.record_probe_read(s, src, out, nbytes)
+        with pytest.raises(KernelError, match="passes"):
+            pr.record_probe_read(s, src, out, 64, passes=0)
         with pytest.raises(KernelError, match="one per workgroup"):
             pr.record_probe_read(s, src, out, 64, groups=5)  # out holds 4 words
         with pytest.raises(KernelError, match="unroll"):

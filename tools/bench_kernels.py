@@ -114,13 +114,13 @@ def copy_time(dev: Device, nbytes: int, reps: int, rotate: int) -> float:
 READ_GRIDS = (None, 1024, 2048)  # probe_read workgroups: one pass (each thread loads once), or fewer looping
 
 
-def read_time(dev: Device, nbytes: int, reps: int, rotate: int) -> tuple[float, str]:
+def read_time(dev: Device, nbytes: int, reps: int, rotate: int, passes: int = 1) -> tuple[float, str]:
     """(seconds, configuration) of the fastest read-only launch of ``nbytes`` (``probe_read``,
     unrolls x grids), rotating buffers totalling >= ``rotate`` bytes, a barrier after each; its
     sums are checked against numpy first. Raises VkxError (buffers closed)."""
     nbytes = nbytes // 16 * 16
     host = np.random.default_rng(nbytes).integers(0, 1 << 32, nbytes // 4, dtype=np.uint64).astype(np.uint32)
-    want = int(host.astype(np.uint64).sum()) % (1 << 32)
+    want = passes * int(host.astype(np.uint64).sum()) % (1 << 32)
     bufs = []
     try:
         for _ in range(max(2, -(-rotate // nbytes))):
@@ -137,14 +137,14 @@ def read_time(dev: Device, nbytes: int, reps: int, rotate: int) -> tuple[float, 
             for g in READ_GRIDS:
                 groups = pr.read_groups(dev, nbytes, u) if g is None else min(g, pr.read_groups(dev, nbytes, u))
                 seq = Sequence(dev, "read check")
-                pr.record_probe_read(seq, srcs[0], out, nbytes, u, groups)
+                pr.record_probe_read(seq, srcs[0], out, nbytes, u, groups, passes)
                 seq.run(timeout=60)
                 seq.close()
                 got = int(out.numpy(np.uint32)[:groups].astype(np.uint64).sum()) % (1 << 32)
                 if got != want:
                     raise VkxError(f"probe_read_u{u} on {groups} workgroups summed {got:#x}, numpy {want:#x}")
                 t = benchutil.timed(dev, lambda s, i, u=u, groups=groups: pr.record_probe_read(
-                    s, srcs[i % len(srcs)], out_dev, nbytes, u, groups), reps)
+                    s, srcs[i % len(srcs)], out_dev, nbytes, u, groups, passes), reps)
                 best = min(best, (t, f"u{u}, {groups} workgroups"))
         return best
     finally:
@@ -203,22 +203,22 @@ def matvec(dev: Device, rng: np.random.Generator, types: list[str], shapes: list
 
 
 def read_rates(dev: Device, copy_bw: float, reps: int, quick: bool) -> None:
-    """Read-only rates of the device (``probe_read``): two buffers of 8 / 16 MiB read in turn
-    stay in the 50 MB L2 (the rate tile loads of a mat-mat draw on: the tiles of x and W are
-    read many times, from L2), and 512 MiB ones come from DRAM (a read-only launch far past its
-    fixed cost)."""
+    """Read-only rates of the device (``probe_read``): two 16 MiB buffers read in turn, each
+    launch reading its buffer 32 times over, stay in the 50 MB L2 (the rate the tile loads of a
+    mat-mat draw on: the tiles of x and W are read many times, from L2); 512 MiB ones come from
+    DRAM (a read-only launch far past its fixed cost)."""
     print("\nread-only rates (`probe_read`, two buffers read in turn, a barrier after each; the "
-          "fastest of its unrolls x grids)\n")
-    print("| buffer | from | fastest | us | GB/s | % of copy rate |\n|---:|---|---|---:|---:|---:|")
-    sizes = [(1 << 20, "L2")] if quick else [(8 << 20, "L2"), (16 << 20, "L2"), (512 << 20, "DRAM")]
-    for nb, where in sizes:
+          "fastest of its unrolls x grids; bytes read = buffer x passes)\n")
+    print("| buffer | passes | from | fastest | us | GB/s | % of copy rate |\n|---:|---:|---|---|---:|---:|---:|")
+    sizes = [(1 << 20, 4, "L2")] if quick else [(16 << 20, 32, "L2"), (512 << 20, 1, "DRAM")]
+    for nb, passes, where in sizes:
         try:
-            t, how = read_time(dev, nb, reps, 0)
+            t, how = read_time(dev, nb, reps, 0, passes)
         except VkxError as exc:
-            print(f"| {nb >> 20} MiB | {where} | - | - | - | {str(exc)[:60]} |")
+            print(f"| {nb >> 20} MiB | {passes} | {where} | - | - | - | {str(exc)[:60]} |")
             continue
-        print(f"| {nb >> 20} MiB | {where} | {how} | {t * 1e6:.1f} | {nb / t / 1e9:.0f} | "
-              f"{100 * nb / t / 1e9 / copy_bw:.0f}% |")
+        gbs = nb * passes / t / 1e9
+        print(f"| {nb >> 20} MiB | {passes} | {where} | {how} | {t * 1e6:.1f} | {gbs:.0f} | {100 * gbs / copy_bw:.0f}% |")
 
 
 def mma(dev: Device, reps: int, quick: bool) -> None:

@@ -51,7 +51,7 @@ MMA_WG_TILES = (MmaTile(128, 128, 64, 256), MmaTile(128, 256, 64, 256))
 
 VARIANTS = [
     *[Variant(name=f"probe_read_u{u}", source="probe.comp", defines={"PROBE": "1", "WG": str(READ_WG), "U": str(u)},
-              bindings=2, writes=(1,), push="I", local_size=(READ_WG, 1, 1)) for u in READ_UNROLLS],
+              bindings=2, writes=(1,), push="II", local_size=(READ_WG, 1, 1)) for u in READ_UNROLLS],
     Variant(name="probe_mma_f16_sg", source="probe.comp",
             defines={"PROBE": "2", "WG": str(MMA_SG_WG), "FM": str(MMA_SG_FM), "FN": str(MMA_SG_FN)},
             bindings=3, writes=(2,), push="I", local_size=(MMA_SG_WG, 1, 1), target_env="vulkan1.3",
@@ -71,10 +71,14 @@ def read_groups(device: object, nbytes: int, unroll: int) -> int:
 
 
 def record_probe_read(seq: Sequence, src: Bindable, out: Bindable, nbytes: int, unroll: int = 4,
-                      groups: int | None = None) -> None:
+                      groups: int | None = None, passes: int = 1) -> None:
     """Sum the 32-bit words of ``src[:nbytes]`` (a multiple of 16), wrapping, one word per
     workgroup: ``out[w]`` for workgroup ``w`` of ``groups`` (default: one pass,
-    :func:`read_groups`); ``unroll`` 16-byte loads per thread in flight."""
+    :func:`read_groups`); ``unroll`` 16-byte loads per thread in flight. ``passes`` > 1: the grid
+    reads the buffer that many times, each workgroup another one's part each pass (each word
+    counted as often): a buffer that fits in the L2 then measures the L2's read rate."""
+    if not 1 <= passes < 1 << 16:
+        raise KernelError(f"probe_read: {passes} passes is outside 1..65535")
     if unroll not in READ_UNROLLS:
         raise KernelError(f"probe_read: unroll {unroll} is not one of {READ_UNROLLS}")
     _, off, size, _ = as_range(src)
@@ -87,7 +91,7 @@ def record_probe_read(seq: Sequence, src: Bindable, out: Bindable, nbytes: int, 
     _, ooff, osize, _ = as_range(out)
     if ooff % 4 or osize < 4 * g:
         raise KernelError(f"probe_read: the out binding must hold {g} aligned 32-bit words (one per workgroup)")
-    seq.dispatch(Kernel.get(seq.device, f"probe_read_u{unroll}"), [src, out], (nbytes // 16,), g)
+    seq.dispatch(Kernel.get(seq.device, f"probe_read_u{unroll}"), [src, out], (nbytes // 16, passes), g)
 
 
 def mma_variant(tile: MmaTile | None) -> str:
