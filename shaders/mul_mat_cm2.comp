@@ -48,77 +48,12 @@ layout(local_size_x = NT) in;
 
 #include "cm2_decode.glsl"
 
-
 layout(std430, binding = 1) readonly buffer XH { float16_t xh[]; };
 layout(std430, binding = 2) writeonly buffer Y { float y[]; };
 
 layout(push_constant) uniform Push {
     uint M, N, K, x_stride, y_stride, x_offset, y_offset, w_row0, y_col0, flags, ksplit;
 } p;
-
-#ifndef HS
-#define HS 0
-#endif
-#if HS
-// HS 1 (F16 weights only): both tiles staged by hand, every tile and K step. The driver's
-// staging of the tensor loads below runs each K step's loads between its multiply-adds (one
-// workgroup of 255 registers per SM: nothing to overlap them with; tools/bench_kernels.py's
-// probes on the H200). Here each thread holds its share of the next step's two tiles in
-// registers (16-byte loads, issued before this step's multiply-add) and writes it to shared
-// memory after; the workgroup-scope matrices load from there. Rows padded by 8 halves (16
-// bytes): the 8 rows of one 16-byte-per-row matrix load fall in different bank groups.
-// Elements outside N, M or the K range are zeros; K % 8 != 0 (rows not 16-byte aligned) reads
-// halves one by one.
-#if WTYPE != WT_F16
-#error "HS: F16 weights only"
-#endif
-#define SKV ((BK + 8) / 2)       // f16vec2 per staged row
-#define RV (BK / 8)              // uvec4 per tile row and step
-#define NA (BW * RV / NT)        // A (W) uvec4 per thread and step
-#define NB (BX * RV / NT)        // B (x) uvec4 per thread and step
-#if (BW * RV) % NT != 0 || (BX * RV) % NT != 0
-#error "HS: each tile's uvec4 must divide evenly among the invocations"
-#endif
-shared f16vec2 sa[BW * SKV];     // W rows n0.., this step's BK halves each
-shared f16vec2 sb[BX * SKV];     // x rows m0.., the same
-layout(std430, binding = 0) readonly buffer WB4 { uvec4 w4[]; };
-layout(std430, binding = 1) readonly buffer XH4 { uvec4 xh4[]; };
-
-uint h16(float16_t h) {
-    return uint(float16BitsToUint16(h));
-}
-
-// halves kq..kq+7 of row r (K halves per row; W when w, else x), zeros where r >= rend or k >= k1
-uvec4 ld8(bool w, uint r, uint kq, uint rend, uint k1, bool al) {
-    if (r >= rend || kq >= k1) {
-        return uvec4(0u);
-    }
-    const uint e = r * p.K + kq;
-    if (al) {  // K % 8 == 0: a 16-byte aligned uvec4, wholly inside the range (k1 % 8 == 0)
-        return w ? w4[e / 8u] : xh4[e / 8u];
-    }
-    uint h[8];
-    [[unroll]] for (uint j = 0u; j < 8u; ++j) {
-        h[j] = kq + j < k1 ? (w ? h16(w_blocks[e + j]) : h16(xh[e + j])) : 0u;
-    }
-    return uvec4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
-}
-
-void st8(bool w, uint v, uvec4 q) {
-    const uint o = (v / RV) * SKV + (v % RV) * 4u;
-    if (w) {
-        sa[o] = unpackFloat2x16(q.x);
-        sa[o + 1u] = unpackFloat2x16(q.y);
-        sa[o + 2u] = unpackFloat2x16(q.z);
-        sa[o + 3u] = unpackFloat2x16(q.w);
-    } else {
-        sb[o] = unpackFloat2x16(q.x);
-        sb[o + 1u] = unpackFloat2x16(q.y);
-        sb[o + 2u] = unpackFloat2x16(q.z);
-        sb[o + 3u] = unpackFloat2x16(q.w);
-    }
-}
-#endif
 
 #define CLAMP gl_CooperativeMatrixClampModeConstantNV
 
@@ -152,42 +87,6 @@ void main() {
     coopmat<float16_t, gl_ScopeWorkgroup, BW, BK, gl_MatrixUseA> a;
     coopmat<float16_t, gl_ScopeWorkgroup, BK, BX, gl_MatrixUseB> b;
 
-#if HS
-    const bool al = (p.K & 7u) == 0u;
-    const uint tid = gl_LocalInvocationID.x;
-    uvec4 ra[NA], rb[NB];
-    [[unroll]] for (uint i = 0u; i < NA; ++i) {
-        const uint v = tid + i * NT;
-        ra[i] = ld8(true, p.w_row0 + n0 + v / RV, k0 + (v % RV) * 8u, wrows, k1, al);
-    }
-    [[unroll]] for (uint i = 0u; i < NB; ++i) {
-        const uint v = tid + i * NT;
-        rb[i] = ld8(false, m0 + v / RV, k0 + (v % RV) * 8u, p.M, k1, al);
-    }
-    for (uint k = k0; k < k1; k += BK) {
-        barrier();  // every matrix load of the previous step has read sa / sb
-        [[unroll]] for (uint i = 0u; i < NA; ++i) {
-            st8(true, tid + i * NT, ra[i]);
-        }
-        [[unroll]] for (uint i = 0u; i < NB; ++i) {
-            st8(false, tid + i * NT, rb[i]);
-        }
-        barrier();
-        if (k + BK < k1) {  // the next step's tiles in flight during this multiply-add
-            [[unroll]] for (uint i = 0u; i < NA; ++i) {
-                const uint v = tid + i * NT;
-                ra[i] = ld8(true, p.w_row0 + n0 + v / RV, k + BK + (v % RV) * 8u, wrows, k1, al);
-            }
-            [[unroll]] for (uint i = 0u; i < NB; ++i) {
-                const uint v = tid + i * NT;
-                rb[i] = ld8(false, m0 + v / RV, k + BK + (v % RV) * 8u, p.M, k1, al);
-            }
-        }
-        coopMatLoad(a, sa, 0u, SKV, gl_CooperativeMatrixLayoutRowMajor);
-        coopMatLoad(b, sb, 0u, SKV, gl_CooperativeMatrixLayoutColumnMajor);  // B[k][n] = x[m0 + n][k]
-        acc = coopMatMulAdd(a, b, acc);
-    }
-#else
     // whole BK steps; the step crossing K (if any) is loaded clamped below
     const uint kfull = k0 + (k1 - k0) / BK * BK;
     const bool interior = n0 + BW <= p.N && m0 + BX <= p.M;
@@ -231,7 +130,6 @@ void main() {
         coopMatLoadTensorNV(b, xh, 0, sliceTensorLayoutNV(lxc, m0, BX, k, BK), tr);
         acc = coopMatMulAdd(a, b, acc);
     }
-#endif
 
     tensorLayoutNV<2, CLAMP> ly = createTensorLayoutNV(2, CLAMP);
     ly = setTensorLayoutDimensionNV(ly, p.M, p.N);

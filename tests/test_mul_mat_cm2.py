@@ -100,24 +100,14 @@ def test_cm2_default_path(device, bufs, rng, t, monkeypatch):  # noqa: F811
     check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
 
 
-#: the F16 tilings staged by hand (HS), as "type:tiling" cases of the tests below
-HS_CASES = [f"f16:{key}" for key in mm.CM2_HS_TILES]
-
-
-def _case(case: str) -> tuple[str, str]:
-    """(type, variant) of a test case "type" (the default tiling) or "type:tiling"."""
-    t, _, key = case.partition(":")
-    return t, mm.cm2_variant_name(t, key or mm.CM2_DEFAULT)
-
-
-@pytest.mark.parametrize("case", ["f32", "f16", "bf16", "q4_0", "q5_1", "q8_0", "q4_k", "q6_k", *HS_CASES])
-def test_cm2_row_range_strides_and_split(device, bufs, rng, case):  # noqa: F811
+@pytest.mark.parametrize("t", ["f32", "f16", "bf16", "q4_0", "q5_1", "q8_0", "q4_k", "q6_k"])
+def test_cm2_row_range_strides_and_split(device, bufs, rng, t):  # noqa: F811
     """Rows [r0, r0 + n) of W into y columns [c0, c0 + n); x with a row stride and offset
     (converted to compact f16 rows first); y with a wider stride and an offset; nothing
     outside the target region written; unsplit and split K (partials reduced) agree with the
     float64 reference."""
-    t, name = _case(case)
-    _skip(device, name)
+    _skip(device)
+    name = mm.cm2_variant_name(t)
     tile = mm.CM2_VARIANT_TILES[name]
     bs = block_size(t)
     K = 3 * 256 + (256 if bs == 256 else 96)
@@ -143,13 +133,13 @@ def test_cm2_row_range_strides_and_split(device, bufs, rng, case):  # noqa: F811
         check(target_cols(y, M, n, yo, ys, c0), ref, bound)
 
 
-@pytest.mark.parametrize("case", ["f16", "q4_0", "q8_0", "q6_k", *HS_CASES])
-def test_cm2_fast_path_and_fallback(device, bufs, rng, case):  # noqa: F811
+@pytest.mark.parametrize("t", ["f16", "q4_0", "q8_0", "q6_k"])
+def test_cm2_fast_path_and_fallback(device, bufs, rng, t):  # noqa: F811
     """Interior tiles with K = 1024: unsplit (the aligned fast path over four 256-element runs),
     split into 256-element ranges (fast path per range) and into 192-element ranges (not whole
     runs: every range falls back to the general interior loop); all against float64."""
-    t, name = _case(case)
-    _skip(device, name)
+    _skip(device)
+    name = mm.cm2_variant_name(t)
     tile = mm.CM2_VARIANT_TILES[name]
     N, M, K = 2 * tile.bw, 2 * tile.bx, 1024
     raw, W = make_weights(rng, t, N, K)

@@ -699,11 +699,10 @@ class Cm2Tile:
     bx: int
     bk: int
     threads: int = 256
-    hs: int = 0  # 1: F16 only, the fast path staged by hand (HS in mul_mat_cm2.comp)
 
     @property
     def name(self) -> str:
-        return f"w{self.bw}x{self.bx}_k{self.bk}_n{self.threads}" + ("_hs" if self.hs else "")
+        return f"w{self.bw}x{self.bx}_k{self.bk}_n{self.threads}"
 
     @property
     def bm(self) -> int:
@@ -714,10 +713,7 @@ class Cm2Tile:
         return self.bw
 
     def defines(self) -> dict[str, str]:
-        d = {"BW": str(self.bw), "BX": str(self.bx), "BK": str(self.bk), "NT": str(self.threads)}
-        if self.hs:
-            d["HS"] = "1"
-        return d
+        return {"BW": str(self.bw), "BX": str(self.bx), "BK": str(self.bk), "NT": str(self.threads)}
 
 
 #: mul_mat_cm2 tilings: every one for CM2_SWEEP_TYPES (tools/bench_coopmat.py --cm2), the
@@ -739,12 +735,6 @@ CM2_TILES = {t.name: t for t in (
     # step's operands before this step's product (a second pair of workgroup matrices): 0.10-
     # 0.16x (the driver's staging serialises, 20-33 TFLOP/s); BK 128: 0.87-0.89x of BK 64
 )}
-#: F16 tilings whose fast path is staged by hand (session 11, not yet measured on the H200):
-#: the driver's staging of the default runs each K step's loads between its multiply-adds (one
-#: 255-register workgroup per SM; tools/bench_kernels.py's probes: the multiply-adds alone 35.5 us,
-#: the tiles' bytes from L2 at its read rate 28 us, the product 85 us); here the next step's
-#: tiles are in flight in registers while this step multiplies from shared memory
-CM2_HS_TILES = {t.name: t for t in (Cm2Tile(128, 128, 64, hs=1), Cm2Tile(128, 128, 32, hs=1))}
 CM2_DEFAULT = "w128x128_k64_n256"
 CM2_SWEEP_TYPES = COOP_SWEEP_TYPES
 #: mul_mat_cm2 workgroups of 256 invocations the H200 runs at once (one per SM: 448 tiles of
@@ -807,12 +797,6 @@ def _cm2_variants() -> tuple[list[Variant], dict[str, Cm2Tile]]:
                                bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
                                target_env="vulkan1.3", compiler="glslang15", requires=_CM2_REQUIRES))
             tiles[name] = tile
-    for key, tile in CM2_HS_TILES.items():
-        name = cm2_variant_name("f16", key)
-        out.append(Variant(name=name, source="mul_mat_cm2.comp", defines={"WTYPE": str(TYPES["f16"].id), **tile.defines()},
-                           bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
-                           target_env="vulkan1.3", compiler="glslang15", requires=_CM2_REQUIRES))
-        tiles[name] = tile
     return out, tiles
 
 
@@ -993,7 +977,7 @@ def _cm2_cost(t: str, key: str, M: int, N: int, K: int) -> tuple[float, int]:
     Where K % 256 == 0 split ranges are whole 256-element runs, so every range keeps the
     kernel's aligned fast path (a range of BK multiples only would drop every workgroup of the
     split to the element loads: 48 against 201 TFLOP/s for f16)."""
-    tile = CM2_TILES[key] if key in CM2_TILES else CM2_HS_TILES[key]
+    tile = CM2_TILES[key]
     wave = CM2_WAVE * max(1, 256 // tile.threads)
     quantum = 256 if K % 256 == 0 else tile.bk
     return _wave_cost(tile, M, N, K, wave, CM2_TILE_EFF.get(t, {}).get(key, 1.0), splitk_disabled(), quantum)
