@@ -735,6 +735,11 @@ CM2_TILES = {t.name: t for t in (
     # step's operands before this step's product (a second pair of workgroup matrices): 0.10-
     # 0.16x (the driver's staging serialises, 20-33 TFLOP/s); BK 128: 0.87-0.89x of BK 64
 )}
+#: (Session 11, swept and dropped, tree f2c68f8: F16 tilings staged by hand, each thread holding
+#: the next K step's share of both tiles in registers while the workgroup-scope matrices load
+#: this step's from padded shared memory. Correct on the H200 (21 tests with validation), 177 /
+#: 150 registers at BK 64 / 32 (the default's 255: still one workgroup per SM), and slower: M =
+#: 512, 4096x4096 0.118 / 0.137 ms against 0.084, 14336x4096 0.421 / 0.580 against 0.302.)
 CM2_DEFAULT = "w128x128_k64_n256"
 CM2_SWEEP_TYPES = COOP_SWEEP_TYPES
 #: mul_mat_cm2 workgroups of 256 invocations the H200 runs at once (one per SM: 448 tiles of
