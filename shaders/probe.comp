@@ -30,6 +30,7 @@
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
 #if PROBE == 3
 #extension GL_NV_cooperative_matrix2 : require
 #endif
@@ -53,11 +54,14 @@ void main() {
     const uint chunk = WG * U;
     uint s = 0u;
     // passes > 1: the workgroup reads again, each pass the chunks of another workgroup (97
-    // further on: most likely one another multiprocessor ran, so not from this one's L1); a
-    // buffer that fits in L2 then measures the L2's rate rather than one launch's fixed cost
+    // further on, or 1 where the grid is a multiple of 97; a shift: every chunk still read once
+    // per pass), likely run by another multiprocessor, so not served from this one's L1 (not
+    // measured); a buffer that fits in L2 then measures the L2's rate rather than one launch's
+    // fixed cost
+    const uint G = gl_NumWorkGroups.x;
+    const uint step = (97u % G) == 0u ? 1u : 97u;
     for (uint pass = 0u; pass < p.passes; ++pass)
-    for (uint base = ((gl_WorkGroupID.x + 97u * pass) % gl_NumWorkGroups.x) * chunk; base < p.n;
-         base += gl_NumWorkGroups.x * chunk) {
+    for (uint base = ((gl_WorkGroupID.x + step * pass) % G) * chunk; base < p.n; base += G * chunk) {
         uvec4 v[U];
         [[unroll]] for (uint u = 0u; u < U; ++u) {
             const uint i = base + u * WG + gl_LocalInvocationID.x;
@@ -117,7 +121,7 @@ void main() {
             }
         }
     }
-    const uint sg = gl_WorkGroupID.x * (WG / 32u) + gl_LocalInvocationID.x / 32u;
+    const uint sg = gl_WorkGroupID.x * gl_NumSubgroups + gl_SubgroupID;  // (subgroups of 32: COOP_SUBGROUP)
     [[unroll]] for (uint i = 0u; i < FM; ++i) {
         [[unroll]] for (uint j = 0u; j < FN; ++j) {
             coopMatStore(c[i][j], out_c, ((sg * FM + i) * FN + j) * 256u, 16u,

@@ -27,9 +27,11 @@ def test_probe_read_sums_every_word(device, unroll, nbytes, groups, passes):
         src.numpy(np.uint32)[:] = words
         out.numpy(np.uint32)[:] = 0xDEADBEEF  # poisoned: a workgroup that skips its store fails
         s = Sequence(device, "read")
-        pr.record_probe_read(s, src, out, nbytes, unroll, groups, passes)
-        s.run(timeout=60)
-        s.close()
+        try:
+            pr.record_probe_read(s, src, out, nbytes, unroll, groups, passes)
+            s.run(timeout=60)
+        finally:
+            s.close()
         want = passes * int(words[: nbytes // 4].astype(np.uint64).sum()) % (1 << 32)  # the 8 words past nbytes: unread
         got = out.numpy(np.uint32)
         assert int(got[:g].astype(np.uint64).sum()) % (1 << 32) == want
@@ -51,6 +53,8 @@ def test_probe_read_rejects_bad_sizes(device):
             pr.record_probe_read(s, src, out, 64, passes=0)
         with pytest.raises(KernelError, match="one per workgroup"):
             pr.record_probe_read(s, src, out, 64, groups=5)  # out holds 4 words
+        with pytest.raises(KernelError, match="2\\^32"):  # uvec4 indices past 2^32 would wrap: refused
+            pr.record_probe_read(s, src, out, 1 << 36, unroll=2, groups=1)
         with pytest.raises(KernelError, match="unroll"):
             pr.record_probe_read(s, src, out, 64, unroll=3)
         s.close()
@@ -75,9 +79,11 @@ def test_probe_mma_is_iters_times_the_product(device, tile):
         bb.numpy(np.float16)[:] = b.ravel()
         bo.numpy(np.float32)[:] = np.nan  # poisoned: an unstored element fails
         s = Sequence(device, "mma")
-        pr.record_probe_mma(s, ba, bb, bo, iters, groups, tile)
-        s.run(timeout=60)
-        s.close()
+        try:
+            pr.record_probe_mma(s, ba, bb, bo, iters, groups, tile)
+            s.run(timeout=60)
+        finally:
+            s.close()
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         if tile is None:  # per subgroup, FM x FN 16 x 16 blocks: fragment i of A times fragment j of B
             fa, fb = a64.reshape(-1, 16, 16), b64.reshape(-1, 16, 16)
@@ -86,8 +92,10 @@ def test_probe_mma_is_iters_times_the_product(device, tile):
         else:
             want = np.tile((iters * (a64 @ b64)).ravel(), groups)
         assert np.array_equal(bo.numpy(np.float32)[: per * groups].astype(np.float64), want)
-        assert pr.mma_flops(tile, groups, iters) == 2 * iters * groups * (
-            per * 16 if tile is None else tile.bw * tile.bx * tile.bk)
+        # 2 flops per multiply-add: per workgroup, 4 subgroups of 2 x 4 16x16x16 products, or one
+        # BW x BX x BK product, per round
+        per_round = 4 * 2 * 4 * 16 ** 3 if tile is None else tile.bw * tile.bx * tile.bk
+        assert pr.mma_flops(tile, groups, iters) == 2 * per_round * groups * iters
     finally:
         for buf in (ba, bb, bo):
             buf.close()

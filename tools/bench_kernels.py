@@ -114,6 +114,17 @@ def copy_time(dev: Device, nbytes: int, reps: int, rotate: int) -> float:
 READ_GRIDS = (None, 1024, 2048)  # probe_read workgroups: one pass (each thread loads once), or fewer looping
 
 
+def run_once(dev: Device, label: str, record) -> None:
+    """Record ``record(seq)`` into a new sequence, run it once and wait; the sequence is closed
+    also when recording or running fails."""
+    seq = Sequence(dev, label)
+    try:
+        record(seq)
+        seq.run(timeout=60)
+    finally:
+        seq.close()
+
+
 def read_time(dev: Device, nbytes: int, reps: int, rotate: int, passes: int = 1) -> tuple[float, str]:
     """(seconds, configuration) of the fastest read-only launch of ``nbytes`` (``probe_read``,
     unrolls x grids), rotating buffers totalling >= ``rotate`` bytes, a barrier after each; its
@@ -136,10 +147,8 @@ def read_time(dev: Device, nbytes: int, reps: int, rotate: int, passes: int = 1)
         for u in pr.READ_UNROLLS:
             for g in READ_GRIDS:
                 groups = pr.read_groups(dev, nbytes, u) if g is None else min(g, pr.read_groups(dev, nbytes, u))
-                seq = Sequence(dev, "read check")
-                pr.record_probe_read(seq, srcs[0], out, nbytes, u, groups, passes)
-                seq.run(timeout=60)
-                seq.close()
+                run_once(dev, "read check", lambda seq, u=u, groups=groups: pr.record_probe_read(
+                    seq, srcs[0], out, nbytes, u, groups, passes))
                 got = int(out.numpy(np.uint32)[:groups].astype(np.uint64).sum()) % (1 << 32)
                 if got != want:
                     raise VkxError(f"probe_read_u{u} on {groups} workgroups summed {got:#x}, numpy {want:#x}")
@@ -242,27 +251,25 @@ def mma(dev: Device, reps: int, quick: bool) -> None:
         rng = np.random.default_rng(3)
         a = rng.integers(-1, 2, (ar, ac)).astype(np.float16)
         b = rng.integers(-1, 2, (br, bc)).astype(np.float16)
-        ba, bb = dev.memory.alloc(a.nbytes, "host", "a"), dev.memory.alloc(b.nbytes, "host", "b")
-        bo = dev.memory.alloc(4 * per * max(grids), "device", "o")
+        bufs: list = []
         try:
+            for nb, kind, label in ((a.nbytes, "host", "a"), (b.nbytes, "host", "b"),
+                                    (4 * per * max(grids), "device", "o"), (4 * per, "host", "chk")):
+                bufs.append(dev.memory.alloc(nb, kind, label))
+            ba, bb, bo, chk = bufs
             ba.numpy(np.float16)[:] = a.ravel()
             bb.numpy(np.float16)[:] = b.ravel()
-            chk = dev.memory.alloc(4 * per, "host", "chk")
-            try:
-                seq = Sequence(dev, "mma check")
-                pr.record_probe_mma(seq, ba, bb, chk, 5, 1, tile)
-                seq.run(timeout=60)
-                seq.close()
-                a64, b64 = a.astype(np.float64), b.astype(np.float64)
-                if tile is None:
-                    one = np.einsum("ikl,jlm->ijkm", a64.reshape(-1, 16, 16), b64.reshape(-1, 16, 16)).reshape(-1)
-                    want = np.tile(5 * one, per // one.size)
-                else:
-                    want = (5 * (a64 @ b64)).ravel()
-                if not np.array_equal(chk.numpy(np.float32)[:per].astype(np.float64), want):
-                    raise VkxError(f"{name}: result differs from numpy")
-            finally:
-                chk.close()
+            # the check: 5 rounds on one workgroup against numpy
+            run_once(dev, "mma check", lambda seq, ba=ba, bb=bb, chk=chk, tile=tile: pr.record_probe_mma(
+                seq, ba, bb, chk, 5, 1, tile))
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
+            if tile is None:
+                one = np.einsum("ikl,jlm->ijkm", a64.reshape(-1, 16, 16), b64.reshape(-1, 16, 16)).reshape(-1)
+                want = np.tile(5 * one, per // one.size)
+            else:
+                want = (5 * (a64 @ b64)).ravel()
+            if not np.array_equal(chk.numpy(np.float32)[:per].astype(np.float64), want):
+                raise VkxError(f"{name}: result differs from numpy")
             spin_up(dev, 0.5)
             for g in grids:
                 for it in iters_list:
@@ -272,8 +279,10 @@ def mma(dev: Device, reps: int, quick: bool) -> None:
         except VkxError as exc:
             print(f"{name}: {str(exc)[:80]}")
         finally:
-            for buf in (ba, bb, bo):
+            for buf in bufs:
                 buf.close()
+    if not rows:
+        return
     print("\ncooperative-matrix multiply-adds without loads (`probe_mma`, f16 x f16 -> f32; operands "
           "loaded once, a barrier after each dispatch)\n")
     print("| kernel | workgroups | K steps | us | TFLOP/s |\n|---|---:|---:|---:|---:|")

@@ -18,12 +18,16 @@ operands' product), so a probe that skipped work would fail rather than look fas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import KernelError
 from ..shaders import Variant
 from ..vk.command import Sequence
 from ..vk.kernel import Bindable, Kernel, as_range
 from .mul_mat import _CM2_REQUIRES, _COOP_REQUIRES, COOP_SUBGROUP
+
+if TYPE_CHECKING:
+    from ..vk.device import Device
 
 READ_WG = 256
 READ_UNROLLS = (2, 4, 8)
@@ -63,10 +67,10 @@ VARIANTS = [
 ]
 
 
-def read_groups(device: object, nbytes: int, unroll: int) -> int:
+def read_groups(device: Device, nbytes: int, unroll: int) -> int:
     """Workgroups for one pass (each thread loads ``unroll`` uvec4 once), at most the device's
     limit."""
-    limit = device.physical.limits["maxComputeWorkGroupCount"][0]  # type: ignore[attr-defined]
+    limit = device.physical.limits["maxComputeWorkGroupCount"][0]
     return max(1, min(limit, -(-(nbytes // 16) // (READ_WG * unroll))))
 
 
@@ -81,13 +85,15 @@ def record_probe_read(seq: Sequence, src: Bindable, out: Bindable, nbytes: int, 
         raise KernelError(f"probe_read: {passes} passes is outside 1..65535")
     if unroll not in READ_UNROLLS:
         raise KernelError(f"probe_read: unroll {unroll} is not one of {READ_UNROLLS}")
+    g = read_groups(seq.device, nbytes, unroll) if groups is None else groups
+    if g < 1 or nbytes // 16 + g * READ_WG * unroll > 1 << 32:
+        # (the shader's uvec4 indices run up to n + one grid's chunk: past 2^32 they would wrap)
+        raise KernelError(f"probe_read: {nbytes} bytes on {g} workgroups: the uvec4 indices would pass 2^32 "
+                          "(or no workgroups); read it in parts")
     _, off, size, _ = as_range(src)
     if nbytes <= 0 or nbytes % 16 or off % 16 or size < nbytes:
         raise KernelError(f"probe_read: {nbytes} bytes must be a positive multiple of 16 within a "
                           f"16-byte aligned binding of {size} bytes")
-    if nbytes // 16 >= 1 << 32:
-        raise KernelError(f"probe_read: {nbytes} bytes is more than 2^32 uvec4")
-    g = read_groups(seq.device, nbytes, unroll) if groups is None else groups
     _, ooff, osize, _ = as_range(out)
     if ooff % 4 or osize < 4 * g:
         raise KernelError(f"probe_read: the out binding must hold {g} aligned 32-bit words (one per workgroup)")
@@ -116,16 +122,16 @@ def mma_flops(tile: MmaTile | None, groups: int, iters: int) -> int:
     return per_group * groups * iters
 
 
-def mma_supported(device: object, tile: MmaTile | None = None) -> bool:
+def mma_supported(device: Device, tile: MmaTile | None = None) -> bool:
     """Whether ``device`` runs the probe: the subgroup-scope kernels' requirements
     (``coopmat_supported``) or, for a workgroup-scope tile, mul_mat_cm2's and a flexible shape
     of the tile's invocations."""
     from . import mul_mat as mm
 
     if tile is None:
-        return mm.coopmat_supported(device)  # type: ignore[arg-type]
-    return mm.coopmat2_supported(device) and mm.cm2_tile_supported(  # type: ignore[arg-type]
-        device, mm.Cm2Tile(tile.bw, tile.bx, tile.bk, tile.nt))  # type: ignore[arg-type]
+        return mm.coopmat_supported(device)
+    return mm.coopmat2_supported(device) and mm.cm2_tile_supported(
+        device, mm.Cm2Tile(tile.bw, tile.bx, tile.bk, tile.nt))
 
 
 def record_probe_mma(seq: Sequence, a: Bindable, b: Bindable, out: Bindable, iters: int, groups: int,
@@ -137,7 +143,7 @@ def record_probe_mma(seq: Sequence, a: Bindable, b: Bindable, out: Bindable, ite
     if tile is not None and tile not in MMA_WG_TILES:
         raise KernelError(f"probe_mma: tile {tile.tag} is not one of {[t.tag for t in MMA_WG_TILES]}")
     if not 0 < iters < 1 << 31 or groups < 1:
-        raise KernelError(f"{name}: iters {iters} and groups {groups} must be positive")
+        raise KernelError(f"{name}: iters {iters} must be in 1..2^31-1 and groups {groups} positive")
     (ar, ac), (br, bc), per = mma_shapes(tile)
     for what, buf, need in (("a", a, 2 * ar * ac), ("b", b, 2 * br * bc), ("out", out, 4 * per * groups)):
         _, off, size, _ = as_range(buf)
