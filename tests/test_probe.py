@@ -13,6 +13,16 @@ from vkxsplit.ops import probe as pr
 from vkxsplit.vk.command import Sequence
 
 
+def _run(device, record) -> None:
+    """Record ``record(seq)`` into a new sequence and run it (closed also on failure)."""
+    s = Sequence(device, "probe")
+    try:
+        record(s)
+        s.run(timeout=60)
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("unroll", pr.READ_UNROLLS)
 @pytest.mark.parametrize("nbytes,groups,passes", [(16, None, 1), (4096 * 16 + 48, None, 1), (1 << 20, None, 1),
                                                   (1 << 20, 3, 1), (5 * 256 * 8 * 16 + 16, 2, 1),
@@ -26,12 +36,7 @@ def test_probe_read_sums_every_word(device, unroll, nbytes, groups, passes):
     try:
         src.numpy(np.uint32)[:] = words
         out.numpy(np.uint32)[:] = 0xDEADBEEF  # poisoned: a workgroup that skips its store fails
-        s = Sequence(device, "read")
-        try:
-            pr.record_probe_read(s, src, out, nbytes, unroll, groups, passes)
-            s.run(timeout=60)
-        finally:
-            s.close()
+        _run(device, lambda s: pr.record_probe_read(s, src, out, nbytes, unroll, groups, passes))
         want = passes * int(words[: nbytes // 4].astype(np.uint64).sum()) % (1 << 32)  # the 8 words past nbytes: unread
         got = out.numpy(np.uint32)
         assert int(got[:g].astype(np.uint64).sum()) % (1 << 32) == want
@@ -78,12 +83,7 @@ def test_probe_mma_is_iters_times_the_product(device, tile):
         ba.numpy(np.float16)[:] = a.ravel()
         bb.numpy(np.float16)[:] = b.ravel()
         bo.numpy(np.float32)[:] = np.nan  # poisoned: an unstored element fails
-        s = Sequence(device, "mma")
-        try:
-            pr.record_probe_mma(s, ba, bb, bo, iters, groups, tile)
-            s.run(timeout=60)
-        finally:
-            s.close()
+        _run(device, lambda s: pr.record_probe_mma(s, ba, bb, bo, iters, groups, tile))
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         if tile is None:  # per subgroup, FM x FN 16 x 16 blocks: fragment i of A times fragment j of B
             fa, fb = a64.reshape(-1, 16, 16), b64.reshape(-1, 16, 16)
