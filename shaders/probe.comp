@@ -5,11 +5,12 @@
 //
 // PROBE 1, probe_read_u<U>: read n uvec4 (16-byte loads, a warp's loads contiguous, U loads
 // issued per thread before any is used) and add every 32-bit word (wrapping) into the word of
-// the workgroup: out[w] for workgroup w, their sum the sum of all words. A mat-vec reads its weights and writes almost nothing, so a read-only
-// launch of the same bytes is its ceiling (a copy also writes half its traffic).
+// the workgroup: out[w] for workgroup w, their sum the sum of all words. A mat-vec reads its
+// weights and writes almost nothing, so a read-only launch of the same bytes is its ceiling (a
+// copy also writes half its traffic).
 // Push: n (uvec4s), passes (times the grid reads the buffer, each workgroup another's chunks
-// each pass; the sums count each word that many times). Workgroups: any count; workgroup w reads chunks w, w + groups, ... of
-// WG U uvec4s.
+// each pass; the sums count each word that many times). Workgroups: any count; workgroup w
+// reads chunks w, w + groups, ... of WG U uvec4s.
 //
 // PROBE 2, probe_mma_f16_sg: subgroup-scope (VK_KHR_cooperative_matrix) f16 x f16 -> f32
 // 16 x 16 x 16 multiply-adds on operands loaded once: FM fragments of A and FN of B per
