@@ -104,6 +104,12 @@
 #ifndef RPT
 #define RPT 1
 #endif
+#ifndef PROBE_NOX
+#define PROBE_NOX 0
+#endif
+#if PROBE_NOX && RPT == 1
+#error "PROBE_NOX: the RPT > 1 shapes only"
+#endif
 #ifndef SG
 #define SG 0
 #endif
@@ -300,10 +306,17 @@ void unpack_block(const uint w[QW + 1u], uint G, out float d, out uint q[QW]) {
 // block index g of RPT rows (scales d[i], quant words q[i]) against x block g of each column
 void block_rows(const float d[RPT], const uint q[RPT][QW], uint g) {
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+#if PROBE_NOX
+        // (probe_vecq_nox_*, vkxsplit/ops/probe.py: the kernel without its x loads, every x
+        // element 1 with scale 1 and block sum 32, so y is the row sums of the weights)
+        const uvec4 x0 = uvec4(0x01010101u), x1 = uvec4(0x01010101u);
+        const uvec2 meta = uvec2(floatBitsToUint(1.0), 32u);
+#else
         const uint xb = xbk[m] + g;
         const uvec4 x0 = xq4[2u * xb];
         const uvec4 x1 = xq4[2u * xb + 1u];
         const uvec2 meta = xqm[mbase + xb];
+#endif
         const uint X[8] = uint[8](x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w);
         const float dx = uintBitsToFloat(meta.x);
         [[unroll]] for (uint i = 0u; i < RPT; ++i) {

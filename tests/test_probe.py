@@ -99,3 +99,35 @@ def test_probe_mma_is_iters_times_the_product(device, tile):
     finally:
         for buf in (ba, bb, bo):
             buf.close()
+
+
+@pytest.mark.parametrize("base", pr.NOX_BASES)
+def test_probe_vecq_nox_sums_the_rows(device, base):
+    """The decode kernel without its x loads (every x element 1, scale 1): y is each row's sum
+    of the weights, against float64 sums of gguf's dequantization."""
+    from gguf import GGMLQuantizationType, quantize
+    from gguf.quants import dequantize
+
+    from vkxsplit.ops import mul_mat as mm
+
+    t = mm.VECQ_SWEEP[base][0]
+    rng = np.random.default_rng(11)
+    N, K = 37, 1024  # N not a multiple of the workgroup's rows
+    qt = GGMLQuantizationType[t.upper()]
+    raw = quantize(rng.standard_normal((N, K)).astype(np.float32), qt)
+    W = dequantize(raw, qt).astype(np.float64)
+    mem = device.memory
+    wb, sb, yb = mem.alloc(raw.nbytes, "host", "w"), mem.alloc(16, "host", "x"), mem.alloc(4 * N + 4, "host", "y")
+    try:
+        wb.numpy(np.uint8)[: raw.nbytes] = raw.reshape(-1).view(np.uint8)
+        yb.numpy(np.float32)[:] = np.nan  # poisoned
+        _run(device, lambda s: pr.record_probe_vecq_nox(s, wb, t, sb, yb, N, K, base))
+        y = yb.numpy(np.float32)[: N + 1].astype(np.float64)
+        want = W.sum(axis=1)
+        assert np.all(np.abs(y[:N] - want) <= 1e-5 * np.abs(W).sum(axis=1))
+        assert np.isnan(y[N])  # nothing past the N rows
+        with pytest.raises(KernelError, match="probe_vecq_nox"):
+            _run(device, lambda s: pr.record_probe_vecq_nox(s, wb, "q4_1", sb, yb, N, K, base))
+    finally:
+        for b in (wb, sb, yb):
+            b.close()

@@ -6,7 +6,8 @@
   kernel and, for the types decode takes through it, the q8_1-x (integer dot product) path
   with and without its quantize dispatch; and a copy of the same bytes per size
 - per weight size, the fastest read-only launch of the same bytes (``probe_read``): a
-  mat-vec's ceiling at that size
+  mat-vec's ceiling at that size; for Q4_0 / Q8_0 the decode kernel without its x loads
+  (``probe_vecq_nox``): what reading x costs it
 - mat-mat TFLOP/s at M = 512 for the same types, tiled and cooperative-matrix paths, and the
   cooperative-matrix multiply-add rate without loads (``probe_mma``): the mat-mat's ceiling
 
@@ -85,6 +86,10 @@ def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int,
             try:
                 tb, _, tk = time_vecq(dev, ty, v, 1, n, k, ws, x, xq, y, ystride, reps)
                 out += [(f"x as q8_1: quantize + dot (`{tag}`)", tb), (f"x as q8_1: dot only (`{tag}`)", tk)]
+                if v in pr.NOX_BASES:  # the same kernel without its x loads (a probe: y = row sums)
+                    tn = benchutil.timed(dev, lambda s, i, v=v: pr.record_probe_vecq_nox(
+                        s, ws[i % len(ws)], ty, xq, yv, n, k, v), reps)
+                    out.append((f"probe: dot only, x loads left out (`{tag}`)", tn))
             except VkxError as exc:
                 out.append((f"x as q8_1 (`{tag}`)", str(exc)[:60]))
     except VkxError as exc:

@@ -53,6 +53,28 @@ class MmaTile:
 #: 128 x 256 alternative (the two F16 tilings it keeps)
 MMA_WG_TILES = (MmaTile(128, 128, 64, 256), MmaTile(128, 256, 64, 256))
 
+#: decode kernels without their x loads (``probe_vecq_nox_<vecq variant>``, PROBE_NOX in
+#: shaders/mul_mat_vecq.comp): the GPU default shapes of Q4_0 and Q8_0 (RPT > 1), timed beside
+#: the real kernel, say what reading x costs a mat-vec
+NOX_BASES = ("mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg", "mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr2_r4",
+             "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr2_u2_r2", "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg")
+
+
+def nox_name(base: str) -> str:
+    """The no-x probe of vecq variant ``base``."""
+    return base.replace("mul_mat_vecq_", "probe_vecq_nox_", 1)
+
+
+def _nox_variant(base: str) -> Variant:
+    from .mul_mat import VECQ_SWEEP, _vecq_variant
+    from .quant import TYPES
+
+    t, cfg, maxm = VECQ_SWEEP[base]
+    v = _vecq_variant(nox_name(base), TYPES[t], cfg, maxm)
+    return Variant(name=v.name, source=v.source, defines={**v.defines, "PROBE_NOX": "1"}, bindings=v.bindings,
+                   writes=v.writes, push=v.push, local_size=v.local_size, requires=v.requires)
+
+
 VARIANTS = [
     *[Variant(name=f"probe_read_u{u}", source="probe.comp", defines={"PROBE": "1", "WG": str(READ_WG), "U": str(u)},
               bindings=2, writes=(1,), push="II", local_size=(READ_WG, 1, 1)) for u in READ_UNROLLS],
@@ -64,6 +86,7 @@ VARIANTS = [
               defines={"PROBE": "3", "WG": str(t.nt), "BW": str(t.bw), "BX": str(t.bx), "BK": str(t.bk)},
               bindings=3, writes=(2,), push="I", local_size=(t.nt, 1, 1), target_env="vulkan1.3",
               compiler="glslang15", requires=_CM2_REQUIRES) for t in MMA_WG_TILES],
+    *[_nox_variant(b) for b in NOX_BASES],
 ]
 
 
@@ -153,5 +176,25 @@ def record_probe_mma(seq: Sequence, a: Bindable, b: Bindable, out: Bindable, ite
     seq.dispatch(Kernel.get(seq.device, name), [a, b, out], (iters,), groups)
 
 
-__all__ = ["MMA_WG_TILES", "MmaTile", "READ_UNROLLS", "mma_flops", "mma_shapes", "mma_supported", "mma_variant", "read_groups",
+def record_probe_vecq_nox(seq: Sequence, w: Bindable, w_type: str, scratch: Bindable, y: Bindable, N: int, K: int,
+                          base: str) -> None:
+    """The decode kernel ``base`` (one of NOX_BASES) on ``N`` x ``K`` weights ``w`` without its x
+    loads: ``y[n]`` = the sum of row n's weights (every x element 1). ``scratch`` is bound where
+    the real kernel reads x (unread). Raises KernelError for another base or type."""
+    from .mul_mat import VECQ_SWEEP, _grid, check_mul_mat
+    from .quant import row_bytes, weight_type
+
+    if base not in NOX_BASES or VECQ_SWEEP[base][0] != w_type:
+        raise KernelError(f"probe_vecq_nox: {base!r} is not one of {NOX_BASES} for {w_type} weights")
+    wt = weight_type(w_type)
+    check_mul_mat(wt, 1, N, K, path="vec")
+    for what, buf, need in (("w", w, N * row_bytes(w_type, K)), ("y", y, 4 * N)):
+        _, off, size, _ = as_range(buf)
+        if off % 16 or size < need:
+            raise KernelError(f"probe_vecq_nox: the {what} binding must hold {need} bytes, 16-byte aligned")
+    gx, gy, _ = _grid("vec", wt, 1, N, base)
+    seq.dispatch(Kernel.get(seq.device, nox_name(base)), [w, scratch, y], (1, N, K, K, N, 0, 0, 0, 0, 0), (gx, gy, 1))
+
+
+__all__ = ["MMA_WG_TILES", "NOX_BASES", "nox_name", "record_probe_vecq_nox", "MmaTile", "READ_UNROLLS", "mma_flops", "mma_shapes", "mma_supported", "mma_variant", "read_groups",
            "record_probe_mma", "record_probe_read"]
