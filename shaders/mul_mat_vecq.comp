@@ -45,8 +45,17 @@
 //
 // RPT > 1 (Q4_0 / Q8_0, BLK 1): a thread works on RPT rows (row0 + r + i NR), loading each x
 // block once for all of them; a workgroup computes NR RPT rows.
+// WSTAGE 1 / 2 (Q4_0 / Q8_0; K % 2048 == 0): a team of 32 invocations per row (by local index,
+// any subgroup size) reads the row in chunks of 64 blocks (CW = QBYTES * 2 words per lane) with
+// 32-bit loads a warp issues as one contiguous line each (lane i: words i, i + 32, ...), stores
+// them to shared memory (double-buffered, one workgroup barrier per chunk) and decodes blocks
+// lane and lane + 32 of the chunk from there (at most 2-way bank conflicts); WSTAGE chunks of
+// loads are in flight per lane. The current layout's loads are 18 / 34 bytes apart across lanes,
+// so each warp load instruction touches 5-9 cache lines for 128 useful bytes.
+// PROBE_NOX 2 (probe_vecq_noc_*): the RPT > 1 shapes with their weight loads only: no x, each
+// block's quant words and scale xor-folded to a byte, y = the row's sum of those bytes.
 // Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG,
-// KSUB.
+// KSUB, WSTAGE, PROBE_NOX.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -112,6 +121,12 @@
 #endif
 #ifndef SG
 #define SG 0
+#endif
+#ifndef WSTAGE
+#define WSTAGE 0  // 1 / 2: warp-staged weights, WSTAGE chunks in flight per lane (see the top)
+#endif
+#if WSTAGE && (RPT != 1 || BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0) || WG != 32 * NR || !SG)
+#error "WSTAGE: Q4_0 / Q8_0, BLK 1, RPT 1, SG 1, one team of 32 invocations per row (WG = 32 NR)"
 #endif
 #ifndef KSUB
 #define KSUB 1  // Q4_K: load units per super-block (1: whole super-blocks; 4: quarters)
@@ -305,6 +320,22 @@ void unpack_block(const uint w[QW + 1u], uint G, out float d, out uint q[QW]) {
 
 // block index g of RPT rows (scales d[i], quant words q[i]) against x block g of each column
 void block_rows(const float d[RPT], const uint q[RPT][QW], uint g) {
+#if PROBE_NOX == 2
+    // (probe_vecq_noc_*: the weights' loads alone; the xor of the block's quant bytes and of
+    // the 4 bytes of its scale as f32, summed per row: exact in f32 below 2^24 / 255 blocks)
+    [[unroll]] for (uint i = 0u; i < RPT; ++i) {
+        uint v = floatBitsToUint(d[i]);
+        [[unroll]] for (uint j = 0u; j < QW; ++j) {
+            v ^= q[i][j];
+        }
+        v ^= v >> 16;
+        v ^= v >> 8;
+        [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
+            accr[i][m] += float(v & 0xFFu);
+        }
+    }
+    return;
+#endif
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
 #if PROBE_NOX
         // (probe_vecq_nox_*, vkxsplit/ops/probe.py: the kernel without its x loads, every x
@@ -456,6 +487,41 @@ void superblock6(uint G, uint sb) {
 }
 #endif
 
+#if WSTAGE
+#define CW (QBYTES / 2u)   // words per lane per chunk of 64 blocks (Q4_0 9, Q8_0 17)
+#define CH (32u * CW)      // words per chunk
+shared uint wst[2][NR][CH];
+
+// one chunk c of the row: the lane's words of it (p, loaded earlier) to shared memory, the
+// loads of chunk c + WSTAGE issued into p, then blocks lane and lane + 32 of chunk c
+void ws_step(inout uint p[CW], uint c, uint nch, uint rw, uint r, uint lane) {
+    const uint b = c & 1u;  // buffer: the barrier of step c - 1 separates its reads from these stores
+    [[unroll]] for (uint j = 0u; j < CW; ++j) {
+        wst[b][r][lane + 32u * j] = p[j];
+    }
+    const uint cn = min(c + WSTAGE, nch - 1u);  // past the row: reloads the last chunk, unused
+    [[unroll]] for (uint j = 0u; j < CW; ++j) {
+        p[j] = w_u32[rw + CH * cn + lane + 32u * j];
+    }
+    barrier();
+    [[unroll]] for (uint h = 0u; h < 2u; ++h) {
+        const uint k = lane + 32u * h;  // block of the chunk
+        const uint hb = HB * k;         // its halfword in the chunk
+        uint w[QW + 1u];
+        [[unroll]] for (uint i = 0u; i <= QW; ++i) {
+            w[i] = wst[b][r][(hb >> 1) + i];  // (block 63's last word: the chunk's last)
+        }
+        const bool odd = (hb & 1u) != 0u;
+        const vec2 dd = unpackHalf2x16(w[0]);
+        uint q[QW];
+        [[unroll]] for (uint j = 0u; j < QW; ++j) {
+            q[j] = odd ? w[j + 1u] : funnel16(w[j], w[j + 1u]);
+        }
+        block(odd ? dd.y : dd.x, 0.0, q, 64u * c + k);
+    }
+}
+#endif
+
 void main() {
     const uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
 #if RPT > 1
@@ -467,8 +533,13 @@ void main() {
         return;  // whole workgroup: the padding of the folded grid
     }
     const uint tid = gl_LocalInvocationID.x;
+#if WSTAGE
+    const uint r = tid / 32u;     // this thread's row: teams of 32 consecutive invocations
+    const uint lane = tid % 32u;  // lane in the row's team
+#else
     const uint r = tid % NR;     // this thread's row (of the workgroup's NR)
     const uint lane = tid / NR;  // lane in the row's team of L
+#endif
     const uint nb = p.K / 32u;   // blocks per row
     const uint row = p.w_row0 + min(row0 + r, p.N - 1u);  // rows past N: computed, not written
     mbase = 4u * p.M * nb;
@@ -478,7 +549,30 @@ void main() {
         acc[m] = 0.0;
     }
 
-#if RPT > 1
+#if WSTAGE
+    // chunk c of the row: words CH c .. CH c + CH - 1 from the row's first word (rows of whole
+    // chunks: K % 2048 == 0, so every row starts on a word); lane i loads words i + 32 j
+    const uint nch = nb / 64u;
+    const uint rw = row * (nb * (QBYTES / 2u)) / 2u;  // first word of the row
+    uint pa[CW];
+    [[unroll]] for (uint j = 0u; j < CW; ++j) {
+        pa[j] = w_u32[rw + lane + 32u * j];
+    }
+#if WSTAGE == 2
+    uint pb[CW];
+    [[unroll]] for (uint j = 0u; j < CW; ++j) {
+        pb[j] = w_u32[rw + CH * min(1u, nch - 1u) + lane + 32u * j];
+    }
+#endif
+    for (uint c = 0u; c < nch; c += WSTAGE) {
+        ws_step(pa, c, nch, rw, r, lane);
+#if WSTAGE == 2
+        if (c + 1u < nch) {  // (uniform: nch is)
+            ws_step(pb, c + 1u, nch, rw, r, lane);
+        }
+#endif
+    }
+#elif RPT > 1
     uint G0[RPT];  // global index of the first block of each of this thread's rows
     [[unroll]] for (uint i = 0u; i < RPT; ++i) {
         G0[i] = (p.w_row0 + min(row0 + r + i * NR, p.N - 1u)) * nb;

@@ -131,3 +131,40 @@ def test_probe_vecq_nox_sums_the_rows(device, base):
     finally:
         for b in (wb, sb, yb):
             b.close()
+
+
+@pytest.mark.parametrize("base", pr.NOX_BASES)
+def test_probe_vecq_noc_folds_the_blocks(device, base):
+    """The decode kernel with its weight loads only: y[n] is the sum over row n's blocks of the
+    xor of the block's quant bytes and the 4 bytes of its f16 scale as f32, against numpy on the
+    raw GGUF blocks (every byte of every block counts, so a load left out changes y)."""
+    from gguf import GGMLQuantizationType, quantize
+
+    from vkxsplit.ops import mul_mat as mm
+
+    t = mm.VECQ_SWEEP[base][0]
+    rng = np.random.default_rng(12)
+    N, K = 37, 1024
+    qt = GGMLQuantizationType[t.upper()]
+    raw = quantize(rng.standard_normal((N, K)).astype(np.float32), qt)
+    bsz = 18 if t == "q4_0" else 34
+    blocks = raw.reshape(N, K // 32, bsz)
+    d32 = blocks[..., :2].copy().view(np.float16).astype(np.float32).view(np.uint32)[..., 0]
+    fold = np.bitwise_xor.reduce(blocks[..., 2:], axis=-1)
+    for sh in (0, 8, 16, 24):
+        fold ^= ((d32 >> sh) & 0xFF).astype(np.uint8)
+    want = fold.astype(np.float64).sum(axis=1)
+    mem = device.memory
+    wb, sb, yb = mem.alloc(raw.nbytes, "host", "w"), mem.alloc(16, "host", "x"), mem.alloc(4 * N + 4, "host", "y")
+    try:
+        wb.numpy(np.uint8)[: raw.nbytes] = raw.reshape(-1).view(np.uint8)
+        yb.numpy(np.float32)[:] = np.nan  # poisoned
+        _run(device, lambda s: pr.record_probe_vecq_nox(s, wb, t, sb, yb, N, K, base, kind="noc"))
+        y = yb.numpy(np.float32)[: N + 1].astype(np.float64)
+        assert np.array_equal(y[:N], want)
+        assert np.isnan(y[N])
+        with pytest.raises(KernelError, match="kind"):
+            _run(device, lambda s: pr.record_probe_vecq_nox(s, wb, t, sb, yb, N, K, base, kind="nothing"))
+    finally:
+        for b in (wb, sb, yb):
+            b.close()

@@ -7,7 +7,8 @@
   with and without its quantize dispatch; and a copy of the same bytes per size
 - per weight size, the fastest read-only launch of the same bytes (``probe_read``): a
   mat-vec's ceiling at that size; for Q4_0 / Q8_0 the decode kernel without its x loads
-  (``probe_vecq_nox``): what reading x costs it
+  (``probe_vecq_nox``): what reading x costs it, and with its weight loads alone
+  (``probe_vecq_nox`` kind ``noc``)
 - mat-mat TFLOP/s at M = 512 for the same types, tiled and cooperative-matrix paths, and the
   cooperative-matrix multiply-add rate without loads (``probe_mma``): the mat-mat's ceiling
 
@@ -90,6 +91,9 @@ def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int,
                     tn = benchutil.timed(dev, lambda s, i, v=v: pr.record_probe_vecq_nox(
                         s, ws[i % len(ws)], ty, xq, yv, n, k, v), reps)
                     out.append((f"probe: dot only, x loads left out (`{tag}`)", tn))
+                    tc = benchutil.timed(dev, lambda s, i, v=v: pr.record_probe_vecq_nox(
+                        s, ws[i % len(ws)], ty, xq, yv, n, k, v, kind="noc"), reps)
+                    out.append((f"probe: the weight loads alone, no x, no dot (`{tag}`)", tc))
             except VkxError as exc:
                 out.append((f"x as q8_1 (`{tag}`)", str(exc)[:60]))
     except VkxError as exc:
@@ -316,7 +320,11 @@ def stats(dev: Device) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small shapes (lavapipe smoke run)")
+    ap.add_argument("--types", default="q4_0,q4_1,q8_0,q4_k,q6_k,f16", help="comma-separated weight types")
+    ap.add_argument("--parts", default="matvec,read,matmat,mma",
+                    help="comma-separated parts to run: matvec, read (probe_read), matmat, mma (probe_mma)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     dev = Device.open()
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
     print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), "
@@ -338,10 +346,14 @@ def main() -> int:
     print(f"| vkCmdCopyBuffer | {xfer_bw:.0f} GB/s |")
     print(f"| compute-shader copy (copy_vec4): the reference below | {copy_bw:.0f} GB/s |\n")
 
-    types = ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", "f16"]
+    types = [t for t in args.types.split(",") if t]
     shapes = [(4096, 4096), (4096, 14336), (14336, 4096)] if not args.quick else [(512, 1024)]
-    matvec(dev, rng, types, shapes, copy_bw, reps, (8 << 20) if args.quick else ROTATE_BYTES)
-    read_rates(dev, copy_bw, reps, args.quick)
+    if "matvec" in parts:
+        matvec(dev, rng, types, shapes, copy_bw, reps, (8 << 20) if args.quick else ROTATE_BYTES)
+    if "read" in parts:
+        read_rates(dev, copy_bw, reps, args.quick)
+    if "matmat" not in parts:
+        types = []
     M = 64 if args.quick else 512
     paths = ["tiled"] + (["coopmat"] if dev.coopmat else [])
     print(f"\nmat-mat (M = {M})\n")
@@ -364,7 +376,8 @@ def main() -> int:
                     print(f"| {ty} | {path} | {n}x{k} | - | {str(exc)[:60]} |")
             for buf in (w, x, y):
                 buf.close()
-    mma(dev, reps, args.quick)
+    if "mma" in parts:
+        mma(dev, reps, args.quick)
     if dev.pipeline_stats:
         stats(dev)
     dev.close()

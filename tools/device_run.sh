@@ -3,7 +3,7 @@
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
 #   bash tools/device_run.sh [warm] [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [cm2-chosen] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests] [save-cache]
-# (env: MODELS_ARGS for tools/bench_models.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS, WARM_ARGS,
+# (env: MODELS_ARGS for tools/bench_models.py, KERNELS_ARGS for tools/bench_kernels.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS, WARM_ARGS,
 #  TESTS_ARGS: the pytest selection of `tests` (default: tests), TESTS_TIMEOUT (default 540 s))
 # The validation layer for the test targets: apt-get download vulkan-validationlayers into .device/gl
 # (on-device.sh unpacks every .deb there; without it VKXSPLIT_VALIDATION=1 tests error at set-up).
@@ -33,7 +33,7 @@ for w in $what; do
       tar -C / -czf "$OUT/pcache.tgz" tmp/vkxcache $(cd / && ls -d root/.cache/nvidia 2>/dev/null) 2>/dev/null
       ls -la "$OUT/pcache.tgz" ;;
     kernels)
-      timeout ${KERNELS_TIMEOUT:-480} python3 tools/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.md" ;;
+      timeout ${KERNELS_TIMEOUT:-480} python3 tools/bench_kernels.py ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/bench_kernels.md" ;;
     models)
       timeout 420 python3 tools/bench_models.py ${MODELS_ARGS:-} 2>&1 | tee "$OUT/bench_models.md" ;;
     handoff)

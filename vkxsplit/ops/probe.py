@@ -60,19 +60,25 @@ NOX_BASES = ("mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg", "mul_mat_vecq_q4
              "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr2_u2_r2", "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg")
 
 
-def nox_name(base: str) -> str:
-    """The no-x probe of vecq variant ``base``."""
-    return base.replace("mul_mat_vecq_", "probe_vecq_nox_", 1)
+#: the two cuts of a decode kernel: ``nox`` leaves out its x loads (y = the rows' weight sums),
+#: ``noc`` leaves out x and the dot products too (the weights' loads alone; y = per row, the sum
+#: over blocks of the xor of the block's quant bytes and the 4 bytes of its scale as f32)
+NOX_KINDS = {"nox": "1", "noc": "2"}
 
 
-def _nox_variant(base: str) -> Variant:
+def nox_name(base: str, kind: str = "nox") -> str:
+    """The no-x (``nox``) or loads-only (``noc``) probe of vecq variant ``base``."""
+    return base.replace("mul_mat_vecq_", f"probe_vecq_{kind}_", 1)
+
+
+def _nox_variant(base: str, kind: str) -> Variant:
     from .mul_mat import VECQ_SWEEP, _vecq_variant
     from .quant import TYPES
 
     t, cfg, maxm = VECQ_SWEEP[base]
-    v = _vecq_variant(nox_name(base), TYPES[t], cfg, maxm)
-    return Variant(name=v.name, source=v.source, defines={**v.defines, "PROBE_NOX": "1"}, bindings=v.bindings,
-                   writes=v.writes, push=v.push, local_size=v.local_size, requires=v.requires)
+    v = _vecq_variant(nox_name(base, kind), TYPES[t], cfg, maxm)
+    return Variant(name=v.name, source=v.source, defines={**v.defines, "PROBE_NOX": NOX_KINDS[kind]},
+                   bindings=v.bindings, writes=v.writes, push=v.push, local_size=v.local_size, requires=v.requires)
 
 
 VARIANTS = [
@@ -86,7 +92,7 @@ VARIANTS = [
               defines={"PROBE": "3", "WG": str(t.nt), "BW": str(t.bw), "BX": str(t.bx), "BK": str(t.bk)},
               bindings=3, writes=(2,), push="I", local_size=(t.nt, 1, 1), target_env="vulkan1.3",
               compiler="glslang15", requires=_CM2_REQUIRES) for t in MMA_WG_TILES],
-    *[_nox_variant(b) for b in NOX_BASES],
+    *[_nox_variant(b, k) for b in NOX_BASES for k in NOX_KINDS],
 ]
 
 
@@ -177,13 +183,16 @@ def record_probe_mma(seq: Sequence, a: Bindable, b: Bindable, out: Bindable, ite
 
 
 def record_probe_vecq_nox(seq: Sequence, w: Bindable, w_type: str, scratch: Bindable, y: Bindable, N: int, K: int,
-                          base: str) -> None:
+                          base: str, kind: str = "nox") -> None:
     """The decode kernel ``base`` (one of NOX_BASES) on ``N`` x ``K`` weights ``w`` without its x
-    loads: ``y[n]`` = the sum of row n's weights (every x element 1). ``scratch`` is bound where
-    the real kernel reads x (unread). Raises KernelError for another base or type."""
+    loads (``kind`` ``nox``: ``y[n]`` = the sum of row n's weights, every x element 1) or without
+    x and its dot products (``noc``: see NOX_KINDS). ``scratch`` is bound where the real kernel
+    reads x (unread). Raises KernelError for another base, type or kind."""
     from .mul_mat import VECQ_SWEEP, _grid, check_mul_mat
     from .quant import row_bytes, weight_type
 
+    if kind not in NOX_KINDS:
+        raise KernelError(f"probe_vecq_nox: kind {kind!r} is not one of {tuple(NOX_KINDS)}")
     if base not in NOX_BASES or VECQ_SWEEP[base][0] != w_type:
         raise KernelError(f"probe_vecq_nox: {base!r} is not one of {NOX_BASES} for {w_type} weights")
     wt = weight_type(w_type)
@@ -193,8 +202,8 @@ def record_probe_vecq_nox(seq: Sequence, w: Bindable, w_type: str, scratch: Bind
         if off % 16 or size < need:
             raise KernelError(f"probe_vecq_nox: the {what} binding must hold {need} bytes, 16-byte aligned")
     gx, gy, _ = _grid("vec", wt, 1, N, base)
-    seq.dispatch(Kernel.get(seq.device, nox_name(base)), [w, scratch, y], (1, N, K, K, N, 0, 0, 0, 0, 0), (gx, gy, 1))
+    seq.dispatch(Kernel.get(seq.device, nox_name(base, kind)), [w, scratch, y], (1, N, K, K, N, 0, 0, 0, 0, 0), (gx, gy, 1))
 
 
-__all__ = ["MMA_WG_TILES", "NOX_BASES", "nox_name", "record_probe_vecq_nox", "MmaTile", "READ_UNROLLS", "mma_flops", "mma_shapes", "mma_supported", "mma_variant", "read_groups",
+__all__ = ["MMA_WG_TILES", "NOX_BASES", "NOX_KINDS", "nox_name", "record_probe_vecq_nox", "MmaTile", "READ_UNROLLS", "mma_flops", "mma_shapes", "mma_supported", "mma_variant", "read_groups",
            "record_probe_mma", "record_probe_read"]
