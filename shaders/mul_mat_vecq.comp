@@ -45,17 +45,12 @@
 //
 // RPT > 1 (Q4_0 / Q8_0, BLK 1): a thread works on RPT rows (row0 + r + i NR), loading each x
 // block once for all of them; a workgroup computes NR RPT rows.
-// WSTAGE 1 / 2 (Q4_0 / Q8_0; K % 2048 == 0): a team of 32 invocations per row (by local index,
-// any subgroup size) reads the row in chunks of 64 blocks (CW = QBYTES * 2 words per lane) with
-// 32-bit loads a warp issues as one contiguous line each (lane i: words i, i + 32, ...), stores
-// them to shared memory (double-buffered, one workgroup barrier per chunk) and decodes blocks
-// lane and lane + 32 of the chunk from there (at most 2-way bank conflicts); WSTAGE chunks of
-// loads are in flight per lane. The current layout's loads are 18 / 34 bytes apart across lanes,
-// so each warp load instruction touches 5-9 cache lines for 128 useful bytes.
+// WLOAD5 1 (Q4_0 / Q8_0, BLK 1): a block's last word as one 32-bit load instead of two 16-bit
+// ones (QW + 1 loads per block instead of QW + 2).
 // PROBE_NOX 2 (probe_vecq_noc_*): the RPT > 1 shapes with their weight loads only: no x, each
 // block's quant words and scale xor-folded to a byte, y = the row's sum of those bytes.
 // Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG,
-// KSUB, WSTAGE, PROBE_NOX.
+// KSUB, PROBE_NOX, WLOAD5, W_RESTRICT (shaders/dequant.glsl; here the x and y bindings too).
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -116,17 +111,17 @@
 #ifndef PROBE_NOX
 #define PROBE_NOX 0
 #endif
+#ifndef WLOAD5
+#define WLOAD5 0  // 1: each BLK-1 block's last word as one 32-bit load (Q4_0 / Q8_0)
+#endif
+#if WLOAD5 && (BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0))
+#error "WLOAD5: Q4_0 / Q8_0 with BLK 1"
+#endif
 #if PROBE_NOX && RPT == 1
 #error "PROBE_NOX: the RPT > 1 shapes only"
 #endif
 #ifndef SG
 #define SG 0
-#endif
-#ifndef WSTAGE
-#define WSTAGE 0  // 1 / 2: warp-staged weights, WSTAGE chunks in flight per lane (see the top)
-#endif
-#if WSTAGE && (RPT != 1 || BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0) || WG != 32 * NR || !SG)
-#error "WSTAGE: Q4_0 / Q8_0, BLK 1, RPT 1, SG 1, one team of 32 invocations per row (WG = 32 NR)"
 #endif
 #ifndef KSUB
 #define KSUB 1  // Q4_K: load units per super-block (1: whole super-blocks; 4: quarters)
@@ -184,9 +179,13 @@ int dot4(uint a, uint b, int acc) {
 
 layout(local_size_x = WG) in;
 
-layout(std430, binding = 1) readonly buffer XQ4 { uvec4 xq4[]; };
-layout(std430, binding = 1) readonly buffer XQM { uvec2 xqm[]; };
+layout(std430, binding = 1) W_QUAL buffer XQ4 { uvec4 xq4[]; };
+layout(std430, binding = 1) W_QUAL buffer XQM { uvec2 xqm[]; };
+#if W_RESTRICT
+layout(std430, binding = 2) restrict writeonly buffer Y { float y[]; };
+#else
 layout(std430, binding = 2) writeonly buffer Y { float y[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint M; uint N; uint K; uint x_stride; uint y_stride; uint x_offset; uint y_offset;
@@ -278,6 +277,14 @@ void load_block(uint G, out uint w[QW + 1u]) {
     [[unroll]] for (uint i = 0u; i < QW; ++i) {
         w[i] = w_u32[wb + i];
     }
+#if WLOAD5
+    // the word after: whole inside the block for odd hb; for even hb its low half is the
+    // block's last two bytes (all decode_block / unpack_block use of it), its high half the next
+    // block's, or past the binding's last whole word: then the last halfword alone
+    const uint wl = wb + QW;
+    w[QW] = wl < uint(w_u32.length()) ? w_u32[wl] : uint(w_u16[hb + HB - 1u]);
+    return;
+#endif
     const uint lo = uint(w_u16[hb + HB - 2u]);
     const uint hi = uint(w_u16[hb + HB - 1u]);
     w[QW] = (hb & 1u) != 0u ? (lo | (hi << 16)) : hi;
@@ -487,41 +494,6 @@ void superblock6(uint G, uint sb) {
 }
 #endif
 
-#if WSTAGE
-#define CW (QBYTES / 2u)   // words per lane per chunk of 64 blocks (Q4_0 9, Q8_0 17)
-#define CH (32u * CW)      // words per chunk
-shared uint wst[2][NR][CH];
-
-// one chunk c of the row: the lane's words of it (p, loaded earlier) to shared memory, the
-// loads of chunk c + WSTAGE issued into p, then blocks lane and lane + 32 of chunk c
-void ws_step(inout uint p[CW], uint c, uint nch, uint rw, uint r, uint lane) {
-    const uint b = c & 1u;  // buffer: the barrier of step c - 1 separates its reads from these stores
-    [[unroll]] for (uint j = 0u; j < CW; ++j) {
-        wst[b][r][lane + 32u * j] = p[j];
-    }
-    const uint cn = min(c + WSTAGE, nch - 1u);  // past the row: reloads the last chunk, unused
-    [[unroll]] for (uint j = 0u; j < CW; ++j) {
-        p[j] = w_u32[rw + CH * cn + lane + 32u * j];
-    }
-    barrier();
-    [[unroll]] for (uint h = 0u; h < 2u; ++h) {
-        const uint k = lane + 32u * h;  // block of the chunk
-        const uint hb = HB * k;         // its halfword in the chunk
-        uint w[QW + 1u];
-        [[unroll]] for (uint i = 0u; i <= QW; ++i) {
-            w[i] = wst[b][r][(hb >> 1) + i];  // (block 63's last word: the chunk's last)
-        }
-        const bool odd = (hb & 1u) != 0u;
-        const vec2 dd = unpackHalf2x16(w[0]);
-        uint q[QW];
-        [[unroll]] for (uint j = 0u; j < QW; ++j) {
-            q[j] = odd ? w[j + 1u] : funnel16(w[j], w[j + 1u]);
-        }
-        block(odd ? dd.y : dd.x, 0.0, q, 64u * c + k);
-    }
-}
-#endif
-
 void main() {
     const uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
 #if RPT > 1
@@ -533,13 +505,8 @@ void main() {
         return;  // whole workgroup: the padding of the folded grid
     }
     const uint tid = gl_LocalInvocationID.x;
-#if WSTAGE
-    const uint r = tid / 32u;     // this thread's row: teams of 32 consecutive invocations
-    const uint lane = tid % 32u;  // lane in the row's team
-#else
     const uint r = tid % NR;     // this thread's row (of the workgroup's NR)
     const uint lane = tid / NR;  // lane in the row's team of L
-#endif
     const uint nb = p.K / 32u;   // blocks per row
     const uint row = p.w_row0 + min(row0 + r, p.N - 1u);  // rows past N: computed, not written
     mbase = 4u * p.M * nb;
@@ -549,30 +516,7 @@ void main() {
         acc[m] = 0.0;
     }
 
-#if WSTAGE
-    // chunk c of the row: words CH c .. CH c + CH - 1 from the row's first word (rows of whole
-    // chunks: K % 2048 == 0, so every row starts on a word); lane i loads words i + 32 j
-    const uint nch = nb / 64u;
-    const uint rw = row * (nb * (QBYTES / 2u)) / 2u;  // first word of the row
-    uint pa[CW];
-    [[unroll]] for (uint j = 0u; j < CW; ++j) {
-        pa[j] = w_u32[rw + lane + 32u * j];
-    }
-#if WSTAGE == 2
-    uint pb[CW];
-    [[unroll]] for (uint j = 0u; j < CW; ++j) {
-        pb[j] = w_u32[rw + CH * min(1u, nch - 1u) + lane + 32u * j];
-    }
-#endif
-    for (uint c = 0u; c < nch; c += WSTAGE) {
-        ws_step(pa, c, nch, rw, r, lane);
-#if WSTAGE == 2
-        if (c + 1u < nch) {  // (uniform: nch is)
-            ws_step(pb, c + 1u, nch, rw, r, lane);
-        }
-#endif
-    }
-#elif RPT > 1
+#if RPT > 1
     uint G0[RPT];  // global index of the first block of each of this thread's rows
     [[unroll]] for (uint i = 0u; i < RPT; ++i) {
         G0[i] = (p.w_row0 + min(row0 + r + i * NR, p.N - 1u)) * nb;

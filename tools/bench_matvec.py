@@ -140,16 +140,7 @@ def verify_vecq(dev: Device, rng: np.random.Generator, t: str, variants: list[st
     against the float64 product of the same quantized x; x is rounded to 8 bits, so the
     unquantized product is no reference here."""
     out: dict[str, str] = {}
-    ws = [v for v in variants if mm.VECQ_SWEEP[v][1].ws]
-    if ws:  # the warp-staged variants need K % 2048 == 0
-        out.update(_verify_vecq_at(dev, rng, t, ws, 2048))
-    out.update(_verify_vecq_at(dev, rng, t, [v for v in variants if v not in ws], 1280))
-    return out
-
-
-def _verify_vecq_at(dev: Device, rng: np.random.Generator, t: str, variants: list[str], k: int) -> dict[str, str]:
-    out: dict[str, str] = {}
-    n = 37
+    n, k = 37, 1280
     raw, w = reference_weights(rng, t, n, k)
     x = rng.standard_normal((4, k)).astype(np.float32)
     wb = dev.memory.alloc(raw.nbytes, "host", "verify_w")

@@ -222,9 +222,9 @@ class VecqConfig:
     subgroupAdd per row instead of one thread adding a row's ``wg // nr`` partials in order,
     ``sub`` (Q4_K) load units per super-block: 1 whole super-blocks, 4 quarters (the header and
     32 nibble bytes each: four times the units per row, so short rows keep more lanes busy),
-    ``ws`` (Q4_0 / Q8_0, K % 2048 == 0) 1 or 2: warp-staged weights, one team of 32 per row
-    (``wg`` = 32 ``nr``) reading 64-block chunks with contiguous 32-bit loads into shared memory,
-    ``ws`` chunks in flight per lane (WSTAGE in shaders/mul_mat_vecq.comp)."""
+    ``w5`` (Q4_0 / Q8_0, ``blk`` 1) each block read as QW + 1 32-bit words (the last one
+    guarded at the end of the binding) instead of QW words and two halfwords, ``rs`` the weight
+    and x bindings declared ``restrict`` (their data is never written while the kernel runs)."""
 
     wg: int
     nr: int
@@ -235,13 +235,14 @@ class VecqConfig:
     rpt: int = 1
     sg: int = 0
     sub: int = 1
-    ws: int = 0
+    w5: int = 0
+    rs: int = 0
 
     @property
     def tag(self) -> str:
         return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
                 + (f"_r{self.rpt}" if self.rpt > 1 else "") + (f"_s{self.sub}" if self.sub > 1 else "")
-                + ("_sg" if self.sg else "") + (f"_ws{self.ws}" if self.ws else "")
+                + ("_sg" if self.sg else "") + ("_w5" if self.w5 else "") + ("_rs" if self.rs else "")
                 + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
 
     @property
@@ -258,12 +259,13 @@ class VecqConfig:
             d["SG"] = "1"
         if self.sub > 1:
             d["KSUB"] = str(self.sub)
-        if self.ws:
-            d["WSTAGE"] = str(self.ws)
+        if self.w5:
+            d["WLOAD5"] = "1"
+        if self.rs:
+            d["W_RESTRICT"] = "1"
         return d
 
 
-VECQ_WS_K = 2048                  # the warp-staged (ws) variants need K % VECQ_WS_K == 0
 VECQ_QUANTIZE = "quantize_q8_1"   # the quantize-x kernel (shaders/quantize_q8_1.comp)
 VECQ_QUANTIZE_WG = 256            # its workgroup: 8 threads per 32-element block
 VECQ_BLOCK_BYTES = 40             # scratch bytes per block of x: 32 int8 + f32 d + int32 sum
@@ -303,12 +305,20 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # shared words). H200 dot only, us at 4096x14336 / 14336x4096: Q4_0 16.3 / 16.1
                 # against 12.5 / 12.2, Q8_0 20.9 / 22.1 against 19.1 / 18.3: the barriers and
                 # shared round trip cost more than the scattered loads they replace
-                # session 12: warp-staged weights (WSTAGE; K % 2048 == 0): a warp's weight loads
-                # contiguous (one cache line per load instruction instead of 5-9)
-                VecqConfig(64, 2, blk=1, sg=1, ws=1), VecqConfig(64, 2, blk=1, sg=1, ws=2),
-                VecqConfig(128, 4, blk=1, sg=1, ws=2), VecqConfig(32, 1, blk=1, sg=1, ws=2),
-                # and the Q4_0 default with OpSDotAccSat (one instruction per 4 products and add)
-                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, sat=1),
+                # session 12 (dropped): warp-staged weights (a team of 32 per row reading 64-block
+                # chunks with contiguous 32-bit loads into shared memory, one barrier per chunk,
+                # K % 2048 == 0; wg64_nr2 / wg128_nr4 / wg32_nr1, 1-2 chunks in flight), dot only,
+                # us at 4096x14336 / 14336x4096: Q4_0 14.5-17.4 / 15.8-19.3 against 12.6 / 12.3,
+                # Q8_0 21.9-22.9 / 23.1-27.6 against 19.1 / 18.2; the Q4_0 default with
+                # OpSDotAccSat: 14.5 / 14.6, Q8_0 20.0 / 18.7
+                # session 13: the defaults' shapes with 5 / 9 word loads per block (w5) and with
+                # restrict bindings (rs)
+                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5=1),
+                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, rs=1),
+                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5=1, rs=1),
+                VecqConfig(128, 2, blk=1, unr=2, rpt=2, w5=1),
+                VecqConfig(128, 2, blk=1, rpt=4, w5=1),
+                VecqConfig(128, 2, blk=1, rpt=4, rs=1),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
@@ -323,7 +333,7 @@ _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
 VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
     **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES
        if (c.blk == 1 or t not in _VECQ_SINGLE) and (c.rpt == 1 or t in ("q4_0", "q8_0"))
-       and (c.sub == 1 or t == "q4_k") and (c.ws == 0 or t in ("q4_0", "q8_0"))},
+       and (c.sub == 1 or t == "q4_k") and (c.w5 == 0 or t in ("q4_0", "q8_0"))},
     **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4
        if t not in _VECQ_SINGLE},
 }
@@ -495,9 +505,6 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
     if cfg.blk == 8 and K % WIDE_K:
         raise KernelError(f"{name}: variant {variant!r} needs K % {WIDE_K} == 0 (16-byte aligned rows of "
                           "whole 8-block groups)")
-    if cfg.ws and K % VECQ_WS_K:
-        raise KernelError(f"{name}: variant {variant!r} needs K % {VECQ_WS_K} == 0 (rows of whole 64-block "
-                          "chunks)")
     x_stride, y_col, y_stride = _layout(name, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset,
                                         y_col_offset)
     check_q8_1_scratch(name, xq_scratch, M, K, (("the weights", w), ("x", x), ("y", y)))

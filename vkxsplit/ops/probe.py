@@ -57,7 +57,9 @@ MMA_WG_TILES = (MmaTile(128, 128, 64, 256), MmaTile(128, 256, 64, 256))
 #: shaders/mul_mat_vecq.comp): the GPU default shapes of Q4_0 and Q8_0 (RPT > 1), timed beside
 #: the real kernel, say what reading x costs a mat-vec
 NOX_BASES = ("mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg", "mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr2_r4",
-             "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr2_u2_r2", "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg")
+             "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr2_u2_r2", "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg",
+             # the 4096x14336 defaults with QW + 1 word loads per block (w5), timed beside them
+             "mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg_w5", "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr2_u2_r2_w5")
 
 
 #: the two cuts of a decode kernel: ``nox`` leaves out its x loads (y = the rows' weight sums),
