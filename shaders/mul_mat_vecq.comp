@@ -46,7 +46,8 @@
 // RPT > 1 (Q4_0 / Q8_0, BLK 1): a thread works on RPT rows (row0 + r + i NR), loading each x
 // block once for all of them; a workgroup computes NR RPT rows.
 // WLOAD5 1 (Q4_0 / Q8_0, BLK 1): a block's last word as one 32-bit load instead of two 16-bit
-// ones (QW + 1 loads per block instead of QW + 2).
+// ones (QW + 1 loads per block instead of QW + 2), guarded at the end of the binding; WLOAD5 2:
+// unguarded (the host checks that the binding holds the last row's trailing word).
 // PROBE_NOX 2 (probe_vecq_noc_*): the RPT > 1 shapes with their weight loads only: no x, each
 // block's quant words and scale xor-folded to a byte, y = the row's sum of those bytes.
 // Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG,
@@ -112,7 +113,7 @@
 #define PROBE_NOX 0
 #endif
 #ifndef WLOAD5
-#define WLOAD5 0  // 1: each BLK-1 block's last word as one 32-bit load (Q4_0 / Q8_0)
+#define WLOAD5 0  // 1 / 2: each BLK-1 block's last word as one 32-bit load (Q4_0 / Q8_0)
 #endif
 #if WLOAD5 && (BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0))
 #error "WLOAD5: Q4_0 / Q8_0 with BLK 1"
@@ -282,7 +283,11 @@ void load_block(uint G, out uint w[QW + 1u]) {
     // block's last two bytes (all decode_block / unpack_block use of it), its high half the next
     // block's, or past the binding's last whole word: then the last halfword alone
     const uint wl = wb + QW;
+#if WLOAD5 == 2
+    w[QW] = w_u32[wl];  // (unguarded: the host checks that the binding holds it)
+#else
     w[QW] = wl < uint(w_u32.length()) ? w_u32[wl] : uint(w_u16[hb + HB - 1u]);
+#endif
     return;
 #endif
     const uint lo = uint(w_u16[hb + HB - 2u]);

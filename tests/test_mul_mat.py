@@ -868,13 +868,14 @@ def shaders_requires(name):
     return all_variants()[name].requires
 
 
-def _vecq_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, x_off=0, random_bits=False, x=None):
+def _vecq_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, x_off=0, random_bits=False, x=None,
+              w_pad=0):
     """Rows [r0, r0 + n) of an n_total x K weight times M columns of x (x_off elements in,
     rows K + x_off apart) into y columns [y_col, y_col + n) of rows y_col + n + 2 apart; y
     poisoned with NaN. Checks the scratch against q8_1_reference bit for bit, and bounds (a)
     and (b). Returns y's target block."""
     raw, W = make_weights(rng, t, n_total, K, random_bits=random_bits)
-    wb = bufs.new(raw.nbytes, raw)
+    wb = bufs.new(raw.nbytes + w_pad, raw)  # (w_pad bytes past the tensor, unused)
     xs = K + x_off
     if x is None:
         x = rng.standard_normal((M, K)).astype(np.float32)
@@ -928,15 +929,19 @@ def test_mat_vecq_variant(device, bufs, rng, name):
     rows = cfg.rows  # per workgroup: nr teams x rpt rows per thread
     Ms = (1,) if maxm == 1 else (3, 4)
     unit = 256 if cfg.blk == 8 or t in ("q4_k", "q6_k") else 32  # (K-quants: one super-block per unit)
+    pad = 2 if cfg.w5 == 2 else 0  # unguarded whole-word loads: the binding holds the trailing word
     for M in Ms:
-        _vecq_run(device, bufs, rng, t, name, M, n_total=rows + 3, r0=0, n=rows + 3, K=512, y_col=0)
+        _vecq_run(device, bufs, rng, t, name, M, n_total=rows + 3, r0=0, n=rows + 3, K=512, y_col=0, w_pad=pad)
         _vecq_run(device, bufs, rng, t, name, M, n_total=2 * rows + 5, r0=3, n=rows + 2,
-                  K=1280 if unit == 256 else 288, y_col=5, x_off=3)
+                  K=1280 if unit == 256 else 288, y_col=5, x_off=3, w_pad=pad)
     K = unit * (2 * cfg.unr * lanes + 3)
-    if cfg.w5:  # an odd number of blocks in all: the last block's word past the binding is guarded
+    if cfg.w5:  # an odd number of blocks in all: the last block's word past the binding (w5 1: guarded)
         assert (rows + 1) * (K // 32) % 2 == 1
+    if cfg.w5 == 2:  # unguarded: refused without the trailing word
+        with pytest.raises(KernelError, match="trailing word"):
+            _vecq_run(device, bufs, rng, t, name, Ms[-1], n_total=rows + 1, r0=1, n=rows, K=K, y_col=2)
     _vecq_run(device, bufs, rng, t, name, Ms[-1], n_total=rows + 1, r0=1, n=rows, K=K, y_col=2,
-              random_bits=True)
+              random_bits=True, w_pad=pad)
 
 
 def test_q8_1_quantize_edge_cases(device, bufs, rng):

@@ -306,14 +306,16 @@ def mma(dev: Device, reps: int, quick: bool) -> None:
         print(f"| {name} | {g} | {it} | {t * 1e6:.1f} | {tf:.1f} |")
 
 
-def stats(dev: Device) -> None:
+def stats(dev: Device, extra: tuple[str, ...] = ()) -> None:
     """The driver's compiler statistics (VKXSPLIT_PIPELINE_STATS=1; registers decide how many
-    workgroups an SM holds) of the F16 coopmat2 tilings, the probes and the decode defaults."""
+    workgroups an SM holds) of the F16 coopmat2 tilings, the probes, the decode defaults and the
+    vecq variants whose names hold one of ``extra``."""
     from vkxsplit.vk.kernel import Kernel
 
     names = [mm.cm2_variant_name("f16", tile) for tile in mm.CM2_CHOICES["f16"]]
     names += [pr.mma_variant(t) for t in (None, *pr.MMA_WG_TILES)] + [f"probe_read_u{u}" for u in pr.READ_UNROLLS]
     names += sorted({v for v in mm.vecq_decode(dev.physical, dev.features).values() if v})
+    names += [v for v in mm.VECQ_SWEEP if any(s in v for s in extra) and v not in names]
     print("\ncompiler statistics (VKXSPLIT_PIPELINE_STATS=1)\n\n| variant | statistics |\n|---|---|")
     for name in names:
         try:
@@ -330,6 +332,9 @@ def main() -> int:
     ap.add_argument("--types", default="q4_0,q4_1,q8_0,q4_k,q6_k,f16", help="comma-separated weight types")
     ap.add_argument("--parts", default="matvec,read,matmat,mma",
                     help="comma-separated parts to run: matvec, read (probe_read), matmat, mma (probe_mma)")
+    ap.add_argument("--stats-vecq", default="",
+                    help="with VKXSPLIT_PIPELINE_STATS=1: also the compiler statistics of the vecq variants "
+                         "whose names hold one of these comma-separated parts")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     dev = Device.open()
@@ -386,7 +391,7 @@ def main() -> int:
     if "mma" in parts:
         mma(dev, reps, args.quick)
     if dev.pipeline_stats:
-        stats(dev)
+        stats(dev, tuple(p for p in args.stats_vecq.split(",") if p))
     dev.close()
     return 0
 

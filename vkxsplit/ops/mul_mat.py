@@ -222,8 +222,9 @@ class VecqConfig:
     subgroupAdd per row instead of one thread adding a row's ``wg // nr`` partials in order,
     ``sub`` (Q4_K) load units per super-block: 1 whole super-blocks, 4 quarters (the header and
     32 nibble bytes each: four times the units per row, so short rows keep more lanes busy),
-    ``w5`` (Q4_0 / Q8_0, ``blk`` 1) each block read as QW + 1 32-bit words (the last one
-    guarded at the end of the binding) instead of QW words and two halfwords, ``rs`` the weight
+    ``w5`` (Q4_0 / Q8_0, ``blk`` 1) each block read as QW + 1 32-bit words instead of QW words
+    and two halfwords (1: the last word guarded at the end of the binding in the shader; 2
+    unguarded, the binding must hold the last row's trailing word: checked here), ``rs`` the weight
     and x bindings declared ``restrict`` (their data is never written while the kernel runs)."""
 
     wg: int
@@ -242,7 +243,8 @@ class VecqConfig:
     def tag(self) -> str:
         return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
                 + (f"_r{self.rpt}" if self.rpt > 1 else "") + (f"_s{self.sub}" if self.sub > 1 else "")
-                + ("_sg" if self.sg else "") + ("_w5" if self.w5 else "") + ("_rs" if self.rs else "")
+                + ("_sg" if self.sg else "") + ("" if not self.w5 else "_w5" if self.w5 == 1 else "_w5u")
+                + ("_rs" if self.rs else "")
                 + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
 
     @property
@@ -260,7 +262,7 @@ class VecqConfig:
         if self.sub > 1:
             d["KSUB"] = str(self.sub)
         if self.w5:
-            d["WLOAD5"] = "1"
+            d["WLOAD5"] = str(self.w5)
         if self.rs:
             d["W_RESTRICT"] = "1"
         return d
@@ -319,6 +321,12 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 VecqConfig(128, 2, blk=1, unr=2, rpt=2, w5=1),
                 VecqConfig(128, 2, blk=1, rpt=4, w5=1),
                 VecqConfig(128, 2, blk=1, rpt=4, rs=1),
+                # the w5 loads unguarded; and shapes that issue a whole 4096x14336 row's loads in
+                # one round per thread (448 blocks: 1.75 per lane at 256 lanes, 3.5 at 128)
+                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5=2), VecqConfig(128, 2, blk=1, rpt=4, w5=2),
+                VecqConfig(128, 2, blk=1, unr=2, rpt=2, w5=2),
+                VecqConfig(256, 1, blk=1, unr=2, rpt=2, sg=1), VecqConfig(128, 1, blk=1, unr=4, rpt=2, sg=1),
+                VecqConfig(128, 1, blk=1, unr=4, sg=1),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
@@ -509,6 +517,12 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
                                         y_col_offset)
     check_q8_1_scratch(name, xq_scratch, M, K, (("the weights", w), ("x", x), ("y", y)))
     _check_bindings(name, wt, w, x, y, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col)
+    if cfg.w5 == 2:  # unguarded: the last block's word past its end must be inside the binding
+        need = -(-(w_row_offset + N) * wt.row_bytes(K) // 4) * 4
+        if as_range(w)[2] < need:
+            raise KernelError(f"{name}: variant {variant!r} reads whole words: the weight binding must hold "
+                              f"{need} bytes (the last row's trailing word), it holds {as_range(w)[2]}; bind "
+                              "the weights with that padding or use a variant without _w5u")
     gx, gy, _ = _grid("vec", wt, M, N, variant)
     nq = -(-M * (K // 32) // (VECQ_QUANTIZE_WG // 8))
     if gy > MAX_GROUPS or nq > MAX_GROUPS:
