@@ -22,21 +22,11 @@
 
 #include "ggml_types.glsl"
 
-// W_RESTRICT 1: the views declared restrict too (the including shader's promise that no
-// other binding it writes overlaps the weights)
-#ifndef W_RESTRICT
-#define W_RESTRICT 0
-#endif
-#if W_RESTRICT
-#define W_QUAL restrict readonly
-#else
-#define W_QUAL readonly
-#endif
-layout(std430, binding = W_BINDING) W_QUAL buffer WBytes { uint8_t w_u8[]; };
-layout(std430, binding = W_BINDING) W_QUAL buffer WHalves { uint16_t w_u16[]; };
-layout(std430, binding = W_BINDING) W_QUAL buffer WWords { uint w_u32[]; };
-layout(std430, binding = W_BINDING) W_QUAL buffer WDWords { uvec2 w_u64[]; };
-layout(std430, binding = W_BINDING) W_QUAL buffer WQWords { uvec4 w_u128[]; };
+layout(std430, binding = W_BINDING) readonly buffer WBytes { uint8_t w_u8[]; };
+layout(std430, binding = W_BINDING) readonly buffer WHalves { uint16_t w_u16[]; };
+layout(std430, binding = W_BINDING) readonly buffer WWords { uint w_u32[]; };
+layout(std430, binding = W_BINDING) readonly buffer WDWords { uvec2 w_u64[]; };
+layout(std430, binding = W_BINDING) readonly buffer WQWords { uvec4 w_u128[]; };
 
 uint ld8(uint b) { return uint(w_u8[b]); }
 uint ld16(uint b) { return uint(w_u16[b >> 1]); }                 // b % 2 == 0

@@ -46,12 +46,15 @@
 // RPT > 1 (Q4_0 / Q8_0, BLK 1): a thread works on RPT rows (row0 + r + i NR), loading each x
 // block once for all of them; a workgroup computes NR RPT rows.
 // WLOAD5 1 (Q4_0 / Q8_0, BLK 1): a block's last word as one 32-bit load instead of two 16-bit
-// ones (QW + 1 loads per block instead of QW + 2), guarded at the end of the binding; WLOAD5 2:
-// unguarded (the host checks that the binding holds the last row's trailing word).
+// ones (QW + 1 loads per block instead of QW + 2); for a block starting on a word its high half
+// is the next block's (unused), so the binding must hold the last row's trailing word (where it
+// does not, the host records the same shape without WLOAD5); not bounds-checked here: a check
+// per block cost more than the load saved (H200, Q4_0 4096x14336: 14.0 us against 12.7 without
+// WLOAD5 and 12.2 with it unchecked).
 // PROBE_NOX 2 (probe_vecq_noc_*): the RPT > 1 shapes with their weight loads only: no x, each
 // block's quant words and scale xor-folded to a byte, y = the row's sum of those bytes.
 // Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG,
-// KSUB, PROBE_NOX, WLOAD5, W_RESTRICT (shaders/dequant.glsl; here the x and y bindings too).
+// KSUB, PROBE_NOX, WLOAD5.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -113,7 +116,7 @@
 #define PROBE_NOX 0
 #endif
 #ifndef WLOAD5
-#define WLOAD5 0  // 1 / 2: each BLK-1 block's last word as one 32-bit load (Q4_0 / Q8_0)
+#define WLOAD5 0  // 1: each BLK-1 block's last word as one 32-bit load (Q4_0 / Q8_0)
 #endif
 #if WLOAD5 && (BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0))
 #error "WLOAD5: Q4_0 / Q8_0 with BLK 1"
@@ -180,13 +183,9 @@ int dot4(uint a, uint b, int acc) {
 
 layout(local_size_x = WG) in;
 
-layout(std430, binding = 1) W_QUAL buffer XQ4 { uvec4 xq4[]; };
-layout(std430, binding = 1) W_QUAL buffer XQM { uvec2 xqm[]; };
-#if W_RESTRICT
-layout(std430, binding = 2) restrict writeonly buffer Y { float y[]; };
-#else
+layout(std430, binding = 1) readonly buffer XQ4 { uvec4 xq4[]; };
+layout(std430, binding = 1) readonly buffer XQM { uvec2 xqm[]; };
 layout(std430, binding = 2) writeonly buffer Y { float y[]; };
-#endif
 
 layout(push_constant) uniform Push {
     uint M; uint N; uint K; uint x_stride; uint y_stride; uint x_offset; uint y_offset;
@@ -281,13 +280,8 @@ void load_block(uint G, out uint w[QW + 1u]) {
 #if WLOAD5
     // the word after: whole inside the block for odd hb; for even hb its low half is the
     // block's last two bytes (all decode_block / unpack_block use of it), its high half the next
-    // block's, or past the binding's last whole word: then the last halfword alone
-    const uint wl = wb + QW;
-#if WLOAD5 == 2
-    w[QW] = w_u32[wl];  // (unguarded: the host checks that the binding holds it)
-#else
-    w[QW] = wl < uint(w_u32.length()) ? w_u32[wl] : uint(w_u16[hb + HB - 1u]);
-#endif
+    // block's or, after the binding's last row, bytes the host checked the binding holds
+    w[QW] = w_u32[wb + QW];
     return;
 #endif
     const uint lo = uint(w_u16[hb + HB - 2u]);

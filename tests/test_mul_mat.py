@@ -929,19 +929,37 @@ def test_mat_vecq_variant(device, bufs, rng, name):
     rows = cfg.rows  # per workgroup: nr teams x rpt rows per thread
     Ms = (1,) if maxm == 1 else (3, 4)
     unit = 256 if cfg.blk == 8 or t in ("q4_k", "q6_k") else 32  # (K-quants: one super-block per unit)
-    pad = 2 if cfg.w5 == 2 else 0  # unguarded whole-word loads: the binding holds the trailing word
+    pad = 2 if cfg.w5u else 0  # whole-word loads: the binding holds the last row's trailing word
     for M in Ms:
         _vecq_run(device, bufs, rng, t, name, M, n_total=rows + 3, r0=0, n=rows + 3, K=512, y_col=0, w_pad=pad)
         _vecq_run(device, bufs, rng, t, name, M, n_total=2 * rows + 5, r0=3, n=rows + 2,
                   K=1280 if unit == 256 else 288, y_col=5, x_off=3, w_pad=pad)
     K = unit * (2 * cfg.unr * lanes + 3)
-    if cfg.w5:  # an odd number of blocks in all: the last block's word past the binding (w5 1: guarded)
-        assert (rows + 1) * (K // 32) % 2 == 1
-    if cfg.w5 == 2:  # unguarded: refused without the trailing word
-        with pytest.raises(KernelError, match="trailing word"):
-            _vecq_run(device, bufs, rng, t, name, Ms[-1], n_total=rows + 1, r0=1, n=rows, K=K, y_col=2)
     _vecq_run(device, bufs, rng, t, name, Ms[-1], n_total=rows + 1, r0=1, n=rows, K=K, y_col=2,
               random_bits=True, w_pad=pad)
+
+
+@pytest.mark.parametrize("name", [v for v in VECQ_NAMES if mm.VECQ_SWEEP[v][1].w5u])
+def test_mat_vecq_w5u_fallback(device, bufs, rng, monkeypatch, name):
+    """A w5u variant reads each block's last word whole, unchecked: where the binding ends 2
+    bytes into the last row's trailing word (an odd number of blocks, bound exactly), the
+    same shape without w5u is recorded instead, and the product is still right; with the
+    word there, the w5u kernel itself."""
+    _vecq_skip(device, name)
+    t, cfg, _ = mm.VECQ_SWEEP[name]
+    wt = weight_type(t)
+    got = []
+    real_get = mm.Kernel.get
+    monkeypatch.setattr(mm.Kernel, "get", lambda dev, n: got.append(n) or real_get(dev, n))
+    K, n_total = 32 * 9, 2 * cfg.rows + 1  # 9 blocks per row, an odd number of rows
+    assert not mm.vecq_fits(View(bufs.new(n_total * wt.row_bytes(K)), 0, n_total * wt.row_bytes(K)), wt, n_total, K)
+    assert mm.vecq_fits(bufs.new(n_total * wt.row_bytes(K) + 2), wt, n_total, K)
+    assert mm.vecq_fits(bufs.new(n_total * wt.row_bytes(K)), wt, n_total - 1, K)  # (an even row count ends on a word)
+    for pad, want in ((0, name.replace("_w5u", "")), (2, name)):
+        got.clear()
+        _vecq_run(device, bufs, rng, t, name, 1, n_total=n_total, r0=1, n=n_total - 1, K=K, y_col=1,
+                  random_bits=True, w_pad=pad)
+        assert want in got and (pad or name not in got)
 
 
 def test_q8_1_quantize_edge_cases(device, bufs, rng):
@@ -1064,6 +1082,7 @@ def test_vecq_default_policy(device, monkeypatch):
     from vkxsplit.vk.api import vk
 
     monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_SG", raising=False)  # (the suite may run with it)
+    monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_W5U", raising=False)
     if not device.features.get("shaderIntegerDotProduct"):
         assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)
         return
@@ -1098,5 +1117,15 @@ def test_vecq_default_policy(device, monkeypatch):
             assert "_sg" not in mm.vecq_for_shape(v, t, n, k)
     assert mm.vecq_for_shape(gpu_q8, "q8_0", 14336, 4096) == gpu_q8  # (its old shape's name)
     monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_SG")
+    # VKXSPLIT_DISABLE_VECQ_W5U: the same shapes with halfword loads (built variants, tall too)
+    assert mm.VECQ_SWEEP[gpu_q4][1].w5u == 1 and mm.VECQ_SWEEP[tall][1].w5u == 1
+    monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ_W5U", "1")
+    for t in mm.VECQ_GPU_TYPES:
+        v = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}"
+        assert v in mm.VECQ_SWEEP and "_w5u" not in v
+        for n, k in ((14336, 4096), (4096, 14336), (4096, 4096)):
+            assert "_w5u" not in mm.vecq_for_shape(v, t, n, k) and mm.vecq_for_shape(v, t, n, k) in mm.VECQ_SWEEP
+    assert gpu_q4.replace("_w5u", "") == f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=False).tag}"
+    monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_W5U")
     monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ", "1")
     assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)

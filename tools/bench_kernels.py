@@ -94,13 +94,6 @@ def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int,
                     tc = benchutil.timed(dev, lambda s, i, v=v: pr.record_probe_vecq_nox(
                         s, ws[i % len(ws)], ty, xq, yv, n, k, v, kind="noc"), reps)
                     out.append((f"probe: the weight loads alone, no x, no dot (`{tag}`)", tc))
-                v5 = v + "_w5"  # the same with QW + 1 word loads per block, where built
-                if v5 in pr.NOX_BASES:
-                    _, _, t5 = time_vecq(dev, ty, v5, 1, n, k, ws, x, xq, y, ystride, reps)
-                    out.append((f"x as q8_1: dot only, QW + 1 word loads (`{tag}_w5`)", t5))
-                    tc5 = benchutil.timed(dev, lambda s, i: pr.record_probe_vecq_nox(
-                        s, ws[i % len(ws)], ty, xq, yv, n, k, v5, kind="noc"), reps)
-                    out.append((f"probe: the weight loads alone (`{tag}_w5`)", tc5))
             except VkxError as exc:
                 out.append((f"x as q8_1 (`{tag}`)", str(exc)[:60]))
     except VkxError as exc:

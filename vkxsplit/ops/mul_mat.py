@@ -26,7 +26,7 @@ the full tensor as ``w``); results go to y columns ``y_col_offset + n`` (default
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KernelError, OutOfDeviceMemory
@@ -222,10 +222,9 @@ class VecqConfig:
     subgroupAdd per row instead of one thread adding a row's ``wg // nr`` partials in order,
     ``sub`` (Q4_K) load units per super-block: 1 whole super-blocks, 4 quarters (the header and
     32 nibble bytes each: four times the units per row, so short rows keep more lanes busy),
-    ``w5`` (Q4_0 / Q8_0, ``blk`` 1) each block read as QW + 1 32-bit words instead of QW words
-    and two halfwords (1: the last word guarded at the end of the binding in the shader; 2
-    unguarded, the binding must hold the last row's trailing word: checked here), ``rs`` the weight
-    and x bindings declared ``restrict`` (their data is never written while the kernel runs)."""
+    ``w5u`` (Q4_0 / Q8_0, ``blk`` 1) 1: each block read as QW + 1 32-bit words instead of QW
+    words and two halfwords; the last word is not bounds-checked, so a binding that ends inside
+    the last row's trailing word runs the same shape without ``w5u`` (:func:`vecq_fits`)."""
 
     wg: int
     nr: int
@@ -236,15 +235,13 @@ class VecqConfig:
     rpt: int = 1
     sg: int = 0
     sub: int = 1
-    w5: int = 0
-    rs: int = 0
+    w5u: int = 0
 
     @property
     def tag(self) -> str:
         return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
                 + (f"_r{self.rpt}" if self.rpt > 1 else "") + (f"_s{self.sub}" if self.sub > 1 else "")
-                + ("_sg" if self.sg else "") + ("" if not self.w5 else "_w5" if self.w5 == 1 else "_w5u")
-                + ("_rs" if self.rs else "")
+                + ("_sg" if self.sg else "") + ("_w5u" if self.w5u else "")
                 + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
 
     @property
@@ -261,10 +258,8 @@ class VecqConfig:
             d["SG"] = "1"
         if self.sub > 1:
             d["KSUB"] = str(self.sub)
-        if self.w5:
-            d["WLOAD5"] = str(self.w5)
-        if self.rs:
-            d["W_RESTRICT"] = "1"
+        if self.w5u:
+            d["WLOAD5"] = "1"
         return d
 
 
@@ -313,20 +308,15 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # us at 4096x14336 / 14336x4096: Q4_0 14.5-17.4 / 15.8-19.3 against 12.6 / 12.3,
                 # Q8_0 21.9-22.9 / 23.1-27.6 against 19.1 / 18.2; the Q4_0 default with
                 # OpSDotAccSat: 14.5 / 14.6, Q8_0 20.0 / 18.7
-                # session 13: the defaults' shapes with 5 / 9 word loads per block (w5) and with
-                # restrict bindings (rs)
-                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5=1),
-                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, rs=1),
-                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5=1, rs=1),
-                VecqConfig(128, 2, blk=1, unr=2, rpt=2, w5=1),
-                VecqConfig(128, 2, blk=1, rpt=4, w5=1),
-                VecqConfig(128, 2, blk=1, rpt=4, rs=1),
-                # the w5 loads unguarded; and shapes that issue a whole 4096x14336 row's loads in
-                # one round per thread (448 blocks: 1.75 per lane at 256 lanes, 3.5 at 128)
-                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5=2), VecqConfig(128, 2, blk=1, rpt=4, w5=2),
-                VecqConfig(128, 2, blk=1, unr=2, rpt=2, w5=2),
-                VecqConfig(256, 1, blk=1, unr=2, rpt=2, sg=1), VecqConfig(128, 1, blk=1, unr=4, rpt=2, sg=1),
-                VecqConfig(128, 1, blk=1, unr=4, sg=1),
+                # session 13: the Q4_0 defaults reading each block as 5 words (w5u, unchecked),
+                # now the defaults. Also measured (H200, dot only, us at 4096x14336 / 14336x4096 /
+                # 4096x4096; defaults 12.7 / 12.3 (tall) / 6.5, Q8_0 19.0 / 18.2 (tall) / 8.0):
+                # the same with the last word bounds-checked in the shader 14.0 / 13.2 / 6.5 (Q8_0
+                # 20.1 / 18.3 / 8.4); the weight, x and y bindings declared restrict: no change
+                # (12.6 / 12.3 / 6.4); Q8_0 w5u 18.9 / 18.1 / 7.8-8.0 (not adopted: within noise);
+                # one round of loads per thread at 4096x14336 (wg256_nr1_u2_r2_sg, u4_r2_sg,
+                # u4_sg): Q4_0 13.0-13.2 / 13.6-17.0 / 6.7-7.1
+                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5u=1), VecqConfig(128, 2, blk=1, rpt=4, w5u=1),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
@@ -341,7 +331,7 @@ _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
 VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
     **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES
        if (c.blk == 1 or t not in _VECQ_SINGLE) and (c.rpt == 1 or t in ("q4_0", "q8_0"))
-       and (c.sub == 1 or t == "q4_k") and (c.w5 == 0 or t in ("q4_0", "q8_0"))},
+       and (c.sub == 1 or t == "q4_k") and (c.w5u == 0 or t in ("q4_0", "q8_0"))},
     **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4
        if t not in _VECQ_SINGLE},
 }
@@ -369,7 +359,10 @@ VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, b
 #: 14336x4096 / 4096x4096 / 1024x4096 against 18.5 / 21.1 / 8.4 / 6.4 for whole super-blocks
 #: (b1_wg128_nr4_s4: 15.1 / 16.0 / 7.2 / 5.0, 2% slower over a llama layer's products); llama8b
 #: q4_k tg128 229.5 -> 254.8 tok/s. VKXSPLIT_DISABLE_VECQ_SG=1 keeps the session-8 shapes.
-VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1),
+#: Session 13: Q4_0 reading each block as 5 words (w5u) instead of 4 and two halfwords, 12.2 /
+#: 6.2 us at 4096x14336 / 4096x4096 against 12.7 / 6.5 (tall: 11.8 against 12.3);
+#: VKXSPLIT_DISABLE_VECQ_W5U=1 keeps the halfword loads.
+VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5u=1),
                        "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2),
                        "q4_k": VecqConfig(128, 2, blk=1, unr=2, sub=4)}
 _VECQ_GPU_M1_S8 = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2)}
@@ -380,7 +373,7 @@ _VECQ_GPU_M1_S8 = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(
 #: (11.9 against 10.3), 1024x4096 (11.4 / 8.1) and 4096x14336 (24.4 / 17.0)
 #: Session 9: Q8_0 with 128 threads per row, 2 rows per thread, subgroupAdd: 14336x4096 18.2
 #: us against 19.1 (82% of copy), but 19.3 / 8.1 against 19.0 / 7.9 at 4096x14336 / 4096x4096
-VECQ_GPU_M1_TALL = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4), "q8_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1)}
+VECQ_GPU_M1_TALL = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4, w5u=1), "q8_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1)}
 _VECQ_GPU_M1_TALL_S8 = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4)}
 VECQ_TALL_N, VECQ_TALL_K = 8192, 4096
 
@@ -392,11 +385,20 @@ def vecq_sg_disabled() -> bool:
     return env_flag("VKXSPLIT_DISABLE_VECQ_SG")
 
 
+def vecq_w5u_disabled() -> bool:
+    """``VKXSPLIT_DISABLE_VECQ_W5U=1``: GPU decode shapes read each block's last word as two
+    halfwords (the shapes without ``w5u``; bisecting)."""
+    return env_flag("VKXSPLIT_DISABLE_VECQ_W5U")
+
+
 def _vecq_gpu_tables() -> tuple[dict[str, VecqConfig], dict[str, VecqConfig]]:
     """(shape per type, shape per type for tall products) GPUs decode with: session 8's with
-    VKXSPLIT_DISABLE_VECQ_SG, else the current ones."""
+    VKXSPLIT_DISABLE_VECQ_SG, else the current ones (without w5u with VKXSPLIT_DISABLE_VECQ_W5U)."""
     if vecq_sg_disabled():
         return _VECQ_GPU_M1_S8, _VECQ_GPU_M1_TALL_S8
+    if vecq_w5u_disabled():
+        return ({t: replace(c, w5u=0) for t, c in VECQ_GPU_M1_BY_TYPE.items()},
+                {t: replace(c, w5u=0) for t, c in VECQ_GPU_M1_TALL.items()})
     return VECQ_GPU_M1_BY_TYPE, VECQ_GPU_M1_TALL
 
 
@@ -517,12 +519,9 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
                                         y_col_offset)
     check_q8_1_scratch(name, xq_scratch, M, K, (("the weights", w), ("x", x), ("y", y)))
     _check_bindings(name, wt, w, x, y, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col)
-    if cfg.w5 == 2:  # unguarded: the last block's word past its end must be inside the binding
-        need = -(-(w_row_offset + N) * wt.row_bytes(K) // 4) * 4
-        if as_range(w)[2] < need:
-            raise KernelError(f"{name}: variant {variant!r} reads whole words: the weight binding must hold "
-                              f"{need} bytes (the last row's trailing word), it holds {as_range(w)[2]}; bind "
-                              "the weights with that padding or use a variant without _w5u")
+    if cfg.w5u and not vecq_fits(w, wt, w_row_offset + N, K):
+        cfg = replace(cfg, w5u=0)  # the binding ends inside the last row's trailing word
+        variant = f"mul_mat_vecq_{wt.name}_q8_1_m{spec[2]}_{cfg.tag}"
     gx, gy, _ = _grid("vec", wt, M, N, variant)
     nq = -(-M * (K // 32) // (VECQ_QUANTIZE_WG // 8))
     if gy > MAX_GROUPS or nq > MAX_GROUPS:
@@ -534,6 +533,14 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
         record_quantize_q8_1(seq, x, xq_scratch, M, K, x_stride, x_offset)
     seq.dispatch(kd, [w, xq_scratch, y], (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col, 0),
                  (gx, gy, 1))
+
+
+def vecq_fits(w: Bindable, wt: WeightType, rows: int, K: int) -> bool:
+    """Whether weight binding ``w`` holds whole 32-bit words up to the end of row ``rows - 1``
+    (a ``w5u`` variant reads the word holding a row's last byte whole; where the rows end 2
+    bytes into a word and the binding with them, :func:`record_mul_mat_vecq` records the same
+    shape without ``w5u``)."""
+    return as_range(w)[2] >= -(-rows * wt.row_bytes(K) // 4) * 4
 
 
 def check_q8_1_scratch(name: str, xq_scratch: Bindable, M: int, K: int,
@@ -1490,7 +1497,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
 __all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
            "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
-           "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "VECQ_GPU_M1_TALL", "vecq_for_shape", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
+           "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_fits", "vecq_w5u_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "VECQ_GPU_M1_TALL", "vecq_for_shape", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
            "check_mul_mat", "coop_k_split", "cm2_choose", "cm2_variant_name", "coopmat2_available",
            "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "cm2_k_split", "cm2_eligible", "dq16_available", "dq16_chosen", "dq16_disabled", "DQ16_DIRECT_COST", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
            "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]

@@ -56,10 +56,8 @@ MMA_WG_TILES = (MmaTile(128, 128, 64, 256), MmaTile(128, 256, 64, 256))
 #: decode kernels without their x loads (``probe_vecq_nox_<vecq variant>``, PROBE_NOX in
 #: shaders/mul_mat_vecq.comp): the GPU default shapes of Q4_0 and Q8_0 (RPT > 1), timed beside
 #: the real kernel, say what reading x costs a mat-vec
-NOX_BASES = ("mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg", "mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr2_r4",
-             "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr2_u2_r2", "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg",
-             # the 4096x14336 defaults with QW + 1 word loads per block (w5), timed beside them
-             "mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg_w5", "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr2_u2_r2_w5")
+NOX_BASES = ("mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg_w5u", "mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr2_r4_w5u",
+             "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr2_u2_r2", "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr1_u2_r2_sg")
 
 
 #: the two cuts of a decode kernel: ``nox`` leaves out its x loads (y = the rows' weight sums),
@@ -199,7 +197,10 @@ def record_probe_vecq_nox(seq: Sequence, w: Bindable, w_type: str, scratch: Bind
         raise KernelError(f"probe_vecq_nox: {base!r} is not one of {NOX_BASES} for {w_type} weights")
     wt = weight_type(w_type)
     check_mul_mat(wt, 1, N, K, path="vec")
-    for what, buf, need in (("w", w, N * row_bytes(w_type, K)), ("y", y, 4 * N)):
+    wneed = N * row_bytes(w_type, K)
+    if VECQ_SWEEP[base][1].w5u:  # whole-word loads: the last row's trailing word too
+        wneed = -(-wneed // 4) * 4
+    for what, buf, need in (("w", w, wneed), ("y", y, 4 * N)):
         _, off, size, _ = as_range(buf)
         if off % 16 or size < need:
             raise KernelError(f"probe_vecq_nox: the {what} binding must hold {need} bytes, 16-byte aligned")
