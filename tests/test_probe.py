@@ -168,3 +168,48 @@ def test_probe_vecq_noc_folds_the_blocks(device, base):
     finally:
         for b in (wb, sb, yb):
             b.close()
+
+
+@pytest.mark.parametrize("shape", pr.ROWS_SHAPES, ids=lambda t: t.tag)
+@pytest.mark.parametrize("rows,row_bytes,groups", [(37, 1152, None), (37, 1152, 3), (8, 16 * 4100, None), (1, 16, 1)])
+def test_probe_read_rows_sums_each_row(device, shape, rows, row_bytes, groups):
+    """The read-only launch in a decode kernel's grid: out[row] is the wrapping sum of the row's
+    words, against numpy; rows not a multiple of the workgroup's, fewer workgroups than row groups
+    (they loop), rows longer than a round of loads; the word after the rows stays poisoned."""
+    rng = np.random.default_rng(rows * row_bytes + shape.v)
+    words = rng.integers(0, 1 << 32, rows * row_bytes // 4 + 8, dtype=np.uint64).astype(np.uint32)
+    mem = device.memory
+    src, out = mem.alloc(words.nbytes, "host", "src"), mem.alloc(4 * rows + 4, "host", "out")
+    try:
+        src.numpy(np.uint32)[:] = words
+        out.numpy(np.uint32)[:] = 0xDEADBEEF
+        _run(device, lambda s: pr.record_probe_read_rows(s, src, out, rows, row_bytes, shape, groups))
+        want = words[: rows * row_bytes // 4].reshape(rows, -1).astype(np.uint64).sum(axis=1) % (1 << 32)
+        got = out.numpy(np.uint32)
+        assert np.array_equal(got[:rows].astype(np.uint64), want)
+        assert got[rows] == 0xDEADBEEF
+    finally:
+        src.close()
+        out.close()
+
+
+def test_probe_read_rows_rejects_bad_sizes(device):
+    mem = device.memory
+    src, out = mem.alloc(256, "host", "src"), mem.alloc(16, "host", "out")
+    v4, v1 = pr.ROWS_SHAPES[0], pr.ROWS_SHAPES[1]
+    try:
+        s = Sequence(device, "bad")
+        with pytest.raises(KernelError, match="multiple of 16"):
+            pr.record_probe_read_rows(s, src, out, 2, 20, v4)  # rows of 20 bytes: not whole uvec4
+        with pytest.raises(KernelError, match="src binding"):
+            pr.record_probe_read_rows(s, src, out, 4, 128, v1)  # 512 bytes past the 256 bound
+        with pytest.raises(KernelError, match="one per row"):
+            pr.record_probe_read_rows(s, src, out, 8, 16, v4)  # out holds 4 words
+        with pytest.raises(KernelError, match="not one of"):
+            pr.record_probe_read_rows(s, src, out, 2, 16, pr.RowsShape(4, 64, 1, 1, 1))
+        with pytest.raises(KernelError, match="2\\^32"):
+            pr.record_probe_read_rows(s, src, out, 1 << 20, 1 << 14, v1)
+        s.close()
+    finally:
+        src.close()
+        out.close()

@@ -7,8 +7,9 @@
   with and without its quantize dispatch; and a copy of the same bytes per size
 - per weight size, the fastest read-only launch of the same bytes (``probe_read``): a
   mat-vec's ceiling at that size; for Q4_0 / Q8_0 the decode kernel without its x loads
-  (``probe_vecq_nox``): what reading x costs it, and with its weight loads alone
-  (``probe_vecq_nox`` kind ``noc``)
+  (``probe_vecq_nox``): what reading x costs it, with its weight loads alone
+  (``probe_vecq_nox`` kind ``noc``), and a read-only launch in the kernel's grid with coalesced
+  loads (``probe_rows``): what the grid costs, apart from the block layout's loads
 - mat-mat TFLOP/s at M = 512 for the same types, tiled and cooperative-matrix paths, and the
   cooperative-matrix multiply-add rate without loads (``probe_mma``): the mat-mat's ceiling
 
@@ -94,6 +95,7 @@ def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int,
                     tc = benchutil.timed(dev, lambda s, i, v=v: pr.record_probe_vecq_nox(
                         s, ws[i % len(ws)], ty, xq, yv, n, k, v, kind="noc"), reps)
                     out.append((f"probe: the weight loads alone, no x, no dot (`{tag}`)", tc))
+                    out += rows_times(dev, ws, yv, n, row_bytes(ty, k), mm.VECQ_SWEEP[v][1], reps)
             except VkxError as exc:
                 out.append((f"x as q8_1 (`{tag}`)", str(exc)[:60]))
     except VkxError as exc:
@@ -101,6 +103,35 @@ def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int,
     finally:
         for buf in bufs:
             buf.close()
+    return out
+
+
+ROWS_GRIDS = (None, 1056, 264)  # probe_rows workgroups: one per row group, or fewer looping
+
+
+def rows_times(dev: Device, ws: list, yv: View, n: int, rbytes: int, cfg, reps: int) -> list[tuple[str, float | str]]:
+    """Rows of the read-only launch in the grid of decode shape ``cfg`` (``probe_rows``: its
+    teams and rows per workgroup, 16-byte and 32-bit coalesced loads; one workgroup per row group
+    or fewer looping), each checked against numpy's row sums of the first weight copy first."""
+    out: list[tuple[str, float | str]] = []
+    want = ws[0].read(np.uint32)[: n * rbytes // 4].reshape(n, -1).astype(np.uint64).sum(axis=1) % (1 << 32)
+    for shape in pr.ROWS_SHAPES:
+        if (shape.nr, shape.r) != (cfg.nr, cfg.rpt) or rbytes % (4 * shape.v):
+            continue
+        for g in ROWS_GRIDS:
+            groups = pr.rows_groups(dev, n, shape) if g is None else min(g, pr.rows_groups(dev, n, shape))
+            label = f"probe: read-only launch in this grid (`probe_rows_{shape.tag}`, {groups} workgroups)"
+            try:
+                run_once(dev, "rows check", lambda seq, shape=shape, groups=groups: pr.record_probe_read_rows(
+                    seq, ws[0], yv, n, rbytes, shape, groups))
+                got = yv.buffer.read(np.uint32, (n,), yv.offset).astype(np.uint64)
+                if not np.array_equal(got, want):
+                    raise VkxError(f"probe_rows_{shape.tag} on {groups} workgroups: row sums differ from numpy")
+                t = benchutil.timed(dev, lambda s, i, shape=shape, groups=groups: pr.record_probe_read_rows(
+                    s, ws[i % len(ws)], yv, n, rbytes, shape, groups), reps)
+                out.append((label, t))
+            except VkxError as exc:
+                out.append((label, str(exc)[:60]))
     return out
 
 

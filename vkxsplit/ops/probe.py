@@ -53,6 +53,32 @@ class MmaTile:
 #: 128 x 256 alternative (the two F16 tilings it keeps)
 MMA_WG_TILES = (MmaTile(128, 128, 64, 256), MmaTile(128, 256, 64, 256))
 
+@dataclass(frozen=True)
+class RowsShape:
+    """A row-wise read probe's grid (``probe_rows_*``, PROBE 4): ``wg`` threads in ``nr`` teams,
+    ``r`` rows per team, ``u`` loads of ``v`` words per row in flight per thread."""
+
+    v: int
+    wg: int
+    nr: int
+    r: int
+    u: int
+
+    @property
+    def tag(self) -> str:
+        return f"v{self.v}_wg{self.wg}_nr{self.nr}_r{self.r}_u{self.u}"
+
+    @property
+    def rows(self) -> int:
+        """Rows per workgroup and row group."""
+        return self.nr * self.r
+
+
+#: the read-only launch in the grids of the Q4_0 decode shapes (``b1_wg128_nr1_u2_r2_sg_w5u``: 128
+#: threads on 2 rows; the tall ``b1_wg128_nr2_r4_w5u``: 2 teams of 64 on 4 rows each), with
+#: 16-byte and 32-bit coalesced loads
+ROWS_SHAPES = (RowsShape(4, 128, 1, 2, 2), RowsShape(1, 128, 1, 2, 8), RowsShape(4, 128, 2, 4, 2))
+
 #: decode kernels without their x loads (``probe_vecq_nox_<vecq variant>``, PROBE_NOX in
 #: shaders/mul_mat_vecq.comp): the GPU default shapes of Q4_0 and Q8_0 (RPT > 1), timed beside
 #: the real kernel, say what reading x costs a mat-vec
@@ -93,6 +119,9 @@ VARIANTS = [
               bindings=3, writes=(2,), push="I", local_size=(t.nt, 1, 1), target_env="vulkan1.3",
               compiler="glslang15", requires=_CM2_REQUIRES) for t in MMA_WG_TILES],
     *[_nox_variant(b, k) for b in NOX_BASES for k in NOX_KINDS],
+    *[Variant(name=f"probe_rows_{t.tag}", source="probe_rows.comp",
+              defines={"WG": str(t.wg), "V": str(t.v), "NR": str(t.nr), "R": str(t.r), "U": str(t.u)},
+              bindings=2, writes=(1,), push="II", local_size=(t.wg, 1, 1)) for t in ROWS_SHAPES],
 ]
 
 
@@ -182,6 +211,36 @@ def record_probe_mma(seq: Sequence, a: Bindable, b: Bindable, out: Bindable, ite
     seq.dispatch(Kernel.get(seq.device, name), [a, b, out], (iters,), groups)
 
 
+def rows_groups(device: Device, rows: int, shape: RowsShape) -> int:
+    """Workgroups giving each of ``rows`` / shape.rows row groups its own, at most the device's limit."""
+    return max(1, min(device.physical.limits["maxComputeWorkGroupCount"][0], -(-rows // shape.rows)))
+
+
+def record_probe_read_rows(seq: Sequence, src: Bindable, out: Bindable, rows: int, row_bytes: int,
+                           shape: RowsShape, groups: int | None = None) -> None:
+    """Sum each of ``rows`` rows of ``row_bytes`` bytes of ``src`` as 32-bit words (wrapping) into
+    ``out[row]``, read in ``shape``'s grid (``probe_rows_*``): a read-only launch laid out as a
+    decode kernel. ``groups`` workgroups (default :func:`rows_groups`: one per row group; fewer
+    loop over the row groups)."""
+    if shape not in ROWS_SHAPES:
+        raise KernelError(f"probe_read_rows: shape {shape.tag} is not one of {[t.tag for t in ROWS_SHAPES]}")
+    if rows < 1 or row_bytes < 1 or row_bytes % (4 * shape.v):
+        raise KernelError(f"probe_read_rows: {rows} rows of {row_bytes} bytes: rows must be positive and "
+                          f"each a positive multiple of {4 * shape.v} bytes (shape {shape.tag})")
+    if rows * (row_bytes // (4 * shape.v)) >= 1 << 32:
+        raise KernelError(f"probe_read_rows: {rows} rows of {row_bytes} bytes: the unit indices would pass 2^32")
+    g = rows_groups(seq.device, rows, shape) if groups is None else groups
+    if g < 1:
+        raise KernelError("probe_read_rows: at least one workgroup")
+    _, off, size, _ = as_range(src)
+    if off % 16 or size < rows * row_bytes:
+        raise KernelError(f"probe_read_rows: the src binding must hold {rows * row_bytes} bytes, 16-byte aligned")
+    _, ooff, osize, _ = as_range(out)
+    if ooff % 4 or osize < 4 * rows:
+        raise KernelError(f"probe_read_rows: the out binding must hold {rows} aligned 32-bit words (one per row)")
+    seq.dispatch(Kernel.get(seq.device, f"probe_rows_{shape.tag}"), [src, out], (rows, row_bytes // 4), g)
+
+
 def record_probe_vecq_nox(seq: Sequence, w: Bindable, w_type: str, scratch: Bindable, y: Bindable, N: int, K: int,
                           base: str, kind: str = "nox") -> None:
     """The decode kernel ``base`` (one of NOX_BASES) on ``N`` x ``K`` weights ``w`` without its x
@@ -208,5 +267,5 @@ def record_probe_vecq_nox(seq: Sequence, w: Bindable, w_type: str, scratch: Bind
     seq.dispatch(Kernel.get(seq.device, nox_name(base, kind)), [w, scratch, y], (1, N, K, K, N, 0, 0, 0, 0, 0), (gx, gy, 1))
 
 
-__all__ = ["MMA_WG_TILES", "NOX_BASES", "NOX_KINDS", "nox_name", "record_probe_vecq_nox", "MmaTile", "READ_UNROLLS", "mma_flops", "mma_shapes", "mma_supported", "mma_variant", "read_groups",
+__all__ = ["MMA_WG_TILES", "NOX_BASES", "ROWS_SHAPES", "RowsShape", "record_probe_read_rows", "rows_groups", "NOX_KINDS", "nox_name", "record_probe_vecq_nox", "MmaTile", "READ_UNROLLS", "mma_flops", "mma_shapes", "mma_supported", "mma_variant", "read_groups",
            "record_probe_mma", "record_probe_read"]
