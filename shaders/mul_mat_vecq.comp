@@ -51,22 +51,10 @@
 // does not, the host records the same shape without WLOAD5); not bounds-checked here: a check
 // per block cost more than the load saved (H200, Q4_0 4096x14336: 14.0 us against 12.7 without
 // WLOAD5 and 12.2 with it unchecked).
-// WROUND 1 / 2 (Q4_0, BLK 1, NR 1, RPT > 1, K % 2048 == 0, the host checks): the weights read
-// coalesced and handed out through shared memory. The workgroup's WG / 32 teams of 32 (warps on
-// NVIDIA) take the rows' 64-block chunks (288 words) in turn, chunk c = team + i WG / 32; per
-// round each invocation loads word lane + 32 j (j < 9) of its team's chunk of each of the RPT
-// rows (a warp's load: one contiguous 128-byte line), stores them to its team's part of
-// shared memory, and decodes two blocks of the chunk from there: blocks 2 lane, 2 lane + 1
-// (WROUND 1: its 9 words, conflict-free) or lane, lane + 32 (WROUND 2: a warp's x loads over
-// consecutive blocks). The team's stores and loads are ordered by a subgroup barrier where
-// subgroups hold 32 or more invocations, else by a workgroup barrier (every team runs the same
-// rounds, so barriers stay in uniform control flow). Why: in the decode grid a read-only launch
-// with such loads takes 10.7 us at 4096x14336 against 12.0 for the block-per-lane loads
-// (probe_rows against probe_vecq_noc, H200).
 // PROBE_NOX 2 (probe_vecq_noc_*): the RPT > 1 shapes with their weight loads only: no x, each
 // block's quant words and scale xor-folded to a byte, y = the row's sum of those bytes.
 // Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG,
-// KSUB, PROBE_NOX, WLOAD5, WROUND.
+// KSUB, PROBE_NOX, WLOAD5.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 #extension GL_EXT_shader_16bit_storage : require
@@ -145,17 +133,9 @@
 #if KSUB != 1 && (KSUB != 4 || WTYPE != WT_Q4_K)
 #error "KSUB 4: Q4_K only"
 #endif
-#ifndef WROUND
-#define WROUND 0
-#endif
-#if WROUND && (WTYPE != WT_Q4_0 || BLK != 1 || NR != 1 || RPT < 2 || WG % 32 != 0 || WLOAD5 || PROBE_NOX)
-#error "WROUND: Q4_0, BLK 1, NR 1, RPT > 1, WG a multiple of 32, no WLOAD5 / PROBE_NOX"
-#endif
 #if SG
-#extension GL_KHR_shader_subgroup_arithmetic : require
-#endif
-#if SG || WROUND
 #extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
 #if RPT > 1 && (BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0))
 #error "RPT > 1: Q4_0 / Q8_0 with BLK 1 only"
@@ -343,24 +323,6 @@ void unpack_block(const uint w[QW + 1u], uint G, out float d, out uint q[QW]) {
     }
     d = odd ? dd.y : dd.x;
 }
-
-#if WROUND
-#define NTEAM (WG / 32)
-#define CW 288u  // words of a row's 64-block chunk (64 x 18 bytes)
-shared uint wstage[NTEAM][RPT][CW];
-
-// orders a team's shared stores and loads: its 32 invocations lie in one subgroup where
-// subgroups hold 32 or more (gl_SubgroupSize is uniform: either branch is taken by all)
-void team_sync() {
-    if (gl_SubgroupSize >= 32u) {
-        subgroupMemoryBarrierShared();
-        subgroupBarrier();
-    } else {
-        memoryBarrierShared();
-        barrier();
-    }
-}
-#endif
 
 // block index g of RPT rows (scales d[i], quant words q[i]) against x block g of each column
 void block_rows(const float d[RPT], const uint q[RPT][QW], uint g) {
@@ -561,54 +523,6 @@ void main() {
             accr[i][m] = 0.0;
         }
     }
-#if WROUND
-    const uint team = lane / 32u;
-    const uint tl = lane % 32u;
-    const uint nch = nb / 64u;  // chunks per row (K % 2048 == 0)
-    uint W0[RPT];               // first word of each row (G0 even: 18-byte blocks, word-aligned)
-    [[unroll]] for (uint i = 0u; i < RPT; ++i) {
-        W0[i] = (G0[i] >> 1) * 9u;
-    }
-    for (uint it = 0u; it < (nch + NTEAM - 1u) / NTEAM; ++it) {  // the same count for every team
-        const uint c = team + it * NTEAM;
-        const bool live = c < nch;
-        const uint cc = live ? c : 0u;
-        uint v[RPT][9];
-        [[unroll]] for (uint i = 0u; i < RPT; ++i) {
-            [[unroll]] for (uint j = 0u; j < 9u; ++j) {
-                v[i][j] = live ? w_u32[W0[i] + cc * CW + 32u * j + tl] : 0u;  // (team-uniform)
-            }
-        }
-        team_sync();  // the previous round's loads from wstage are done
-        [[unroll]] for (uint i = 0u; i < RPT; ++i) {
-            [[unroll]] for (uint j = 0u; j < 9u; ++j) {
-                wstage[team][i][32u * j + tl] = v[i][j];
-            }
-        }
-        team_sync();
-        if (live) {
-            [[unroll]] for (uint h = 0u; h < 2u; ++h) {
-#if WROUND == 1
-                const uint b = 2u * tl + h;   // block of the chunk
-#else
-                const uint b = tl + 32u * h;
-#endif
-                const uint g = cc * 64u + b;  // block of the row
-                const uint w0 = (9u * b) >> 1;  // word holding its first byte
-                float d[RPT];
-                uint q[RPT][QW];
-                [[unroll]] for (uint i = 0u; i < RPT; ++i) {
-                    uint w[QW + 1u];
-                    [[unroll]] for (uint k = 0u; k <= QW; ++k) {
-                        w[k] = wstage[team][i][w0 + k];  // w0 + 4 <= 287: inside the chunk
-                    }
-                    unpack_block(w, G0[i] + g, d[i], q[i]);
-                }
-                block_rows(d, q, g);
-            }
-        }
-    }
-#else
     for (uint g0 = lane; g0 < nb; g0 += UNR * L) {
         uint w[UNR][RPT][QW + 1u];
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
@@ -628,7 +542,6 @@ void main() {
             }
         }
     }
-#endif  // WROUND
 #elif BLK == 8
     const uint ng = nb / 8u;          // groups per row
     const uint gb = row * (ng * GW);  // first uvec4 of the row

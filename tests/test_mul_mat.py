@@ -930,14 +930,6 @@ def test_mat_vecq_variant(device, bufs, rng, name):
     Ms = (1,) if maxm == 1 else (3, 4)
     unit = 256 if cfg.blk == 8 or t in ("q4_k", "q6_k") else 32  # (K-quants: one super-block per unit)
     pad = 2 if cfg.w5u else 0  # whole-word loads: the binding holds the last row's trailing word
-    if cfg.wr:  # rows of whole 64-block chunks: one chunk (teams idle), more chunks than teams
-        _vecq_run(device, bufs, rng, t, name, 1, n_total=rows + 3, r0=0, n=rows + 3, K=mm.VECQ_WR_K, y_col=0)
-        nch = cfg.wg // 32 + 1
-        _vecq_run(device, bufs, rng, t, name, 1, n_total=2 * rows + 1, r0=1, n=2 * rows, K=mm.VECQ_WR_K * nch,
-                  y_col=2, x_off=3, random_bits=True)
-        with pytest.raises(KernelError, match="64-block"):
-            _vecq_run(device, bufs, rng, t, name, 1, n_total=rows, r0=0, n=rows, K=mm.VECQ_WR_K + 32, y_col=0)
-        return
     for M in Ms:
         _vecq_run(device, bufs, rng, t, name, M, n_total=rows + 3, r0=0, n=rows + 3, K=512, y_col=0, w_pad=pad)
         _vecq_run(device, bufs, rng, t, name, M, n_total=2 * rows + 5, r0=3, n=rows + 2,

@@ -138,18 +138,9 @@ def verify(dev: Device, rng: np.random.Generator, t: str, variants: list[str]) -
 def verify_vecq(dev: Device, rng: np.random.Generator, t: str, variants: list[str]) -> dict[str, str]:
     """PASS / FAIL / SKIP per integer-dot-product variant on a small shape (as verify()),
     against the float64 product of the same quantized x; x is rounded to 8 bits, so the
-    unquantized product is no reference here. (``wr`` variants, rows of whole 64-block chunks:
-    K = 3 chunks.)"""
-    wr = [v for v in variants if mm.VECQ_SWEEP[v][1].wr]
-    out = _verify_vecq_k(dev, rng, t, [v for v in variants if v not in wr], 1280)
-    if wr:
-        out.update(_verify_vecq_k(dev, rng, t, wr, 3 * mm.VECQ_WR_K))
-    return out
-
-
-def _verify_vecq_k(dev: Device, rng: np.random.Generator, t: str, variants: list[str], k: int) -> dict[str, str]:
+    unquantized product is no reference here."""
     out: dict[str, str] = {}
-    n = 37
+    n, k = 37, 1280
     raw, w = reference_weights(rng, t, n, k)
     x = rng.standard_normal((4, k)).astype(np.float32)
     wb = dev.memory.alloc(raw.nbytes, "host", "verify_w")

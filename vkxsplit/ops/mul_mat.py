@@ -224,10 +224,7 @@ class VecqConfig:
     32 nibble bytes each: four times the units per row, so short rows keep more lanes busy),
     ``w5u`` (Q4_0 / Q8_0, ``blk`` 1) 1: each block read as QW + 1 32-bit words instead of QW
     words and two halfwords; the last word is not bounds-checked, so a binding that ends inside
-    the last row's trailing word runs the same shape without ``w5u`` (:func:`vecq_fits`).
-    ``wr`` (Q4_0, ``blk`` 1, ``nr`` 1, ``rpt`` > 1, K % 2048 == 0) 1 / 2: the weights read as
-    coalesced 32-bit words per 64-block chunk and handed out through shared memory (``WROUND``
-    in the shader; 1: two adjacent blocks per thread, 2: blocks ``lane`` and ``lane + 32``)."""
+    the last row's trailing word runs the same shape without ``w5u`` (:func:`vecq_fits`)."""
 
     wg: int
     nr: int
@@ -239,13 +236,12 @@ class VecqConfig:
     sg: int = 0
     sub: int = 1
     w5u: int = 0
-    wr: int = 0
 
     @property
     def tag(self) -> str:
         return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
                 + (f"_r{self.rpt}" if self.rpt > 1 else "") + (f"_s{self.sub}" if self.sub > 1 else "")
-                + ("_sg" if self.sg else "") + ("_w5u" if self.w5u else "") + (f"_wr{self.wr}" if self.wr else "")
+                + ("_sg" if self.sg else "") + ("_w5u" if self.w5u else "")
                 + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
 
     @property
@@ -264,12 +260,9 @@ class VecqConfig:
             d["KSUB"] = str(self.sub)
         if self.w5u:
             d["WLOAD5"] = "1"
-        if self.wr:
-            d["WROUND"] = str(self.wr)
         return d
 
 
-VECQ_WR_K = 2048                  # K of a wr variant's 64-block chunk (its rows: whole chunks)
 VECQ_QUANTIZE = "quantize_q8_1"   # the quantize-x kernel (shaders/quantize_q8_1.comp)
 VECQ_QUANTIZE_WG = 256            # its workgroup: 8 threads per 32-element block
 VECQ_BLOCK_BYTES = 40             # scratch bytes per block of x: 32 int8 + f32 d + int32 sum
@@ -324,13 +317,6 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # one round of loads per thread at 4096x14336 (wg256_nr1_u2_r2_sg, u4_r2_sg,
                 # u4_sg): Q4_0 13.0-13.2 / 13.6-17.0 / 6.7-7.1
                 VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5u=1), VecqConfig(128, 2, blk=1, rpt=4, w5u=1),
-                # session 14, Q4_0 only, to be measured: the weights read as coalesced words per
-                # 64-block chunk, handed out through shared memory per team of 32 (wr); in the
-                # decode grid a read-only launch with such loads takes 10.7 us at 4096x14336
-                # against 12.0 for the block-per-lane loads (probe_rows / probe_vecq_noc, H200)
-                VecqConfig(128, 1, blk=1, rpt=2, sg=1, wr=1), VecqConfig(128, 1, blk=1, rpt=2, sg=1, wr=2),
-                VecqConfig(128, 1, blk=1, rpt=4, sg=1, wr=2), VecqConfig(256, 1, blk=1, rpt=2, sg=1, wr=2),
-                VecqConfig(64, 1, blk=1, rpt=2, sg=1, wr=2),
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
@@ -345,7 +331,7 @@ _VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
 VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
     **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES
        if (c.blk == 1 or t not in _VECQ_SINGLE) and (c.rpt == 1 or t in ("q4_0", "q8_0"))
-       and (c.sub == 1 or t == "q4_k") and (c.w5u == 0 or t in ("q4_0", "q8_0")) and (c.wr == 0 or t == "q4_0")},
+       and (c.sub == 1 or t == "q4_k") and (c.w5u == 0 or t in ("q4_0", "q8_0"))},
     **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4
        if t not in _VECQ_SINGLE},
 }
@@ -529,9 +515,6 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
     if cfg.blk == 8 and K % WIDE_K:
         raise KernelError(f"{name}: variant {variant!r} needs K % {WIDE_K} == 0 (16-byte aligned rows of "
                           "whole 8-block groups)")
-    if cfg.wr and K % VECQ_WR_K:
-        raise KernelError(f"{name}: variant {variant!r} needs K % {VECQ_WR_K} == 0 (rows of whole 64-block "
-                          "chunks)")
     x_stride, y_col, y_stride = _layout(name, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset,
                                         y_col_offset)
     check_q8_1_scratch(name, xq_scratch, M, K, (("the weights", w), ("x", x), ("y", y)))
