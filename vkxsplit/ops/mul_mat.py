@@ -317,6 +317,18 @@ _VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), Vecq
                 # one round of loads per thread at 4096x14336 (wg256_nr1_u2_r2_sg, u4_r2_sg,
                 # u4_sg): Q4_0 13.0-13.2 / 13.6-17.0 / 6.7-7.1
                 VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5u=1), VecqConfig(128, 2, blk=1, rpt=4, w5u=1),
+                # session 14, swept and dropped (tree f31ef9d, reverted): Q4_0 weights read as
+                # coalesced words, each team of 32 taking the rows' 64-block chunks in turn (9
+                # loads per row per round, all 128 or 256 threads of a row pair busy, unlike
+                # session 12's one team per row), handed out through the team's own shared memory
+                # with subgroup barriers (wr1: 2 adjacent blocks per thread, conflict-free; wr2:
+                # blocks lane and lane + 32). In the decode grid a read-only launch with such loads
+                # takes 10.6-11.0 us at 4096x14336 against 12.0 for the default's own loads
+                # (probe_rows / probe_vecq_noc), but the hand-out costs more than it saves. H200,
+                # dot only, us at 4096x14336 / 14336x4096 / 4096x4096 (default 12.2 / 11.9 (tall)
+                # / 6.3): wg128_nr1_r2_sg_wr1 15.6 / 18.7 / 8.0, _wr2 14.1 / 17.0 / 7.7,
+                # wg128_nr1_r4_sg_wr2 14.5 / 19.3 / 8.3, wg256_nr1_r2_sg_wr2 15.4 / 26.9 / 10.2,
+                # wg64_nr1_r2_sg_wr2 14.1 / 14.9 / 7.2
                 # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
                 # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
                 # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
