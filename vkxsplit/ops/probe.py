@@ -1,4 +1,4 @@
-"""Probes: kernels that measure the device, not compute an op (``shaders/probe.comp``).
+"""Probes: kernels that measure the device, not compute an op (``shaders/probe.comp``, ``shaders/probe_rows.comp``).
 
 The kernel benchmark (``tools/bench_kernels.py``) reads each kernel of the library against
 what one launch of its kind can do at all on the device and driver:
@@ -10,8 +10,11 @@ what one launch of its kind can do at all on the device and driver:
   subgroup scope (``probe_mma_f16_sg``, VK_KHR_cooperative_matrix, 16 x 16 x 16) or at the
   workgroup scope and tile of ``mul_mat_cm2`` (``probe_mma_f16_wg_*``, VK_NV_cooperative_matrix2):
   the matrix units' rate as the driver issues them, without the loads of a real product.
+- :func:`record_probe_read_rows`: a read-only launch laid out as a decode kernel's grid (its teams
+  and rows per workgroup) with coalesced loads, one sum per row: what the grid costs a mat-vec,
+  apart from the loads its block layout makes it issue (``probe_vecq_nox`` kind ``noc``).
 
-Both produce a result the tests check against numpy (the sum of the words; ``iters`` times the
+Each produces a result the tests check against numpy (the sums of the words; ``iters`` times the
 operands' product), so a probe that skipped work would fail rather than look fast.
 """
 
@@ -53,9 +56,10 @@ class MmaTile:
 #: 128 x 256 alternative (the two F16 tilings it keeps)
 MMA_WG_TILES = (MmaTile(128, 128, 64, 256), MmaTile(128, 256, 64, 256))
 
+
 @dataclass(frozen=True)
 class RowsShape:
-    """A row-wise read probe's grid (``probe_rows_*``, PROBE 4): ``wg`` threads in ``nr`` teams,
+    """A row-wise read probe's grid (``probe_rows_*``, shaders/probe_rows.comp): ``wg`` threads in ``nr`` teams,
     ``r`` rows per team, ``u`` loads of ``v`` words per row in flight per thread."""
 
     v: int
