@@ -13,6 +13,11 @@ import pytest
 
 os.environ.setdefault("VKXSPLIT_VALIDATION", "1")
 
+#: seconds a wait that should succeed may take in a test: long, because lavapipe compiles a
+#: kernel at its first dispatch, inside the wait (with a cold Mesa shader cache, as on a fresh
+#: machine, test_executor's first chain step took 24 s on 2 cores); a hang still fails
+WAIT_S = 120.0
+
 
 @pytest.fixture(scope="session")
 def device():
@@ -82,7 +87,7 @@ def seqs(device):
 
     yield make
     for s in made:
-        s.wait(20.0)
+        s.wait(WAIT_S)
         s.close()
 
 

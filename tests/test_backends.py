@@ -10,6 +10,7 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import WAIT_S
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
@@ -20,7 +21,7 @@ from vkxsplit.ops.convert import record_convert
 from vkxsplit.vk.command import Sequence
 from vkxsplit.vk.event import Timeline
 
-TIMEOUT = 20.0
+TIMEOUT = WAIT_S  # (conftest: first dispatches compile inside the wait on lavapipe)
 
 
 @pytest.fixture(scope="module")

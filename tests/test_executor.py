@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import WAIT_S
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
@@ -18,7 +19,7 @@ from vkxsplit.executor import BackendOp, Executor, HubOp
 from vkxsplit.graph import Graph, Tensor
 from vkxsplit.plan import HUB, ArenaWorkspace, Planner
 
-TIMEOUT = 20.0
+TIMEOUT = WAIT_S  # (conftest: first dispatches compile inside the wait on lavapipe)
 M, K, N1, N2 = 8, 64, 48, 32
 U = 2.0**-8  # unit roundoff of bf16 (8 significant bits, round to nearest even)
 

@@ -22,6 +22,7 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import WAIT_S
 from reference import KVCache, reference_forward
 
 from vkxsplit.errors import PlanError
@@ -29,7 +30,7 @@ from vkxsplit.executor import BackendNodeOp
 
 N_VOCAB = 2000
 IDS = [int(i) for i in np.random.default_rng(5).integers(0, N_VOCAB, 16)]
-TIMEOUT = 30.0
+TIMEOUT = WAIT_S  # (conftest: first dispatches compile inside the wait on lavapipe)
 
 
 @pytest.fixture(scope="module")

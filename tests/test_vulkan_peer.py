@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import WAIT_S
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
@@ -40,7 +41,7 @@ from vkxsplit.ops.convert import record_convert
 from vkxsplit.ops.mul_mat import record_mul_mat
 from vkxsplit.vk.event import Timeline
 
-TIMEOUT = 20.0
+TIMEOUT = WAIT_S  # (conftest: first dispatches compile inside the wait on lavapipe)
 U = 2.0 ** -24
 FAKE_UUID = bytes(range(0xA0, 0xB0))
 
