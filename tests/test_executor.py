@@ -15,9 +15,12 @@ from gguf.constants import GGMLQuantizationType
 
 from vkxsplit.attach import SharedArena, stats
 from vkxsplit.backend import create_backend
-from vkxsplit.executor import BackendOp, Executor, HubOp
+from vkxsplit.executor import Executor
 from vkxsplit.graph import Graph, Tensor
-from vkxsplit.plan import HUB, ArenaWorkspace, Planner
+from vkxsplit.plan.planner import Planner
+from vkxsplit.plan.schedule import BackendOp, HubOp
+from vkxsplit.plan.spec import HUB
+from vkxsplit.plan.workspace import ArenaWorkspace
 
 TIMEOUT = WAIT_S  # (conftest: first dispatches compile inside the wait on lavapipe)
 M, K, N1, N2 = 8, 64, 48, 32
@@ -296,3 +299,40 @@ def test_npu_kernel_cap_is_a_plan_error_not_a_runtime_one(device, cpu, npu, aren
     finally:
         ws.close()
         chain.close()
+
+
+def test_hub_recorders_are_looked_up_by_op_name(device):
+    """The hub recorders of graph nodes live in vkxsplit.ops.nodes behind a registry: every op
+    the model's graphs use has one; an op nobody registered is a KernelError naming it (at
+    lookup, and when an executor records a node of it); an op takes one recorder."""
+    from vkxsplit.errors import KernelError
+    from vkxsplit.executor import record_graph
+    from vkxsplit.ops import nodes
+    from vkxsplit.vk.command import Sequence
+
+    table = nodes.recorders()
+    assert {"mul_mat", "quantize_q8_1", "get_rows", "rms_norm", "add_rms_norm", "add", "swiglu", "rope", "kv_store",
+            "attention", "argmax", "cpy", "link_sum", "convert"} <= set(table)
+    assert nodes.recorder("rms_norm") is table["rms_norm"]
+    with pytest.raises(TypeError):
+        table["bogus"] = print  # a read-only view: ops register through the decorator
+    with pytest.raises(KernelError, match="no hub kernel for op bogus"):
+        nodes.recorder("bogus")
+    with pytest.raises(KernelError, match="already has a hub recorder"):
+        nodes.register("add")(lambda seq, n: None)
+    mem = device.memory
+    bufs = [mem.alloc(M * K * 4, "device", f"t{i}") for i in range(2)]
+    g = Graph("bogus-graph", T=M)
+    g.add("bogus", "odd", [Tensor("a", (M, K), "f32", bufs[0])], Tensor("b", (M, K), "f32", bufs[1]))
+    try:
+        with pytest.raises(KernelError, match=r"no hub kernel for op bogus \(node odd\)"):
+            Executor(device, Planner().plan(g, "none"))
+        seq = Sequence(device, "bogus")
+        try:
+            with pytest.raises(KernelError, match="graph bogus-graph: no hub kernel for op bogus"):
+                record_graph(seq, g)
+        finally:
+            seq.close()
+    finally:
+        for b in bufs:
+            b.close()

@@ -26,7 +26,7 @@ from conftest import WAIT_S
 from reference import KVCache, reference_forward
 
 from vkxsplit.errors import PlanError
-from vkxsplit.executor import BackendNodeOp
+from vkxsplit.plan.schedule import BackendNodeOp
 
 N_VOCAB = 2000
 IDS = [int(i) for i in np.random.default_rng(5).integers(0, N_VOCAB, 16)]

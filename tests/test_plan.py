@@ -8,23 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from vkxsplit import plan
 from vkxsplit.backend import Capabilities
 from vkxsplit.errors import PlanError
-from vkxsplit.executor import BackendOp, HubOp, build_schedule
 from vkxsplit.graph import Graph, Tensor, span
-from vkxsplit.plan import (
-    HUB,
-    CostModel,
-    Part,
-    Planner,
-    Profile,
-    Workspace,
-    parse_backends,
-    parse_spec,
-    parse_specs,
-    simulate,
-)
+from vkxsplit.plan.cost import CostModel, simulate
+from vkxsplit.plan.planner import Part, Planner
+from vkxsplit.plan.profile import KERNEL_SWITCHES, Profile, kernels_ident
+from vkxsplit.plan.schedule import BackendOp, HubOp, build_schedule
+from vkxsplit.plan.spec import HUB, parse_backends, parse_spec, parse_specs
+from vkxsplit.plan.workspace import Workspace
 
 CPU_CAPS = dict(ops={"mul_mat"}, weight_types={"f32", "f16", "bf16", "q4_0", "q8_0"},
                 compute_dtypes={"f32", "bf16", "f16"})
@@ -393,12 +385,12 @@ def test_profile_is_keyed_by_the_kernels(tmp_path, monkeypatch):
     kernels and switches find the saved one again."""
     from vkxsplit import shaders
 
-    for k in plan.KERNEL_SWITCHES:
+    for k in KERNEL_SWITCHES:
         monkeypatch.delenv(k, raising=False)
     p = Profile.for_device(fake_device(), tmp_path)
     p.put("hub", "submit", 2e-5)
     p.save()
-    assert json.loads(p.path.read_text())["kernels"] == plan.kernels_ident()
+    assert json.loads(p.path.read_text())["kernels"] == kernels_ident()
     assert Profile.for_device(fake_device(), tmp_path).get("hub", "submit") == 2e-5
     monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "0")  # off, as unset: the same profile
     assert Profile.for_device(fake_device(), tmp_path).path == p.path
@@ -448,7 +440,7 @@ def test_a_backends_own_clock_is_its_job_cost(device, monkeypatch):
     queued jobs (which carried host round trips and made CUDA jobs look 10x slower)."""
     from vkxsplit.attach import SharedArena
     from vkxsplit.backend import create_backend
-    from vkxsplit.plan import CostModel, Profile
+    from vkxsplit.calibrate import MeasuringCostModel
 
     b = create_backend("cpu", device)
     calls = []
@@ -461,10 +453,88 @@ def test_a_backends_own_clock_is_its_job_cost(device, monkeypatch):
     monkeypatch.setattr(type(b), "implements", classmethod(lambda cls, hook: hook == "time_job"))
     arena = SharedArena(device, [b])
     try:
-        cm = CostModel(Profile(), device=device, arena=arena, backends=[b], reps=2)
+        cm = MeasuringCostModel(Profile(), device=device, arena=arena, backends=[b], reps=2)
         cm._measure_job("cpu", "f32", 48, 64, 3)
         assert calls == [(48, 64, 3, 2)]
         assert cm.job("cpu", "f32", 48, 64, 3) == 4.25e-3 and cm.estimated == set()
     finally:
         arena.close()
         b.close()
+
+
+#: who may import whom, lowest first: a module imports only its own layer or lower ones
+LAYERS = {"vkxsplit.graph": 0, "vkxsplit.plan": 1, "vkxsplit.ops.nodes": 1, "vkxsplit.executor": 2,
+          "vkxsplit.calibrate": 3, "vkxsplit.model": 4}
+#: inside vkxsplit.plan: each module imports only those before it
+PLAN_ORDER = ["spec", "schedule", "workspace", "profile", "cost", "planner", "__init__"]
+
+
+def _layer(mod: str) -> int | None:
+    hit = [k for k in LAYERS if mod == k or mod.startswith(k + ".")]
+    return LAYERS[max(hit, key=len)] if hit else None
+
+
+def _vkx_imports(path, me: str):
+    """(module, line, under TYPE_CHECKING) of every vkxsplit import in ``path``, at any depth."""
+    import ast
+
+    pkg = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    out = []
+
+    def walk(node, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            t = typing_only or (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test))
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = pkg.split(".")[:len(pkg.split(".")) - child.level + 1]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                mods = [mod] if child.module else [f"{mod}.{a.name}" for a in child.names]
+                out.extend((m, child.lineno, t) for m in mods if m.startswith("vkxsplit"))
+            elif isinstance(child, ast.Import):
+                out.extend((a.name, child.lineno, t) for a in child.names if a.name.startswith("vkxsplit"))
+            walk(child, t)
+
+    walk(ast.parse(path.read_text()), False)
+    return out
+
+
+def test_imports_go_one_way():
+    """graph -> plan.* -> executor -> calibrate -> model, never back, not even inside a function
+    (no lazy import dodging a cycle); the executor takes only plan.schedule at run time; inside
+    the plan package spec -> schedule -> workspace -> profile -> cost -> planner."""
+    from pathlib import Path
+
+    import vkxsplit
+
+    root = Path(vkxsplit.__file__).parent
+    files = {f"vkxsplit.plan.{p.stem}" if p.stem != "__init__" else "vkxsplit.plan": p
+             for p in (root / "plan").glob("*.py")}
+    files.update({"vkxsplit.ops.nodes": root / "ops" / "nodes.py", "vkxsplit.executor": root / "executor.py",
+                  "vkxsplit.calibrate": root / "calibrate.py", "vkxsplit.model": root / "model.py"})
+    assert len(files) >= 11
+    wrong = []
+    for me, path in files.items():
+        for mod, line, typing_only in _vkx_imports(path, me):
+            up = _layer(mod) is not None and _layer(mod) > _layer(me)
+            if me.startswith("vkxsplit.plan.") and mod.startswith("vkxsplit.plan."):
+                a, b = me.rsplit(".", 1)[1], mod.rsplit(".", 1)[1]
+                up = up or PLAN_ORDER.index(b) >= PLAN_ORDER.index(a)
+            if me == "vkxsplit.executor" and mod.startswith("vkxsplit.plan") and not typing_only:
+                up = up or mod != "vkxsplit.plan.schedule"
+            if up:
+                wrong.append(f"{path.name}:{line} imports {mod}")
+    assert not wrong, wrong
+
+
+def test_the_planner_loads_without_the_executor_or_the_model():
+    import subprocess
+    import sys
+
+    code = ("import sys, vkxsplit.plan; "
+            "print(sorted(m for m in sys.modules if m in ('vkxsplit.executor', 'vkxsplit.calibrate', "
+            "'vkxsplit.model', 'vkxsplit.runner')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"

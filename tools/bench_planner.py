@@ -49,7 +49,7 @@ def measure(model, T: int, reps: int, rng: np.random.Generator) -> float:
     for r in range(reps + 2):
         model.reset()
         t0 = time.perf_counter()
-        model._run(ids, all_logits=False)
+        model.run_step(ids)
         if r >= 2:
             ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
@@ -66,7 +66,7 @@ def breakdown(model, specs: list[str], T: int, rng: np.random.Generator, trace_d
         try:
             for _ in range(3):  # warm-up (plans, imports), then the traced step
                 model.reset()
-                model._run(ids, all_logits=False)
+                model.run_step(ids)
             tr = model.last_trace
         finally:
             model.set_trace(False)

@@ -23,7 +23,6 @@ COMMAND_MODULES = (
     "vkxsplit.info",
     "vkxsplit.runner",
     "vkxsplit.synth",
-    "vkxsplit.plan",
 )
 
 

@@ -8,8 +8,9 @@ When backends are attached, that memory is a :class:`~vkxsplit.attach.SharedView
 kernels bind it, backends read it in place).
 
 The planner (:mod:`vkxsplit.plan`) decides where each node runs; the executor
-(:mod:`vkxsplit.executor`) records the hub's share once into command sequences and replays
-them every step. Both reason about which bytes a node reads and writes
+(:mod:`vkxsplit.executor`) records the hub's share once into command sequences (each node
+through its op's recorder, :mod:`vkxsplit.ops.nodes`) and replays them every step. This module
+imports neither: they import it. Both reason about which bytes a node reads and writes
 (:meth:`Node.reads`, :meth:`Node.writes`, :func:`span`): activation buffers are reused
 across layers, so the order of a write and a later read of the same range is what creates
 a dependency, not the tensor's name.

@@ -33,12 +33,17 @@ from typing import Any
 
 import numpy as np
 
+from .calibrate import MeasuringCostModel, hub_node_times
 from .errors import ModelError, VkxError
 from .executor import Executor, Step
 from .gguf_model import ModelFile, default_model_path
 from .gguf_model import load_model as load_gguf
 from .graph import Graph, Tensor, overlap, span
-from .plan import ArenaWorkspace, CostModel, Plan, Planner, Profile, SplitSpec, hub_node_times, parse_backends
+from .plan.cost import CostModel, simulate
+from .plan.planner import Plan, Planner
+from .plan.profile import Profile
+from .plan.spec import SplitSpec, parse_backends
+from .plan.workspace import ArenaWorkspace
 from .tokenizer import Tokenizer
 from .vk.device import Device
 from .vk.instance import env_flag
@@ -170,6 +175,12 @@ class LanguageModel:
 
     def reset(self) -> None:
         self.n_past = 0
+
+    def run_step(self, ids: list[int], all_logits: bool = False) -> Any:
+        """Append ``ids`` (at most ``ubatch`` tokens) to the context and run one step of the
+        forward pass; its logits are then what :meth:`last_logits` / :meth:`last_argmax` read
+        (every row's with ``all_logits``). Returns the step (its counters, its trace)."""
+        return self._run(list(ids), all_logits)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -584,11 +595,22 @@ class Model(LanguageModel):
     # -- plans and steps ----------------------------------------------------------------------
 
     @property
+    def owns_device(self) -> bool:
+        """Whether :meth:`close` closes the hub device: True when the model opened it; set it
+        to hand over a device the caller opened for it."""
+        return self._own_device
+
+    @owns_device.setter
+    def owns_device(self, own: bool) -> None:
+        self._own_device = bool(own)
+
+    @property
     def cost(self) -> CostModel:
         """The cost model (measured on demand, cached in the device profile)."""
         if self._cost is None:
-            self._cost = CostModel(Profile.for_device(self.device, self._profile_dir), device=self.device,
-                                   arena=self.arena, backends=self.backends.values(), hub_runner=self._time_hub)
+            self._cost = MeasuringCostModel(Profile.for_device(self.device, self._profile_dir), device=self.device,
+                                            arena=self.arena, backends=self.backends.values(),
+                                            hub_runner=self._time_hub)
             self.planner.cost = self._cost
         return self._cost
 
@@ -617,8 +639,6 @@ class Model(LanguageModel):
         model's predicted step time, measuring what the profile lacks)."""
         ex = self._executor(T, all_logits)
         if predict and ex.plan.prediction is None:
-            from .plan import simulate
-
             self.cost.prepare(ex.plan.graph, self.planner._job_needs(ex.plan.schedule))
             ex.plan.prediction = simulate(ex.plan.schedule, self.cost)
         return ex.plan

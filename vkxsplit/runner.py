@@ -1,4 +1,4 @@
-"""``vkxsplit run`` and ``vkxsplit bench``: the main jobs a user runs on a GGUF model."""
+"""``vkxsplit run``, ``vkxsplit bench`` and ``vkxsplit plan``: the main jobs a user runs on a GGUF model."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=None,
                    help="with --devices: pieces of a prompt step in flight on different GPUs at once "
                         "(default twice the devices, pieces of at least 32 tokens)")
-    from .plan import SPLIT_HELP
+    from .plan.spec import SPLIT_HELP
 
     p.add_argument("--split", default=None, help=SPLIT_HELP + "; `vkxsplit bench` sweeps several "
                    "separated by ';' (e.g. 'none;tensor:1,1;mode:cpu>=8')")
@@ -139,7 +139,7 @@ def _load(args: argparse.Namespace) -> Any:
     except BaseException:
         dev.close()
         raise
-    model._own_device = True
+    model.owns_device = True
     return model
 
 
@@ -204,7 +204,7 @@ def bench_model(model: Any, n_prompt: int, n_gen: int, reps: int, seed: int = 0)
             tok = model.last_argmax()
             t0 = time.perf_counter()
             for _ in range(n_gen):
-                model._run([tok], all_logits=False)
+                model.run_step([tok])
                 tok = model.last_argmax()
             return n_gen / (time.perf_counter() - t0)
 
@@ -214,7 +214,7 @@ def bench_model(model: Any, n_prompt: int, n_gen: int, reps: int, seed: int = 0)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .plan import parse_spec
+    from .plan.spec import parse_spec
 
     splits = [s.strip() for s in (args.split or "none").split(";")]
     for s in splits:
@@ -265,6 +265,74 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``vkxsplit plan``: the plan of each ``-t`` batch size (who runs which ops and rows, the
+    conversions, the timeline) with its predicted step time, measuring what the device
+    profile lacks; ``--trace FILE``: one traced step of the largest."""
+    from .model import load_model
+    from .vk.device import Device
+
+    try:
+        Ts = sorted({int(t) for t in str(args.tokens).split(",") if t.strip()})
+    except ValueError:
+        raise VkxError(f"-t wants token counts like 1 or 1,512, got {args.tokens!r}") from None
+    if not Ts or min(Ts) < 1:
+        raise VkxError("-t wants positive token counts")
+    dev = Device.open(args.device) if args.device is not None else None
+    ub = max(Ts)
+    n_ctx = args.ctx_size or max(ub + 1, 256)
+    try:
+        model = load_model(args.model, split=args.split, backends=args.backends, device=dev, n_ctx=n_ctx,
+                           ubatch=ub)
+    except BaseException:
+        if dev is not None:
+            dev.close()
+        raise
+    if dev is not None:
+        model.owns_device = True
+    try:
+        plans = [model.plan(T, predict=True) for T in Ts]
+        if args.trace:
+            model.set_trace(True)
+            rng = np.random.default_rng(0)
+            model.reset()
+            model.run_step(rng.integers(0, model.hp.n_vocab, Ts[-1]).tolist())
+            Path(args.trace).write_text(json.dumps(model.last_trace))
+            print(f"trace of one step (T={Ts[-1]}) written to {args.trace} (open in https://ui.perfetto.dev)",
+                  file=sys.stderr)
+        if args.json:
+            print(json.dumps({"model": model.file.name, "device": model.device.name,
+                              "backends": list(model.backends), "profile": str(model.cost.profile.path),
+                              "plans": [p.to_dict() for p in plans]}, indent=1))
+        else:
+            for p in plans:
+                print(p.describe(points=args.verbose_points))
+                print()
+            print(f"device profile: {model.cost.profile.path}")
+    finally:
+        model.close()
+    return 0
+
+
+def _register_plan(sub: Any) -> None:
+    from .plan.spec import SPLIT_HELP
+
+    p = sub.add_parser("plan", help="show which backend runs which ops (and rows) and the predicted time")
+    p.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--split", default="none", help=SPLIT_HELP)
+    p.add_argument("--backends", default=None,
+                   help="comma-separated backends to attach, with options: cpu,npu-emu:min_batch=1")
+    p.add_argument("-t", "--tokens", default="1", help="batch size(s) T to plan for, e.g. 1,512 (default 1)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: max(T + 1, 256))")
+    p.add_argument("--device", default=None, help="hub device index or name part (VKXSPLIT_DEVICE)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--points", dest="verbose_points", action="store_true",
+                   help="list every timeline point (hub segments and backend jobs)")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="also run one step of the largest T and write its Chrome trace-event JSON")
+    p.set_defaults(func=cmd_plan)
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("run", help="generate text with a GGUF model (default: SmolLM2-135M-Instruct)")
     _add_model_args(p)
@@ -285,6 +353,7 @@ def register(sub: Any) -> None:
     b.add_argument("-r", "--repetitions", type=int, default=3)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
+    _register_plan(sub)
 
 
 def _run_entry(args: argparse.Namespace) -> int:

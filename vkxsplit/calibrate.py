@@ -1,0 +1,351 @@
+"""Calibration: the measurements behind the cost model, taken by running the hub and the
+backends on this machine.
+
+:class:`MeasuringCostModel` is a :class:`~vkxsplit.plan.cost.CostModel` that measures what its
+device profile lacks when the planner asks (``prepare``): the hub's submit overhead and
+``convert`` rate (GPU timestamps), each backend's round-trip latency and enqueue time, and its
+``mul_mat`` times on the graph's shapes (scratch buffers of the arena), then saves the profile.
+Hub node times come from ``hub_runner(graph)``; the model passes one built on
+:func:`hub_node_times`, which runs the graph alone through the executor with GPU timestamps.
+
+Imports: ``vkxsplit.plan.*`` and ``vkxsplit.executor`` (it runs them): above the executor,
+below the model, which is the one that imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import attach as _attach
+from .backend import MatMulJob, row_bytes
+from .errors import VkxError
+from .executor import Executor, record_graph
+from .graph import Graph
+from .ops.convert import record_convert
+from .plan.cost import CostModel
+from .plan.planner import Planner
+from .plan.profile import Profile
+from .plan.schedule import HubOp
+from .plan.workspace import ELEM_BYTES as _ELEM
+from .vk.command import Sequence, Timestamps
+from .vk.event import Gate
+
+if TYPE_CHECKING:
+    from .attach import SharedArena
+    from .vk.device import Device
+
+log = logging.getLogger("vkxsplit.plan")
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+class MeasuringCostModel(CostModel):
+    """A :class:`~vkxsplit.plan.cost.CostModel` that measures missing entries on demand
+    (``device``, ``arena`` and ``backends`` given; without a device it only estimates, like its
+    base): hub nodes by ``hub_runner(graph)`` (seconds per node index), backend ``mul_mat`` on
+    scratch buffers of ``arena`` (the backend's own clock where it has one, else host timers),
+    the round-trip latency per backend, the hub's submit overhead and conversion rate;
+    ``reps`` repetitions each."""
+
+    def __init__(self, profile: Profile | None = None, *, device: Device | None = None,
+                 arena: SharedArena | None = None, backends: Iterable[Any] = (), reps: int = 3,
+                 hub_runner: Callable[[Graph], dict[int, float]] | None = None) -> None:
+        super().__init__(profile, device=device, backends=backends)
+        self.arena = arena
+        self.reps = max(1, reps)
+        self.hub_runner = hub_runner
+
+    @property
+    def can_measure(self) -> bool:
+        return self.device is not None
+
+    def prepare(self, graph: Graph | None = None, jobs: Iterable[tuple[str, str, int, int, int]] = ()) -> None:
+        """Measure what is missing for ``graph`` (hub nodes) and ``jobs`` ((backend, w_type,
+        N, K, M) of full-row jobs), then save the profile."""
+        if not self.can_measure:
+            return
+        self._measure_hub_basics()
+        if graph is not None and self.hub_runner is not None:
+            if any(self.profile.get("hub", "node|" + n.signature()) is None for n in graph.nodes):
+                times = self.hub_runner(graph)
+                for n in graph.nodes:
+                    if n.index in times:
+                        self.profile.put("hub", "node|" + n.signature(), times[n.index])
+                self.measured += 1
+        for name in {j[0] for j in jobs}:
+            if self.profile.get(self.scope(name), "latency") is None:
+                self._measure_latency(name)
+        for name, w_type, N, K, M in sorted(set(jobs)):
+            if self.profile.get(self.scope(name), self.job_key(w_type, N, K, M)) is None:
+                self._measure_job(name, w_type, N, K, M)
+        self.profile.save()
+
+    def _measure_hub_basics(self) -> None:
+        dev = self.device
+        assert dev is not None
+        if self.profile.get("hub", "submit") is None:
+            seq = Sequence(dev, "probe-submit")
+            try:
+                seq.end()
+                ts = []
+                for r in range(self.reps + 2):
+                    t = time.perf_counter()
+                    seq.submit()
+                    seq.wait()
+                    if r:
+                        ts.append(time.perf_counter() - t)
+            finally:
+                seq.close()
+            self.profile.put("hub", "submit", _median(ts))
+        if self.profile.get("hub", "convert") is None and dev.timestamp_bits:
+            sizes = (4096, 1 << 20)
+            src = dev.memory.alloc(sizes[-1] * 4, "device", "probe-src")
+            dst = dev.memory.alloc(sizes[-1] * 2, "device", "probe-dst")
+            got = []
+            try:
+                for n in sizes:
+                    tsp = Timestamps(dev, 2)
+                    seq = Sequence(dev, "probe-convert")
+                    try:
+                        record_convert(seq, src, dst, n, "f32", "bf16")
+                        seq.barrier()
+                        seq.write_timestamp(tsp, 0)
+                        for _ in range(self.reps):
+                            record_convert(seq, src, dst, n, "f32", "bf16")
+                            seq.barrier()
+                        seq.write_timestamp(tsp, 1)
+                        seq.run()
+                        t = tsp.read()
+                        got.append(max(1e-9, (t[1] - t[0]) * 1e-9 / self.reps))
+                    finally:
+                        seq.close()
+                        tsp.close()
+            finally:
+                src.close()
+                dst.close()
+            b = max(0.0, (got[1] - got[0]) / (sizes[1] - sizes[0]))
+            a = max(0.0, got[0] - b * sizes[0])
+            self.profile.put("hub", "convert", [a, b])
+
+    def _backend_types(self, name: str) -> tuple[str, str] | None:
+        """(weight type, x type) of a small probe job the backend takes."""
+        b = self.backends[name]
+        wt = next((d for d in (b.caps.x_dtype, "f32", "bf16", "f16") if d in b.caps.weight_types), None)
+        return (wt, b.caps.x_dtype) if wt else None
+
+    def _capped_full(self, name: str) -> bool:
+        b = self.backends[name]
+        cap = b.caps.max_kernels
+        n = getattr(b, "resident_kernels", None)
+        return cap is not None and isinstance(n, int) and n >= cap
+
+    def _scratch(self, nbytes: int, name: str) -> Any:
+        assert self.arena is not None
+        sb = self.arena.alloc(nbytes, name)
+        sb.buffer.write(np.zeros(nbytes, np.uint8))
+        return sb
+
+    def _measure_latency(self, name: str) -> None:
+        """Round trip hub -> backend -> hub of a tiny job (``latency``), and the host time of
+        one ``mul_mat`` call (``enqueue``).
+
+        Where the hub has timestamps the round trip is measured on the GPU clock, as a step
+        runs it: the chain (hub sequence, backend job, hub sequence) is queued behind a
+        host-signalled gate, then released; latency = the gap between the two sequences less
+        the same gap with no backend in between. That excludes the host's time to enqueue
+        (a step enqueues everything up front; ``enqueue`` models that). A backend whose
+        enqueue waits for the GPU would wait for the gate forever: a watchdog opens it after
+        a few seconds and the host round trip is used instead. Without timestamps: the host
+        round trip less two submits."""
+        types = self._backend_types(name)
+        if self.arena is None or types is None or self._capped_full(name):
+            return
+        b = self.backends[name]
+        wt, xt = types
+        N, K = 16, 32
+        bufs = [self._scratch(N * K * _ELEM[wt], "probe-w"), self._scratch(K * _ELEM[xt], "probe-x"),
+                self._scratch(N * 4, "probe-y")]
+        dev = self.device
+        assert dev is not None
+        s1, s2 = Sequence(dev, "probe-a"), Sequence(dev, "probe-b")
+        try:
+            job = MatMulJob(bufs[0].view(), wt, bufs[1].view(), bufs[2].view(), 1, N, K, x_type=xt)
+            enq: list[float] = []
+            lat = self._gpu_round_trip(b, job, s1, s2, enq) if dev.timestamp_bits else None
+            if lat is None:
+                lat = self._host_round_trip(b, job, s1, s2, enq)
+            self.profile.put(self.scope(name), "latency", max(1e-6, lat))
+            self.profile.put(self.scope(name), "enqueue", _median(enq))
+            self.measured += 1
+        finally:
+            s1.close()
+            s2.close()
+            b.unload(bufs[0].view())
+            for sb in bufs:
+                sb.close()
+
+    def _host_round_trip(self, b: Any, job: Any, s1: Any, s2: Any, enq: list[float]) -> float:
+        if s1.recording:
+            s1.end()
+            s2.end()
+        ts = []
+        for r in range(self.reps + 2):
+            t = time.perf_counter()
+            v1 = s1.submit()
+            p = b.next_point()
+            t1 = time.perf_counter()
+            b.mul_mat(job, (s1.timeline, v1), p)
+            enq.append(time.perf_counter() - t1)
+            s2.submit(waits=[p])
+            _attach.host_wait((s2.timeline, s2.last_value))
+            b.check()
+            if r:
+                ts.append(time.perf_counter() - t)
+        return _median(ts) - 2 * self.submit()
+
+    def _gpu_round_trip(self, b: Any, job: Any, s1: Any, s2: Any, enq: list[float]) -> float | None:
+        dev = self.device
+        ts = Timestamps(dev, 2)  # type: ignore[arg-type]
+        gate = Gate(dev, name="probe-gate")  # type: ignore[arg-type]
+        try:
+            s1.write_timestamp(ts, 0)
+            s2.write_timestamp(ts, 1)
+            s1.end()
+            s2.end()
+
+            def gap(via_backend: bool, gated: bool) -> float | None:
+                hold = gate.hold(5.0 if gated else None)
+                v1 = s1.submit(waits=[hold.point])
+                if via_backend:
+                    p = b.next_point()
+                    t = time.perf_counter()
+                    b.mul_mat(job, (s1.timeline, v1), p)
+                    enq.append(time.perf_counter() - t)
+                    s2.submit(waits=[p])
+                else:
+                    s2.submit(waits=[(s1.timeline, v1)])
+                late = gated and not hold.release()
+                _attach.host_wait((s2.timeline, s2.last_value))
+                b.check()
+                t01 = ts.read()
+                return None if late else (t01[1] - t01[0]) * 1e-9
+
+            for _ in range(2):  # warm-up, ungated: first-use work (imports, kernel loads)
+                gap(True, False)
+                gap(False, False)
+            enq.clear()
+            via, hub = [], []
+            for _ in range(self.reps + 2):
+                a, c = gap(True, True), gap(False, True)
+                if a is None:  # the enqueue waited for the GPU: no GPU-side measure
+                    log.info("%s: mul_mat enqueue waits for the GPU; latency from a host round trip", b.name)
+                    return None
+                if c is not None:
+                    via.append(a)
+                    hub.append(c)
+            return _median(via) - _median(hub)
+        finally:
+            ts.close()
+            gate.close()
+
+    def _measure_job(self, name: str, w_type: str, N: int, K: int, M: int) -> None:
+        b = self.backends.get(name)
+        if b is None or self.arena is None or self._capped_full(name):
+            return
+        xt = b.caps.x_dtype
+        try:
+            bufs = [self._scratch(N * row_bytes(w_type, K), "probe-w"), self._scratch(M * K * _ELEM[xt], "probe-x"),
+                    self._scratch(M * N * 4, "probe-y")]
+        except VkxError as exc:
+            log.warning("cannot measure %s mul_mat %s %dx%d: %s", name, w_type, N, K, exc)
+            return
+        try:
+            job = MatMulJob(bufs[0].view(), w_type, bufs[1].view(), bufs[2].view(), M, N, K, x_type=xt)
+            tiny = MatMulJob(bufs[0].view(0, row_bytes(w_type, K)), w_type, bufs[1].view(), bufs[2].view(),
+                             1, N, K, x_type=xt, r0=0, r1=1)
+
+            def timed(j: Any, n: int) -> float:
+                """Seconds per job with ``n`` jobs queued back to back and one wait at the end:
+                in a step every job is enqueued up front, so a per-call host wait (which is
+                large for a GPU driven from Python) is not part of a job's cost."""
+                t = time.perf_counter()
+                for _ in range(n):
+                    p = b.next_point()
+                    b.mul_mat(j, None, p)
+                b.wait(p)
+                return (time.perf_counter() - t) / n
+
+            own = b.time_job(job, self.reps) if type(b).implements("time_job") else None
+            if own is not None:  # the backend's own clock: no host round trips in it
+                self.profile.put(self.scope(name), self.job_key(w_type, N, K, M), max(1e-7, own))
+                self.measured += 1
+                return
+            timed(job, 1)  # warm-up (a backend may prepare the weight once: dequantize, load)
+            timed(tiny, 1)
+            full = _median([timed(job, 4) for _ in range(self.reps)])
+            over = _median([timed(tiny, 4) for _ in range(self.reps)])
+            self.profile.put(self.scope(name), self.job_key(w_type, N, K, M), max(1e-7, full - over))
+            self.measured += 1
+        except VkxError as exc:
+            log.warning("cannot measure %s mul_mat %s %dx%d M=%d: %s", name, w_type, N, K, M, exc)
+        finally:
+            b.unload(bufs[0].view())
+            for sb in bufs:
+                sb.close()
+
+
+
+# ---------------------------------------------------------------------------------------------
+# hub timing of a graph (the cost model's hub runner)
+
+
+def hub_node_times(device: Device, graph: Graph, before_step: Callable[[], None] | None = None,
+                   steps: int = 2) -> dict[int, float]:
+    """Seconds of each node of ``graph`` run on the hub alone: GPU timestamps around every node
+    give the shares, and two timestamps around the whole graph (recorded without the others,
+    which cost time themselves) the total (the last of ``steps`` runs; the first warms up)."""
+    plan = Planner().plan(graph, "none")
+    ex = Executor(device, plan, trace=True, name=f"calibrate {graph.name}")
+    try:
+        st = None
+        for _ in range(max(1, steps)):
+            if before_step is not None:
+                before_step()
+            st = ex.run()
+        assert st is not None
+        times = st.op_times()
+    finally:
+        ex.close()
+    out = {it.node.index: times[id(it)] for it in plan.items if isinstance(it, HubOp) and it.node is not None}
+    ts = Timestamps(device, 2)
+    seq = Sequence(device, f"calibrate {graph.name} (total)")
+    try:
+        seq.write_timestamp(ts, 0)
+        record_graph(seq, graph)
+        seq.write_timestamp(ts, 1)
+        seq.end()
+        for _ in range(max(1, steps)):
+            if before_step is not None:
+                before_step()
+            seq.run()
+        t = ts.read()
+        total = max(0.0, (t[1] - t[0]) * 1e-9)
+    finally:
+        seq.close()
+        ts.close()
+    parts = sum(out.values())
+    if parts > 0 and total > 0:
+        out = {k: v * total / parts for k, v in out.items()}
+    return out
+
+
+
+__all__ = ["MeasuringCostModel", "hub_node_times"]

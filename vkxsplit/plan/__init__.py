@@ -1,0 +1,43 @@
+"""The split planner and what it is made of, one concern per module.
+
+- :mod:`.spec`: the split-spec grammar (``none | layer | tensor | mode | auto``) and ``--backends``;
+- :mod:`.schedule`: a plan lowered to items (hub ops, backend jobs) and :func:`build_schedule`,
+  which cuts them into hub segments and backend jobs (what the executor runs);
+- :mod:`.workspace`: memory the planner inserts (activation shadows, weights converted once);
+- :mod:`.profile`: the device profile (measured costs keyed by device, driver and kernels);
+- :mod:`.cost`: the cost model read from the profile, and :func:`simulate` (predicted step time);
+- :mod:`.planner`: :class:`Planner` and its :class:`Plan` (who runs which op and rows).
+
+Imports go one way: ``vkxsplit.graph`` -> ``vkxsplit.plan.*`` -> ``vkxsplit.executor`` ->
+``vkxsplit.calibrate`` (the cost model's measurements: it runs executors) -> ``vkxsplit.model``.
+Nothing here imports the executor, the calibration or the model. ``vkxsplit plan`` (the
+command) lives in :mod:`vkxsplit.runner`. Design and grammar: ``docs/PLANNER.md``.
+
+This package re-exports the names callers use; new code imports them from their modules.
+"""
+
+from __future__ import annotations
+
+from .cost import DEFAULTS, CostModel, Prediction, simulate
+from .planner import F32_ONLY_OPS, GRANULE, OFFLOADABLE_OPS, Part, Plan, Planner
+from .profile import KERNEL_SWITCHES, PROFILE_VERSION, Profile, kernels_ident
+from .schedule import BackendNodeOp, BackendOp, HubOp, Item, Job, Schedule, Segment, build_schedule
+from .spec import (
+           HUB,
+           HUB_ALIASES,
+           KINDS,
+           SPLIT_HELP,
+           Override,
+           Rule,
+           SplitSpec,
+           parse_backends,
+           parse_spec,
+           parse_specs,
+)
+from .workspace import ELEM_BYTES, FLOAT_TYPES, ArenaWorkspace, Workspace
+
+__all__ = ["DEFAULTS", "ELEM_BYTES", "F32_ONLY_OPS", "FLOAT_TYPES", "GRANULE", "HUB", "HUB_ALIASES", "KERNEL_SWITCHES",
+           "KINDS", "OFFLOADABLE_OPS", "PROFILE_VERSION", "SPLIT_HELP", "ArenaWorkspace", "BackendNodeOp", "BackendOp",
+           "CostModel", "HubOp", "Item", "Job", "Override", "Part", "Plan", "Planner", "Prediction", "Profile", "Rule",
+           "Schedule", "Segment", "SplitSpec", "Workspace", "build_schedule", "kernels_ident", "parse_backends",
+           "parse_spec", "parse_specs", "simulate"]

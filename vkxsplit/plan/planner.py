@@ -1,0 +1,779 @@
+"""The split planner: which participant (the Vulkan hub or an attached backend) runs each op.
+
+Given a graph (:mod:`vkxsplit.graph`), the backends present and a split spec
+(:mod:`.spec`), :class:`Planner` produces a :class:`Plan`: for every node the participant that
+runs it, or for a ``mul_mat`` the row ranges each participant computes; the conversions it
+inserts (x f32 -> bf16 every step and the weights once, on the hub, for a backend that computes
+in bf16; y stays f32: :mod:`.workspace`); and, lowered and cut by
+:func:`.schedule.build_schedule`, the timeline points between participants. The executor
+(:class:`vkxsplit.executor.Executor`) runs it. ``auto`` and predictions take a
+:class:`.cost.CostModel`.
+
+Imports: ``vkxsplit.graph``, ``vkxsplit.backend`` (``NODE_OPS``), ``vkxsplit.errors`` and the
+modules of this package; never the executor or the model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..backend import NODE_OPS
+from ..errors import PlanError
+from ..graph import Graph, Node, Span, Tensor, any_overlap, span
+from .cost import CostModel, Prediction, simulate
+from .schedule import BackendNodeOp, BackendOp, HubOp, Item, Schedule, build_schedule
+from .spec import HUB, HUB_ALIASES, Rule, SplitSpec, parse_spec
+from .workspace import Workspace
+
+#: Ops the planner may hand a backend; every other op of the graph stays on the hub.
+OFFLOADABLE_OPS = frozenset({"mul_mat"})
+#: Ops whose inputs and outputs are f32 state (residual stream, norms, attention, positions):
+#: they have no bf16 form, so a backend that computes only in bf16 can never take them.
+F32_ONLY_OPS = frozenset({"get_rows", "rms_norm", "add_rms_norm", "add", "swiglu", "rope", "kv_store", "attention", "argmax",
+                          "softmax", "norm", "mul", "scale", "silu", "gelu", "cpy"})
+GRANULE = 16  # tensor-split row boundaries are multiples of this (except the last)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Output rows ``[r0, r1)`` of a ``mul_mat`` on ``participant`` (``hub`` or a backend)."""
+
+    participant: str
+    r0: int
+    r1: int
+
+
+@dataclass(eq=False)
+class Plan:
+    """Where each node of ``graph`` runs, the inserted conversions, and the schedule."""
+
+    graph: Graph
+    spec: SplitSpec
+    family: str                           # none / layer / tensor / mode (what auto chose, too)
+    assign: dict[int, list[Part]]         # node index -> parts; nodes not listed run on the hub
+    items: list[Item]
+    schedule: Schedule
+    participants: list[str]
+    notes: list[str] = field(default_factory=list)
+    prediction: Prediction | None = None
+    candidates: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def T(self) -> int:
+        return self.graph.T
+
+    @property
+    def label(self) -> str:
+        return str(self.spec) + (f" -> {self.family}" if self.spec.kind == "auto" else "")
+
+    @property
+    def backend_jobs(self) -> int:
+        return len(self.schedule.jobs)
+
+    def parts(self, node: Node | str) -> list[Part]:
+        n = self.graph.node(node) if isinstance(node, str) else node
+        got = self.assign.get(n.index)
+        if got:
+            return got
+        N = n.inputs[0].shape[0] if n.op == "mul_mat" else 0
+        return [Part(HUB, 0, N)]
+
+    def runs_on(self, node: Node | str) -> list[str]:
+        return sorted({p.participant for p in self.parts(node)})
+
+    def conversions(self) -> dict[str, list[str]]:
+        step = [f"{it.src.name} {it.src.dtype}->{it.dst.dtype} ({it.src.rows}x{it.src.cols})"
+                for it in self.items if isinstance(it, HubOp) and it.kind == "convert"
+                and it.src is not None and it.dst is not None]
+        once = sorted({f"{op.weight.name} ({op.backend})" for op in self.items
+                       if isinstance(op, BackendOp) and op.converted_weight})
+        return {"per_step": step, "once": once}
+
+    def by_participant(self) -> dict[str, dict[str, list[str]]]:
+        out: dict[str, dict[str, list[str]]] = {p: {"ops": [], "mul_mat": []} for p in self.participants}
+        for n in self.graph.nodes:
+            for part in self.parts(n):
+                d = out.setdefault(part.participant, {"ops": [], "mul_mat": []})
+                if n.op == "mul_mat":
+                    N = n.inputs[0].shape[0]
+                    rows = "" if (part.r0, part.r1) == (0, N) else f" rows {part.r0}:{part.r1}/{N}"
+                    d["mul_mat"].append(f"{n.name}{rows}")
+                else:
+                    d["ops"].append(n.name)
+        return out
+
+    def describe(self, points: bool = False) -> str:
+        lines = [f"plan {self.graph.name}  T={self.T}  split={self.spec}  ({self.family})"]
+        for p, d in self.by_participant().items():
+            mm = _compress(d["mul_mat"])
+            other = _compress(d["ops"])
+            lines.append(f"  {p}: {len(d['mul_mat'])} mul_mat{'s' if len(d['mul_mat']) != 1 else ''}"
+                         + (f", {len(d['ops'])} other ops" if d["ops"] else ""))
+            if mm:
+                lines.append("      mul_mat: " + ", ".join(mm))
+            if other and p == HUB and len(other) <= 12:
+                lines.append("      ops: " + ", ".join(other))
+        conv = self.conversions()
+        if conv["per_step"]:
+            lines.append("  per-step conversions on the hub: " + ", ".join(_compress(conv["per_step"])))
+        if conv["once"]:
+            lines.append("  weights converted once at load: " + ", ".join(_compress(conv["once"])))
+        lines.append(f"  timeline: {self.schedule.submits} hub submit{'s' if self.schedule.submits != 1 else ''}, "
+                     f"{self.backend_jobs} backend job{'s' if self.backend_jobs != 1 else ''} per step")
+        if points:
+            lines += ["      " + s for s in self.schedule.points()]
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        if self.candidates:
+            lines.append("  auto candidates: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.candidates))
+        if self.prediction is not None:
+            lines.append(f"  predicted: {self.prediction.describe()}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        sch = self.schedule
+        return {
+            "graph": self.graph.name, "T": self.T, "split": str(self.spec), "family": self.family,
+            "participants": self.by_participant(),
+            "conversions": self.conversions(),
+            "segments": [{"index": s.index, "ops": [op.name for op in s.ops], "waits": s.waits} for s in sch.segments],
+            "jobs": [{"index": j.index, "backend": j.op.backend, "op": j.op.name, "rows": [j.op.r0, j.op.r1],
+                      **({"N": j.op.N, "K": j.op.K, "M": j.op.M, "w_type": j.op.weight.dtype, "x_type": j.op.x.dtype}
+                         if isinstance(j.op, BackendOp) else {"node_op": j.op.node.op}),
+                      "waits_segment": j.wait} for j in sch.jobs],
+            "order": [f"{k}{i}" for k, i in sch.order],
+            "notes": self.notes,
+            "predicted_s": self.prediction.total_s if self.prediction else None,
+            "busy_s": self.prediction.busy if self.prediction else None,
+            "estimated": self.prediction.estimated if self.prediction else None,
+            "candidates": [{"split": k, "predicted_s": v} for k, v in self.candidates],
+        }
+
+
+def _compress(names: list[str]) -> list[str]:
+    """``blk.0.attn_q, blk.1.attn_q`` -> ``blk.{0-1}.attn_q`` (order of first appearance)."""
+    groups: dict[str, list[int]] = {}
+    order: list[str] = []
+    for s in names:
+        m = re.match(r"^blk\.(\d+)\.(.*)$", s)
+        key, idx = (f"blk.{{}}.{m.group(2)}", int(m.group(1))) if m else (s, -1)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        if idx >= 0:
+            groups[key].append(idx)
+    out = []
+    for key in order:
+        idx = sorted(set(groups[key]))
+        if not idx:
+            out.append(key)
+            continue
+        runs = []
+        a = b = idx[0]
+        for i in idx[1:]:
+            if i == b + 1:
+                b = i
+            else:
+                runs.append((a, b))
+                a = b = i
+        runs.append((a, b))
+        rs = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+        out.append(key.replace("{}", rs if len(runs) == 1 and runs[0][0] == runs[0][1] else "{" + rs + "}"))
+    return out
+
+
+# =============================================================================================
+# the planner
+
+
+class Planner:
+    """Plans graphs for one set of attached backends (see the module docstring).
+
+    ``backends``: objects with ``name`` and ``caps`` (attached :class:`~vkxsplit.backend.Backend`\\ s,
+    or stand-ins for dry planning). ``workspace``: where inserted memory comes from (default:
+    dry, buffer-less). ``cost``: a :class:`CostModel` (needed by ``auto`` and for predictions).
+    ``require_shared``: offload only ``mul_mat``\\ s whose memory backends can reach."""
+
+    def __init__(self, backends: Iterable[Any] = (), *, cost: CostModel | None = None,
+                 workspace: Workspace | None = None, require_shared: bool = True, granule: int = GRANULE) -> None:
+        self.backends: dict[str, Any] = {}
+        for b in backends:
+            if b.name in HUB_ALIASES:
+                raise PlanError(f"a backend cannot be named {b.name!r} (the hub's name)")
+            self.backends[b.name] = b
+        self.names = [HUB, *self.backends]
+        self.cost = cost
+        self.workspace = workspace or Workspace()
+        self.require_shared = require_shared
+        self.granule = granule
+
+    # -- spec checks that need only the backends -----------------------------------------
+
+    def _name(self, name: str, spec: SplitSpec) -> str:
+        if name in HUB_ALIASES:
+            return HUB
+        if name not in self.backends:
+            attached = ", ".join(self.names)
+            raise PlanError(f"unknown backend '{name}' in split '{spec}' (attached: {attached})",
+                            f"attach it with --backends {name}, or name one of: {attached}")
+        return name
+
+    def _ratios(self, spec: SplitSpec) -> dict[str, float]:
+        if not spec.ratios:
+            return {}
+        if spec.ratios[0][0] is None:
+            if len(spec.ratios) != len(self.names):
+                raise PlanError(
+                    f"split '{spec}' gives {len(spec.ratios)} ratio{'s' if len(spec.ratios) != 1 else ''} for "
+                    f"{len(self.names)} participants ({', '.join(self.names)})",
+                    f"one ratio per participant, hub first ({spec.kind}:{','.join(['1'] * len(self.names))}), "
+                    f"or name them ({spec.kind}:{HUB}=1,{self.names[-1]}=1)")
+            r = {p: v for p, (_, v) in zip(self.names, spec.ratios)}
+        else:
+            r = {p: 0.0 for p in self.names}
+            for n, v in spec.ratios:
+                r[self._name(n or "", spec)] = v
+        if sum(r.values()) <= 0:
+            raise PlanError(f"split '{spec}': every ratio is 0, nothing would compute")
+        return r
+
+    def _rules(self, spec: SplitSpec) -> list[Rule]:
+        out: list[Rule] = []
+        seen: set[str] = set()
+        for r in spec.rules:
+            name = self._name(r.backend, spec)
+            if name == HUB:
+                raise PlanError(f"split '{spec}': a mode rule names the hub",
+                                "the hub takes every batch size no backend rule takes; give rules for backends")
+            if name in seen:
+                raise PlanError(f"split '{spec}': two rules for {name}", "give one range per backend, e.g. cpu>=8<=64")
+            seen.add(name)
+            caps = self.backends[name].caps
+            lo, hi = r.lo, r.hi
+            if not r.explicit:
+                lo, hi = caps.min_batch, caps.max_batch
+            else:
+                lo = 1 if lo is None else lo
+                if hi is None:
+                    hi = caps.max_batch
+            if caps.max_batch is not None and (hi is None or hi > caps.max_batch or lo > caps.max_batch):
+                if lo > caps.max_batch:
+                    raise PlanError(f"split '{spec}': {name} takes at most {caps.max_batch} tokens per mul_mat "
+                                    f"(max_batch), so batch sizes >= {lo} are nonsensical for it")
+                raise PlanError(f"split '{spec}': the range of {name} goes beyond its max_batch {caps.max_batch}",
+                                f"add <={caps.max_batch}")
+            out.append(Rule(name, lo, hi, r.filter))
+        for i, a in enumerate(out):
+            for b in out[i + 1:]:
+                a_hi = math.inf if a.hi is None else a.hi
+                b_hi = math.inf if b.hi is None else b.hi
+                lo, hi = max(a.lo or 1, b.lo or 1), min(a_hi, b_hi)
+                if lo <= hi:
+                    raise PlanError(f"split '{spec}': the batch ranges of {a.backend} ({a.describe()}) and "
+                                    f"{b.backend} ({b.describe()}) overlap at T={lo}",
+                                    "give each batch size to one backend, e.g. mode:cpu<8,npu-emu>=8")
+        return out
+
+    def check(self, spec: str | SplitSpec | None) -> SplitSpec:
+        """Parse ``spec`` and check what needs only the backends (names, ratio counts, batch
+        ranges); returns the parsed spec. Graph-level checks happen in :meth:`plan`."""
+        s = parse_spec(spec)
+        for n in s.names():
+            self._name(n, s)
+        if s.kind in ("tensor", "layer"):
+            self._ratios(s)
+        if s.kind == "mode":
+            self._rules(s)
+        return s
+
+    # -- what a backend can take ------------------------------------------------------------
+
+    def route(self, b: Any, w: Tensor) -> tuple[str | None, bool, str]:
+        """``(weight type handed to b, converted?, why not)`` for a weight ``w``."""
+        caps = b.caps
+        if w.dtype in caps.weight_types:
+            return w.dtype, False, ""
+        pref = [caps.x_dtype] if caps.x_dtype != "f32" else []
+        pref += [d for d in ("f16", "bf16", "f32") if d not in pref]
+        targets = [d for d in pref if d in caps.weight_types]
+        if not targets:
+            return None, False, (f"{b.name} reads {', '.join(sorted(caps.weight_types))} weights, not {w.dtype}, "
+                                 "and none of f32/f16/bf16 the hub could convert to")
+        from ..ops.quant import TYPES
+
+        if w.dtype not in TYPES:
+            return None, False, f"the hub cannot dequantize {w.dtype} weights for {b.name}"
+        return targets[0], True, ""
+
+    def why_not(self, b: Any, node: Node, *, soft: bool = True) -> tuple[str, str] | None:
+        """Why ``node`` cannot run on ``b``: ``("hard", reason)`` (never), ``("soft", reason)``
+        (not at this batch size / memory), or None when it can."""
+        if node.op in NODE_OPS:
+            if node.op not in b.caps.ops or not type(b).implements("run_op"):
+                return "hard", f"{node.op} runs on the hub only ({b.name} does not take it)"
+            if "xq" in node.params:  # its q8_1 output feeds the hub's integer-dot-product mat-vecs
+                return "hard", f"{node.name} also writes the q8_1 x of the hub's mat-vecs (hub only)"
+            if "f32" not in b.caps.compute_dtypes:
+                return "hard", f"{node.op} computes in f32, {b.name} does not"
+            if self.require_shared:
+                unshared = sorted({t.name for t in (*node.inputs, *node.writes()) if not t.shared})
+                if unshared:
+                    return "soft", f"{', '.join(unshared)} not in memory shared with backends"
+            return None
+        if node.op not in OFFLOADABLE_OPS:
+            return "hard", f"{node.op} runs on the hub only"
+        w, x = node.inputs
+        wt, conv, why = self.route(b, w)
+        if wt is None:
+            return "hard", why
+        caps = b.caps
+        M = x.rows
+        if caps.max_batch is not None and M > caps.max_batch:
+            return "soft", f"M={M} is over {b.name}'s max_batch {caps.max_batch}"
+        if soft and M < caps.min_batch:
+            return "soft", f"M={M} is under {b.name}'s min_batch {caps.min_batch}"
+        if self.require_shared:
+            own_copy = getattr(b, "private_weights", False) and w.host is not None  # loads its own rows
+            stage = getattr(b, "stages_activations", False)  # x and y go through shadows the hub copies
+            need = ([] if stage else [node.output]) + ([] if conv or own_copy else [w]) + (
+                [x] if caps.x_dtype == "f32" and not stage else [])
+            unshared = [t.name for t in need if not t.shared]
+            if unshared:
+                return "soft", f"{', '.join(unshared)} not in memory shared with backends"
+        return None
+
+    def _kernel_key(self, b: Any, node: Node, part: Part) -> tuple[Any, ...]:
+        w = node.inputs[0]
+        _wt, conv, _ = self.route(b, w)
+        return (w.name, part.r0, part.r1) if conv else (w.name,)
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def plan(self, graph: Graph, spec: str | SplitSpec | None, *, predict: bool = False,
+             commit: bool = True) -> Plan:
+        """Plan ``graph`` under ``spec``; raises :class:`PlanError` naming what is wrong."""
+        s = self.check(spec)
+        T = graph.T or max((n.inputs[1].rows for n in graph.mul_mats()), default=1)
+        notes: list[str] = []
+        candidates: list[tuple[str, float]] = []
+        family = s.kind
+        if s.kind == "none":
+            assign: dict[int, list[Part]] = {}
+        elif s.kind == "layer":
+            assign = self._layer(graph, s, notes)
+        elif s.kind == "tensor":
+            assign = self._tensor(graph, s, notes)
+        elif s.kind == "mode":
+            assign = self._mode(graph, s, T, notes)
+        else:
+            assign, family, candidates = self._auto(graph, T, notes)
+        self._check_caps(graph, assign, s)
+        items = self._lower(graph, assign, self.workspace)
+        sch = build_schedule(items)
+        participants = [p for p in self.names if p == HUB or any(j.op.backend == p for j in sch.jobs)]
+        plan = Plan(graph, s, family, assign, items, sch, participants, _dedupe(notes), candidates=candidates)
+        if commit:
+            for p, keys in self._kernel_keys(graph, assign).items():
+                self.workspace.resident(p).update(keys)
+        if (predict or s.kind == "auto") and self.cost is not None:
+            self.cost.prepare(graph, self._job_needs(sch))
+            plan.prediction = simulate(sch, self.cost)
+        return plan
+
+    def _place(self, assign: dict[int, list[Part]], node: Node, p: str, notes: list[str], *, why: str,
+               soft: bool = True) -> None:
+        N = node.output.rows if node.op in NODE_OPS else node.inputs[0].shape[0]
+        if p == HUB:
+            assign.pop(node.index, None)
+            return
+        bad = self.why_not(self.backends[p], node, soft=soft)
+        if bad is not None:
+            kind, reason = bad
+            if kind == "hard":
+                raise PlanError(f"{why} puts {node.name} on {p}, which cannot run it: {reason}")
+            notes.append(f"{node.name} stays on the hub: {reason}")
+            assign.pop(node.index, None)
+            return
+        assign[node.index] = [Part(p, 0, N)]
+
+    def _layer(self, graph: Graph, spec: SplitSpec, notes: list[str]) -> dict[int, list[Part]]:
+        assign: dict[int, list[Part]] = {}
+        taken: set[int] = set()
+        for ov in spec.overrides:
+            p = self._name(ov.backend, spec)
+            matched = graph.find(ov.pattern)
+            if not matched:
+                sample = ", ".join(n.name for n in graph.mul_mats()[:3])
+                raise PlanError(f"split '{spec}': override '{ov.pattern}={ov.backend}' matches no node or tensor "
+                                f"of {graph.name}", f"names look like {sample} (regexes use re.search)")
+            mms = [n for n in matched if n.op in OFFLOADABLE_OPS]
+            if not mms and p != HUB:
+                b = self.backends[p]
+                ops = sorted({n.op for n in matched})
+                names = ", ".join(n.name for n in matched[:4]) + (" ..." if len(matched) > 4 else "")
+                if "f32" not in b.caps.compute_dtypes and any(o in F32_ONLY_OPS for o in ops):
+                    raise PlanError(f"split '{spec}': {p} computes only in {'/'.join(sorted(b.caps.compute_dtypes))} "
+                                    f"and '{ov.pattern}' selects only f32-only ops ({', '.join(ops)}: {names})",
+                                    "a bf16 backend takes mul_mat; match the matrices, e.g. 'blk\\..*\\.ffn_(gate|up|down)'")
+                raise PlanError(f"split '{spec}': {p} does not run {', '.join(ops)} ('{ov.pattern}' selects {names}); "
+                                "backends take mul_mat", "match mul_mat nodes (attn_q/k/v/output, ffn_*, output)")
+            skipped = 0
+            for n in matched:
+                if n.index in taken:
+                    continue
+                taken.add(n.index)
+                if n.op not in OFFLOADABLE_OPS:
+                    skipped += 1
+                    continue
+                self._place(assign, n, p, notes, why=f"override '{ov.pattern}={ov.backend}'")
+            if skipped and p != HUB:
+                notes.append(f"'{ov.pattern}' also matches {skipped} op(s) other than mul_mat: they stay on the hub")
+        ratios = self._ratios(spec)
+        if not ratios and not spec.overrides:
+            ratios = {p: 1.0 for p in self.names}
+        if ratios:
+            n_layer = graph.n_layer
+            total = sum(ratios.values())
+            bounds: list[tuple[str, float, float]] = []
+            acc = 0.0
+            for p in self.names:
+                r = ratios.get(p, 0.0)
+                bounds.append((p, acc / total * n_layer, (acc + r) / total * n_layer))
+                acc += r
+            for n in graph.mul_mats():
+                if n.index in taken or n.layer is None:
+                    continue
+                mid = n.layer + 0.5
+                owner = next((p for p, a, b in bounds if a <= mid < b and b > a), HUB)
+                self._place(assign, n, owner, notes, why=f"layer split '{spec}'")
+        return assign
+
+    def _filtered(self, graph: Graph, spec: SplitSpec, pattern: str | None) -> list[Node]:
+        if pattern is None:
+            return graph.mul_mats()
+        matched = graph.find(pattern)
+        if not matched:
+            raise PlanError(f"split '{spec}': regex '{pattern}' matches no node or tensor of {graph.name}")
+        mms = [n for n in matched if n.op in OFFLOADABLE_OPS]
+        if not mms:
+            ops = sorted({n.op for n in matched})
+            raise PlanError(f"split '{spec}': regex '{pattern}' matches only {', '.join(ops)}; "
+                            f"{spec.kind} split divides mul_mat", "match mul_mat nodes (e.g. 'ffn_(gate|up|down)')")
+        return mms
+
+    def bounds(self, N: int, shares: Sequence[float]) -> list[tuple[int, int]]:
+        """Row ranges for ``shares`` of N rows: contiguous, in order, boundaries on multiples
+        of the granule (the last one at N); a share of 0 gets an empty range."""
+        total = sum(shares)
+        if total <= 0:
+            raise PlanError("every ratio is 0")
+        g = max(1, min(self.granule, N))
+        last = max(i for i, s in enumerate(shares) if s > 0)
+        cuts = [0]
+        acc = 0.0
+        for i, s in enumerate(shares):
+            acc += s
+            end = N if i >= last else min(N, int(round(acc / total * N / g)) * g)
+            cuts.append(max(end, cuts[-1]))
+        return [(cuts[i], cuts[i + 1]) for i in range(len(shares))]
+
+    def _tensor(self, graph: Graph, spec: SplitSpec, notes: list[str]) -> dict[int, list[Part]]:
+        ratios = self._ratios(spec)
+        assign: dict[int, list[Part]] = {}
+        shares = [ratios.get(p, 0.0) for p in self.names]
+        for n in self._filtered(graph, spec, spec.filter):
+            N = n.inputs[0].shape[0]
+            parts: list[Part] = []
+            for p, (r0, r1) in zip(self.names, self.bounds(N, shares)):
+                if r1 <= r0:
+                    continue
+                if p != HUB:
+                    bad = self.why_not(self.backends[p], n)
+                    if bad is not None:
+                        kind, reason = bad
+                        if kind == "hard":
+                            raise PlanError(f"split '{spec}': {p} has ratio {ratios[p]:g} but cannot run "
+                                            f"{n.name}: {reason}", f"give {p} ratio 0, or restrict with @REGEX")
+                        notes.append(f"{n.name} rows {r0}:{r1} of {p} go to the hub: {reason}")
+                        p = HUB
+                parts.append(Part(p, r0, r1))
+            assign[n.index] = _merge_hub(parts, N)
+        return {k: v for k, v in assign.items() if v != [Part(HUB, 0, v[-1].r1)]}
+
+    def _mode(self, graph: Graph, spec: SplitSpec, T: int, notes: list[str]) -> dict[int, list[Part]]:
+        rules = self._rules(spec)
+        assign: dict[int, list[Part]] = {}
+        hit = [r for r in rules if (r.lo or 1) <= T <= (math.inf if r.hi is None else r.hi)]
+        for r in rules:
+            self._filtered(graph, spec, r.filter)  # a filter matching nothing is an error at any T
+        if not hit:
+            notes.append(f"T={T}: no rule takes this batch size; everything runs on the hub")
+            return assign
+        rule = hit[0]
+        explicit = any(o.backend == rule.backend and o.explicit for o in spec.rules)
+        for n in self._filtered(graph, spec, rule.filter):
+            self._place(assign, n, rule.backend, notes, why=f"mode rule {rule.describe()}", soft=not explicit)
+        if rule.filter is None:
+            self._add_glue(graph, assign, rule.backend)
+        return assign
+
+    def _add_glue(self, graph: Graph, assign: dict[int, list[Part]], name: str) -> dict[int, list[Part]]:
+        """Put the glue between the matmuls (norms, SwiGLU, residual adds) on backend ``name``
+        too, where it runs them (``caps.ops`` and ``run_op``). Why: every hand-off between hub
+        and backend costs a round trip (~0.3 ms hub <-> cuda on the H200); with the glue on the
+        backend a decoder layer crosses once (attention stays on the hub) instead of four
+        times."""
+        b = self.backends.get(name)
+        if b is not None and b.caps.ops & NODE_OPS and type(b).implements("run_op"):
+            for n in graph.nodes:
+                if n.op in NODE_OPS and self.why_not(b, n) is None:
+                    assign[n.index] = [Part(b.name, 0, n.output.rows)]
+        return assign
+
+    def _kernel_keys(self, graph: Graph, assign: dict[int, list[Part]]) -> dict[str, set[tuple[Any, ...]]]:
+        out: dict[str, set[tuple[Any, ...]]] = {}
+        for idx, parts in assign.items():
+            n = graph.nodes[idx]
+            if n.op in NODE_OPS:  # no weight matrix: nothing resident
+                continue
+            for part in parts:
+                if part.participant == HUB:
+                    continue
+                b = self.backends[part.participant]
+                if b.caps.max_kernels is not None:
+                    out.setdefault(b.name, set()).add(self._kernel_key(b, n, part))
+        return out
+
+    def _check_caps(self, graph: Graph, assign: dict[int, list[Part]], spec: SplitSpec) -> None:
+        for name, keys in self._kernel_keys(graph, assign).items():
+            cap = self.backends[name].caps.max_kernels
+            have = self.workspace.resident(name)
+            total = keys | have
+            if len(total) > cap:
+                shown = ", ".join(_compress(sorted({k[0].removesuffix(".weight") for k in keys})))
+                raise PlanError(
+                    f"split '{spec}' puts {len(keys)} weight matrices on {name}"
+                    + (f" (plus {len(have - keys)} other plans loaded)" if have - keys else "")
+                    + f", which holds at most {cap} resident kernels: {shown}",
+                    "restrict it with a regex (layer:'blk\\.0\\.ffn_.*=NAME', tensor:...@REGEX, "
+                    "mode:NAME>=N@REGEX) or use auto, which picks the ones that save most")
+
+    def _lower(self, graph: Graph, assign: dict[int, list[Part]], ws: Workspace) -> list[Item]:
+        items: list[Item] = []
+        fresh: dict[tuple[Span, str], tuple[Span, Tensor]] = {}
+
+        def invalidate(written: list[Tensor]) -> None:
+            ws_ = [span(t) for t in written]
+            for k in [k for k, (src, _t) in fresh.items() if any_overlap([src], ws_)]:
+                del fresh[k]
+
+        for n in graph.nodes:
+            parts = assign.get(n.index)
+            if not parts:
+                items.append(HubOp("node", n.name, n.reads(), n.writes(), node=n))
+                invalidate(n.writes())
+                continue
+            if n.op in NODE_OPS:
+                items.append(BackendNodeOp(parts[0].participant, n.name, n))
+                invalidate(n.writes())
+                continue
+            w, x = n.inputs
+            y = n.output
+            N = w.shape[0]
+            group = n.index if len(parts) > 1 else None
+            # A backend that stages activations (a vulkan peer on another GPU: it reaches only
+            # host pages) gets x and y through shadows in the arena while the hub keeps its
+            # activations in device memory: the hub copies x out before the job and y back after
+            # it (all parts of a split node then write the shadow).
+            stage = not y.shared and any(getattr(self.backends[p.participant], "stages_activations", False)
+                                         for p in parts if p.participant != HUB)
+            yt = ws.shadow(y, "f32") if stage else y
+            for part in parts:
+                if part.participant == HUB:
+                    continue
+                b = self.backends[part.participant]
+                xd = b.caps.x_dtype
+                xt = x
+                if xd != "f32" or (not x.shared and getattr(b, "stages_activations", False)):
+                    key = (span(x), xd)
+                    if key in fresh:
+                        xt = fresh[key][1]
+                    else:
+                        xt = ws.shadow(x, xd)
+                        items.append(HubOp("convert", f"{x.name}->{xd}", [x], [xt], src=x, dst=xt))
+                        fresh[key] = (span(x), xt)
+                wt, conv, why = self.route(b, w)
+                if wt is None:
+                    raise PlanError(f"{n.name} on {b.name}: {why}")
+                if conv:
+                    wtensor, w_row0 = ws.converted_weight(w, part.r0, part.r1, wt), part.r0
+                else:
+                    wtensor, w_row0 = w, 0
+                items.append(BackendOp(b.name, n.name if group is None else f"{n.name}[{part.r0}:{part.r1}]",
+                                       n, wtensor, w_row0, xt, yt, part.r0, part.r1, group, conv))
+            for part in parts:
+                if part.participant != HUB:
+                    continue
+                if (part.r0, part.r1) == (0, N):
+                    items.append(HubOp("node", n.name, n.reads(), n.writes(), node=n))
+                else:
+                    items.append(HubOp("rows", f"{n.name}[{part.r0}:{part.r1}]", [w, x], [yt], node=n,
+                                       r0=part.r0, r1=part.r1, group=group, dst=yt if stage else None))
+            if stage:
+                items.append(HubOp("convert", f"{y.name}<-{yt.name}", [yt], [y], src=yt, dst=y))
+            invalidate([y])
+        return items
+
+    def _job_needs(self, sch: Schedule) -> set[tuple[str, str, int, int, int]]:
+        return {(j.op.backend, j.op.weight.dtype, j.op.N, j.op.K, j.op.M) for j in sch.jobs
+                if isinstance(j.op, BackendOp)}
+
+    # -- auto ---------------------------------------------------------------------------------
+
+    def _auto(self, graph: Graph, T: int, notes: list[str]) -> tuple[dict[int, list[Part]], str,
+                                                                     list[tuple[str, float]]]:
+        cost = self.cost
+        if cost is None:
+            raise PlanError("split 'auto' needs a cost model (a measured device profile)",
+                            "plan through a loaded model (vkxsplit.load_model) or pass Planner(cost=CostModel(...))")
+        mms = graph.mul_mats()
+        able: dict[int, list[str]] = {}
+        needs: set[tuple[str, str, int, int, int]] = set()
+        for n in mms:
+            ps = []
+            for name, b in self.backends.items():
+                if self.why_not(b, n) is None:
+                    ps.append(name)
+                    wt, _conv, _ = self.route(b, n.inputs[0])
+                    w = n.inputs[0]
+                    needs.add((name, wt or w.dtype, w.shape[0], w.shape[-1], n.inputs[1].rows))
+            able[n.index] = ps
+        cost.prepare(graph, needs)
+
+        def whole(n: Node, p: str) -> float:
+            if p == HUB:
+                return cost.hub_node(n)
+            b = self.backends[p]
+            w, x = n.inputs
+            wt, _conv, _ = self.route(b, w)
+            t = cost.latency(p) + cost.job(p, wt or w.dtype, w.shape[0], w.shape[-1], x.rows)
+            if b.caps.x_dtype != "f32":
+                t += cost.convert(x.rows * x.cols)
+            return t
+
+        costs = {n.index: {p: whole(n, p) for p in [HUB, *able[n.index]]} for n in mms}
+        cands: list[tuple[str, dict[int, list[Part]]]] = [("none", {})]
+        # mode-like: one backend takes every mul_mat it can
+        for name in self.backends:
+            choice = {n.index: name for n in mms if name in able[n.index]}
+            if choice:
+                only = {i: {HUB: c[HUB], name: c[name]} for i, c in costs.items() if name in c}
+                cands.append((f"mode:{name}", self._add_glue(graph, self._cap_fit(graph, choice, only), name)))
+        # layer-like: each mul_mat on its cheapest participant
+        best = {i: min(c, key=c.get) for i, c in costs.items()}  # type: ignore[arg-type]
+        greedy = self._cap_fit(graph, {i: p for i, p in best.items() if p != HUB}, costs)
+        cands.append(("layer", greedy))
+        # tensor: rows divided where that beats the cheapest single participant
+        mixed = {k: list(v) for k, v in greedy.items()}
+        any_split = False
+        for n in mms:
+            ps = [HUB] + [p for p in able[n.index]
+                          if self.backends[p].caps.max_kernels is None and not self.route(self.backends[p], n.inputs[0])[1]]
+            if len(ps) < 2:
+                continue
+            lat = {p: (0.0 if p == HUB else cost.latency(p)) for p in ps}
+            full = {p: (costs[n.index][HUB] if p == HUB else costs[n.index][p] - lat[p]) for p in ps}
+            shares, finish = _water_fill(lat, full)
+            whole_best = min(costs[n.index].values())
+            if finish < 0.95 * whole_best and sum(1 for v in shares.values() if v > 0) > 1:
+                N = n.inputs[0].shape[0]
+                parts = [Part(p, r0, r1) for p, (r0, r1) in zip(ps, self.bounds(N, [shares[p] for p in ps]))
+                         if r1 > r0]
+                if len(parts) > 1:
+                    mixed[n.index] = _merge_hub(parts, N)
+                    any_split = True
+        if any_split:
+            cands.append(("tensor", mixed))
+        results: list[tuple[str, float, dict[int, list[Part]]]] = []
+        dry = Workspace()
+        seen: list[dict[int, list[Part]]] = []
+        for label, assign in cands:
+            if assign in seen:  # the same assignment under another name: evaluated once
+                continue
+            seen.append(assign)
+            sch = build_schedule(self._lower(graph, assign, dry))
+            results.append((label, simulate(sch, cost).total_s, assign))
+        label, _t, assign = min(results, key=lambda r: r[1])
+        fam = label.split(":")[0]
+        notes.append(f"auto picked {label} for T={T}")
+        return assign, fam, [(lb, t) for lb, t, _ in results]
+
+    def _cap_fit(self, graph: Graph, choice: dict[int, str], costs: dict[int, dict[str, float]]) -> dict[int, list[Part]]:
+        """Whole-op assignment ``choice`` with capped backends limited to the ops where they save
+        most (kernels already resident first); the rest go to their next cheapest participant."""
+        choice = dict(choice)
+        for name, b in self.backends.items():
+            cap = b.caps.max_kernels
+            if cap is None:
+                continue
+            mine = [i for i, p in choice.items() if p == name]
+            resident = self.workspace.resident(name)
+
+            def saving(i: int, name: str = name) -> float:
+                alt = min(v for p, v in costs[i].items() if p != name)
+                return alt - costs[i][name]
+
+            keys = {i: self._kernel_key(b, graph.nodes[i], Part(name, 0, graph.nodes[i].inputs[0].shape[0]))
+                    for i in mine}
+            ranked = sorted(mine, key=lambda i: (keys[i] not in resident, -saving(i)))
+            kept: list[int] = []
+            loaded = set(resident)
+            for i in ranked:
+                if saving(i) <= 0:
+                    continue
+                if keys[i] in loaded or len(loaded) < cap:
+                    loaded.add(keys[i])
+                    kept.append(i)
+            for i in mine:
+                if i not in kept:
+                    alts = {p: v for p, v in costs[i].items() if p != name}
+                    choice[i] = min(alts, key=alts.get)  # type: ignore[arg-type]
+        return {i: [Part(p, 0, graph.nodes[i].inputs[0].shape[0])] for i, p in choice.items() if p != HUB}
+
+
+def _water_fill(lat: dict[str, float], full: dict[str, float]) -> tuple[dict[str, float], float]:
+    """Shares s_p >= 0, sum 1, minimising max_p(lat_p + s_p * full_p): all active participants
+    finish together at F = (1 + sum lat/full) / sum 1/full."""
+    active = sorted(lat, key=lambda p: lat[p])
+    while True:
+        inv = sum(1.0 / max(full[p], 1e-12) for p in active)
+        F = (1.0 + sum(lat[p] / max(full[p], 1e-12) for p in active)) / inv
+        drop = [p for p in active if lat[p] >= F]
+        if not drop or len(active) == 1:
+            break
+        active = [p for p in active if p not in drop]
+    shares = {p: (max(0.0, (F - lat[p]) / max(full[p], 1e-12)) if p in active else 0.0) for p in lat}
+    tot = sum(shares.values()) or 1.0
+    return {p: v / tot for p, v in shares.items()}, F
+
+
+def _merge_hub(parts: list[Part], N: int) -> list[Part]:
+    out: list[Part] = []
+    for p in parts:
+        if out and out[-1].participant == p.participant == HUB and out[-1].r1 == p.r0:
+            out[-1] = Part(HUB, out[-1].r0, p.r1)
+        else:
+            out.append(p)
+    return out
+
+
+def _dedupe(xs: list[str]) -> list[str]:
+    seen: set[str] = set()
+    return [x for x in xs if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]
+
+
+__all__ = ["F32_ONLY_OPS", "GRANULE", "OFFLOADABLE_OPS", "Part", "Plan", "Planner"]
