@@ -639,7 +639,8 @@ class Planner:
         cost = self.cost
         if cost is None:
             raise PlanError("split 'auto' needs a cost model (a measured device profile)",
-                            "plan through a loaded model (vkxsplit.load_model) or pass Planner(cost=CostModel(...))")
+                            "plan through a loaded model (vkxsplit.load_model) or pass "
+                            "Planner(cost=vkxsplit.calibrate.MeasuringCostModel(...))")
         mms = graph.mul_mats()
         able: dict[int, list[str]] = {}
         needs: set[tuple[str, str, int, int, int]] = set()
