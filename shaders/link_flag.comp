@@ -1,5 +1,5 @@
 #version 450
-// link_flag: the GPU-side rendezvous of a cross-device link (vkxsplit/ops/link.py). Two
+// link_flag: the GPU-side rendezvous of a cross-device link (tools/flags.py). Two
 // devices (two GPUs, or two VkDevices) import the same host pages; each owns one flag word
 // there and only ever writes that one. One invocation:
 //   mode & 1 (signal): mine[0] = base[0] + offset  (after a barrier that made this device's

@@ -49,8 +49,7 @@
 // ones (QW + 1 loads per block instead of QW + 2); for a block starting on a word its high half
 // is the next block's (unused), so the binding must hold the last row's trailing word (where it
 // does not, the host records the same shape without WLOAD5); not bounds-checked here: a check
-// per block cost more than the load saved (H200, Q4_0 4096x14336: 14.0 us against 12.7 without
-// WLOAD5 and 12.2 with it unchecked).
+// per block costs more than the load saves (measured: docs/PERFORMANCE.md, "Decode kernels").
 // PROBE_NOX 2 (probe_vecq_noc_*): the RPT > 1 shapes with their weight loads only: no x, each
 // block's quant words and scale xor-folded to a byte, y = the row's sum of those bytes.
 // Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG,
@@ -344,7 +343,7 @@ void block_rows(const float d[RPT], const uint q[RPT][QW], uint g) {
 #endif
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
 #if PROBE_NOX
-        // (probe_vecq_nox_*, vkxsplit/ops/probe.py: the kernel without its x loads, every x
+        // (probe_vecq_nox_*, tools/probes.py: the kernel without its x loads, every x
         // element 1 with scale 1 and block sum 32, so y is the row sums of the weights)
         const uvec4 x0 = uvec4(0x01010101u), x1 = uvec4(0x01010101u);
         const uvec2 meta = uvec2(floatBitsToUint(1.0), 32u);

@@ -1,5 +1,5 @@
 #version 450
-// probe_*: kernels that measure the device rather than compute an op (vkxsplit/ops/probe.py,
+// probe_*: kernels that measure the device rather than compute an op (tools/probes.py,
 // tools/bench_kernels.py). Each answers "how fast can one launch of this kind be at all on this
 // device and driver", the ceiling a real kernel of the library is read against.
 //
@@ -72,8 +72,8 @@ void main() {
             s += v[u].x + v[u].y + v[u].z + v[u].w;
         }
     }
-    // one word per workgroup, no atomics: (session 11, H200) one atomic per subgroup into a
-    // single word serialised at that word and made a 33 MB read 2x slower than a mat-vec
+    // one word per workgroup, no atomics: one atomic per subgroup into a single word
+    // serialises at that word (on the H200 it made a large read slower than a mat-vec)
     s = subgroupAdd(s);
     if (subgroupElect()) {
         part[gl_SubgroupID] = s;

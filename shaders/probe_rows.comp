@@ -1,5 +1,5 @@
 #version 450
-// probe_rows_v<V>_wg<WG>_nr<NR>_r<R>_u<U>: a probe (vkxsplit/ops/probe.py, tools/bench_kernels.py;
+// probe_rows_v<V>_wg<WG>_nr<NR>_r<R>_u<U>: a probe (tools/probes.py, tools/bench_kernels.py;
 // shaders/probe.comp holds the others), a read-only launch in a decode kernel's grid: rows of
 // row_words 32-bit words (a weight row's bytes), a workgroup of WG threads on row groups
 // of NR R rows (row g NR R + t + NR i for team t < NR, i < R, as mul_mat_vecq's RPT rows), team t

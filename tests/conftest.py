@@ -7,11 +7,18 @@ sets VKXSPLIT_VALIDATION=1; the fixture turns it on when unset, too).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 os.environ.setdefault("VKXSPLIT_VALIDATION", "1")
+# tools/ on the path: the experiment kernels (tools/kernels.py), probes and flag waits the
+# tests check live there, outside the package
+_TOOLS = str(Path(__file__).resolve().parent.parent / "tools")
+if _TOOLS not in sys.path:
+    sys.path.insert(0, _TOOLS)
 
 #: seconds a wait that should succeed may take in a test: long, because lavapipe compiles a
 #: kernel at its first dispatch, inside the wait (with a cold Mesa shader cache, as on a fresh
@@ -28,6 +35,29 @@ def device():
     msgs = dev.instance.messages
     dev.close()
     assert not msgs, "validation messages at teardown:\n" + "\n".join(msgs)
+
+
+@pytest.fixture(scope="session")
+def tool_kernels():
+    """The experiment kernels (tools/kernels.py: sweep shapes, emulated coopmat variants,
+    decode checks, probes, flag waits), built into build/tool-spv where this machine has the
+    compilers (once; later sessions rebuild only what changed) and loaded. Returns ``need(*names)``,
+    which skips the calling test when one of them is not available here (a compiler missing,
+    e.g. glslang15, and nothing built before: ``python tools/build_tool_shaders.py`` where it
+    is, then carry build/tool-spv)."""
+    import kernels
+
+    from vkxsplit import shaders
+
+    have = kernels.ensure() | set(shaders.shipped())
+
+    def need(*names: str) -> None:
+        missing = [n for n in names if n not in have]
+        if missing:
+            pytest.skip(f"experiment kernel(s) {', '.join(missing[:3])} not built here (no compiler for them; "
+                        "python tools/build_tool_shaders.py where there is one)")
+
+    return need
 
 
 @pytest.fixture(autouse=True)

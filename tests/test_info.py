@@ -459,10 +459,10 @@ def test_decode_q8_1_paths_are_reported(report):
         assert set(dq) == want  # (Q4_K on GPUs too since session 4; Q6_K on CPUs since session 10)
         for t, v in dq.items():
             assert v in all_variants() and v.startswith(f"mul_mat_vecq_{t}_q8_1_m1_") and v in d["kernels"]["usable"]
-    off = run_info("--json", env={"VKXSPLIT_DISABLE_VECQ": "1"})
+    off = run_info("--json", env={"VKXSPLIT_DISABLE": "intdot"})
     assert all(d["kernels"]["decode_q8_1"] == {} for d in json.loads(off.stdout)["devices"])
-    text = run_info(env={"VKXSPLIT_DISABLE_VECQ": "1"}).stdout
-    assert "decode x as q8_1" in text and "VKXSPLIT_DISABLE_VECQ" in text
+    text = run_info(env={"VKXSPLIT_DISABLE": "intdot"}).stdout
+    assert "decode x as q8_1" in text and "VKXSPLIT_DISABLE=intdot" in text
 
 
 def test_prefill_path_is_reported(report, monkeypatch):
@@ -485,7 +485,7 @@ def test_prefill_path_is_reported(report, monkeypatch):
     p = SimpleNamespace(features=feats, name="fake", coopmat2_flex=flex,
                         has=lambda e: e == "VK_NV_cooperative_matrix2")
     assert prefill_report(p) == {"path": "mul_mat_cm2", "dq16": True, "dq16_min_m": mm.DQ16_MIN_M}
-    monkeypatch.setenv("VKXSPLIT_DISABLE_DQ16", "1")
+    monkeypatch.setenv("VKXSPLIT_DISABLE", "dq16")
     assert prefill_report(p)["dq16"] is False
     p.has = lambda e: False  # no extension: no cooperative matrix shapes either here
     p.coopmat_shapes, p.min_subgroup_size, p.max_subgroup_size, p.limits = [], 32, 32, {}

@@ -1,7 +1,7 @@
-"""Cross-device link kernels (vkxsplit.ops.link): the sum of a partial and the other device's
-partial read from host pages (the tensor split's all-reduce), and the flag rendezvous that
-tools/bench_link.py measures (on the H200 its polls do not see the other GPU's write: the
-tensor split relays on the host instead). Here on one device, against numpy; two VkDevices
+"""Cross-device link kernels: the sum of a partial and the other device's partial read from
+host pages (vkxsplit.ops.link: the tensor split's all-reduce), and the flag rendezvous that
+tools/bench_link.py measures (tools/flags.py, built on demand; on the H200 its polls do not see
+the other GPU's write: the tensor split relays on the host instead). Here on one device, against numpy; two VkDevices
 sharing host pages run them in tests/test_tensor_split.py and tools/bench_link.py
 (tests/test_tools.py)."""
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from flags import FINAL, SIGNAL, WAIT, record_link  # tools/flags.py
 
 from vkxsplit.errors import KernelError
-from vkxsplit.ops.link import FINAL, SIGNAL, WAIT, record_link, record_link_sum
+from vkxsplit.ops.link import record_link_sum
 from vkxsplit.vk.command import Sequence
 from vkxsplit.vk.kernel import View
 
@@ -46,10 +47,11 @@ def test_link_sum_is_the_elementwise_sum(device, n, parts):
             b.close()
 
 
-def test_link_flag_signal_wait_and_give_up(device):
+def test_link_flag_signal_wait_and_give_up(device, tool_kernels):
     """signal stores base + offset into its own word; a wait on a word already there passes at
     once; a wait nobody answers gives up after its polls and records its target in status[0],
     and a later wait of the same step returns at once (status already set) without polling."""
+    tool_kernels("link_flag_atomic", "link_flag_volatile")
     mem = device.memory
     peer, mine, base, status = (mem.alloc(256, "host", nm) for nm in ("peer", "mine", "base", "status"))
     try:

@@ -163,7 +163,7 @@ def test_smollm2_split_with_cpu_matches_reference(device, split):
 
 
 def test_fusion_kill_switch_gives_the_same_logits(device, tmp_path, monkeypatch):
-    """VKXSPLIT_DISABLE_FUSION builds the unfused graph (more nodes) with the same results."""
+    """VKXSPLIT_DISABLE=fusion builds the unfused graph (more nodes) with the same results."""
     from vkxsplit.model import load_model
     from vkxsplit.synth import write_synthetic
 
@@ -171,7 +171,7 @@ def test_fusion_kill_switch_gives_the_same_logits(device, tmp_path, monkeypatch)
     ids = list(np.random.default_rng(2).integers(0, 500, 12))
     out, nodes = {}, {}
     for off in ("", "1"):
-        monkeypatch.setenv("VKXSPLIT_DISABLE_FUSION", off)
+        monkeypatch.setattr(device, "disabled", device.disabled | {"fusion"} if off else device.disabled - {"fusion"})
         with load_model(path, device=device, n_ctx=32, ubatch=8) as m:
             out[off] = m.logits(ids)
             g = m._build_graph(1, False)
@@ -200,7 +200,8 @@ def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
     the graph's quantize points; the wiring, exactly: after a step, ffn_down's output (x from
     the SwiGLU's q8_1) and the logits (the output norm's q8_1) equal float64 products of the dequantized weights
     with q8_1-rounded copies of the f32 x they read; the decoded logits near the float64
-    reference; VKXSPLIT_DISABLE_VECQ: no quantize nodes and the tight f32 bound again."""
+    reference; ``intdot`` switched off (VKXSPLIT_DISABLE=intdot): no quantize nodes and the tight
+    f32 bound again."""
     from reference import KVCache, reference_forward
 
     from vkxsplit.gguf_model import load_model as load_gguf
@@ -217,8 +218,9 @@ def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
     ids = [int(i) for i in np.random.default_rng(8).integers(0, 700, 10)]
     mf = load_gguf(path)
     got, quantized = {}, {}
+    on = device.disabled - {"intdot"}
     for off in ("", "1"):
-        monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ", off)
+        monkeypatch.setattr(device, "disabled", on | {"intdot"} if off else on)
         with load_model(path, device=device, n_ctx=32, ubatch=8) as m:
             g = m._build_graph(1, False)
             quantized[off] = {n.name for n in g.mul_mats() if "xq" in n.params}
@@ -328,7 +330,7 @@ def test_decode_q8_placement_rules():
                 Tensor("d", (1, 4096), "f32"))
     up, down = g3.mul_mats()
     assert up.params["vecq"] == mm.vecq_for_shape(gpu, "q4_0", 14336, 4096) != gpu and down.params["vecq"] == gpu
-    # fuse off (VKXSPLIT_DISABLE_FUSION): quantize nodes only
+    # fuse off (VKXSPLIT_DISABLE=fusion): quantize nodes only
     g2 = Graph("t2", T=1)
     q82 = DecodeQ8(g2, {"q4_0": "vq4"}, lambda nbytes: None, fuse=False)
     g2.add("rms_norm", "n", [x, w], h, eps=1e-5)

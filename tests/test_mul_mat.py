@@ -20,13 +20,16 @@ accumulate with truncation: (2^-10 + 2 K 2^-23) * (|x| @ A^T) instead.
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 
+import kernels as tk  # tools/kernels.py: the experiment variants (sweep shapes, emulations)
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
+from vkxsplit import shaders
 from vkxsplit.errors import KernelError
 from vkxsplit.ops import mul_mat as mm
 from vkxsplit.ops.quant import TYPES, block_size, row_bytes, weight_type
@@ -273,8 +276,8 @@ def test_random_bit_patterns(device, bufs, rng, t):
 def test_coopmat(device, bufs, rng, t):
     if not mm.coopmat_supported(device):
         pytest.skip(f"'{device.name}' has no usable cooperative matrices")
-    if mm.coopmat_disabled():
-        pytest.skip("VKXSPLIT_DISABLE_COOPMAT is set")
+    if "coopmat" in device.disabled:
+        pytest.skip("VKXSPLIT_DISABLE=coopmat")
     N, K = 150, test_k(t) * (3 if block_size(t) == 1 else 1)
     raw, W = make_weights(rng, t, N, K)
     wb = bufs.new(raw.nbytes, raw)
@@ -285,18 +288,17 @@ def test_coopmat(device, bufs, rng, t):
         check(y.reshape(M, N), x @ W.T, (2.0 ** -10 + 2 * K * 2.0 ** -23) * (np.abs(x) @ abs_terms(raw, t, W).T))
 
 
-def _fake_device(coop=True, shape=(16, 16, 16, 0, 0, 1, 1, 3), sg=(32, 32), ops=0x4):
+def _fake_device(coop=True, shape=(16, 16, 16, 0, 0, 1, 1, 3), sg=(32, 32), ops=0x4, disabled=()):
     s = types.SimpleNamespace(m=shape[0], n=shape[1], k=shape[2], a_type=shape[3], b_type=shape[4],
                               c_type=shape[5], result_type=shape[6], scope=shape[7], saturating=False)
     feats = {"cooperativeMatrix": coop, "shaderFloat16": True, "vulkanMemoryModel": True,
              "subgroupSizeControl": True}
     phys = types.SimpleNamespace(coopmat_shapes=[s], min_subgroup_size=sg[0], max_subgroup_size=sg[1],
                                  subgroup_ops=ops, subgroup_stages=0x20)
-    return types.SimpleNamespace(features=feats, physical=phys, name="fake")
+    return types.SimpleNamespace(features=feats, physical=phys, name="fake", disabled=frozenset(disabled))
 
 
-def test_path_selection(device, monkeypatch):
-    monkeypatch.delenv("VKXSPLIT_DISABLE_COOPMAT", raising=False)
+def test_path_selection(device):
     assert mm.check_mul_mat("q4_0", 8, 10, 64) == "vec"
     assert mm.check_mul_mat("q4_0", 9, 10, 64) == "tiled"
     nv = _fake_device()
@@ -309,11 +311,12 @@ def test_path_selection(device, monkeypatch):
         assert not mm.coopmat_supported(bad)
         assert mm.check_mul_mat("q4_k", 9, 10, 256, device=bad) == "tiled"
     assert mm.check_mul_mat("f16", 2, 10, 64, device=_fake_device(coop=False, ops=0)) == "tiled"
-    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT", "1")
-    assert mm.check_mul_mat("q4_k", 9, 10, 256, device=nv) == "tiled"
-    with pytest.raises(KernelError, match="disabled"):
-        mm.check_mul_mat("q4_k", 9, 10, 256, path="coopmat", device=nv)
-    monkeypatch.delenv("VKXSPLIT_DISABLE_COOPMAT")
+    off = _fake_device(disabled={"coopmat"})  # VKXSPLIT_DISABLE=coopmat
+    assert mm.coopmat_supported(off) and not mm.coopmat_available(off)
+    assert mm.check_mul_mat("q4_k", 9, 10, 256, device=off) == "tiled"
+    with pytest.raises(KernelError, match="switched off"):
+        mm.check_mul_mat("q4_k", 9, 10, 256, path="coopmat", device=off)
+    assert mm.check_mul_mat("q4_k", 9, 10, 256, device=_fake_device(disabled={"coopmat2", "splitk"})) == "coopmat"
     # this machine's device (lavapipe has no cooperative matrices)
     expect = "coopmat" if mm.coopmat_supported(device) else "tiled"
     assert mm.check_mul_mat("q8_0", 64, 10, 64, device=device) == expect
@@ -395,10 +398,11 @@ def _coop_k(t: str) -> list[int]:
 
 
 @pytest.mark.parametrize("t", ALL)
-def test_coopmat_emu(device, bufs, rng, t):
+def test_coopmat_emu(device, bufs, rng, t, tool_kernels):
     """Default emulated tiling (64 x 64, BK 32): N and M with interior tiles (straight
     stores) and edge tiles (staged, bounds-checked), K not a multiple of BK."""
-    tile = mm.COOP_EMU_TILE
+    tool_kernels(mm.coop_variant_name(t, emulate=True))
+    tile = tk.COOP_EMU_TILE
     N = 2 * tile.bn + 24  # y rows 16-byte aligned: interior tiles store straight to y
     for K in _coop_k(t):
         raw, W = make_weights(rng, t, N, K)
@@ -411,13 +415,13 @@ def test_coopmat_emu(device, bufs, rng, t):
             check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
 
 
-@pytest.mark.parametrize("name", sorted(n for n in mm.COOP_VARIANT_TILES
-                                        if n.startswith("mul_mat_coopmat_emu_") and not n.endswith("_f32")))
-def test_coopmat_emu_tilings(device, bufs, rng, name):
+@pytest.mark.parametrize("name", sorted(n for n in tk.COOP_EMU_VARIANTS if not n.endswith("_f32")))
+def test_coopmat_emu_tilings(device, bufs, rng, name, tool_kernels):
     """The extra emulated tilings (BK 64 with blocks spanning steps and partial last steps; BK
     16 with tall subgroup blocks and fewer weight units than threads)."""
-    t = name.removeprefix("mul_mat_coopmat_emu_").split("_f32")[0]
-    tile = mm.COOP_VARIANT_TILES[name]
+    tool_kernels(name)
+    t, tile = tk.COOP_EMU_VARIANTS[name]
+    assert mm.coop_tile(name) == tile
     N = 3 * tile.bn + 5
     K = 100 if block_size(t) == 1 else (96 if block_size(t) == 32 else 768)
     raw, W = make_weights(rng, t, N, K)
@@ -430,12 +434,13 @@ def test_coopmat_emu_tilings(device, bufs, rng, name):
 
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("t", ["f32", "f16", "q4_0", "q5_0", "q4_k", "q6_k"])
-def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned):
+def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned, tool_kernels):
     """Rows [r0, r0 + n) of W into y columns [c0, c0 + n), x with a row stride and offset, y
     with a wider stride and an offset; nothing outside the target region may be written.
     aligned: x rows vec4-aligned and y rows 16-byte aligned (straight fragment stores for
     interior tiles); otherwise element loads of x and staged stores everywhere."""
-    tile = mm.COOP_EMU_TILE
+    tool_kernels(mm.coop_variant_name(t, emulate=True))
+    tile = tk.COOP_EMU_TILE
     n_total, r0, n, K = tile.bn + 80, 12, tile.bn + 20, test_k(t)
     M = tile.bm + 5
     raw, W = make_weights(rng, t, n_total, K)
@@ -461,14 +466,15 @@ def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned):
 
 
 @pytest.mark.parametrize("t", ["f16", "q4_0", "q8_0", "q4_k", "q6_k"])
-def test_coopmat_emu_split_k(device, bufs, rng, t):
+def test_coopmat_emu_split_k(device, bufs, rng, t, tool_kernels):
     """Split K: each workgroup z sums one K range into its partial (the device's split-K
     scratch), reduce_splitk_f32 adds the partials into y's target columns. Ranges that are
     whole and partial BK steps, a last range shorter than the others, a K-quant block split
     between ranges; y with a stride, offset and column range (nothing else written); the float64
     bound as without the split, and the result equal to the unsplit kernel's within f32
     reassociation (the partials are added in a different order)."""
-    tile = mm.COOP_EMU_TILE
+    tool_kernels(mm.coop_variant_name(t, emulate=True))
+    tile = tk.COOP_EMU_TILE
     bs = block_size(t)
     K = 3 * 256 + (256 if bs == 256 else 96)  # a last range of K % chunk
     n_total, r0, n = tile.bn + 40, 8, tile.bn + 20
@@ -503,14 +509,15 @@ def test_coopmat_emu_split_k(device, bufs, rng, t):
                           path="coopmat", coop_variant=mm.coop_variant_name(t, emulate=True), k_split=tile.bk + 1)
 
 
-def test_coopmat_split_k_stores_straight_only_with_aligned_partials(device, bufs, rng, monkeypatch):
+def test_coopmat_split_k_stores_straight_only_with_aligned_partials(device, bufs, rng, monkeypatch, tool_kernels):
     """The partials' rows are N floats from byte 0 of the scratch: fragments may be stored
     straight (FLAG_YVEC: 16-byte aligned rows, what coopMatStore needs) only when N % 4 == 0.
     Checked on the recorded push constants, and the odd-N result against float64."""
     from vkxsplit.vk.command import Sequence as Seq
 
-    tile = mm.COOP_EMU_TILE
+    tile = tk.COOP_EMU_TILE
     t, K, M = "q8_0", 512, tile.bm
+    tool_kernels(mm.coop_variant_name(t, emulate=True))
     pushes = []
     real = Seq.dispatch
 
@@ -579,11 +586,10 @@ def test_coop_k_split_rule(monkeypatch):
 
 def test_coop_choose_rule(monkeypatch):
     """The default coopmat choice (worked by hand with coop_cost): the type's default tiling
-    or its large one, whichever is modelled faster with its best split; the kill switches keep
-    the default tiling (VKXSPLIT_DISABLE_COOP_SHAPES) and drop the split
-    (VKXSPLIT_DISABLE_SPLITK). Every variant it can name is built."""
-    monkeypatch.delenv("VKXSPLIT_DISABLE_COOP_SHAPES", raising=False)
-    monkeypatch.delenv("VKXSPLIT_DISABLE_SPLITK", raising=False)
+    or its large one, whichever is modelled faster with its best split; a device with
+    ``splitk`` switched off (VKXSPLIT_DISABLE=splitk) never splits. Every variant it can name
+    ships."""
+    monkeypatch.delenv("VKXSPLIT_DISABLE", raising=False)  # (no device: the process's setting)
     assert mm.COOP_TILE_EFF == {"t256x128_k32_w64x64_s1": 1.15, "t128x256_k32_w32x64_s1": 1.25}
     q, f = "mul_mat_coopmat_q4_0_f32_t256x128_k32_w64x64_s1", "mul_mat_coopmat_f16_f32_t128x256_k32_w32x64_s1"
     # q4_0 M=512, 4096x4096: default 128 tiles unsplit = 4096 x 16384 (67.1 M); large tiling 64
@@ -599,12 +605,11 @@ def test_coop_choose_rule(monkeypatch):
     assert mm.coop_choose("q4_0", 512, 1024, 4096) == ("mul_mat_coopmat_q4_0_f32", 1024)
     # M=128: a 256-row tile is half empty: the default, 4 ranges
     assert mm.coop_choose("q4_0", 128, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 1024)
-    monkeypatch.setenv("VKXSPLIT_DISABLE_COOP_SHAPES", "1")
-    assert mm.coop_choose("q4_0", 512, 14336, 4096) == ("mul_mat_coopmat_q4_0_f32", 2048)
-    monkeypatch.delenv("VKXSPLIT_DISABLE_COOP_SHAPES")
-    monkeypatch.setenv("VKXSPLIT_DISABLE_SPLITK", "1")
-    assert mm.coop_choose("q4_0", 512, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 0)  # 67.1 M vs 3562 x 32768
-    monkeypatch.delenv("VKXSPLIT_DISABLE_SPLITK")
+    nosplit = types.SimpleNamespace(disabled=frozenset({"splitk"}))
+    assert mm.coop_choose("q4_0", 512, 4096, 4096, nosplit) == ("mul_mat_coopmat_q4_0_f32", 0)  # 67.1 M vs 3562 x 32768
+    monkeypatch.setenv("VKXSPLIT_DISABLE", "splitk")  # no device: the process's setting
+    assert mm.coop_choose("q4_0", 512, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 0)
+    monkeypatch.delenv("VKXSPLIT_DISABLE")
     # a device whose limits do not take the large tiling (256 threads, 32 KiB) keeps the default
     class Small:
         class physical:  # noqa: N801
@@ -617,35 +622,40 @@ def test_coop_choose_rule(monkeypatch):
     for t in ALL:
         for M, N, K in ((128, 4096, 4096), (512, 4096, 4096), (512, 14336, 4096), (300, 1000, 1000)):
             name, ks = mm.coop_choose(t, M, N, K)
-            assert name in names and name in mm.COOP_VARIANT_TILES
-            assert ks % mm.COOP_VARIANT_TILES[name].bk == 0 and ks < K
+            assert name in names and mm.coop_tile(name) is not None
+            assert ks % mm.coop_tile(name).bk == 0 and ks < K
 
 
 def test_coopmat_variants():
     """Every real tiling fits the shared-memory budget and the 16x16 fragment grid; every type
-    has a default and an emulated variant; the sweep covers each tiling for its types."""
-    for tile in {*mm.COOP_TILES.values(), mm.COOP_EMU_TILE, *mm.COOP_EMU_EXTRA}:
+    ships its default and its large tiling (what coop_choose picks from) and nothing else;
+    every type has an emulated variant; the sweep covers each tiling for its types."""
+    for tile in {*tk.COOP_ALL_TILES.values(), tk.COOP_EMU_TILE, *tk.COOP_EMU_EXTRA}:
         assert tile.bm % tile.wm == 0 and tile.bn % tile.wn == 0 and tile.bk % 16 == 0
         assert tile.wm % 16 == 0 and tile.wn % 16 == 0 and tile.threads <= 1024
-    for tile in mm.COOP_TILES.values():
+    for tile in tk.COOP_ALL_TILES.values():
         assert tile.shared_bytes <= mm.COOP_SHARED_MAX, tile.name
-    for tile in (mm.COOP_EMU_TILE, *mm.COOP_EMU_EXTRA):
+    for tile in (tk.COOP_EMU_TILE, *tk.COOP_EMU_EXTRA):
         assert tile.shared_bytes <= 32768, tile.name  # lavapipe's limit
     names = {v.name: v for v in mm.VARIANTS}
+    declared = tk.all_declared()
     for t in ALL:
         v = names[mm.coop_variant_name(t)]
         tile = mm.COOP_TILES[mm.COOP_CONFIG[t]]
         assert v.local_size == (tile.threads, 1, 1) and v.subgroup_size == 32
         assert "cooperativeMatrix" in v.requires
-        e = names[mm.coop_variant_name(t, emulate=True)]
+        assert mm.coop_variant_name(t, mm.coop_big_tile(t)) in names
+        e = declared[mm.coop_variant_name(t, emulate=True)]
         assert e.defines["COOPMAT_EMULATE"] == "1" and "cooperativeMatrix" not in e.requires
-    for t in mm.COOP_SWEEP_TYPES:
-        for key in mm.COOP_TILES:
-            assert (mm.coop_variant_name(t, key) if key != mm.COOP_CONFIG[t] else mm.coop_variant_name(t)) in names
-    assert len([n for n in names if n.startswith("mul_mat_coopmat")]) <= 70  # a bound on the shipped SPIR-V
+        assert e.name not in names  # (tests only)
+    for t in tk.COOP_SWEEP_TYPES:
+        for key in tk.COOP_ALL_TILES:
+            assert (mm.coop_variant_name(t, key) if key != mm.COOP_CONFIG[t] else mm.coop_variant_name(t)) in declared
+    assert len([n for n in names if n.startswith("mul_mat_coopmat")]) == 2 * len(ALL)  # the shipped SPIR-V
 
 
-def test_coopmat_variant_errors(device, bufs, seq):
+def test_coopmat_variant_errors(device, bufs, seq, tool_kernels):
+    tool_kernels(mm.coop_variant_name("q8_0", emulate=True), mm.coop_variant_name("q4_0", emulate=True))
     K, N, M = 64, 8, 16
     wb = bufs.new(row_bytes("q8_0", K) * N)
     xb = bufs.new(4 * M * K)
@@ -662,10 +672,9 @@ def test_coopmat_variant_errors(device, bufs, seq):
 # mat-vec kernel paths (shaders/mul_mat_vec.comp): every quant type and M = 1..8, rows that
 # start 16-byte aligned (K % 256 == 0, 16-aligned binding offset) and rows that do not (K not
 # a multiple of 256, odd w_row_offset), vec4 and scalar x loads, row ranges, every registered
-# variant (defaults and the VEC_SWEEP shapes).
+# variant (defaults and the sweep shapes of tools/kernels.py).
 
-VEC_NAMES = sorted(n for n in mm.VEC_SWEEP) + sorted(
-    mm.vec_kernel_name(t, m) for t in ALL for m in mm.VEC_MAXM)
+VEC_NAMES = sorted(tk.VEC_SWEEP) + sorted(mm.vec_kernel_name(t, m) for t in ALL for m in mm.VEC_MAXM)
 
 
 def _vec_run(device, bufs, rng, t, M, n_total, r0, n, K, w_off=0, x_off=0, variant=None, y_col=None,
@@ -726,9 +735,10 @@ def test_mat_vec_few_units(device, bufs, rng, t, K_blocks):
 
 
 @pytest.mark.parametrize("name", VEC_NAMES)
-def test_vec_variant(device, bufs, rng, name):
+def test_vec_variant(device, bufs, rng, name, tool_kernels):
     """Every registered mat-vec variant (defaults and sweep shapes), through vec_variant:
     aligned rows with vec4 x, then an unaligned row range with scalar x."""
+    tool_kernels(name)
     t = name.removeprefix("mul_mat_vec_").split("_f32")[0]
     bs = block_size(t)
     M = min(3, mm.vec_variant_maxm(name))
@@ -742,7 +752,7 @@ def test_vec_variant_errors(device, bufs, seq):
     wb = bufs.new(row_bytes("q8_0", K) * N)
     xb = bufs.new(4 * 2 * K)
     yb = bufs.new(4 * 2 * N)
-    sweep_q8 = next(n for n, (t, _) in mm.VEC_SWEEP.items() if t == "q8_0")
+    sweep_q8 = mm.vec_m1_name("q8_0", mm.VEC_CPU_M1["q8_0"])  # (an M = 1 variant that ships)
     for bad, M, path in (("mul_mat_vec_q4_0_f32", 1, None), (sweep_q8, 2, None), ("mul_mat_vec_q8_0_f32_m1", 2, None),
                          ("mul_mat_vec_q8_0_f32", 1, "tiled")):
         with pytest.raises(KernelError, match="vec_variant"):
@@ -750,15 +760,22 @@ def test_vec_variant_errors(device, bufs, seq):
     assert seq.dispatches == 0
 
 
-def test_vec_config_tables():
-    for name, (t, cfg) in mm.VEC_SWEEP.items():
+def test_vec_config_tables(tool_kernels):
+    tool_kernels(*tk.VEC_SWEEP)
+    for name, (t, cfg) in tk.VEC_SWEEP.items():
         assert name == f"mul_mat_vec_{t}_f32_m1_{cfg.tag}" and mm.vec_config(name) == cfg
         assert mm.vec_variant_maxm(name) == 1 and cfg.nr <= cfg.wg
     for t in ALL:
         for m in mm.VEC_MAXM:
             assert mm.vec_config(mm.vec_kernel_name(t, m)) == mm.VEC_CONFIG[t]
             assert mm.vec_variant_maxm(mm.vec_kernel_name(t, m)) == m
-    assert len(mm.VEC_SWEEP) <= 60
+    assert len(tk.VEC_SWEEP) <= 60
+    shipped = {v.name for v in mm.VARIANTS if v.source == "mul_mat_vec.comp"}
+    # the defaults for every M and the CPU devices' M = 1 shapes ship, no other shape
+    assert shipped == ({mm.vec_kernel_name(t, m) for t in ALL for m in mm.VEC_MAXM}
+                       | {mm.vec_m1_name(t, c) for t, c in mm.VEC_CPU_M1.items()})
+    with pytest.raises(KernelError, match="not a built mat-vec"):
+        mm.vec_config("mul_mat_vec_q4_0_f32_m1_nonesuch")
 
 
 def test_cpu_devices_get_the_small_decode_shapes(device):
@@ -771,7 +788,7 @@ def test_cpu_devices_get_the_small_decode_shapes(device):
     cpu = types.SimpleNamespace(physical=types.SimpleNamespace(device_type=vk.VK_PHYSICAL_DEVICE_TYPE_CPU))
     for t, c in mm.VEC_CPU_M1.items():
         name = mm.device_vec_variant(cpu, t, 1)
-        assert name in mm.VEC_SWEEP and mm.vec_config(name) == c
+        assert name in shaders.shipped() and mm.vec_config(name) == c
         assert mm.device_vec_variant(cpu, t, 2) is None and mm.device_vec_variant(gpu, t, 1) is None
     assert mm.device_vec_variant(cpu, "q5_k", 1) is None  # no sweep shape: the default
     expect_cpu = device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
@@ -779,10 +796,10 @@ def test_cpu_devices_get_the_small_decode_shapes(device):
 
 
 # ------------------------------------------------------------------------------------------
-# wide mat-vec variants (shaders/mul_mat_vec_wide.comp, VEC_WIDE; sweep only): Q4_0 / Q8_0
-# rows of whole 8-block groups (K % 256 == 0) read with uvec4 loads.
+# wide mat-vec variants (shaders/mul_mat_vec_wide.comp, tools/kernels.py VEC_WIDE; sweep only):
+# Q4_0 / Q8_0 rows of whole 8-block groups (K % 256 == 0) read with uvec4 loads.
 
-WIDE_NAMES = sorted(mm.VEC_WIDE)
+WIDE_NAMES = sorted(tk.VEC_WIDE)
 
 
 def _wide_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, w_off=0, x_off=0, random_bits=False):
@@ -792,11 +809,12 @@ def _wide_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, w_off=0, 
 
 
 @pytest.mark.parametrize("name", WIDE_NAMES)
-def test_vec_wide_variant(device, bufs, rng, name):
+def test_vec_wide_variant(device, bufs, rng, name, tool_kernels):
     """Every wide variant: N not a multiple of its rows per workgroup, row ranges with y
     column offsets, vec4 and scalar x, few groups per row (idle lanes) and enough groups for
     several loop iterations per lane plus a remainder."""
-    t, cfg, maxm = mm.VEC_WIDE[name]
+    tool_kernels(name)
+    t, cfg, maxm = tk.VEC_WIDE[name]
     lanes = cfg.wg // cfg.nr
     Ms = (1,) if maxm == 1 else (3, 4)
     for M in Ms:
@@ -812,34 +830,38 @@ def test_vec_wide_variant(device, bufs, rng, name):
               random_bits=True)
 
 
-def test_vec_wide_variant_errors(device, bufs, seq):
+def test_vec_wide_variant_errors(device, bufs, seq, tool_kernels):
     """K not a multiple of 256: the wide variants refuse (rows not whole 16-aligned groups)."""
+    tool_kernels(*tk.VEC_WIDE)
     for t in ("q4_0", "q8_0"):
         K, N = 288, 4
         wb = bufs.new(row_bytes(t, K) * N)
         xb = bufs.new(4 * 4 * K)
         yb = bufs.new(4 * 4 * N)
-        for name in (n for n, (ty, _, _) in mm.VEC_WIDE.items() if ty == t):
+        for name in (n for n, (ty, _, _) in tk.VEC_WIDE.items() if ty == t):
             with pytest.raises(KernelError, match="K % 256"):
                 mm.record_mul_mat(seq, wb, t, xb, yb, 1, N, K, vec_variant=name)
-        other = next(n for n, (ty, _, _) in mm.VEC_WIDE.items() if ty != t)
+        other = next(n for n, (ty, _, _) in tk.VEC_WIDE.items() if ty != t)
         with pytest.raises(KernelError, match="vec_variant"):  # another type's variant
             mm.record_mul_mat(seq, wb, t, xb, yb, 1, N, K, vec_variant=other)
-        m1 = next(n for n, (ty, _, mx) in mm.VEC_WIDE.items() if ty == t and mx == 1)
+        m1 = next(n for n, (ty, _, mx) in tk.VEC_WIDE.items() if ty == t and mx == 1)
         with pytest.raises(KernelError, match="vec_variant"):  # too many columns
             mm.record_mul_mat(seq, wb, t, xb, yb, 2, N, K, vec_variant=m1)
     assert seq.dispatches == 0
 
 
-def test_vec_wide_tables():
-    for name, (t, cfg, maxm) in mm.VEC_WIDE.items():
+def test_vec_wide_tables(tool_kernels):
+    tool_kernels(*tk.VEC_WIDE)
+    for name, (t, cfg, maxm) in tk.VEC_WIDE.items():
         assert t in ("q4_0", "q8_0") and name == f"mul_mat_vec_{t}_f32_m{maxm}_{cfg.tag}"
-        assert mm.vec_config(name) == cfg and mm.vec_variant_maxm(name) == maxm
-        assert cfg.wg % cfg.nr == 0 and cfg.nr * maxm <= cfg.wg and name not in mm.VEC_SWEEP
+        meta = shaders.variant_meta(name)
+        assert meta["source"] == "mul_mat_vec_wide.comp" and mm.vec_variant_maxm(name) == maxm
+        assert {k: meta["defines"][k] for k in cfg.defines()} == cfg.defines()
+        assert cfg.wg % cfg.nr == 0 and cfg.nr * maxm <= cfg.wg and name not in tk.VEC_SWEEP
         assert (not cfg.xsh or maxm == 1) and cfg.unr * (cfg.wg // cfg.nr) * 1024 * cfg.xsh <= 16384
-    assert sum(mx == 4 for _, _, mx in mm.VEC_WIDE.values()) == 2
-    # sweep only: no default or CPU shape is a wide one
-    assert not any(isinstance(c, mm.WideConfig) for c in (*mm.VEC_CONFIG.values(), *mm.VEC_CPU_M1.values()))
+    assert sum(mx == 4 for _, _, mx in tk.VEC_WIDE.values()) == 2
+    # sweep only: no wide variant ships
+    assert not any(v.source == "mul_mat_vec_wide.comp" for v in shaders.all_variants().values())
 
 
 # --- integer-dot-product mat-vec (x quantized to 8-bit blocks; mul_mat_vecq.comp) -------------
@@ -853,7 +875,7 @@ def test_vec_wide_tables():
 #     <= 2 nb + 2 roundings on any term, so |y - ref_q| <= (2 nb + 8) u (|d q| @ |W|^T);
 # (b) against the float64 product of the unquantized x: |x - d q| <= d / 2 per element, so
 #     |y - x @ W^T| <= (d / 2) @ |W|^T (1 + 2^-20) + bound (a).
-VECQ_NAMES = sorted(mm.VECQ_SWEEP)
+VECQ_NAMES = sorted(tk.VECQ_SWEEP)
 
 
 def _vecq_skip(device, name):
@@ -863,9 +885,7 @@ def _vecq_skip(device, name):
 
 
 def shaders_requires(name):
-    from vkxsplit.shaders import all_variants
-
-    return all_variants()[name].requires
+    return tk.all_declared()[name].requires
 
 
 def _vecq_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, x_off=0, random_bits=False, x=None,
@@ -917,14 +937,15 @@ def _vecq_run(device, bufs, rng, t, name, M, n_total, r0, n, K, y_col, x_off=0, 
 
 
 @pytest.mark.parametrize("name", VECQ_NAMES)
-def test_mat_vecq_variant(device, bufs, rng, name):
+def test_mat_vecq_variant(device, bufs, rng, name, tool_kernels):
     """Every vecq variant (skipped where the device lacks its features): N not a multiple of
     its rows per workgroup, row ranges with y column offsets, x with an offset and a stride,
     an odd number of blocks per row (single-block variants: both halfword parities in each
     row position), and enough blocks for several loop iterations per lane plus a remainder
     with random quant bytes (Q8_0 codes -128)."""
     _vecq_skip(device, name)
-    t, cfg, maxm = mm.VECQ_SWEEP[name]
+    tool_kernels(name)
+    t, cfg, maxm = tk.VECQ_SWEEP[name]
     lanes = cfg.wg // cfg.nr
     rows = cfg.rows  # per workgroup: nr teams x rpt rows per thread
     Ms = (1,) if maxm == 1 else (3, 4)
@@ -939,14 +960,15 @@ def test_mat_vecq_variant(device, bufs, rng, name):
               random_bits=True, w_pad=pad)
 
 
-@pytest.mark.parametrize("name", [v for v in VECQ_NAMES if mm.VECQ_SWEEP[v][1].w5u])
-def test_mat_vecq_w5u_fallback(device, bufs, rng, monkeypatch, name):
+@pytest.mark.parametrize("name", [v for v in VECQ_NAMES if tk.VECQ_SWEEP[v][1].w5u])
+def test_mat_vecq_w5u_fallback(device, bufs, rng, monkeypatch, name, tool_kernels):
     """A w5u variant reads each block's last word whole, unchecked: where the binding ends 2
     bytes into the last row's trailing word (an odd number of blocks, bound exactly), the
     same shape without w5u is recorded instead, and the product is still right; with the
     word there, the w5u kernel itself."""
     _vecq_skip(device, name)
-    t, cfg, _ = mm.VECQ_SWEEP[name]
+    tool_kernels(name, name.replace("_w5u", ""))
+    t, cfg, _ = tk.VECQ_SWEEP[name]
     wt = weight_type(t)
     got = []
     real_get = mm.Kernel.get
@@ -962,7 +984,7 @@ def test_mat_vecq_w5u_fallback(device, bufs, rng, monkeypatch, name):
         assert want in got and (pad or name not in got)
 
 
-def test_q8_1_quantize_edge_cases(device, bufs, rng):
+def test_q8_1_quantize_edge_cases(device, bufs, rng, tool_kernels):
     """quantize_q8_1 bit for bit against q8_1_reference on blocks with exact ties (x / d = k +
     1/2, both signs: rounded away from zero), an all-zero block, a block of subnormals (d not
     normal: all zero), subnormal and signed-zero elements in a normal block, and a block whose
@@ -994,18 +1016,20 @@ def test_q8_1_quantize_edge_cases(device, bufs, rng):
         assert q[0, 1 + i] == int(np.sign(v) * np.floor(abs(v) + 0.5))  # e.g. 2.5 -> 3, -2.5 -> -3
     assert d[0, 1] == 0 and d[0, 2] == 0 and not q[0, 32:96].any()
     name = "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr4_emu"
+    tool_kernels(name)
     _vecq_run(device, bufs, rng, "q8_0", name, 1, n_total=3, r0=0, n=3, K=K, y_col=0, x=x)
 
 
-def test_mat_vecq_real_matches_emulated(device, bufs, rng):
+def test_mat_vecq_real_matches_emulated(device, bufs, rng, tool_kernels):
     """The packed dot-product instructions give the same bits as the int multiply-add
     fallback (exact integer block sums, same float operations in the same order)."""
     for t in mm.VECQ_TYPES:
         for tag in ("b8_wg128_nr4", "b1_wg128_nr4"):
             real, emu = f"mul_mat_vecq_{t}_q8_1_m1_{tag}", f"mul_mat_vecq_{t}_q8_1_m1_{tag}_emu"
-            if real not in mm.VECQ_SWEEP:  # Q4_1: single-block loads only
+            if real not in tk.VECQ_SWEEP:  # Q4_1: single-block loads only
                 continue
             _vecq_skip(device, real)
+            tool_kernels(real, emu)
             x = rng.standard_normal((1, 1024)).astype(np.float32)
             seed = int(rng.integers(1 << 30))
             a = _vecq_run(device, bufs, np.random.default_rng(seed), t, real, 1, 9, 0, 9, 1024, 0, x=x)
@@ -1013,7 +1037,9 @@ def test_mat_vecq_real_matches_emulated(device, bufs, rng):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-def test_mat_vecq_errors(device, bufs, seq):
+def test_mat_vecq_errors(device, bufs, seq, tool_kernels):
+    tool_kernels("mul_mat_vecq_q4_0_q8_1_m1_b1_wg128_nr4_emu", "mul_mat_vecq_q4_0_q8_1_m1_b8_wg128_nr4_emu",
+                 "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr4_emu")
     t, K, N = "q4_0", 288, 4
     wb = bufs.new(row_bytes(t, K) * N)
     xb = bufs.new(4 * 4 * K)
@@ -1038,8 +1064,9 @@ def test_mat_vecq_errors(device, bufs, seq):
     assert seq.dispatches == 0
 
 
-def test_mat_vecq_one_barrier(device, bufs):
+def test_mat_vecq_one_barrier(device, bufs, tool_kernels):
     """quantize -> barrier -> dot product: the sequence records exactly one barrier between."""
+    tool_kernels("mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr4_emu")
     t, K, N = "q8_0", 256, 8
     raw, _ = make_weights(np.random.default_rng(1), t, N, K)
     wb = bufs.new(raw.nbytes, raw)
@@ -1056,76 +1083,73 @@ def test_mat_vecq_one_barrier(device, bufs):
         s.close()
 
 
-def test_vecq_tables():
-    from vkxsplit.shaders import all_variants
-
-    allv = all_variants()
+def test_vecq_tables(tool_kernels):
+    tool_kernels(*tk.VECQ_SWEEP)
+    allv = shaders.all_variants()
+    declared = tk.all_declared()
     assert mm.VECQ_QUANTIZE in allv and not allv[mm.VECQ_QUANTIZE].requires
-    for name, (t, cfg, maxm) in mm.VECQ_SWEEP.items():
+    for name, (t, cfg, maxm) in tk.VECQ_SWEEP.items():
         assert t in mm.VECQ_TYPES and name == f"mul_mat_vecq_{t}_q8_1_m{maxm}_{cfg.tag}"
         assert mm.vec_config(name) == cfg and cfg.wg % cfg.nr == 0 and cfg.nr * maxm <= cfg.wg
+        assert mm.vecq_spec(name) == (t, cfg, maxm)
         assert cfg.blk in (1, 8) and not (cfg.sat and not cfg.idp) and (cfg.blk == 1 or t not in ("q4_1", "q4_k", "q6_k"))
-        v = allv[name]
+        v = declared[name]
         assert ("shaderIntegerDotProduct" in v.requires) == bool(cfg.idp)
         assert {"storageBuffer16BitAccess", "storageBuffer8BitAccess"} <= set(v.requires)
-        assert name not in mm.VEC_SWEEP and name not in mm.VEC_WIDE
+        assert name not in tk.VEC_SWEEP and name not in tk.VEC_WIDE
     # every type has an emulated (feature-free) single-block variant
-    assert all(any(ty == t and not c.idp and c.blk == 1 for ty, c, _ in mm.VECQ_SWEEP.values())
+    assert all(any(ty == t and not c.idp and c.blk == 1 for ty, c, _ in tk.VECQ_SWEEP.values())
                for t in mm.VECQ_TYPES)
+    # what ships: each device kind's decode shape per type, the GPUs' tall shapes, and the
+    # halfword twin of each whole-word (w5u) shape (vecq_fits' fallback); nothing else
+    shipped = {n for n, v in allv.items() if v.source == "mul_mat_vecq.comp"}
+    want = set()
+    for t in mm.VECQ_TYPES:
+        cfgs = [mm.vecq_default_config(t, cpu=True)]
+        if t in mm.VECQ_GPU_TYPES:
+            cfgs += [mm.vecq_default_config(t, cpu=False), *([mm.VECQ_GPU_M1_TALL[t]] if t in mm.VECQ_GPU_M1_TALL else [])]
+        want |= {mm.vecq_name(t, c) for c in cfgs} | {mm.vecq_name(t, replace(c, w5u=0)) for c in cfgs}
+    assert shipped == want and shipped <= set(tk.VECQ_SWEEP)
 
 
 def test_vecq_default_policy(device, monkeypatch):
-    """Which decode mat-vecs take x as q8_1: Q4_0/Q4_1/Q8_0 everywhere with integer dot
-    products, Q4_K too since the H200 sweep, Q6_K on CPU devices, never at M > 1, never with
-    the kill switch; the variant's shape is the device kind's (on GPUs per type where the sweep
-    found a faster one), and every GPU choice is a built variant."""
+    """Which decode mat-vecs take x as q8_1: Q4_0/Q4_1/Q8_0/Q4_K everywhere with integer dot
+    products, Q6_K on CPU devices, never at M > 1, never with ``intdot`` switched off; the
+    variant's shape is the device kind's (on GPUs per type where one was measured faster), and
+    every choice, with its halfword twin where it loads whole words, ships."""
     from vkxsplit.vk.api import vk
 
-    monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_SG", raising=False)  # (the suite may run with it)
-    monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_W5U", raising=False)
-    if not device.features.get("shaderIntegerDotProduct"):
+    if "intdot" in device.disabled or not device.features.get("shaderIntegerDotProduct"):
         assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)
         return
+    shipped = shaders.shipped()
     cpu = device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
     for t in mm.VECQ_TYPES:
         cfg = mm.VECQ_DEFAULT_M1["cpu"] if cpu else mm.VECQ_GPU_M1_BY_TYPE.get(t, mm.VECQ_DEFAULT_M1["gpu"])
         want = f"mul_mat_vecq_{t}_q8_1_m1_{cfg.tag}" if cpu or t in mm.VECQ_GPU_TYPES else None
-        assert mm.vecq_variant(device, t, 1) == want and (want is None or want in mm.VECQ_SWEEP)
+        assert mm.vecq_variant(device, t, 1) == want and (want is None or want in shipped)
         assert mm.vecq_variant(device, t, 2) is None
     assert mm.vecq_variant(device, "f16", 1) is None and mm.vecq_variant(device, "q5_k", 1) is None
     for t in mm.VECQ_GPU_TYPES:
-        assert f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}" in mm.VECQ_SWEEP
+        assert f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}" in shipped
     # tall products (the FFN's gate / up) take VECQ_GPU_M1_TALL's shape on GPUs only
     gpu_q4 = f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=False).tag}"
     tall = mm.vecq_for_shape(gpu_q4, "q4_0", 14336, 4096)
-    assert tall != gpu_q4 and tall in mm.VECQ_SWEEP and mm.VECQ_SWEEP[tall][1].rpt == 4
+    assert tall != gpu_q4 and tall in shipped and mm.vecq_spec(tall)[1].rpt == 4
     assert mm.vecq_for_shape(gpu_q4, "q4_0", 4096, 4096) == gpu_q4
     assert mm.vecq_for_shape(gpu_q4, "q4_0", 4096, 14336) == gpu_q4
     cpu_q4 = f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=True).tag}"
     assert mm.vecq_for_shape(cpu_q4, "q4_0", 14336, 4096) == cpu_q4
     gpu_q8 = f"mul_mat_vecq_q8_0_q8_1_m1_{mm.vecq_default_config('q8_0', cpu=False).tag}"
     tall8 = mm.vecq_for_shape(gpu_q8, "q8_0", 14336, 4096)
-    assert tall8 != gpu_q8 and tall8 in mm.VECQ_SWEEP and mm.VECQ_SWEEP[tall8][1].sg == 1
+    assert tall8 != gpu_q8 and tall8 in shipped and mm.vecq_spec(tall8)[1].sg == 1
     assert mm.vecq_for_shape(gpu_q8, "q8_0", 4096, 14336) == gpu_q8
-    # VKXSPLIT_DISABLE_VECQ_SG: the shapes before the subgroupAdd ones (no `_sg` tag anywhere)
-    assert mm.VECQ_SWEEP[gpu_q4][1].sg == 1
-    monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ_SG", "1")
-    for t in mm.VECQ_GPU_TYPES:
-        v = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}"
-        assert v in mm.VECQ_SWEEP and "_sg" not in v
-        for n, k in ((14336, 4096), (4096, 14336), (4096, 4096)):
-            assert "_sg" not in mm.vecq_for_shape(v, t, n, k)
-    assert mm.vecq_for_shape(gpu_q8, "q8_0", 14336, 4096) == gpu_q8  # (its old shape's name)
-    monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_SG")
-    # VKXSPLIT_DISABLE_VECQ_W5U: the same shapes with halfword loads (built variants, tall too)
-    assert mm.VECQ_SWEEP[gpu_q4][1].w5u == 1 and mm.VECQ_SWEEP[tall][1].w5u == 1
-    monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ_W5U", "1")
-    for t in mm.VECQ_GPU_TYPES:
-        v = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}"
-        assert v in mm.VECQ_SWEEP and "_w5u" not in v
-        for n, k in ((14336, 4096), (4096, 14336), (4096, 4096)):
-            assert "_w5u" not in mm.vecq_for_shape(v, t, n, k) and mm.vecq_for_shape(v, t, n, k) in mm.VECQ_SWEEP
-    assert gpu_q4.replace("_w5u", "") == f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=False).tag}"
-    monkeypatch.delenv("VKXSPLIT_DISABLE_VECQ_W5U")
-    monkeypatch.setenv("VKXSPLIT_DISABLE_VECQ", "1")
-    assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)
+    # the whole-word (w5u) shapes' halfword twins ship: record_mul_mat_vecq records them where
+    # the weight binding ends inside the last row's trailing word
+    for v in (gpu_q4, tall):
+        assert mm.vecq_spec(v)[1].w5u == 1 and v.replace("_w5u", "") in shipped
+    # intdot switched off for a device (VKXSPLIT_DISABLE=intdot): f32 x everywhere
+    off = types.SimpleNamespace(physical=device.physical, features=device.features, disabled=frozenset({"intdot"}))
+    assert all(mm.vecq_variant(off, t, 1) is None for t in mm.VECQ_TYPES)
+    assert mm.vecq_decode(device.physical, device.features, frozenset({"intdot"})) == {}
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import types
 
+import kernels as tk  # tools/kernels.py: the sweep tilings and the decode checks
 import numpy as np
 import pytest
 from test_mul_mat import (
@@ -34,13 +35,13 @@ from vkxsplit.vk import instance as vki
 from vkxsplit.vk.command import Sequence
 from vkxsplit.vk.kernel import Kernel
 
-CM2_NAMES = sorted(mm.CM2_VARIANT_TILES)
+CM2_NAMES = sorted(tk.CM2_VARIANTS)  # (the shipped tilings and the sweep's)
 
 
 def _skip(device, name: str | None = None) -> None:
     if not mm.coopmat2_supported(device):
         pytest.skip(f"'{device.name}' has no usable VK_NV_cooperative_matrix2")
-    if name is not None and not mm.cm2_tile_supported(device, mm.CM2_VARIANT_TILES[name]):
+    if name is not None and not mm.cm2_tile_supported(device, tk.CM2_VARIANTS[name][1]):
         pytest.skip(f"'{device.name}' has no workgroup-scope shape for {name}")
 
 
@@ -55,11 +56,13 @@ def _k_for(t: str) -> int:
 
 
 @pytest.mark.parametrize("name", CM2_NAMES)
-def test_cm2_tiling(device, bufs, rng, name):  # noqa: F811
+def test_cm2_tiling(device, bufs, rng, name, tool_kernels):  # noqa: F811
     """Interior tiles (unclamped loads) and tiles crossing N and M (clamped loads, dropped
     stores), K with a partial last step."""
     _skip(device, name)
-    t, tile = _type_of(name), mm.CM2_VARIANT_TILES[name]
+    tool_kernels(name)
+    t, tile = tk.CM2_VARIANTS[name]
+    assert t == _type_of(name) and mm.coop_tile(name) == tile
     N, K = 2 * tile.bw + 24, _k_for(t)
     raw, W = make_weights(rng, t, N, K)
     wb = bufs.new(raw.nbytes, raw)
@@ -74,8 +77,8 @@ def test_cm2_tiling(device, bufs, rng, name):  # noqa: F811
 @pytest.mark.parametrize("t", ALL)
 def test_cm2_default_path(device, bufs, rng, t, monkeypatch):  # noqa: F811
     """Without a pinned variant the coopmat path takes mul_mat_cm2 for CM2_TYPES (x converted
-    once), split as cm2_choose says, and mul_mat_coopmat for the others;
-    VKXSPLIT_DISABLE_COOPMAT2=1 goes back to mul_mat_coopmat."""
+    once), split as cm2_choose says, and mul_mat_coopmat for the others; a device with
+    ``coopmat2`` switched off (VKXSPLIT_DISABLE=coopmat2) goes back to mul_mat_coopmat."""
     _skip(device)
     N, K = 300, test_k(t) * (4 if block_size(t) != 256 else 2)
     raw, W = make_weights(rng, t, N, K)
@@ -89,10 +92,10 @@ def test_cm2_default_path(device, bufs, rng, t, monkeypatch):  # noqa: F811
         n = len(passes)
         y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
         assert took == "coopmat" and converts[-1] == (M, K)  # every type takes mul_mat_cm2
-        dq = mm.dq16_available(device, t) and mm.dq16_chosen(t, M, N, K)
+        dq = mm.dq16_available(device, t) and mm.dq16_chosen(t, M, N, K, device)
         assert len(passes) == n + dq and (not dq or passes[-1] == (N, K))
         check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
-    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "1")
+    monkeypatch.setattr(device, "disabled", frozenset({"coopmat2"}))
     converts.clear()
     n = len(converts)
     y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
@@ -108,7 +111,7 @@ def test_cm2_row_range_strides_and_split(device, bufs, rng, t):  # noqa: F811
     float64 reference."""
     _skip(device)
     name = mm.cm2_variant_name(t)
-    tile = mm.CM2_VARIANT_TILES[name]
+    tile = mm.coop_tile(name)
     bs = block_size(t)
     K = 3 * 256 + (256 if bs == 256 else 96)
     n_total, r0, n = tile.bw + 80, 12, tile.bw + 20
@@ -140,7 +143,7 @@ def test_cm2_fast_path_and_fallback(device, bufs, rng, t):  # noqa: F811
     runs: every range falls back to the general interior loop); all against float64."""
     _skip(device)
     name = mm.cm2_variant_name(t)
-    tile = mm.CM2_VARIANT_TILES[name]
+    tile = mm.coop_tile(name)
     N, M, K = 2 * tile.bw, 2 * tile.bx, 1024
     raw, W = make_weights(rng, t, N, K)
     wb = bufs.new(raw.nbytes, raw)
@@ -151,7 +154,7 @@ def test_cm2_fast_path_and_fallback(device, bufs, rng, t):  # noqa: F811
 
 
 @pytest.mark.parametrize("t", [t for t in ALL if t != "f16"])
-def test_cm2_decode_matches_gguf(device, bufs, rng, t):  # noqa: F811
+def test_cm2_decode_matches_gguf(device, bufs, rng, t, tool_kernels):  # noqa: F811
     """The decode functions mul_mat_cm2 gives the driver (shaders/cm2_dq_body.glsl), run element
     by element from an ordinary binding (cm2_decode_check_<type>), against gguf's dequantize of
     the same blocks (random valid blocks, and gguf's quantize where it supports the type): each
@@ -160,6 +163,7 @@ def test_cm2_decode_matches_gguf(device, bufs, rng, t):  # noqa: F811
     missing = [f for f in ("shaderFloat16", "shaderInt8") if not device.features.get(f)]
     if missing:
         pytest.skip(f"'{device.name}' lacks {', '.join(missing)}")
+    tool_kernels(f"cm2_decode_check_{t}")
     n_blocks = 64
     k = n_blocks * block_size(t)
     for raw, W in (make_weights(rng, t, 1, k, random_bits=True), make_weights(rng, t, 1, k)):
@@ -225,30 +229,34 @@ def test_convert_rows_in_chunks(device, bufs, rng, monkeypatch):  # noqa: F811
     np.testing.assert_array_equal(dst.numpy(np.uint16, (rows * n,)), x.astype(np.float16).view(np.uint16).ravel())
 
 
-def _fake(flex: list[tuple[int, ...]], cm2: bool = True):
+def _fake(flex: list[tuple[int, ...]], cm2: bool = True, disabled=()):
     feats = {f: True for f in mm._CM2_REQUIRES}
     phys = types.SimpleNamespace(coopmat2_flex=[
         vki.CoopMatFlex(*g, 0, 0, 1, 1, False, 2, n) for (*g, n) in flex])
-    return types.SimpleNamespace(features=feats, physical=phys, coopmat2=cm2, name="fake")
+    return types.SimpleNamespace(features=feats, physical=phys, coopmat2=cm2, name="fake", disabled=frozenset(disabled))
 
 
-def test_cm2_device_checks(monkeypatch):
+def test_cm2_device_checks():
     """coopmat2_supported: the extension enabled with every feature the kernel needs, and an
     f16 x f16 -> f32 workgroup-scope flexible shape of the default tiling's workgroup size
-    whose granularities divide it; cm2_tile_supported per tiling."""
+    whose granularities divide it; cm2_tile_supported per tiling; coopmat2_available: not
+    with ``coopmat2`` or ``coopmat`` switched off."""
     ok = _fake([(16, 16, 16, 256), (16, 16, 16, 128)])
     assert mm.coopmat2_supported(ok) and mm.coopmat2_available(ok)
-    assert all(mm.cm2_tile_supported(ok, tile) for tile in mm.CM2_TILES.values())
+    assert all(mm.cm2_tile_supported(ok, tile) for tile in tk.CM2_ALL_TILES.values())
     assert not mm.coopmat2_supported(_fake([(16, 16, 16, 256)], cm2=False))
     assert not mm.coopmat2_supported(_fake([(16, 16, 16, 512)]))    # no 256-invocation shape
     assert not mm.coopmat2_supported(_fake([(48, 16, 16, 256)]))    # granularity not dividing
     only256 = _fake([(16, 16, 16, 256)])
-    assert not mm.cm2_tile_supported(only256, mm.CM2_TILES["w64x64_k64_n128"])
+    assert not mm.cm2_tile_supported(only256, tk.CM2_ALL_TILES["w64x64_k64_n128"])
     lacking = _fake([(16, 16, 16, 256)])
     del lacking.features["cooperativeMatrixBlockLoads"]
     assert not mm.coopmat2_supported(lacking)
-    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "1")
-    assert mm.coopmat2_supported(ok) and not mm.coopmat2_available(ok)
+    for off in ({"coopmat2"}, {"coopmat"}):
+        dev = _fake([(16, 16, 16, 256)], disabled=off)
+        assert mm.coopmat2_supported(dev) and not mm.coopmat2_available(dev)
+        assert not mm.dq16_available(dev, "q4_0")  # (dq16 runs mul_mat_cm2's F16 kernel)
+    assert mm.dq16_available(ok, "q4_0") and not mm.dq16_available(_fake([(16, 16, 16, 256)], disabled={"dq16"}), "q4_0")
 
 
 def test_cm2_eligible(monkeypatch):
@@ -263,7 +271,7 @@ def test_cm2_eligible(monkeypatch):
     shared = types.SimpleNamespace(block=types.SimpleNamespace(device_address=False), size=4096)
     assert mm.cm2_eligible(None, "q4_0", plain) and mm.cm2_eligible(None, "f16", View(plain, 256))
     assert not mm.cm2_eligible(None, "q4_0", shared) and not mm.cm2_eligible(None, "q4_0", View(shared, 256))
-    assert mm.cm2_eligible(None, "q4_k", plain) and mm.cm2_eligible(None, "q5_k", plain)  # every type, session 8
+    assert mm.cm2_eligible(None, "q4_k", plain) and mm.cm2_eligible(None, "q5_k", plain)  # every type
     monkeypatch.setattr(mm, "coopmat2_available", lambda dev: False)
     assert not mm.cm2_eligible(None, "q4_0", plain)
 
@@ -283,7 +291,7 @@ def test_device_buffers_here_have_no_device_addresses(device):
 def test_cm2_dq16(device, bufs, rng, t, monkeypatch):  # noqa: F811
     """The dequantize-first path (dq16=True): W's rows w_row0.. decoded to f16 rows, then
     mul_mat_cm2's F16 kernel, unsplit and split, into y columns at an offset, against float64;
-    VKXSPLIT_DISABLE_DQ16=1 never takes it by itself."""
+    a device with ``dq16`` switched off (VKXSPLIT_DISABLE=dq16) never takes it by itself."""
     _skip(device)
     N, K, row0 = 260, 4 * test_k(t) if block_size(t) != 256 else 1024, 5
     raw, W = make_weights(rng, t, N + row0, K)
@@ -299,7 +307,7 @@ def test_cm2_dq16(device, bufs, rng, t, monkeypatch):  # noqa: F811
                          w_row_offset=row0, y_col_offset=3)
         assert took == "coopmat" and passes[-1] == (N, K)
         check(y.reshape(M, N + 3)[:, 3:], ref, coop_bound(x, abs_terms(raw[row0:], t, W[row0:])))
-    monkeypatch.setenv("VKXSPLIT_DISABLE_DQ16", "1")
+    monkeypatch.setattr(device, "disabled", frozenset({"dq16"}))
     n = len(passes)
     y, _ = run_mm(device, bufs, wb, t, rng.standard_normal((512, K)), 512, N, K, 512 * (N + row0), "coopmat")
     assert len(passes) == n
@@ -308,7 +316,8 @@ def test_cm2_dq16(device, bufs, rng, t, monkeypatch):  # noqa: F811
 def test_dq16_choice(device, monkeypatch):
     """dq16_chosen: never for small batches of the cheap-to-decode types, for large ones where
     the model says the f16 rate pays for the pass; dq16 only where it can run (raises on a
-    device without coopmat2, such as lavapipe); the kill switch."""
+    device without coopmat2, such as lavapipe); the kill switch; splitk switched off models
+    both sides unsplit."""
     for t in mm.DQ16_DIRECT_COST:
         picks = [mm.dq16_chosen(t, M, 4096, 4096) for M in (16, 128, 512, 4096)]
         assert picks == sorted(picks), (t, picks)  # once it pays, it pays for every larger M
@@ -333,8 +342,11 @@ def test_dq16_choice(device, monkeypatch):
             seq.close()
             for b in (wb, xb, yb):
                 b.close()
-    monkeypatch.setenv("VKXSPLIT_DISABLE_DQ16", "1")
-    assert mm.dq16_disabled()
+    assert not mm.dq16_available(types.SimpleNamespace(disabled=frozenset({"dq16"})), "q4_0")
+    nosplit = types.SimpleNamespace(disabled=frozenset({"splitk"}))
+    for t in mm.DQ16_DIRECT_COST:
+        picks = [mm.dq16_chosen(t, M, 4096, 4096, nosplit) for M in (16, 128, 512, 4096)]
+        assert picks == sorted(picks) and picks[-1], (t, picks)
 
 
 def test_dq16_needs_the_coopmat_path(device, bufs, monkeypatch):  # noqa: F811
@@ -393,14 +405,16 @@ def test_dq16_out_of_memory_falls_back(monkeypatch, caplog):
 
 
 def test_cm2_choose(monkeypatch):
-    """cm2_choose: a tiling of CM2_CHOICES and the split with the least modelled time; only the
-    default tiling with VKXSPLIT_DISABLE_COOP_SHAPES; no split with VKXSPLIT_DISABLE_SPLITK;
-    splits in whole BK steps below K."""
+    """cm2_choose: a tiling of CM2_CHOICES (a shipped variant) and the split with the least
+    modelled time; no split on a device with ``splitk`` switched off; splits in whole BK
+    steps below K."""
+    monkeypatch.delenv("VKXSPLIT_DISABLE", raising=False)  # (no device: the process's setting)
+    names = {v.name for v in mm.VARIANTS}
     for t in ALL:
         for M, N, K in ((512, 4096, 4096), (128, 1024, 4096), (512, 14336, 4096), (512, 4096, 14336)):
             name, ks = mm.cm2_choose(t, M, N, K)
-            assert name in mm.CM2_VARIANT_TILES and name.startswith(f"mul_mat_cm2_{t}_f32_")
-            assert ks == 0 or (ks % mm.CM2_VARIANT_TILES[name].bk == 0 and ks < K)
+            assert name in names and name.startswith(f"mul_mat_cm2_{t}_f32_")
+            assert ks == 0 or (ks % mm.coop_tile(name).bk == 0 and ks < K)
     # M = 128, N = 1024: 8 x 1 tiles of 128 x 128 for a wave of CM2_WAVE: splitting K is cheaper
     assert mm.cm2_choose("f16", 128, 1024, 4096)[1] > 0
     # where K % 256 == 0 every split range is whole 256-element runs (the kernel's fast path),
@@ -409,31 +423,37 @@ def test_cm2_choose(monkeypatch):
         for M, N, K in ((128, 4096, 11008), (128, 896, 4864), (256, 1024, 4096), (512, 1024, 14336)):
             name, ks = mm.cm2_choose(t, M, N, K)
             assert ks % 256 == 0, (t, M, N, K, name, ks)
-            assert mm.cm2_k_split(t, mm.CM2_VARIANT_TILES[name].name, M, N, K) == ks
-    # the H200's clear wins (session 10, tools/bench_coopmat.py --cm2, M = 256, 4096x4096): the
-    # 64 x 256 tile loader split in two for the K-quants (Q4_K 0.061 ms, dq16 0.069; Q6_K 0.062,
-    # dq16 0.067); the 64 x 128 one for Q8_0 at M = 512 14336x4096 loses to dq16 (0.402 vs 0.318)
+            assert mm.cm2_k_split(t, mm.coop_tile(name).name, M, N, K) == ks
+            assert mm.cm2_k_split(t, mm.coop_tile(name), M, N, K) == ks
+    # what the H200 measured (tools/bench_coopmat.py --cm2, M = 256, 4096x4096): the 64 x 256
+    # tile loader split in two for the K-quants, ahead of dq16; the 64 x 128 one for Q8_0 at
+    # M = 512 14336x4096 loses to dq16
     for t in ("q4_k", "q6_k"):
         name, ks = mm.cm2_choose(t, 256, 4096, 4096)
         assert name == mm.cm2_variant_name(t, "w64x256_k64_n256") and ks == 2048, (t, name, ks)
         assert not mm.dq16_chosen(t, 256, 4096, 4096)
     assert mm.dq16_chosen("q8_0", 512, 14336, 4096)
-    monkeypatch.setenv("VKXSPLIT_DISABLE_SPLITK", "1")
-    assert mm.cm2_choose("f16", 128, 1024, 4096)[1] == 0
-    monkeypatch.setenv("VKXSPLIT_DISABLE_COOP_SHAPES", "1")
-    assert mm.cm2_choose("q4_0", 512, 4096, 4096)[0] == mm.cm2_variant_name("q4_0")
+    nosplit = types.SimpleNamespace(disabled=frozenset({"splitk"}))
+    assert mm.cm2_choose("f16", 128, 1024, 4096, nosplit)[1] == 0
+    assert mm.cm2_k_split("f16", mm.CM2_DEFAULT, 128, 1024, 4096, nosplit) == 0
+    # a sweep tiling (tools/kernels.py) has a split too
+    assert mm.cm2_k_split("f16", tk.CM2_SWEEP_TILES["w128x128_k32_n256"], 128, 1024, 4096) > 0
 
 
 def test_cm2_variants():
-    """Every type has the default tiling, the sweep types every tiling; tilings are multiples of
-    16 (the flexible granularity NVIDIA reports) and the kernels need what Device enables."""
+    """Every type ships the tilings cm2_choose weighs for it (and nothing else), the sweep
+    types have every tiling (tools/kernels.py); tilings are multiples of 16 (the flexible
+    granularity NVIDIA reports) and the kernels need what Device enables."""
     names = {v.name: v for v in mm.VARIANTS}
     for t in ALL:
         assert mm.cm2_variant_name(t) in names
-    for t in mm.CM2_SWEEP_TYPES:
-        for key in mm.CM2_TILES:
-            assert mm.cm2_variant_name(t, key) in names
-    for tile in mm.CM2_TILES.values():
+        assert {mm.cm2_variant_name(t, k) for k in mm.CM2_CHOICES[t]} == {
+            n for n in names if n.startswith(f"mul_mat_cm2_{t}_f32_")}
+    declared = tk.all_declared()
+    for t in tk.CM2_SWEEP_TYPES:
+        for key in tk.CM2_ALL_TILES:
+            assert mm.cm2_variant_name(t, key) in declared
+    for tile in tk.CM2_ALL_TILES.values():
         assert tile.bw % 16 == 0 and tile.bx % 16 == 0 and tile.bk % 16 == 0
     v = names[mm.cm2_variant_name("q4_k")]
     assert v.compiler == "glslang15" and v.target_env == "vulkan1.3"

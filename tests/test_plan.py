@@ -10,10 +10,11 @@ import pytest
 
 from vkxsplit.backend import Capabilities
 from vkxsplit.errors import PlanError
+from vkxsplit.features import kernel_config_ident
 from vkxsplit.graph import Graph, Tensor, span
 from vkxsplit.plan.cost import CostModel, simulate
 from vkxsplit.plan.planner import Part, Planner
-from vkxsplit.plan.profile import KERNEL_SWITCHES, Profile, kernels_ident
+from vkxsplit.plan.profile import Profile
 from vkxsplit.plan.schedule import BackendOp, HubOp, build_schedule
 from vkxsplit.plan.spec import HUB, parse_backends, parse_spec, parse_specs
 from vkxsplit.plan.workspace import Workspace
@@ -355,9 +356,9 @@ def test_spans_of_memoryless_tensors_are_their_names():
 # the device profile
 
 
-def fake_device(driver_version=1):
-    return SimpleNamespace(name="fake gpu", physical=SimpleNamespace(device_uuid=bytes(range(16)),
-                                                                      driver_version=driver_version))
+def fake_device(driver_version=1, disabled=frozenset()):
+    return SimpleNamespace(name="fake gpu", disabled=frozenset(disabled),
+                           physical=SimpleNamespace(device_uuid=bytes(range(16)), driver_version=driver_version))
 
 
 def test_profile_is_keyed_by_device_uuid_and_driver(tmp_path):
@@ -385,19 +386,13 @@ def test_profile_is_keyed_by_the_kernels(tmp_path, monkeypatch):
     kernels and switches find the saved one again."""
     from vkxsplit import shaders
 
-    for k in KERNEL_SWITCHES:
-        monkeypatch.delenv(k, raising=False)
     p = Profile.for_device(fake_device(), tmp_path)
     p.put("hub", "submit", 2e-5)
     p.save()
-    assert json.loads(p.path.read_text())["kernels"] == kernels_ident()
+    assert json.loads(p.path.read_text())["kernels"] == kernel_config_ident(fake_device())
     assert Profile.for_device(fake_device(), tmp_path).get("hub", "submit") == 2e-5
-    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "0")  # off, as unset: the same profile
-    assert Profile.for_device(fake_device(), tmp_path).path == p.path
-    monkeypatch.setenv("VKXSPLIT_DISABLE_COOPMAT2", "1")
-    switched = Profile.for_device(fake_device(), tmp_path)
+    switched = Profile.for_device(fake_device(disabled={"coopmat2"}), tmp_path)
     assert switched.path != p.path and switched.get("hub", "submit") is None
-    monkeypatch.delenv("VKXSPLIT_DISABLE_COOPMAT2")
     real = shaders.shipped()
     name = next(iter(real))
     changed = {**real, name: {**real[name], "spv_sha256": "0" * 64}}

@@ -1,4 +1,4 @@
-"""Probes (vkxsplit.ops.probe): the read-only launch and the cooperative-matrix multiply-add
+"""Probes (tools/probes.py, built on demand with the other experiment kernels): the read-only launch and the cooperative-matrix multiply-add
 loops that tools/bench_kernels.py reads the library's kernels against. A probe that skipped
 work would look fast, so each is checked here: the read against numpy's wrapping sum of the
 words, the multiply-adds against float64 (integer operands: every sum is exact in f32)."""
@@ -6,11 +6,19 @@ words, the multiply-adds against float64 (integer operands: every sum is exact i
 from __future__ import annotations
 
 import numpy as np
+import probes as pr  # tools/probes.py
 import pytest
 
 from vkxsplit.errors import KernelError
-from vkxsplit.ops import probe as pr
 from vkxsplit.vk.command import Sequence
+
+
+@pytest.fixture(autouse=True)
+def _probe_kernels(tool_kernels):
+    """The probes built and loaded (those of the workgroup-scope multiply-add need glslang15:
+    their test asks for them itself, and runs only on a coopmat2 device anyway)."""
+    tool_kernels(*(v.name for v in pr.VARIANTS if v.compiler != "glslang15"))
+    return tool_kernels
 
 
 def _run(device, record) -> None:
@@ -69,9 +77,10 @@ def test_probe_read_rejects_bad_sizes(device):
 
 
 @pytest.mark.parametrize("tile", [None, *pr.MMA_WG_TILES], ids=lambda t: "sg" if t is None else t.tag)
-def test_probe_mma_is_iters_times_the_product(device, tile):
+def test_probe_mma_is_iters_times_the_product(device, tile, tool_kernels):
     if not pr.mma_supported(device, tile):
         pytest.skip(f"'{device.name}' cannot run {pr.mma_variant(tile)}")
+    tool_kernels(pr.mma_variant(tile))
     rng = np.random.default_rng(7)
     (ar, ac), (br, bc), per = pr.mma_shapes(tile)
     a = rng.integers(-1, 2, (ar, ac)).astype(np.float16)
@@ -110,7 +119,7 @@ def test_probe_vecq_nox_sums_the_rows(device, base):
 
     from vkxsplit.ops import mul_mat as mm
 
-    t = mm.VECQ_SWEEP[base][0]
+    t = mm.vecq_spec(base)[0]
     rng = np.random.default_rng(11)
     N, K = 37, 1024  # N not a multiple of the workgroup's rows
     qt = GGMLQuantizationType[t.upper()]
@@ -142,7 +151,7 @@ def test_probe_vecq_noc_folds_the_blocks(device, base):
 
     from vkxsplit.ops import mul_mat as mm
 
-    t = mm.VECQ_SWEEP[base][0]
+    t = mm.vecq_spec(base)[0]
     rng = np.random.default_rng(12)
     N, K = 37, 1024
     qt = GGMLQuantizationType[t.upper()]

@@ -57,3 +57,57 @@ def test_manifest_is_valid_json_with_hashes():
     data = json.loads(shaders.MANIFEST.read_text())
     for name, e in data["variants"].items():
         assert len(e["source_sha256"]) == 64 and len(e["spv_sha256"]) == 64, name
+
+
+def test_only_what_default_paths_choose_ships():
+    """No experiment kernel ships: probes, flag waits, emulated and decode-check variants, the
+    wide mat-vec and the sweep shapes are built on demand (tools/kernels.py); every name
+    declared there that ships is one a default path takes."""
+    import kernels
+
+    shipped = shaders.shipped()
+    assert not [n for n in shipped if n.startswith(("probe_", "wait_flag", "link_flag", "cm2_decode_check"))
+                or "_emu" in n or "_wide_" in n]
+    assert not set(kernels.tool_variants()) & set(shipped)
+    assert len(shipped) <= 200  # (401 modules before the experiment kernels moved out)
+
+
+def test_build_into_a_directory_and_load_by_name(tmp_path, device):
+    """build_into compiles given variants into a directory of their own (manifest + .spv,
+    incremental); add_kernel_dir makes them loadable by name after the shipped ones."""
+    import numpy as np
+
+    from vkxsplit.vk.command import Sequence
+    from vkxsplit.vk.kernel import Kernel
+
+    if not shaders.have_tool("glslc") or not shaders.have_tool("spirv-val"):
+        pytest.skip("glslc / spirv-val are not installed here")
+    base = shaders.all_variants()["convert_f32_f32"]
+    v = shaders.Variant(**{**base.__dict__, "name": "test_extra_convert_f32_f32"})
+    out = tmp_path / "extra"
+    logs: list[str] = []
+    man = shaders.build_into([v], out, log=logs.append)
+    assert set(man["variants"]) == {v.name} and (out / f"{v.name}.spv").exists() and logs
+    logs.clear()
+    shaders.build_into([v], out, log=logs.append)
+    assert not logs  # fresh: nothing rebuilt, the manifest left as it was
+    assert not shaders.check_dir({v.name: v}, out)
+    assert shaders.variant_meta(v.name) is None
+    shaders.add_kernel_dir(out)
+    assert shaders.variant_meta(v.name)["source"] == "convert.comp"
+    assert shaders.variant_meta("convert_f32_f32") == shaders.shipped()["convert_f32_f32"]
+    src = device.memory.alloc(64, "host", "src")
+    dst = device.memory.alloc(64, "host", "dst")
+    try:
+        src.numpy(np.float32)[:] = np.arange(16, dtype=np.float32)
+        dst.numpy(np.float32)[:] = np.nan
+        k = Kernel.get(device, v.name)
+        s = Sequence(device, "extra")
+        s.dispatch(k, [src, dst], (16, 0, 0), 1)  # n, src_offset, dst_offset
+        s.run()
+        s.close()
+        assert np.array_equal(dst.numpy(np.float32), np.arange(16, dtype=np.float32))
+        k.close()
+    finally:
+        src.close()
+        dst.close()

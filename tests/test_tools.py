@@ -77,12 +77,14 @@ def test_bench_coopmat_splits_and_tiles(tmp_path):
     """--splits with counts and --tiles: each listed tiling timed once per count, plus the
     "chosen" row only where real cooperative matrices exist (lavapipe: emulated, none). The
     tiling: the default one of the kernels the device runs (emulated or real)."""
+    import kernels
+
     import vkxsplit.ops.mul_mat as mm
     from vkxsplit.vk.device import Device
 
     with Device.open() as d:
         emulate = not mm.coopmat_available(d)
-    tile = mm.COOP_VARIANT_TILES[mm.coop_variant_name("q4_0", emulate=emulate)].name
+    tile = (kernels.COOP_EMU_TILE if emulate else mm.COOP_TILES[mm.COOP_CONFIG["q4_0"]]).name
     r = run_tool(["tools/bench_coopmat.py", "--quick", "--types", "q4_0", "--splits", "1,2",
                   "--tiles", tile], tmp_path)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
@@ -102,12 +104,14 @@ def test_bench_matvec_variants_and_floor(tmp_path):
 
 
 def test_bench_ab_tiny(tmp_path):
-    """The kill-switch A/B: one row per setting, the baseline first, tok/s numbers."""
-    r = run_tool(["tools/bench_ab.py", "--shapes", "smol135m:q4_1", "--settings", "none,VKXSPLIT_DISABLE_VECQ=1",
-                  "-p", "8", "-n", "2", "-r", "1", "--dir", str(tmp_path / "models")], tmp_path)
+    """The kill-switch A/B: one row per setting (separated by ';': a VKXSPLIT_DISABLE value is a
+    comma list), the baseline first, tok/s numbers."""
+    r = run_tool(["tools/bench_ab.py", "--shapes", "smol135m:q4_1", "--settings",
+                  "none;VKXSPLIT_DISABLE=intdot,fusion", "-p", "8", "-n", "2", "-r", "1",
+                  "--dir", str(tmp_path / "models")], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [ln.split("|") for ln in r.stdout.splitlines() if ln.startswith("| smol135m q4_1 |")]
-    assert [row[2].strip() for row in rows] == ["none", "VKXSPLIT_DISABLE_VECQ=1"]
+    assert [row[2].strip() for row in rows] == ["none", "VKXSPLIT_DISABLE=intdot,fusion"]
     assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
     bad = run_tool(["tools/bench_ab.py", "--settings", "FOO=1"], tmp_path)
     assert bad.returncode == 2 and "VKXSPLIT_NAME=VALUE" in bad.stderr
@@ -197,6 +201,25 @@ def test_tensor_split_tools_quick(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| spin") or ln.startswith("| block")]
     assert len(rows) == 4 and all(float(ln.split("|")[5]) < 1e-3 for ln in rows), r.stdout[-2000:]
+
+
+def test_build_tool_shaders(tmp_path):
+    """tools/build_tool_shaders.py builds experiment kernels (here two) into a directory of
+    their own with a manifest, incrementally; --check says whether they are built and fresh."""
+    import json
+
+    out = tmp_path / "tool-spv"
+    only = ["--only", "^(wait_flag|probe_read_u2)$", "--out", str(out)]
+    r = run_tool(["tools/build_tool_shaders.py", "--check", *only], tmp_path)
+    assert r.returncode == 1 and "declared but not built" in r.stdout
+    r = run_tool(["tools/build_tool_shaders.py", *only], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert set(json.loads((out / "manifest.json").read_text())["variants"]) == {"wait_flag", "probe_read_u2"}
+    assert (out / "wait_flag.spv").stat().st_size > 0
+    r = run_tool(["tools/build_tool_shaders.py", *only], tmp_path)
+    assert r.returncode == 0 and "building" not in r.stdout + r.stderr  # fresh: nothing rebuilt
+    r = run_tool(["tools/build_tool_shaders.py", "--check", *only], tmp_path)
+    assert r.returncode == 0 and "2 of 2" in r.stdout
 
 
 def test_warm_pipelines(tmp_path):

@@ -322,15 +322,18 @@ def test_sequence_close_waits_for_its_last_submission(device, monkeypatch, caplo
         gate.close()
 
 
-def test_wait_flag_dispatch_polls_memory(device):
+def test_wait_flag_dispatch_polls_memory(device, tool_kernels):
     """wait_flag (the GPU-side wait on memory of tools/bench_handoff.py): passes at once when the
     flag is at the target (set by the host, or by a fill recorded before it), the next dispatch
     sees its result, it gives up after max_spins polls when nobody writes; on a GPU a host write
     made while it runs ends the sequence either way, seen or given up (llvmpipe caps every
     shader loop at 65535 iterations, so a long wait cannot be shown there)."""
+    from flags import GAVE_UP, record_wait_flag  # tools/flags.py
+
     from vkxsplit.ops.copy import record_copy
-    from vkxsplit.ops.wait import GAVE_UP, record_wait_flag
     from vkxsplit.vk.api import vk
+
+    tool_kernels("wait_flag")
 
     mem = device.memory
     flag, target, result, out = (mem.alloc(16, "host", name=n) for n in ("flag", "target", "result", "out"))
@@ -366,8 +369,8 @@ def test_wait_flag_dispatch_polls_memory(device):
         if device.physical.device_type != vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
             # a host write while it spins: the sequence ends (bounded: no hang) with the polls
             # taken, or GAVE_UP where the driver does not let a spinning dispatch see the write:
-            # the H200 did not (session 5 device run): after the first read its polls are served
-            # from the GPU's cache (session 6, tools/bench_link.py; docs/ATTACH.md)
+            # the H200 does not: after the first read its polls are served from the GPU's cache
+            # (tools/bench_link.py; docs/ATTACH.md)
             spins, unset = 1 << 20, 0xFFFFFFFE  # unset: neither a poll count <= spins nor GAVE_UP
             r = run(0, 3, max_spins=spins, write_later=3, unset=unset)
             assert r == GAVE_UP or r <= spins  # the dispatch wrote its outcome (seen or given up)
@@ -407,3 +410,55 @@ def test_pipeline_statistics(monkeypatch):
             assert st == {}
     finally:
         d.close()
+
+
+def test_kill_switches_are_one_list_read_at_device_creation(monkeypatch):
+    """VKXSPLIT_DISABLE: a comma list of feature names (case and spaces ignored), read once when
+    a Device is created (device.disabled; changing the variable later does not change it); an
+    unknown name is refused naming the valid ones; the per-feature variables it replaced are
+    refused when set, with the new spelling."""
+    from vkxsplit import features
+    from vkxsplit.vk.device import Device
+
+    assert features.parse_disabled(None) == features.parse_disabled("") == frozenset()
+    assert features.parse_disabled(" CoopMat2, dq16 ,,") == {"coopmat2", "dq16"}
+    assert set(features.FEATURES) == {"coopmat", "coopmat2", "intdot", "dq16", "splitk", "fusion"}
+    with pytest.raises(VkxError, match="unknown feature name.*vecq") as exc:
+        features.parse_disabled("coopmat,vecq")
+    assert all(n in exc.value.hint for n in features.FEATURES)
+    with pytest.raises(VkxError, match="VKXSPLIT_DISABLE_VECQ is no longer read") as exc:
+        features.disabled_from_env({"VKXSPLIT_DISABLE_VECQ": "1"})
+    assert "VKXSPLIT_DISABLE=intdot" in exc.value.hint
+    assert features.disabled_from_env({"VKXSPLIT_DISABLE_VECQ": "0", "VKXSPLIT_DISABLE": "splitk"}) == {"splitk"}
+    monkeypatch.setenv("VKXSPLIT_DISABLE", "fusion,splitk")
+    d = Device.open()
+    try:
+        monkeypatch.setenv("VKXSPLIT_DISABLE", "coopmat")
+        assert d.disabled == {"fusion", "splitk"} and features.disabled(d) == d.disabled
+        assert features.is_disabled(d, "splitk") and not features.is_disabled(d, "coopmat")
+    finally:
+        d.close()
+    monkeypatch.setenv("VKXSPLIT_DISABLE", "coopmat,nonesuch")
+    with pytest.raises(VkxError, match="nonesuch"):
+        Device.open()
+
+
+def test_kernel_config_ident_follows_the_disabled_set_and_the_kernels(monkeypatch):
+    """The cost profile's kernel key (vkxsplit.features.kernel_config_ident): the same for the
+    same shipped SPIR-V and disabled set, another for another set or other SPIR-V."""
+    import types
+
+    from vkxsplit import features, shaders
+
+    def dev(*off):
+        return types.SimpleNamespace(disabled=frozenset(off))
+
+    base = features.kernel_config_ident(dev())
+    assert features.kernel_config_ident(dev()) == base
+    assert features.kernel_config_ident(dev("splitk", "dq16")) == features.kernel_config_ident(dev("dq16", "splitk"))
+    idents = {features.kernel_config_ident(dev(f)) for f in features.FEATURES}
+    assert len(idents) == len(features.FEATURES) and base not in idents
+    monkeypatch.setenv("VKXSPLIT_DISABLE", "coopmat2")  # an object without a set: the process's setting
+    assert features.kernel_config_ident(types.SimpleNamespace()) == features.kernel_config_ident(dev("coopmat2"))
+    monkeypatch.setattr(shaders, "manifest_ident", lambda: "0" * 64)
+    assert features.kernel_config_ident(dev()) != base

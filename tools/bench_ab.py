@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """A/B of kill switches on whole models: pp / tg tok/s of one synthetic GGUF per shape, loaded
-once per setting (an env assignment, or none), median of the runs after warm-up
+once per setting (env assignments, or none), median of the runs after warm-up
 (``vkxsplit.runner.bench_model``). For measuring what a kernel choice is worth to a model, e.g.
 
-    python tools/bench_ab.py --shapes llama8b:q4_0 --settings none,VKXSPLIT_DISABLE_COOP_SHAPES=1
+    python tools/bench_ab.py --shapes llama8b:q4_0 --settings 'none;VKXSPLIT_DISABLE=splitk;VKXSPLIT_DISABLE=dq16,splitk'
 
-Settings are applied to ``os.environ`` before the model loads and removed after it closes (the
-choices they switch are read when command buffers are recorded). Prints one markdown table.
+Settings are separated by ``;`` (a VKXSPLIT_DISABLE value is itself a comma list), the
+assignments of one setting by ``+``. They are applied to ``os.environ`` before the model loads
+(its device reads VKXSPLIT_DISABLE when it is created) and removed after it closes. Prints one
+markdown table.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama8b:q4_0", help="comma-separated shape:type (vkxsplit synth)")
-    ap.add_argument("--settings", default="none,VKXSPLIT_DISABLE_COOP_SHAPES=1",
-                    help="comma-separated settings: none, or NAME=VALUE[+NAME=VALUE...]")
+    ap.add_argument("--settings", default="none;VKXSPLIT_DISABLE=splitk",
+                    help="settings separated by ';': none, or NAME=VALUE[+NAME=VALUE...]")
     ap.add_argument("--dir", default="/tmp/models")
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
@@ -37,7 +39,7 @@ def main() -> int:
     from vkxsplit.synth import write_synthetic
 
     settings = []
-    for s in args.settings.split(","):
+    for s in args.settings.split(";"):
         pairs = [] if s == "none" else [tuple(p.split("=", 1)) for p in s.split("+")]
         if any(len(p) != 2 or not p[0].startswith("VKXSPLIT_") for p in pairs):
             ap.error(f"--settings: {s!r} is not none or VKXSPLIT_NAME=VALUE[+...]")

@@ -35,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kernels as tk  # noqa: E402
 from bench_kernels import timed  # noqa: E402
 from benchutil import spin_up  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
@@ -47,7 +48,7 @@ from vkxsplit.ops.quant import block_size, row_bytes, weight_type  # noqa: E402
 from vkxsplit.vk.command import Sequence  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
 
-SWEPT = ["f16", "q4_0", "q8_0", "q4_k", "q6_k"]  # the default --types (COOP_SWEEP_TYPES)
+SWEPT = list(tk.COOP_SWEEP_TYPES)  # the default --types
 TYPES = [*SWEPT, "f32", "bf16", "q4_1", "q5_0", "q5_1", "q5_k"]  # --types may name these too
 # byte offsets of the f16 scale fields per block (random valid blocks for the check)
 SCALES = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q6_k": [208], "q4_1": [0, 2], "q5_0": [0],
@@ -64,16 +65,22 @@ def default_variant(t: str, emulate: bool) -> str:
 def variants(t: str, emulate: bool) -> list[str]:
     base = default_variant(t, emulate)
     if CM2:
-        names = [n for n in mm.CM2_VARIANT_TILES if n.startswith(f"mul_mat_cm2_{t}_f32_")]
+        names = [n for n in tk.CM2_VARIANTS if n.startswith(f"mul_mat_cm2_{t}_f32_")]
     else:
-        names = [n for n in mm.COOP_VARIANT_TILES if n == base or n.startswith(base + "_")]
+        table = tk.COOP_EMU_VARIANTS if emulate else tk.COOP_VARIANTS
+        names = [n for n in table if n == base or n.startswith(base + "_")]
     return sorted(names, key=lambda n: (n != base, n))
+
+
+def tile_of(name: str):  # type: ignore[no-untyped-def]
+    """The tiling of a coopmat / cm2 variant (shipped or an experiment one)."""
+    return mm.coop_tile(name) or {**tk.COOP_VARIANTS, **tk.COOP_EMU_VARIANTS, **tk.CM2_VARIANTS}[name][1]
 
 
 def auto_split(t: str, tile: object, M: int, n: int, k: int) -> int:
     """K elements per split the product's own rule gives ``tile`` (0: none)."""
     if CM2:
-        return mm.cm2_k_split(t, tile.name, M, n, k)
+        return mm.cm2_k_split(t, tile, M, n, k)
     return mm.coop_k_split(tile, M, n, k)
 
 
@@ -112,7 +119,7 @@ def abs_weights(raw: np.ndarray, t: str, w: np.ndarray) -> np.ndarray:
 def check_variant(dev: Device, rng: np.random.Generator, t: str, name: str, k_split: int = 0) -> tuple[bool, str]:
     """One run on a small odd shape against numpy: (ok, detail). ``k_split``: K split into
     ranges of that many elements (partials reduced by reduce_splitk_f32), on a longer K."""
-    tile = mm.COOP_VARIANT_TILES[name]
+    tile = tile_of(name)
     M, N = tile.bm + 13, tile.bn + 76  # N % 4 == 0: the interior tile stores straight to y
     K = {1: 264, 32: 288, 256: 768}[block_size(t)]  # no multiple of BK 32 / 64
     if k_split:
@@ -170,6 +177,7 @@ def main() -> int:
     if not types or any(t not in TYPES for t in types):
         ap.error(f"--types: choose from {', '.join(TYPES)}")
     t_start = time.perf_counter()
+    tk.ensure("^mul_mat_c")  # the sweep's tilings and the emulated variants (tools/kernels.py)
     dev = Device.open()
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
     real = mm.coopmat2_available(dev) if CM2 else mm.coopmat_available(dev)
@@ -199,7 +207,7 @@ def main() -> int:
     failed = 0
     for t in types:
         base = default_variant(t, emulate)
-        for name, ks in [*((n, 0) for n in variants(t, emulate)), (base, 4 * mm.COOP_VARIANT_TILES[base].bk)]:
+        for name, ks in [*((n, 0) for n in variants(t, emulate)), (base, 4 * tile_of(base).bk)]:
             try:
                 ok, detail = check_variant(dev, rng, t, name, ks)
             except VkxError as exc:
@@ -215,11 +223,11 @@ def main() -> int:
         print("| variant | threads | statistics |\n|---|---:|---|")
         for t in types:
             for name in variants(t, emulate):
-                if tiles is not None and mm.COOP_VARIANT_TILES[name].name not in tiles:
+                if tiles is not None and tile_of(name).name not in tiles:
                     continue
                 st = Kernel.get(dev, name).statistics()
                 desc = ", ".join(f"{k} {v:g}" for k, v in st.items())
-                print(f"| {name} | {mm.COOP_VARIANT_TILES[name].threads} | {desc or '-'} |")
+                print(f"| {name} | {tile_of(name).threads} | {desc or '-'} |")
 
     # 2. timings
     Ms = [int(m) for m in args.m.split(",")] if args.m else [64 if args.quick else 512]
@@ -246,13 +254,13 @@ def main() -> int:
             flop = 2.0 * M * n * k
             default = default_variant(t, emulate)
             runs: list[tuple[str, str]] = [(v, sp) for v in variants(t, emulate)
-                                           if tiles is None or mm.COOP_VARIANT_TILES[v].name in tiles
+                                           if tiles is None or tile_of(v).name in tiles
                                            for sp in splits]
             if "auto" in splits:
                 runs += [("no-split", "1"), ("tiled", "-")]
             if not emulate:
                 runs.append(("chosen", "-"))
-            dq = not emulate and mm.dq16_available(dev, t) and not mm.dq16_disabled()
+            dq = not emulate and mm.dq16_available(dev, t)
             if dq:  # the dequantize-first path against decoding in the tile loader, and its pass alone
                 runs += [("direct", "-"), ("dq16", "-"), ("dequant", "-")]
             for name, sp in runs:
@@ -274,7 +282,7 @@ def main() -> int:
                     use = name == "dq16"
                     cname, cks = mm.cm2_choose("f16" if use else t, M, n, k, dev) if (
                         use or t in mm.CM2_TYPES) else mm.coop_choose(t, M, n, k, dev)
-                    tile = mm.COOP_VARIANT_TILES[cname].name + (f" split K {-(-k // cks)}x{cks}" if cks else "")
+                    tile = tile_of(cname).name + (f" split K {-(-k // cks)}x{cks}" if cks else "")
                     tile += " after dequant_rows" if use else ""
                     try:
                         sec = timed(dev, lambda s, w=w, x=x, y=y, n=n, k=k, t=t, use=use, M=M:
@@ -295,12 +303,12 @@ def main() -> int:
                 chooser = (mm.cm2_choose if (CM2 or mm.coopmat2_available(dev)) and t in mm.CM2_TYPES
                            else mm.coop_choose)
                 cname, cks = chooser(t, M, n, k, dev) if name == "chosen" else (name, 0)
-                ctile = mm.COOP_VARIANT_TILES[default if name == "no-split" else cname] if name != "tiled" else None
+                ctile = tile_of(default if name == "no-split" else cname) if name != "tiled" else None
                 tile = "64x64 f32" if ctile is None else ctile.name
                 bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
                 groups = -(-M // bm) * -(-n // bn)
                 if name == "chosen":
-                    if mm.dq16_available(dev, t) and mm.dq16_chosen(t, M, n, k):
+                    if mm.dq16_available(dev, t) and mm.dq16_chosen(t, M, n, k, dev):
                         tile = "dq16 (dequant_rows, then f16)"
                     elif cks:
                         tile += f" split K {-(-k // cks)}x{cks}"
@@ -313,7 +321,7 @@ def main() -> int:
                     if int(sp) > 1:
                         tile += f" split K {-(-k // chunk)}x{chunk}"
                         groups *= -(-k // chunk)
-                elif ctile is not None and name != "no-split" and not emulate and not mm.splitk_disabled():
+                elif ctile is not None and name != "no-split" and not emulate and not mm.splitk_off(dev):
                     ks = auto_split(t, ctile, M, n, k)
                     kw["k_split"] = ks
                     if ks:
@@ -350,7 +358,7 @@ def main() -> int:
                  if tt == t and len(v) == len(shapes[t]) and min(v) > 0]
         if cands:
             g, name = max(cands)
-            print(f"| {t} | {name} | {mm.COOP_VARIANT_TILES[name.split(' /')[0]].name} | {g:.3g} |")
+            print(f"| {t} | {name} | {tile_of(name.split(' /')[0]).name} | {g:.3g} |")
     dev.close()
     print(f"\nchecks: {'all PASS' if not failed else f'{failed} FAIL'}; {time.perf_counter() - t_start:.1f} s")
     return 1 if failed else 0

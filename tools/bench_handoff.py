@@ -194,7 +194,10 @@ def flag_handoff(dev: Device, gpu, arena: SharedArena, gate: Gate, ts: Timestamp
         from cuda.bindings import driver as cu
     except Exception as exc:  # noqa: BLE001 - a report, not a failure
         return f"cuda.bindings.driver unavailable ({exc})"
-    from vkxsplit.ops.wait import GAVE_UP, record_wait_flag
+    import kernels
+    from flags import GAVE_UP, record_wait_flag
+
+    kernels.ensure("^wait_flag$")
 
     x_in, xa, n = x
     flag, flag2 = arena.alloc(256, "flag"), arena.alloc(256, "flag-back")

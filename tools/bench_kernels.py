@@ -27,12 +27,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchutil  # noqa: E402
+import kernels as tk  # noqa: E402
+import probes as pr  # noqa: E402
 from bench_matvec import ROTATE_BYTES, time_vecq  # noqa: E402
 from benchutil import spin_up  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
-from vkxsplit.ops import probe as pr  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.mul_mat import record_mul_mat  # noqa: E402
 from vkxsplit.ops.quant import row_bytes  # noqa: E402
@@ -76,15 +77,15 @@ def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int,
         xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
         bufs.append(xq)
         yv = View(y, 0, 8 * ystride * 4)
-        # working clocks again after the host-side set-up above (session 10: without this the
-        # first shape of a type timed up to 4x slow, e.g. Q6_K 4096x4096 47 us against bench_matvec's 11)
+        # working clocks again after the host-side set-up above (without this the first shape
+        # of a type has timed several times slow on the H200)
         spin_up(dev, 0.5)
         t = benchutil.timed(dev, lambda s, i: record_mul_mat(s, ws[i % len(ws)], ty, x, yv, 1, n, k), reps)
         out.append(("f32 x (`record_mul_mat`)", t))
         v = vecq.get(ty)
         if v is not None and k % 32 == 0:
             v = mm.vecq_for_shape(v, ty, n, k)
-            tag = mm.VECQ_SWEEP[v][1].tag
+            tag = mm.vecq_spec(v)[1].tag
             try:
                 tb, _, tk = time_vecq(dev, ty, v, 1, n, k, ws, x, xq, y, ystride, reps)
                 out += [(f"x as q8_1: quantize + dot (`{tag}`)", tb), (f"x as q8_1: dot only (`{tag}`)", tk)]
@@ -95,7 +96,7 @@ def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int,
                     tc = benchutil.timed(dev, lambda s, i, v=v: pr.record_probe_vecq_nox(
                         s, ws[i % len(ws)], ty, xq, yv, n, k, v, kind="noc"), reps)
                     out.append((f"probe: the weight loads alone, no x, no dot (`{tag}`)", tc))
-                    out += rows_times(dev, ws, yv, n, row_bytes(ty, k), mm.VECQ_SWEEP[v][1], reps)
+                    out += rows_times(dev, ws, yv, n, row_bytes(ty, k), mm.vecq_spec(v)[1], reps)
             except VkxError as exc:
                 out.append((f"x as q8_1 (`{tag}`)", str(exc)[:60]))
     except VkxError as exc:
@@ -339,7 +340,7 @@ def stats(dev: Device, extra: tuple[str, ...] = ()) -> None:
     names = [mm.cm2_variant_name("f16", tile) for tile in mm.CM2_CHOICES["f16"]]
     names += [pr.mma_variant(t) for t in (None, *pr.MMA_WG_TILES)] + [f"probe_read_u{u}" for u in pr.READ_UNROLLS]
     names += sorted({v for v in mm.vecq_decode(dev.physical, dev.features).values() if v})
-    names += [v for v in mm.VECQ_SWEEP if any(s in v for s in extra) and v not in names]
+    names += [v for v in tk.VECQ_SWEEP if any(s in v for s in extra) and v not in names]
     print("\ncompiler statistics (VKXSPLIT_PIPELINE_STATS=1)\n\n| variant | statistics |\n|---|---|")
     for name in names:
         try:
@@ -360,6 +361,7 @@ def main() -> int:
                     help="with VKXSPLIT_PIPELINE_STATS=1: also the compiler statistics of the vecq variants "
                          "whose names hold one of these comma-separated parts")
     args = ap.parse_args()
+    tk.ensure("^probe_|^mul_mat_vecq_")  # the probes and the vecq shapes --stats-vecq may name
     parts = set(args.parts.split(","))
     dev = Device.open()
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)

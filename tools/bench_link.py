@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU-side links between two devices through host pages (:mod:`vkxsplit.ops.link`): does a
+"""GPU-side links between two devices through host pages (``tools/flags.py``, :mod:`vkxsplit.ops.link`): does a
 spinning dispatch on one device see a flag the other writes, how long a rendezvous takes, and
 whether data published before the flag arrives whole.
 
@@ -30,9 +30,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import kernels  # noqa: E402
+from flags import record_link  # noqa: E402
+
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.elementwise import record_add  # noqa: E402
-from vkxsplit.ops.link import record_link, record_link_sum  # noqa: E402
+from vkxsplit.ops.link import record_link_sum  # noqa: E402
 from vkxsplit.pipeline import HostLink  # noqa: E402
 from vkxsplit.vk.api import ffi, lib, new, string  # noqa: E402
 from vkxsplit.vk.command import Sequence  # noqa: E402
@@ -305,6 +308,7 @@ def main() -> int:
     ap.add_argument("--max-spins", type=int, default=1 << 24)
     ap.add_argument("--quick", action="store_true", help="few rounds, small sizes (lavapipe)")
     a = ap.parse_args()
+    kernels.ensure("^link_flag_")  # the flag rendezvous (tools/flags.py), built where missing
     if a.quick:
         a.rounds, a.sizes, a.polls, a.max_spins = 20, "16K", "atomic", 1 << 20
     sizes = [int(s[:-1]) * (1024 if s[-1] in "kK" else 1 << 20) if s[-1] in "kKmM" else int(s)

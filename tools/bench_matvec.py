@@ -2,9 +2,9 @@
 """Mat-vec kernel sweep (shaders/mul_mat_vec.comp) on the hub device, GPU timestamps, markdown.
 
 For each weight type and N x K shape it times the default mat-vec variant and every sweep
-variant of the type (``vkxsplit.ops.mul_mat.VEC_SWEEP``, and for Q4_0 / Q8_0 the wide
-variants of ``VEC_WIDE``, shaders/mul_mat_vec_wide.comp, K % 256 == 0 only) at M = 1, and the
-default and the wide M = 4 variant at M = 4:
+variant of the type (``VEC_SWEEP`` of tools/kernels.py, and for Q4_0 / Q8_0 the wide variants
+of ``VEC_WIDE``, shaders/mul_mat_vec_wide.comp, K % 256 == 0 only) at M = 1, and the default
+and the wide M = 4 variant at M = 4 (the sweep variants are built on demand, tools/kernels.py):
 
 - weights rotate through enough copies of the matrix to total >= 256 MiB (over 2x the H200's
   50 MB L2), so the bandwidth is DRAM's, not L2's;
@@ -19,7 +19,7 @@ default and the wide M = 4 variant at M = 4:
   write bytes / time) measured in the same run;
 - every variant is first checked once against a float64 numpy reference on a small shape
   (PASS / FAIL), so a variant that is wrong on this device is caught;
-- for Q4_0 / Q8_0 also the integer-dot-product variants (``VECQ_SWEEP``,
+- for Q4_0 / Q8_0 also the integer-dot-product variants (``VECQ_SWEEP`` of tools/kernels.py,
   shaders/mul_mat_vecq.comp, ggml's MMVQ scheme): each timed dispatch is the quantize-x kernel
   (quantize_q8_1), the barrier after it and the dot-product kernel, so the time includes the
   quantization (a ``quantize_q8_1 only`` row gives that part alone). Their check is against
@@ -40,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import kernels  # noqa: E402
 from benchutil import spin_up, timed  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
@@ -54,6 +55,12 @@ TYPES = ("q4_0", "q8_0", "q4_1", "q4_k", "q6_k", "f16")
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))
 QUICK_SHAPES = ((256, 1024),)
 ROTATE_BYTES = 256 << 20
+
+
+def shape_of(v: str):  # type: ignore[no-untyped-def]
+    """The shape (with a ``tag``) of a mat-vec variant: a wide one's from tools/kernels.py, else
+    from its manifest entry (mm.vec_config)."""
+    return kernels.VEC_WIDE[v][1] if v in kernels.VEC_WIDE else mm.vec_config(v)
 
 
 def time_variant(dev: Device, t: str, v: str, m: int, n: int, k: int, ws: list, x, y, ystride: int,
@@ -110,7 +117,7 @@ def verify(dev: Device, rng: np.random.Generator, t: str, variants: list[str]) -
         wb.numpy(np.uint8, (raw.nbytes,))[:] = raw.ravel()
         xb.numpy(np.float32, (x.size,))[:] = x.ravel()
         for v in variants:
-            m = min(4, mm.vec_variant_maxm(v))
+            m = min(4, mm.vec_variant_maxm(v) or 4)
             y = yb.numpy(np.float32, (4 * n,))
             y[:] = np.nan
             seq = Sequence(dev, "verify")
@@ -151,7 +158,7 @@ def verify_vecq(dev: Device, rng: np.random.Generator, t: str, variants: list[st
         wb.numpy(np.uint8, (raw.nbytes,))[:] = raw.ravel()
         xb.numpy(np.float32, (x.size,))[:] = x.ravel()
         for v in variants:
-            _, _, maxm = mm.VECQ_SWEEP[v]
+            _, _, maxm = kernels.VECQ_SWEEP[v]
             m = min(4, maxm)
             y = yb.numpy(np.float32, (4 * n,))
             y[:] = np.nan
@@ -231,6 +238,7 @@ def main() -> int:
         return not pick or v == default or any(p in v for p in pick)
     rotate = (8 << 20) if args.quick else ROTATE_BYTES
     t0 = time.time()
+    kernels.ensure("^mul_mat_vecq?_")  # the sweep's shapes, built where missing (a compiler here) and loaded
     dev = Device.open()
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
     print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), "
@@ -253,19 +261,19 @@ def main() -> int:
     by_type: dict[str, list[str]] = {}   # M = 1 variants
     m4_by_type: dict[str, list[str]] = {}  # M = 4 variants
     for t in types:
-        sweep = [n for n, (ty, _) in mm.VEC_SWEEP.items() if ty == t]
-        wide = [n for n, (ty, _, mx) in mm.VEC_WIDE.items() if ty == t and mx == 1]
+        sweep = [n for n, (ty, _) in kernels.VEC_SWEEP.items() if ty == t]
+        wide = [n for n, (ty, _, mx) in kernels.VEC_WIDE.items() if ty == t and mx == 1]
         by_type[t] = [mm.vec_kernel_name(t, 1)] + [v for v in (sweep[:1] + wide[:1] if args.quick else sweep + wide)
                                                     if wanted(v, None)]
-        m4_by_type[t] = [mm.vec_kernel_name(t, 4)] + [n for n, (ty, _, mx) in mm.VEC_WIDE.items()
+        m4_by_type[t] = [mm.vec_kernel_name(t, 4)] + [n for n, (ty, _, mx) in kernels.VEC_WIDE.items()
                                                       if ty == t and mx == 4 and wanted(n, None)]
     vecq_by_type: dict[str, list[tuple[str, int]]] = {}  # (variant, M)
     for t in types:
-        q1 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 1]
-        q4 = [n for n, (ty, _, mx) in mm.VECQ_SWEEP.items() if ty == t and mx == 4]
+        q1 = [n for n, (ty, _, mx) in kernels.VECQ_SWEEP.items() if ty == t and mx == 1]
+        q4 = [n for n, (ty, _, mx) in kernels.VECQ_SWEEP.items() if ty == t and mx == 4]
         dq = f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=cpu).tag}"
         mine = [n for n in (q1[:2] if args.quick else q1) if wanted(n, dq)]
-        if q1 and dq in mm.VECQ_SWEEP and dq not in mine:
+        if q1 and dq in kernels.VECQ_SWEEP and dq not in mine:
             mine.insert(0, dq)  # the device's decode default: always checked and timed
         vecq_by_type[t] = [(n, 1) for n in mine] + [(n, 4) for n in q4[:1] if not pick]
 
@@ -311,14 +319,14 @@ def main() -> int:
             x.write(rng.standard_normal(8 * k).astype(np.float32) * 0.01)
             ystride = -(-n // 64) * 64  # 256-byte aligned y slots
             y = dev.memory.alloc(reps * 8 * ystride * 4, "device", "y")
-            # working clocks again after writing the copies (session 10: the first variant timed
-            # per shape ran up to 4x slow without this, e.g. Q6_K 4096x4096 38.0 us vs 11.3)
+            # working clocks again after writing the copies (without this the first variant
+            # timed per shape has run several times slow on the H200)
             spin_up(dev, 0.5)
             runs = [(v, 1) for v in by_type[t]] + [(v, 4) for v in m4_by_type[t]]
             for v, m in runs:
-                if v in failed or (v in mm.VEC_WIDE and k % mm.WIDE_K):
+                if v in failed or (v in kernels.VEC_WIDE and k % mm.WIDE_K):
                     continue
-                cfg = mm.vec_config(v)
+                cfg = shape_of(v)
                 try:
                     tb, tn, tk = time_variant(dev, t, v, m, n, k, ws, x, y, ystride, reps)
                 except VkxError as exc:
@@ -333,10 +341,10 @@ def main() -> int:
             if vecq_by_type[t] and k % 32 == 0:
                 xq = dev.memory.alloc(reps * (-(-mm.vecq_scratch_bytes(8, k) // 256) * 256), "device", "xq")
                 qruns = [(None, 1)] + [(v, m) for v, m in vecq_by_type[t] if v not in failed and v not in skipped
-                                       and not (mm.VECQ_SWEEP[v][1].blk == 8 and k % mm.WIDE_K)]
+                                       and not (kernels.VECQ_SWEEP[v][1].blk == 8 and k % mm.WIDE_K)]
                 for v, m in qruns:
                     label = f"`{v}`" if v else "`quantize_q8_1` only"
-                    tag = mm.VECQ_SWEEP[v][1].tag + " +q8_1" if v else "-"
+                    tag = kernels.VECQ_SWEEP[v][1].tag + " +q8_1" if v else "-"
                     try:
                         tb, tn, tk = time_vecq(dev, t, v, m, n, k, ws, x, xq, y, ystride, reps)
                     except VkxError as exc:
@@ -400,8 +408,8 @@ def main() -> int:
             v = min(best[t], key=best[t].get)
             d = best[t].get(mm.vec_kernel_name(t, 1))
             rel = f", default {d / best[t][v]:.2f}x its time" if d else ""
-            note = " (x rounded to q8_1: integer dot products)" if v in mm.VECQ_SWEEP else ""
-            print(f"- {t}: `{v}` ({mm.vec_config(v).tag}){rel}{note}")
+            note = " (x rounded to q8_1: integer dot products)" if v in kernels.VECQ_SWEEP else ""
+            print(f"- {t}: `{v}` ({shape_of(v).tag}){rel}{note}")
     if failed:
         print(f"\nFAILED variants: {', '.join(sorted(failed))}")
     print(f"\n(total {time.time() - t0:.0f} s)")

@@ -8,6 +8,11 @@
 # The validation layer for the test targets: apt-get download vulkan-validationlayers into .device/gl
 # (on-device.sh unpacks every .deb there; without it VKXSPLIT_VALIDATION=1 tests error at set-up).
 # Put `warm` before the test targets on a fresh machine (tools/warm_pipelines.py says why).
+# Experiment kernels (benchmark sweeps, probes, flag waits, emulated and decode-check kernels:
+# tools/kernels.py) do not ship and the GPU machine has no compiler: build them here first,
+#   python tools/build_tool_shaders.py          # -> build/tool-spv (git-ignored; --check says what is stale)
+# and carry them with the rest: carry [".device", "build/tool-spv"]. Without them the benchmarks
+# time only the shipped kernels and the tests that need one skip.
 # Target save-cache writes the pipeline caches (ours and the driver's) to $OUT/pcache.tgz; carry
 # that file back as .pcache.tgz and the next (fresh) machine starts warm: it is unpacked here.
 # Results go to $OUT (tests.log, bench_kernels.md, bench_models.md, info.txt, info.json).
@@ -51,7 +56,8 @@ for w in $what; do
         --shapes 4096x4096,1024x4096,14336x4096,4096x14336 --splits 1 --tiles t128x128_k64_w32x64_s1 \
         --reps 8 2>&1 | tee "$OUT/bench_coop_chosen.md" | grep -E "chosen|Register|FAIL|checks" ;;
     ab)
-      # whole-model A/B of the coopmat choice (env AB_ARGS for tools/bench_ab.py)
+      # whole-model A/B of kill switches (env AB_ARGS for tools/bench_ab.py, e.g.
+      # --settings 'none;VKXSPLIT_DISABLE=splitk'; default: the split-K choice)
       timeout 400 python3 tools/bench_ab.py ${AB_ARGS:---shapes llama8b:q4_0} 2>&1 | tee "$OUT/bench_ab.md" ;;
     link)
       # GPU-side links between devices 0 and 1 through host pages (env LINK_ARGS)

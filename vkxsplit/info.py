@@ -592,17 +592,19 @@ def prefill_report(p: Any) -> dict[str, Any]:
     (VK_KHR_cooperative_matrix) or the f32 tiled kernel; the kill switches are honoured."""
     from types import SimpleNamespace
 
+    from .features import disabled_from_env
     from .ops import mul_mat as mm
     from .vk.device import coopmat2_enablable
 
-    dev = SimpleNamespace(features=p.features, physical=p, coopmat2=coopmat2_enablable(p), name=p.name)
+    dev = SimpleNamespace(features=p.features, physical=p, coopmat2=coopmat2_enablable(p), name=p.name,
+                          disabled=disabled_from_env())
     if mm.coopmat2_available(dev):
         path = "mul_mat_cm2"
     elif mm.coopmat_available(dev):
         path = "mul_mat_coopmat"
     else:
         path = "tiled"
-    dq16 = path == "mul_mat_cm2" and not mm.dq16_disabled()
+    dq16 = path == "mul_mat_cm2" and "dq16" not in dev.disabled
     return {"path": path, "dq16": dq16, "dq16_min_m": mm.DQ16_MIN_M if dq16 else None}
 
 
@@ -663,6 +665,7 @@ def _device_report(p: Any) -> dict[str, Any]:
         "queue_families": [{"index": q.index, "flags": flag_names(q.flags, QUEUE_FLAGS), "flags_mask": q.flags,
                             "count": q.count, "timestamp_valid_bits": q.timestamp_bits}
                            for q in p.queue_families],
+        "compute_units": p.compute_units,
         "subgroup": {"size": p.subgroup_size, "min_size": p.min_subgroup_size, "max_size": p.max_subgroup_size,
                      "compute_stage": bool(p.subgroup_stages & SHADER_STAGE_COMPUTE),
                      "operations": flag_names(p.subgroup_ops, SUBGROUP_OPS)},
@@ -1129,6 +1132,7 @@ def _render_device(d: dict[str, Any]) -> list[str]:
     lim = d["limits"]
     sg = d["subgroup"]
     L.append("  Compute")
+    L += _kv("compute units", str(d.get("compute_units") or "not reported"), "    ")
     L += _kv("subgroup size", f"{sg['size']} (min {sg['min_size']}, max {sg['max_size']})", "    ")
     L += _kv("subgroup operations", " ".join(sg["operations"]) or "none", "    ")
     L += _kv("max shared memory", f"{lim['maxComputeSharedMemorySize']} bytes", "    ")
@@ -1216,7 +1220,7 @@ def _render_device(d: dict[str, Any]) -> list[str]:
     for t, v in sorted(dq.items()):
         shapes.setdefault(v.rsplit("_m1_", 1)[1], []).append(t)
     L += _kv("decode x as q8_1", "; ".join(f"{', '.join(ts)} ({sh})" for sh, ts in shapes.items())
-             if dq else "no (f32 x: no integer dot products here, or VKXSPLIT_DISABLE_VECQ)", "    ")
+             if dq else "no (f32 x: no integer dot products here, or VKXSPLIT_DISABLE=intdot)", "    ")
     pf = k.get("prefill")
     if pf:
         what = {"mul_mat_cm2": "mul_mat_cm2 (VK_NV_cooperative_matrix2), every type",

@@ -36,6 +36,7 @@ import numpy as np
 from .calibrate import MeasuringCostModel, hub_node_times
 from .errors import ModelError, VkxError
 from .executor import Executor, Step
+from .features import is_disabled
 from .gguf_model import ModelFile, default_model_path
 from .gguf_model import load_model as load_gguf
 from .graph import Graph, Tensor, overlap, span
@@ -46,7 +47,6 @@ from .plan.spec import SplitSpec, parse_backends
 from .plan.workspace import ArenaWorkspace
 from .tokenizer import Tokenizer
 from .vk.device import Device
-from .vk.instance import env_flag
 from .vk.kernel import View
 
 log = logging.getLogger("vkxsplit.model")
@@ -495,9 +495,9 @@ class Model(LanguageModel):
         row0 = slot * self.slot_rows  # this slot's rows of ids, positions, links, logits
         f32 = 4
         V = self._view
-        # VKXSPLIT_DISABLE_FUSION=1 builds the unfused graph (separate residual adds, norms and
+        # VKXSPLIT_DISABLE=fusion builds the unfused graph (separate residual adds, norms and
         # RoPE of K), for bisecting a suspected fused kernel
-        fuse = not env_flag("VKXSPLIT_DISABLE_FUSION")
+        fuse = not is_disabled(self.device, "fusion")
 
         def act(name: str, cols: int) -> Tensor:
             return Tensor(name, (T, cols), "f32", V(A[name], 0, T * cols * f32))

@@ -12,6 +12,12 @@ GL_NV_cooperative_matrix2, which no packaged compiler of Debian 12 or PyPI knows
 plus ``vkxsplit/spv/manifest.json`` (variant name, source, defines, hash of the source and
 everything it includes, SPIR-V hash, compiler versions, binding and push-constant layout).
 The installed package reads only the manifest and the .spv files: it needs no compiler.
+
+Only kernels a default path can choose ship. Experiment kernels (benchmark sweeps, probes,
+emulations and checks for tests) are declared outside the package (``tools/kernels.py``) and
+compiled on demand with :func:`build_into` into a directory of their own (a ``manifest.json``
+and the .spv files, same format); :func:`add_kernel_dir` makes its kernels loadable by name
+(:func:`variant_meta`, :func:`spirv`, ``vkxsplit.vk.kernel.Kernel``) after the shipped ones.
 """
 
 from __future__ import annotations
@@ -118,6 +124,11 @@ def _tool(name: str) -> str | None:
     return shutil.which(name)
 
 
+def have_tool(name: str) -> bool:
+    """Whether the build tool ``name`` (glslc, glslang, glslang15, spirv-val) is installed."""
+    return _tool(name) is not None
+
+
 @cache
 def tool_version(name: str) -> str:
     exe = _tool(name)
@@ -179,77 +190,112 @@ def load_manifest(path: Path = MANIFEST) -> dict[str, Any]:
 
 def build(only: str | None = None, force: bool = False, jobs: int | None = None,
           log: Any = print) -> dict[str, Any]:
-    """Compile changed variants (those matching ``only``, when given), validate them, and
-    rewrite the manifest. Variants outside ``only`` keep their previous entry. Returns it."""
-    src_dir = source_dir()
+    """Compile the changed shipped variants (those matching ``only``, when given) into the
+    package's ``spv/``, validate them, and rewrite its manifest. Returns the manifest."""
+    man = build_into(all_variants(), SPV_DIR, only=only, force=force, jobs=jobs, log=log, prune=True)
+    shipped.cache_clear()
+    return man
+
+
+def build_into(variants: dict[str, Variant] | list[Variant], out_dir: Path, *, only: str | None = None,
+               force: bool = False, jobs: int | None = None, log: Any = print, prune: bool = False,
+               src_dir: Path | None = None) -> dict[str, Any]:
+    """Compile ``variants`` (those whose name matches the regex ``only``, when given) into
+    ``out_dir`` as NAME.spv plus ``manifest.json``: incremental (a variant whose source hash and
+    SPIR-V hash match its manifest entry is not recompiled), each module validated with
+    spirv-val. Entries of other names already in the manifest are kept, unless ``prune`` (then
+    only ``variants`` stay; without ``only``, stray .spv files are removed too). Several
+    builders may share ``out_dir`` (a lock file serialises them). Returns the manifest."""
+    src_dir = src_dir or source_dir()
     if not src_dir.is_dir():
         raise EnvironmentProblem(f"shader sources not found at {src_dir}",
                                  "run the build from a source checkout, or set VKXSPLIT_SHADER_SRC")
-    SPV_DIR.mkdir(parents=True, exist_ok=True)
-    with open(SPV_DIR / ".build.lock", "w") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)  # several builders may share a checkout
-        return _build_locked(src_dir, only, force, jobs, log)
+    if isinstance(variants, list):
+        by_name: dict[str, Variant] = {}
+        for v in variants:
+            if v.name in by_name:
+                raise ShaderBuildError(f"shader variant {v.name} is declared twice")
+            by_name[v.name] = v
+        variants = by_name
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".build.lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)  # several builders may share a directory
+        man = _build_locked(variants, out_dir, src_dir, only, force, jobs, log, prune)
+    _dir_manifest.cache_clear()
+    return man
 
 
-def _build_locked(src_dir: Path, only: str | None, force: bool, jobs: int | None, log: Any) -> dict[str, Any]:
-    variants = all_variants()
-    old = load_manifest().get("variants", {})
+def _fresh(prev: dict[str, Any] | None, h: str, spv: Path) -> bool:
+    return (prev is not None and prev.get("source_sha256") == h and spv.exists()
+            and hashlib.sha256(spv.read_bytes()).hexdigest() == prev.get("spv_sha256"))
+
+
+def _build_locked(variants: dict[str, Variant], out_dir: Path, src_dir: Path, only: str | None, force: bool,
+                  jobs: int | None, log: Any, prune: bool) -> dict[str, Any]:
+    old_man = load_manifest(out_dir / "manifest.json")
+    old = old_man.get("variants", {})
     pat = re.compile(only) if only else None
     todo: list[Variant] = []
-    entries: dict[str, Any] = {}
+    entries: dict[str, Any] = {} if prune else dict(old)
     for name, v in sorted(variants.items()):
-        h = source_hash(v, src_dir)
-        spv = SPV_DIR / f"{name}.spv"
         prev = old.get(name)
-        fresh = (prev is not None and prev.get("source_sha256") == h and spv.exists()
-                 and hashlib.sha256(spv.read_bytes()).hexdigest() == prev.get("spv_sha256"))
         if pat is not None and not pat.search(name):
             if prev is not None:
                 entries[name] = prev
             continue
-        if force or not fresh:
+        h = source_hash(v, src_dir)
+        spv = out_dir / f"{name}.spv"
+        if force or not _fresh(prev, h, spv):
             todo.append(v)
-        entries[name] = dict(v.meta(), source_sha256=h)
+            entries[name] = dict(v.meta(), source_sha256=h)
+        else:
+            entries[name] = prev
 
     def work(v: Variant) -> None:
-        out = SPV_DIR / f"{v.name}.spv"
+        out = out_dir / f"{v.name}.spv"
         tmp = out.with_suffix(".spv.tmp")
         _compile(v, src_dir, tmp)
         spirv_validate(tmp, v.target_env)
         tmp.replace(out)
 
     if todo:
-        log(f"building {len(todo)} of {len(variants)} shader variants")
+        log(f"building {len(todo)} of {len(variants)} shader variants into {out_dir}")
         with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as ex:
             list(ex.map(work, todo))
-    for name, e in entries.items():
-        spv = SPV_DIR / f"{name}.spv"
-        if not spv.exists():
-            raise ShaderBuildError(f"{spv} is missing after the build")
-        if pat is None or pat.search(name):
-            e["spv_sha256"] = hashlib.sha256(spv.read_bytes()).hexdigest()
-    if pat is None:
-        for stale in SPV_DIR.glob("*.spv"):
+        for v in todo:
+            entries[v.name]["spv_sha256"] = hashlib.sha256((out_dir / f"{v.name}.spv").read_bytes()).hexdigest()
+    for name in entries:
+        if not (out_dir / f"{name}.spv").exists():
+            raise ShaderBuildError(f"{out_dir / name}.spv is missing after the build")
+    if prune and pat is None:
+        for stale in out_dir.glob("*.spv"):
             if stale.stem not in entries:
                 stale.unlink()
     manifest = {
         "compilers": {"glslc": tool_version("glslc"), "glslang": tool_version("glslang"),
                       "glslang15": tool_version("glslang15")},
-        "variants": entries,
+        "variants": dict(sorted(entries.items())),
     }
-    tmpm = MANIFEST.with_suffix(".json.tmp")
+    if not todo and old_man.get("variants") == manifest["variants"]:
+        return old_man  # nothing changed: the manifest (and its compiler versions) stay as they are
+    tmpm = out_dir / "manifest.json.tmp"
     tmpm.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    tmpm.replace(MANIFEST)
-    shipped.cache_clear()
-    log(f"manifest: {len(entries)} variants in {MANIFEST}")
+    tmpm.replace(out_dir / "manifest.json")
+    log(f"manifest: {len(entries)} variants in {out_dir / 'manifest.json'}")
     return manifest
 
 
 def check_manifest() -> list[str]:
     """Differences between the sources and the shipped SPIR-V (empty when in sync)."""
+    return check_dir(all_variants(), SPV_DIR, exact=True)
+
+
+def check_dir(variants: dict[str, Variant], out_dir: Path, exact: bool = False) -> list[str]:
+    """Differences between ``variants``' sources and the SPIR-V in ``out_dir`` (empty when
+    every one is built and fresh; ``exact``: also entries no longer declared)."""
     problems: list[str] = []
-    man = load_manifest().get("variants", {})
-    variants = all_variants()
+    man = load_manifest(Path(out_dir) / "manifest.json").get("variants", {})
     src_dir = source_dir()
     for name, v in sorted(variants.items()):
         e = man.get(name)
@@ -258,14 +304,15 @@ def check_manifest() -> list[str]:
             continue
         if e.get("source_sha256") != source_hash(v, src_dir):
             problems.append(f"{name}: source or defines changed since its SPIR-V was built")
-        spv = SPV_DIR / f"{name}.spv"
+        spv = Path(out_dir) / f"{name}.spv"
         if not spv.exists():
             problems.append(f"{name}: {spv.name} missing")
         elif hashlib.sha256(spv.read_bytes()).hexdigest() != e.get("spv_sha256"):
             problems.append(f"{name}: {spv.name} differs from the manifest")
-    for name in man:
-        if name not in variants:
-            problems.append(f"{name}: in the manifest but no longer declared")
+    if exact:
+        for name in man:
+            if name not in variants:
+                problems.append(f"{name}: in the manifest but no longer declared")
     return problems
 
 
@@ -279,9 +326,65 @@ def shipped() -> dict[str, Any]:
     return man["variants"]
 
 
+def manifest_ident() -> str:
+    """sha256 over every shipped module's name and SPIR-V hash: other kernels, another ident."""
+    h = hashlib.sha256()
+    for name, meta in sorted(shipped().items()):
+        h.update(f"{name}:{meta.get('spv_sha256', '')}\n".encode())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------
+# kernels from other directories (experiment kernels built on demand: tools/kernels.py)
+
+_EXTRA_DIRS: list[Path] = []
+
+
+def add_kernel_dir(path: Path | str) -> None:
+    """Make the kernels of the manifest in ``path`` (a :func:`build_into` directory) loadable
+    by name, after the shipped ones (a shipped name always wins)."""
+    p = Path(path).resolve()
+    if p not in _EXTRA_DIRS:
+        _EXTRA_DIRS.append(p)
+
+
+def kernel_dirs() -> list[Path]:
+    """The directories :func:`add_kernel_dir` added, in order."""
+    return list(_EXTRA_DIRS)
+
+
+@cache
+def _dir_manifest(path: Path, mtime_ns: int) -> dict[str, Any]:
+    return load_manifest(path / "manifest.json").get("variants", {})
+
+
+def _lookup(name: str) -> tuple[dict[str, Any], Path] | None:
+    meta = shipped().get(name)
+    if meta is not None:
+        return meta, SPV_DIR
+    for d in _EXTRA_DIRS:
+        try:
+            mt = (d / "manifest.json").stat().st_mtime_ns
+        except OSError:
+            continue
+        meta = _dir_manifest(d, mt).get(name)
+        if meta is not None:
+            return meta, d
+    return None
+
+
+def variant_meta(name: str) -> dict[str, Any] | None:
+    """The manifest entry of kernel ``name`` (shipped, or in a directory of
+    :func:`add_kernel_dir`), or None."""
+    got = _lookup(name)
+    return None if got is None else got[0]
+
+
 def spirv(name: str) -> bytes:
+    got = _lookup(name)
+    d = SPV_DIR if got is None else got[1]
     try:
-        return (SPV_DIR / f"{name}.spv").read_bytes()
+        return (d / f"{name}.spv").read_bytes()
     except OSError as exc:
         raise ShaderBuildError(f"SPIR-V for kernel {name} is missing: {exc}",
                                "rebuild the shaders: vkxsplit build-shaders") from exc

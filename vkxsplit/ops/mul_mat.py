@@ -2,22 +2,30 @@
 
 ``W`` is a weight tensor of ``N`` rows (output features) of ``K`` elements, stored raw in its
 ggml type (:mod:`vkxsplit.ops.quant`); ``x`` is f32 ``[M, K]`` and ``y`` f32 ``[M, N]``, both
-row-major with arbitrary row strides (in elements). Three kernel families
-(``shaders/mul_mat_vec.comp``, ``mul_mat.comp``, ``mul_mat_coopmat.comp``; dequantization in
-``shaders/dequant.glsl``):
+row-major with arbitrary row strides (in elements). Kernel families (``shaders/mul_mat_vec.comp``,
+``mul_mat_vecq.comp``, ``mul_mat.comp``, ``mul_mat_coopmat.comp``, ``mul_mat_cm2.comp``;
+dequantization in ``shaders/dequant.glsl``):
 
 - ``vec`` (``mul_mat_vec_<type>_f32``, and ``..._f32_m1/_m2/_m4`` compiled for at most
   1/2/4 columns), M <= 8: a workgroup computes a few output rows for all M columns, reading
-  each weight once; memory-bandwidth bound (decode).
+  each weight once; memory-bandwidth bound (decode). At M = 1 graphs read Q4_0 / Q4_1 / Q8_0 /
+  Q4_K (and Q6_K on CPU devices) with x quantized to q8_1 and integer dot products
+  (``mul_mat_vecq_*``, :func:`vecq_variant`).
 - ``tiled`` (``mul_mat_<type>_f32``), any M: 64 x 64 shared-memory tiles with 4 x 4 register
   blocking, W dequantized in the tile loader; f32 throughout.
 - ``coopmat`` (``mul_mat_coopmat_<type>_f32``), any M: GL_KHR_cooperative_matrix 16x16x16
-  with f16 operands and f32 accumulation; used for M > 8 when the device has it (and
-  ``VKXSPLIT_DISABLE_COOPMAT`` is not set). Where the device also has VK_NV_cooperative_matrix2
-  the same path runs ``mul_mat_cm2_<type>_f32_<tile>`` (``shaders/mul_mat_cm2.comp``:
-  workgroup-scope matrices staged by the driver, weights decoded per element by
-  ``shaders/cm2_decode.glsl``) on x converted to f16 first (``convert_rows_f32_f16``);
-  ``VKXSPLIT_DISABLE_COOPMAT2=1`` keeps the subgroup-scope kernel.
+  with f16 operands and f32 accumulation; used for M > 8 when the device has it. Where the
+  device also has VK_NV_cooperative_matrix2 the same path runs ``mul_mat_cm2_<type>_f32_<tile>``
+  (workgroup-scope matrices staged by the driver, weights decoded per element by
+  ``shaders/cm2_decode.glsl``) on x converted to f16 first (``convert_rows_f32_f16``), and
+  quantized weights of large products may be dequantized to f16 rows first (dq16).
+
+Only the variants these choices can name ship (:data:`VARIANTS`); benchmarks and tests build
+other shapes on demand (``tools/kernels.py``) and pin them with ``vec_variant=`` /
+``coop_variant=`` / :func:`record_mul_mat_vecq`'s ``variant=``: a variant's shape is read
+from its manifest entry (its defines), so any built variant of a family runs here.
+``VKXSPLIT_DISABLE`` (:mod:`vkxsplit.features`: coopmat, coopmat2, intdot, dq16, splitk) takes
+paths away, per device.
 
 A tensor split computes only output rows ``[r0, r0 + N)``: pass ``w_row_offset=r0`` (and
 the full tensor as ``w``); results go to y columns ``y_col_offset + n`` (default ``r0``).
@@ -30,8 +38,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KernelError, OutOfDeviceMemory
-from ..shaders import Variant
-from ..vk.instance import env_flag
+from ..features import disabled as _disabled
+from ..shaders import Variant, variant_meta
 from ..vk.kernel import Bindable, Kernel, View, as_range
 from .convert import record_convert_rows
 from .get_rows import record_dequant_rows
@@ -51,6 +59,21 @@ FLAG_WVEC = 2           # float W rows allow vector loads (vec: K % 8 == 0; othe
 MAX_GROUPS = 65535      # per grid dimension (Vulkan's guaranteed minimum; lavapipe and NVIDIA)
 
 _STORAGE = ("storageBuffer16BitAccess", "storageBuffer8BitAccess")
+_TYPE_BY_ID = {wt.id: t for t, wt in TYPES.items()}
+
+
+def _defines(name: str, sources: tuple[str, ...]) -> dict[str, str] | None:
+    """The defines of kernel ``name`` (shipped or loaded) when its source is one of ``sources``."""
+    meta = variant_meta(name)
+    if meta is None or meta.get("source") not in sources:
+        return None
+    return dict(meta.get("defines") or {})
+
+
+def _type_of(defines: dict[str, str]) -> str | None:
+    wid = defines.get("WTYPE")
+    return None if wid is None else _TYPE_BY_ID.get(int(wid))
+
 
 @dataclass(frozen=True)
 class VecConfig:
@@ -68,18 +91,26 @@ class VecConfig:
     def tag(self) -> str:
         return f"wg{self.wg}_nr{self.nr}_u{self.unr}" + (f"_l{self.lanes}" if self.lanes else "")
 
+    @property
+    def rows(self) -> int:
+        """Rows per workgroup."""
+        return self.nr
+
     def defines(self) -> dict[str, str]:
         d = {"WG": str(self.wg), "NR": str(self.nr), "UNR": str(self.unr)}
         if self.lanes:
             d["DQX_L"] = str(self.lanes)
         return d
 
+    @classmethod
+    def from_defines(cls, d: dict[str, str]) -> VecConfig:
+        return cls(int(d["WG"]), int(d["NR"]), int(d.get("UNR", 1)), int(d.get("DQX_L", 0)))
 
-# mat-vec shape per type (designed for an H200: >= 128 threads per workgroup so 32 resident
-# workgroups fill an SM, rows per workgroup to reuse each x load, 2 units per iteration for
-# loads in flight; tools/bench_matvec.py sweeps the alternatives in VEC_SWEEP)
-# (set from the H200 sweep of 2026-11-29, docs/PERFORMANCE.md: the fastest M = 1 shape per type
-# summed over 4096x4096, 4096x14336 and 14336x4096; Q5_* and BF16/F32 follow their nearest swept type)
+
+#: mat-vec shape per type: >= 128 threads per workgroup so enough workgroups are resident to
+#: fill a GPU's cores, rows per workgroup to reuse each x load, units per iteration for loads
+#: in flight; Q5_* and BF16/F32 follow their nearest measured type (measured:
+#: docs/PERFORMANCE.md, "Decode kernels"; tools/bench_matvec.py sweeps alternatives)
 VEC_CONFIG: dict[str, VecConfig] = {
     **{t: VecConfig(128, 4, 4) for t in ("f32", "f16", "bf16")},
     **{t: VecConfig(128, 4, 2) for t in ("q5_0", "q5_1")},
@@ -92,71 +123,18 @@ VEC_CONFIG: dict[str, VecConfig] = {
 # the 8-column one is mul_mat_vec_<type>_f32, the others carry an _m<n> suffix
 VEC_MAXM = (1, 2, 4, 8)
 
-# sweep-only mat-vec variants (M = 1: compiled with MAXM 1), by type; the first of each is the
-# shape of the kernels before this design (small workgroups), for comparison
-_SWEEP_SHAPES: dict[str, list[VecConfig]] = {
-    "q4_0": [VecConfig(32, 4, 1, 4), VecConfig(128, 4, 2, 4), VecConfig(256, 4, 2, 2), VecConfig(64, 4, 2, 2),
-             VecConfig(128, 2, 2, 2), VecConfig(128, 8, 1, 2), VecConfig(128, 4, 4, 2), VecConfig(256, 2, 2, 4),
-             VecConfig(128, 4, 1, 4)],
-    "q8_0": [VecConfig(32, 4, 1, 4), VecConfig(128, 4, 2, 4), VecConfig(256, 4, 2, 2), VecConfig(64, 4, 2, 2),
-             VecConfig(128, 2, 2, 2), VecConfig(128, 8, 1, 2), VecConfig(128, 4, 4, 2), VecConfig(256, 2, 2, 4),
-             VecConfig(128, 4, 1, 4)],
-    "q4_1": [VecConfig(32, 4, 1, 4), VecConfig(128, 4, 2, 4), VecConfig(256, 4, 2, 2), VecConfig(128, 2, 2, 2),
-             VecConfig(128, 8, 1, 2), VecConfig(128, 4, 4, 2)],
-    "q4_k": [VecConfig(32, 2, 1, 8), VecConfig(128, 4, 1, 8), VecConfig(256, 2, 1, 8), VecConfig(64, 2, 1, 8),
-             VecConfig(128, 2, 2, 8), VecConfig(128, 2, 1, 4), VecConfig(128, 1, 2, 8), VecConfig(256, 4, 1, 8)],
-    "q6_k": [VecConfig(32, 2, 1), VecConfig(128, 4, 1), VecConfig(256, 2, 1), VecConfig(64, 2, 1),
-             VecConfig(128, 2, 2), VecConfig(128, 1, 2), VecConfig(256, 1, 2)],
-    "f16": [VecConfig(64, 2, 1), VecConfig(128, 2, 2), VecConfig(256, 4, 2), VecConfig(128, 4, 4),
-            VecConfig(64, 4, 2), VecConfig(128, 8, 1)],
-}
-#: sweep variant name -> (type, shape); names are mul_mat_vec_<type>_f32_m1_<shape tag>
-VEC_SWEEP: dict[str, tuple[str, VecConfig]] = {
-    f"mul_mat_vec_{t}_f32_m1_{c.tag}": (t, c) for t, cs in _SWEEP_SHAPES.items() for c in cs}
-
-
-@dataclass(frozen=True)
-class WideConfig:
-    """Shape of a wide mat-vec kernel (``shaders/mul_mat_vec_wide.comp``, Q4_0 / Q8_0 rows
-    that are 16-byte aligned, K % 256 == 0): ``wg`` threads per workgroup, ``nr`` rows per
-    workgroup (thread t works on row t % nr, so ``wg // nr`` threads per row), ``unr`` 8-block
-    groups per thread per loop iteration (each a run of 9 / 17 uvec4 loads), ``xsh``: x staged
-    in shared memory (1) or read from global memory (0)."""
-
-    wg: int
-    nr: int
-    unr: int = 1
-    xsh: int = 0
-
-    @property
-    def tag(self) -> str:
-        return f"wide_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "") + (
-            "_xs" if self.xsh else "")
-
-    def defines(self) -> dict[str, str]:
-        return {"WG": str(self.wg), "NR": str(self.nr), "UNR": str(self.unr), "XSH": str(self.xsh)}
-
-
-WIDE_K = 256            # the wide variants need K % WIDE_K == 0 (whole 16-byte-aligned groups)
-# wide mat-vec variants (sweep only; no default uses them): M = 1 shapes per type, plus one
-# M = 4 shape (compiled with MAXM 4); names mul_mat_vec_<type>_f32_m<1|4>_<shape tag>
-_WIDE_SHAPES = [WideConfig(128, 4), WideConfig(128, 8), WideConfig(128, 2), WideConfig(256, 8),
-                WideConfig(64, 4), WideConfig(128, 4, 2), WideConfig(128, 8, 2), WideConfig(128, 8, 1, 1)]
-_WIDE_M4 = WideConfig(128, 4)
-#: wide variant name -> (type, shape, most columns of x)
-VEC_WIDE: dict[str, tuple[str, WideConfig, int]] = {
-    **{f"mul_mat_vec_{t}_f32_m1_{c.tag}": (t, c, 1) for t in ("q4_0", "q8_0") for c in _WIDE_SHAPES},
-    **{f"mul_mat_vec_{t}_f32_m4_{_WIDE_M4.tag}": (t, _WIDE_M4, 4) for t in ("q4_0", "q8_0")},
-}
-
-
 #: M = 1 (decode) mat-vec shapes for CPU Vulkan devices: lavapipe runs a workgroup's invocations
-#: on one core, where the GPU shapes above (128 threads, several units in flight) are 2-5x
-#: slower than these (measured on llvmpipe at SmolLM2's shapes); all are VEC_SWEEP variants
+#: on one core, where the GPU shapes above (128 threads, several units in flight) are several
+#: times slower than small workgroups (measured: docs/PERFORMANCE.md, "Decode kernels")
 VEC_CPU_M1: dict[str, VecConfig] = {
     **{t: VecConfig(32, 4, 1, 4) for t in ("q4_0", "q4_1", "q8_0")},
     "q4_k": VecConfig(32, 2, 1, 8), "q6_k": VecConfig(32, 2, 1), "f16": VecConfig(128, 8, 1),
 }
+
+
+def vec_m1_name(t: str, cfg: VecConfig) -> str:
+    """The name of an M = 1 mat-vec variant of shape ``cfg``: mul_mat_vec_<type>_f32_m1_<tag>."""
+    return f"mul_mat_vec_{t}_f32_m1_{cfg.tag}"
 
 
 def device_vec_variant(device: Device, t: str, M: int) -> str | None:
@@ -166,7 +144,7 @@ def device_vec_variant(device: Device, t: str, M: int) -> str | None:
     if M != 1 or getattr(device.physical, "device_type", None) != vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
         return None
     c = VEC_CPU_M1.get(t)
-    return None if c is None else f"mul_mat_vec_{t}_f32_m1_{c.tag}"
+    return None if c is None else vec_m1_name(t, c)
 
 
 def vec_kernel_name(t: str, M: int) -> str:
@@ -174,37 +152,41 @@ def vec_kernel_name(t: str, M: int) -> str:
     return f"mul_mat_vec_{t}_f32" + ("" if mm == MAX_VEC_M else f"_m{mm}")
 
 
-def vec_config(name: str) -> VecConfig | WideConfig | VecqConfig:
-    """The shape of a mat-vec variant (a default one, a VEC_SWEEP or a VEC_WIDE one) by name."""
-    if name in VEC_SWEEP:
-        return VEC_SWEEP[name][1]
-    if name in VEC_WIDE:
-        return VEC_WIDE[name][1]
-    if name in VECQ_SWEEP:
-        return VECQ_SWEEP[name][1]
-    t = name.removeprefix("mul_mat_vec_").split("_f32")[0]
-    return VEC_CONFIG[t]
+#: sources of the mat-vec kernels (the f32-x one, the wide one of the benchmarks, the q8_1-x one)
+_VEC_SOURCES = ("mul_mat_vec.comp", "mul_mat_vec_wide.comp")
+WIDE_K = 256  # mul_mat_vec_wide.comp needs K % WIDE_K == 0 (whole 16-byte-aligned 8-block groups)
+
+
+def vec_config(name: str) -> VecConfig | VecqConfig:
+    """The shape of a built mat-vec variant (f32 x or q8_1 x) by name, from its defines.
+    Raises KernelError for a name that is neither shipped nor loaded."""
+    d = _defines(name, ("mul_mat_vec.comp",))
+    if d is not None:
+        return VecConfig.from_defines(d)
+    d = _defines(name, ("mul_mat_vecq.comp",))
+    if d is not None:
+        return VecqConfig.from_defines(d)
+    raise KernelError(f"{name!r} is not a built mat-vec variant")
 
 
 def vec_variant_maxm(name: str) -> int:
-    """The most columns of x a mat-vec variant handles."""
-    if name in VEC_SWEEP:
-        return 1
-    if name in VEC_WIDE:
-        return VEC_WIDE[name][2]
-    tail = name.split("_f32")[-1]
-    return int(tail[2:]) if tail.startswith("_m") else MAX_VEC_M
+    """The most columns of x a built mat-vec variant handles (0 for an unknown name)."""
+    d = _defines(name, (*_VEC_SOURCES, "mul_mat_vecq.comp"))
+    return 0 if d is None else int(d.get("MAXM", MAX_VEC_M))
 
 
-def _vec_variant(name: str, wt: WeightType, cfg: VecConfig, maxm: int) -> Variant:
+def _vec_rows(name: str) -> int:
+    """Rows per workgroup of a built mat-vec variant (NR, times RPT for q8_1-x shapes)."""
+    d = _defines(name, (*_VEC_SOURCES, "mul_mat_vecq.comp"))
+    if d is None:
+        raise KernelError(f"{name!r} is not a built mat-vec variant")
+    return int(d["NR"]) * int(d.get("RPT", 1))
+
+
+def make_vec_variant(name: str, t: str, cfg: VecConfig, maxm: int) -> Variant:
+    """The Variant of a mat-vec (f32 x) kernel of weight type ``t``, shape ``cfg``, ``maxm`` columns."""
     return Variant(name=name, source="mul_mat_vec.comp",
-                   defines={"WTYPE": str(wt.id), "MAXM": str(maxm), **cfg.defines()},
-                   bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1), requires=_STORAGE)
-
-
-def _wide_variant(name: str, wt: WeightType, cfg: WideConfig, maxm: int) -> Variant:
-    return Variant(name=name, source="mul_mat_vec_wide.comp",
-                   defines={"WTYPE": str(wt.id), "MAXM": str(maxm), **cfg.defines()},
+                   defines={"WTYPE": str(TYPES[t].id), "MAXM": str(maxm), **cfg.defines()},
                    bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1), requires=_STORAGE)
 
 
@@ -262,192 +244,68 @@ class VecqConfig:
             d["WLOAD5"] = "1"
         return d
 
+    @classmethod
+    def from_defines(cls, d: dict[str, str]) -> VecqConfig:
+        return cls(int(d["WG"]), int(d["NR"]), blk=int(d["BLK"]), unr=int(d.get("UNR", 1)), idp=int(d["IDP"]),
+                   sat=int(d.get("IDP_SAT", 0)), rpt=int(d.get("RPT", 1)), sg=int(d.get("SG", 0)),
+                   sub=int(d.get("KSUB", 1)), w5u=int(d.get("WLOAD5", 0)))
+
 
 VECQ_QUANTIZE = "quantize_q8_1"   # the quantize-x kernel (shaders/quantize_q8_1.comp)
 VECQ_QUANTIZE_WG = 256            # its workgroup: 8 threads per 32-element block
 VECQ_BLOCK_BYTES = 40             # scratch bytes per block of x: 32 int8 + f32 d + int32 sum
 VECQ_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
-_VECQ_SINGLE = ("q4_1", "q4_k", "q6_k")  # single-block (one super-block for the K-quants) loads only
-_VECQ_SHAPES = [VecqConfig(128, 4), VecqConfig(128, 8), VecqConfig(128, 2), VecqConfig(256, 8),
-                VecqConfig(64, 4), VecqConfig(128, 4, unr=2), VecqConfig(128, 4, sat=1),
-                VecqConfig(128, 4, blk=1), VecqConfig(128, 4, blk=1, unr=2), VecqConfig(256, 4, blk=1, unr=2),
-                VecqConfig(32, 4, blk=1),
-                # session 5 (H200, docs/PERFORMANCE.md section 000): 64 threads per row (the Q4_0
-                # and Q8_0 GPU defaults; u4: as fast as u2). Swept and dropped: b1 nr8 (16 threads
-                # per row: q4_0 4096x14336 27.7 us vs 19.1 for nr4), b1_wg128_nr4_u4 (no faster
-                # than u1), b1_wg256_nr2_u2 and b1_wg128_nr1_u2 (slower at 14336x4096)
-                VecqConfig(128, 2, blk=1, unr=2), VecqConfig(64, 2, blk=1, unr=2), VecqConfig(128, 2, blk=1, unr=4),
-                # session 7, swept and dropped: 128 and 256 threads per row for long rows
-                # (b1_wg128_nr1_u2, b1_wg256_nr2_u2, b1_wg256_nr1_u2): Q4_0 4096x14336 dot only
-                # 14.2 / 14.5 / 16.9 us against 13.2 for b1_wg128_nr2_u2, so the 7-block chain
-                # per thread at 64 threads per row is not what holds Q4_0 at 60% of copy.
-                # Session 7, not yet measured: 2 and 4 rows per thread (x loads shared by the rows;
-                # Q4_0 spends as many x loads per block as Q8_0 for half the weight bytes)
-                VecqConfig(128, 2, blk=1, unr=2, rpt=2), VecqConfig(64, 2, blk=1, unr=2, rpt=2),
-                VecqConfig(128, 2, blk=1, rpt=4),
-                # session 9 (H200, docs/PERFORMANCE.md section 0000000): the final reduction with
-                # subgroupAdd (SG 1) alone, and 128 threads per row with 2 rows per thread (the Q4_0
-                # default, Q8_0's tall shape). Swept and dropped (no longer built): the SG versions
-                # of b1_wg128_nr2_u2_r2 / b1_wg128_nr2_r4, 128 threads per row with 1 or 4 rows per
-                # thread or 4 blocks per iteration, 256 threads per row (Q4_0 4096x14336 dot only
-                # 12.9-18.0 us against 12.6; Q8_0 none faster at more than one shape)
-                VecqConfig(128, 2, blk=1, unr=2, sg=1), VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1),
-                # session 10, Q4_K only: quarter super-blocks per load unit (K = 4096 has 16
-                # super-blocks per row, so 32 threads per row of whole ones leave half idle)
-                VecqConfig(128, 4, blk=1, sub=4), VecqConfig(128, 2, blk=1, sub=4),
-                VecqConfig(128, 2, blk=1, unr=2, sub=4), VecqConfig(128, 1, blk=1, unr=2, sub=4, sg=1),
-                # session 11, swept and dropped (tree ed4c4a3): Q4_0 / Q8_0 weights staged through
-                # shared memory (the workgroup loading each K-chunk of its rows as coalesced uvec4,
-                # the next chunk in flight in registers, each thread decoding its blocks from
-                # shared words). H200 dot only, us at 4096x14336 / 14336x4096: Q4_0 16.3 / 16.1
-                # against 12.5 / 12.2, Q8_0 20.9 / 22.1 against 19.1 / 18.3: the barriers and
-                # shared round trip cost more than the scattered loads they replace
-                # session 12 (dropped): warp-staged weights (a team of 32 per row reading 64-block
-                # chunks with contiguous 32-bit loads into shared memory, one barrier per chunk,
-                # K % 2048 == 0; wg64_nr2 / wg128_nr4 / wg32_nr1, 1-2 chunks in flight), dot only,
-                # us at 4096x14336 / 14336x4096: Q4_0 14.5-17.4 / 15.8-19.3 against 12.6 / 12.3,
-                # Q8_0 21.9-22.9 / 23.1-27.6 against 19.1 / 18.2; the Q4_0 default with
-                # OpSDotAccSat: 14.5 / 14.6, Q8_0 20.0 / 18.7
-                # session 13: the Q4_0 defaults reading each block as 5 words (w5u, unchecked),
-                # now the defaults. Also measured (H200, dot only, us at 4096x14336 / 14336x4096 /
-                # 4096x4096; defaults 12.7 / 12.3 (tall) / 6.5, Q8_0 19.0 / 18.2 (tall) / 8.0):
-                # the same with the last word bounds-checked in the shader 14.0 / 13.2 / 6.5 (Q8_0
-                # 20.1 / 18.3 / 8.4); the weight, x and y bindings declared restrict: no change
-                # (12.6 / 12.3 / 6.4); Q8_0 w5u 18.9 / 18.1 / 7.8-8.0 (not adopted: within noise);
-                # one round of loads per thread at 4096x14336 (wg256_nr1_u2_r2_sg, u4_r2_sg,
-                # u4_sg): Q4_0 13.0-13.2 / 13.6-17.0 / 6.7-7.1
-                VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5u=1), VecqConfig(128, 2, blk=1, rpt=4, w5u=1),
-                # session 14, swept and dropped (tree f31ef9d, reverted): Q4_0 weights read as
-                # coalesced words, each team of 32 taking the rows' 64-block chunks in turn (9
-                # loads per row per round, all 128 or 256 threads of a row pair busy, unlike
-                # session 12's one team per row), handed out through the team's own shared memory
-                # with subgroup barriers (wr1: 2 adjacent blocks per thread, conflict-free; wr2:
-                # blocks lane and lane + 32). In the decode grid a read-only launch with such loads
-                # takes 10.6-11.0 us at 4096x14336 against 12.0 for the default's own loads
-                # (probe_rows / probe_vecq_noc), but the hand-out costs more than it saves. H200,
-                # dot only, us at 4096x14336 / 14336x4096 / 4096x4096 (default 12.2 / 11.9 (tall)
-                # / 6.3): wg128_nr1_r2_sg_wr1 15.6 / 18.7 / 8.0, _wr2 14.1 / 17.0 / 7.7,
-                # wg128_nr1_r4_sg_wr2 14.5 / 19.3 / 8.3, wg256_nr1_r2_sg_wr2 15.4 / 26.9 / 10.2,
-                # wg64_nr1_r2_sg_wr2 14.1 / 14.9 / 7.2
-                # CPU devices (llvmpipe runs a workgroup's invocations as SIMD batches on one
-                # core): one row per invocation, no cross-lane reduction. llvmpipe, 2 cores, with
-                # the quantize: Q8_0 49152x576 (SmolLM2's output) 23.0 ms (wg32_nr4) -> 17.6
-                # (wg32_nr16) -> 11.1-12.7 (wg32_nr32) -> 10.2 (wg64_nr64); Q4_1 1536x576 336 ->
-                # 234 us. Dropped: wg32_nr8 / nr16 / nr32 (between), wg32_nr32_u2 (no faster)
-                VecqConfig(64, 64, blk=1),
-                # fallbacks (no shaderIntegerDotProduct): the same logic with int multiply-adds
-                VecqConfig(128, 4, idp=0), VecqConfig(128, 4, blk=1, idp=0)]
-_VECQ_M4 = (VecqConfig(128, 4), VecqConfig(128, 4, idp=0))
-#: integer-dot-product mat-vec variants, name -> (type, shape, most columns of x); names
-#: mul_mat_vecq_<type>_q8_1_m<1|4>_<shape tag>; :func:`vecq_variant` picks the default ones
-VECQ_SWEEP: dict[str, tuple[str, VecqConfig, int]] = {
-    **{f"mul_mat_vecq_{t}_q8_1_m1_{c.tag}": (t, c, 1) for t in VECQ_TYPES for c in _VECQ_SHAPES
-       if (c.blk == 1 or t not in _VECQ_SINGLE) and (c.rpt == 1 or t in ("q4_0", "q8_0"))
-       and (c.sub == 1 or t == "q4_k") and (c.w5u == 0 or t in ("q4_0", "q8_0"))},
-    **{f"mul_mat_vecq_{t}_q8_1_m4_{c.tag}": (t, c, 4) for t in VECQ_TYPES for c in _VECQ_M4
-       if t not in _VECQ_SINGLE},
-}
 _IDP_REQUIRES = ("shaderIntegerDotProduct",)
-#: the decode (M = 1) default per device kind: the fastest vecq shape of the H200 sweep (with
-#: warm clocks 1.2-2.9x the f32-x kernel for Q4_0, on par for Q8_0; llama8b decode +19% with
-#: the quantization fused into the norms, docs/PERFORMANCE.md) and of llvmpipe (session 5: one
-#: row per invocation, 64 per workgroup: 1.4-2.3x session 3's wg32_nr4 alone at SmolLM2's
-#: shapes, but only +3-5% on SmolLM2's tg32 (10.2-10.4 -> 10.6-10.7 tok/s, 2 cores): the output
-#: mat-vec alone 23.4 -> 10.6 ms, the whole decode step 96.5 -> 91.6 ms; where the rest of the
-#: gain goes inside the step (cache effects of a 32 MiB L3?) is not analysed)
+#: the decode (M = 1) shape per device kind where no type-specific one applies: GPUs a
+#: workgroup of 4 teams of 32; CPU devices (llvmpipe runs a workgroup's invocations as SIMD
+#: batches on one core) one row per invocation, no cross-lane reduction
 VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, blk=1)}
-#: GPU decode shapes per type where the session-5 H200 sweep found a faster one than the default
-#: (barrier mode with the quantize, summed over 4096x14336, 14336x4096, 4096x4096): Q4_0 with 64
-#: threads per row, 2 blocks per iteration, 46.2 vs 48.3 us (4096x14336: 17.1 vs 18.9); Q8_0
-#: with 64-thread workgroups of 2 rows, 59.8 vs 63.6 us (14336x4096: 23.9 vs 26.2)
-#: Session 8 (H200, barrier mode with the quantize, us at 4096x14336 / 14336x4096 / 4096x4096
-#: / 1024x4096): Q8_0 with 2 rows per thread (x loads shared by them), 22.9 / 22.9 / 11.4 / 9.4
-#: against 23.8 / 23.9 / 12.0 / 9.5 for b1_wg64_nr2_u2 (dot only 79% of copy at 4096x14336).
-#: Session 9 (H200, dot only, us at 4096x14336 / 14336x4096 / 4096x4096): Q4_0 with 128
-#: threads per row, 2 rows per thread and the subgroupAdd reduction, 12.6 / 13.2 / 6.4 against
-#: 13.2 / 15.1 / 6.8 (63% of copy at 4096x14336 against 60%); the reduction alone changed
-#: nothing (13.4 / 14.4 / 6.7). Session 10: Q4_K with quarter super-blocks per load unit (64
-#: threads per row, 2 units per iteration), dot only 16.2 / 14.5 / 7.9 / 4.4 us at 4096x14336 /
-#: 14336x4096 / 4096x4096 / 1024x4096 against 18.5 / 21.1 / 8.4 / 6.4 for whole super-blocks
-#: (b1_wg128_nr4_s4: 15.1 / 16.0 / 7.2 / 5.0, 2% slower over a llama layer's products); llama8b
-#: q4_k tg128 229.5 -> 254.8 tok/s. VKXSPLIT_DISABLE_VECQ_SG=1 keeps the session-8 shapes.
-#: Session 13: Q4_0 reading each block as 5 words (w5u) instead of 4 and two halfwords, 12.2 /
-#: 6.2 us at 4096x14336 / 4096x4096 against 12.7 / 6.5 (tall: 11.8 against 12.3);
-#: VKXSPLIT_DISABLE_VECQ_W5U=1 keeps the halfword loads.
+#: GPU decode shapes per type: Q4_0 128 threads per row, 2 rows per thread, the subgroupAdd
+#: reduction and whole-word block loads; Q8_0 64 threads per row, 2 rows per thread; Q4_K
+#: quarter super-blocks per load unit (a row of K = 4096 has only 16 super-blocks)
+#: (measured: docs/PERFORMANCE.md, "Decode kernels")
 VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5u=1),
                        "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2),
                        "q4_k": VecqConfig(128, 2, blk=1, unr=2, sub=4)}
-_VECQ_GPU_M1_S8 = {"q4_0": VecqConfig(128, 2, blk=1, unr=2), "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2)}
 #: GPU decode shapes for tall products (VECQ_TALL_N <= N <= 4 K, K <= VECQ_TALL_K: the FFN's
 #: gate and up, 2.7-3.5x wider than K in llama-family models; not an output projection, whose
-#: vocabulary is 8-31x K), where they beat the type's shape. Session 8, H200: Q4_0 4 rows per thread at
-#: 14336x4096 15.9 us against 18.9 (dot only 64% of copy against 52%), but slower at 4096x4096
-#: (11.9 against 10.3), 1024x4096 (11.4 / 8.1) and 4096x14336 (24.4 / 17.0)
-#: Session 9: Q8_0 with 128 threads per row, 2 rows per thread, subgroupAdd: 14336x4096 18.2
-#: us against 19.1 (82% of copy), but 19.3 / 8.1 against 19.0 / 7.9 at 4096x14336 / 4096x4096
-VECQ_GPU_M1_TALL = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4, w5u=1), "q8_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1)}
-_VECQ_GPU_M1_TALL_S8 = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4)}
+#: vocabulary is 8-31x K), where they beat the type's shape and lose at the other shapes
+#: (measured: docs/PERFORMANCE.md, "Decode kernels")
+VECQ_GPU_M1_TALL = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4, w5u=1),
+                    "q8_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1)}
 VECQ_TALL_N, VECQ_TALL_K = 8192, 4096
+#: types whose vecq path GPUs take by default; Q6_K's (one 210-byte super-block per load unit)
+#: is no faster than its f32-x kernel on a GPU, so only CPU devices, where it is several times
+#: faster, take it (CPU devices take every VECQ_TYPES type)
+VECQ_GPU_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k")
 
 
-def vecq_sg_disabled() -> bool:
-    """``VKXSPLIT_DISABLE_VECQ_SG=1``: GPU decode keeps session 8's shapes (64 threads per row,
-    one thread adding a row's partials; Q4_K whole super-blocks) instead of the later ones (the
-    subgroupAdd shapes, Q4_K's quarter super-blocks; bisecting)."""
-    return env_flag("VKXSPLIT_DISABLE_VECQ_SG")
-
-
-def vecq_w5u_disabled() -> bool:
-    """``VKXSPLIT_DISABLE_VECQ_W5U=1``: GPU decode shapes read each block's last word as two
-    halfwords (the shapes without ``w5u``; bisecting)."""
-    return env_flag("VKXSPLIT_DISABLE_VECQ_W5U")
-
-
-def _vecq_gpu_tables() -> tuple[dict[str, VecqConfig], dict[str, VecqConfig]]:
-    """(shape per type, shape per type for tall products) GPUs decode with: session 8's with
-    VKXSPLIT_DISABLE_VECQ_SG, else the current ones (without w5u with VKXSPLIT_DISABLE_VECQ_W5U)."""
-    if vecq_sg_disabled():
-        return _VECQ_GPU_M1_S8, _VECQ_GPU_M1_TALL_S8
-    if vecq_w5u_disabled():
-        return ({t: replace(c, w5u=0) for t, c in VECQ_GPU_M1_BY_TYPE.items()},
-                {t: replace(c, w5u=0) for t, c in VECQ_GPU_M1_TALL.items()})
-    return VECQ_GPU_M1_BY_TYPE, VECQ_GPU_M1_TALL
+def vecq_name(t: str, cfg: VecqConfig, maxm: int = 1) -> str:
+    """mul_mat_vecq_<type>_q8_1_m<maxm>_<shape tag>."""
+    return f"mul_mat_vecq_{t}_q8_1_m{maxm}_{cfg.tag}"
 
 
 def vecq_default_config(t: str, cpu: bool) -> VecqConfig:
     """The decode (M = 1) integer-dot-product shape of weight type ``t`` on a CPU or GPU device."""
     if cpu:
         return VECQ_DEFAULT_M1["cpu"]
-    return _vecq_gpu_tables()[0].get(t, VECQ_DEFAULT_M1["gpu"])
-#: types whose vecq path GPUs take by default. H200 sweep (session 4, tools/bench_matvec.py,
-#: the separate quantize included): Q4_1 vecq 18.1 us vs 21.9 for the f32-x kernel at
-#: 4096x14336; Q4_K (one 256-weight super-block per thread) 58.1 us vs 62.0 summed over the
-#: three llama8b shapes (slower only at 4096x4096: 11.6 vs 10.5). Not Q6_K (session 10: its
-#: vecq kernel, one 210-byte super-block per thread, is no faster than the f32-x kernel there:
-#: dot only 26.3 vs 27.1 us at 4096x14336, 11.2 vs 11.3 at 4096x4096, 5.9 vs 5.7 at 1024x4096,
-#: and the quantize is extra where the norm does not write q8_1); CPU devices take it for every
-#: VECQ_TYPES type (llvmpipe, Q6_K 576x1536: 561 us with the quantize against 3026)
-VECQ_GPU_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k")
+    return VECQ_GPU_M1_BY_TYPE.get(t, VECQ_DEFAULT_M1["gpu"])
 
 
-def vecq_disabled() -> bool:
-    """``VKXSPLIT_DISABLE_VECQ=1`` switches the integer-dot-product decode path off (x stays
-    f32 in every mat-vec: for bisecting, or to compare with the f32-x kernels)."""
-    return env_flag("VKXSPLIT_DISABLE_VECQ")
-
-
-def vecq_decode(physical: Any, features: Any = None) -> dict[str, str]:
+def vecq_decode(physical: Any, features: Any = None, disabled: frozenset[str] | None = None) -> dict[str, str]:
     """weight type -> the integer-dot-product mat-vec variant decode (M = 1) uses on this
-    physical device (``features``: the enabled ones, default: what it offers); empty without
-    shaderIntegerDotProduct or subgroup arithmetic, or with VKXSPLIT_DISABLE_VECQ."""
+    physical device (``features``: the enabled ones, default: what it offers; ``disabled``:
+    the features switched off, default: VKXSPLIT_DISABLE); empty without
+    shaderIntegerDotProduct or subgroup arithmetic, or with ``intdot`` switched off."""
+    from ..features import disabled_from_env
     from ..vk.api import vk
 
     feats = physical.features if features is None else features
-    if vecq_disabled() or not feats.get("shaderIntegerDotProduct") or not _vec_ok(physical):
+    off = disabled_from_env() if disabled is None else disabled
+    if "intdot" in off or not feats.get("shaderIntegerDotProduct") or not _vec_ok(physical):
         return {}
     cpu = getattr(physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
-    return {t: f"mul_mat_vecq_{t}_q8_1_m1_{vecq_default_config(t, cpu).tag}" for t in VECQ_TYPES
-            if cpu or t in VECQ_GPU_TYPES}
+    return {t: vecq_name(t, vecq_default_config(t, cpu)) for t in VECQ_TYPES if cpu or t in VECQ_GPU_TYPES}
 
 
 def vecq_for_shape(variant: str, t: str, N: int, K: int) -> str:
@@ -456,19 +314,29 @@ def vecq_for_shape(variant: str, t: str, N: int, K: int) -> str:
     one and the product is tall; the default otherwise. (A graph decides on the weight's
     rows; where a plan splits that product's rows between backends the hub's share runs the
     same shape, correct for any rows, measured only for the whole.)"""
-    tall = _vecq_gpu_tables()[1].get(t)
+    tall = VECQ_GPU_M1_TALL.get(t)
     if (tall is None or N < VECQ_TALL_N or N > 4 * K or K > VECQ_TALL_K
-            or variant != f"mul_mat_vecq_{t}_q8_1_m1_{vecq_default_config(t, cpu=False).tag}"):
+            or variant != vecq_name(t, vecq_default_config(t, cpu=False))):
         return variant
-    return f"mul_mat_vecq_{t}_q8_1_m1_{tall.tag}"
+    return vecq_name(t, tall)
 
 
 def vecq_variant(device: Device, t: str, M: int) -> str | None:
     """The integer-dot-product mat-vec variant a graph uses for ``M`` columns of x times ``t``
     weights on ``device`` (x quantized to q8_1 once, shared by every mat-vec reading it), or
     None where the f32-x kernels stay: other types (those outside VECQ_GPU_TYPES on GPUs), M > 1, no
-    shaderIntegerDotProduct, or VKXSPLIT_DISABLE_VECQ."""
-    return vecq_decode(device.physical, device.features).get(t) if M == 1 else None
+    shaderIntegerDotProduct, or ``intdot`` switched off for the device."""
+    return vecq_decode(device.physical, device.features, _disabled(device)).get(t) if M == 1 else None
+
+
+def vecq_spec(name: str) -> tuple[str, VecqConfig, int] | None:
+    """(weight type, shape, most columns of x) of a built integer-dot-product mat-vec variant
+    (shipped or loaded), from its defines; None for any other name."""
+    d = _defines(name, ("mul_mat_vecq.comp",))
+    if d is None or "PROBE_NOX" in d:
+        return None
+    t = _type_of(d)
+    return None if t is None else (t, VecqConfig.from_defines(d), int(d["MAXM"]))
 
 
 def vecq_scratch_bytes(M: int, K: int) -> int:
@@ -476,11 +344,28 @@ def vecq_scratch_bytes(M: int, K: int) -> int:
     return M * (K // 32) * VECQ_BLOCK_BYTES
 
 
-def _vecq_variant(name: str, wt: WeightType, cfg: VecqConfig, maxm: int) -> Variant:
+def make_vecq_variant(name: str, t: str, cfg: VecqConfig, maxm: int) -> Variant:
+    """The Variant of an integer-dot-product mat-vec kernel of weight type ``t``, shape ``cfg``."""
     return Variant(name=name, source="mul_mat_vecq.comp",
-                   defines={"WTYPE": str(wt.id), "MAXM": str(maxm), **cfg.defines()},
+                   defines={"WTYPE": str(TYPES[t].id), "MAXM": str(maxm), **cfg.defines()},
                    bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1),
                    requires=(*(_IDP_REQUIRES if cfg.idp else ()), *_STORAGE))
+
+
+def _vecq_shipped() -> dict[str, tuple[str, VecqConfig]]:
+    """The decode shapes a default choice can name: each device kind's per type, the tall
+    ones, and for each whole-word (w5u) shape its halfword twin (:func:`vecq_fits`)."""
+    out: dict[str, tuple[str, VecqConfig]] = {}
+    for t in VECQ_TYPES:
+        cfgs = [vecq_default_config(t, cpu=True)]
+        if t in VECQ_GPU_TYPES:
+            cfgs.append(vecq_default_config(t, cpu=False))
+            if t in VECQ_GPU_M1_TALL:
+                cfgs.append(VECQ_GPU_M1_TALL[t])
+        for c in cfgs:
+            for cc in (c, replace(c, w5u=0)):
+                out[vecq_name(t, cc)] = (t, cc)
+    return out
 
 
 def q8_1_reference(x):  # type: ignore[no-untyped-def]
@@ -509,15 +394,15 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
     quantized to 8-bit blocks (ggml's MMVQ): records ``quantize_q8_1`` (x -> ``xq_scratch``,
     at least :func:`vecq_scratch_bytes` bytes, 16-byte aligned, overlapping nothing else),
     a compute barrier (inserted by the sequence's hazard tracking: the second dispatch reads
-    what the first wrote) and ``variant`` (a VECQ_SWEEP name for the weight type; benchmarks
-    and tests; graphs take :func:`vecq_variant`). Not bit-comparable with the f32 path: x is
+    what the first wrote) and ``variant`` (a built vecq variant of the weight type, see
+    :func:`vecq_spec`; graphs take :func:`vecq_variant`). Not bit-comparable with the f32 path: x is
     rounded to 8 bits per element with a per-32-block scale. ``quantize=False``: the scratch
     already holds x quantized (:func:`record_quantize_q8_1`, e.g. once for the q, k and v
     projections of one x); only the dot-product kernel is recorded, x is used for the checks.
     Raises KernelError for anything the kernels do not handle."""
     wt = weight_type(w_type)
     dev = seq.device
-    spec = VECQ_SWEEP.get(variant)
+    spec = vecq_spec(variant)
     if spec is None or spec[0] != wt.name or M > spec[2]:
         raise KernelError(f"vecq variant {variant!r} is not an integer-dot-product mat-vec variant for "
                           f"{wt.name.upper()} weights and M = {M}")
@@ -533,7 +418,7 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
     _check_bindings(name, wt, w, x, y, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col)
     if cfg.w5u and not vecq_fits(w, wt, w_row_offset + N, K):
         cfg = replace(cfg, w5u=0)  # the binding ends inside the last row's trailing word
-        variant = f"mul_mat_vecq_{wt.name}_q8_1_m{spec[2]}_{cfg.tag}"
+        variant = vecq_name(wt.name, cfg, spec[2])
     gx, gy, _ = _grid("vec", wt, M, N, variant)
     nq = -(-M * (K // 32) // (VECQ_QUANTIZE_WG // 8))
     if gy > MAX_GROUPS or nq > MAX_GROUPS:
@@ -611,6 +496,7 @@ def record_swiglu_q8_1(seq: Sequence, gate: Bindable, up: Bindable, dst: Bindabl
                  (M, 0, K, K, 0, 0, 0, 0, 0, 0), (nq, 1, 1))
 
 
+
 TILED_BM, TILED_BN = 64, 64       # mul_mat.comp tile (rows of x, rows of W)
 COOP_SUBGROUP = 32
 FLAG_YVEC = 4           # coopmat: y rows 16-byte aligned (binding, offset, column offset, stride)
@@ -647,51 +533,30 @@ class CoopTile:
         return {"BM": str(self.bm), "BN": str(self.bn), "BK": str(self.bk), "WM": str(self.wm),
                 "WN": str(self.wn), "STAGES": str(self.stages)}
 
+    @classmethod
+    def from_defines(cls, d: dict[str, str]) -> CoopTile:
+        return cls(int(d["BM"]), int(d["BN"]), int(d["BK"]), int(d["WM"]), int(d["WN"]), int(d.get("STAGES", 2)))
 
-# real-hardware tilings (each within COOP_SHARED_MAX); the sweep (tools/bench_coopmat.py)
-# times all of them for COOP_SWEEP_TYPES
+
+#: the tilings models run: COOP_DEFAULT, 8 subgroups of 2 x 4 fragments with BK 64 and one
+#: stage (44 KiB), the fastest over the measured shapes for every measured type; and the
+#: large ones coop_choose weighs against it: COOP_BIG_QUANT for quantized weights (BM 256:
+#: each dequantized W tile serves 256 rows of x; 8 subgroups of 4 x 4, one stage, 38 KiB) and
+#: COOP_BIG_FLOAT for f16/bf16/f32 (BN 256: each converted x tile serves 256 W rows; 16
+#: subgroups of 2 x 4, one stage, 46 KiB: at 512 threads NVIDIA's compiler fits 128 registers
+#: per thread, where the 8-subgroup tilings take up to 246, so an SM keeps twice the warps in
+#: flight) (measured: docs/PERFORMANCE.md, "Prefill kernels"; tools/bench_coopmat.py sweeps
+#: other tilings, tools/kernels.py)
 COOP_TILES = {t.name: t for t in (
-    CoopTile(128, 128, 32, 32, 64),   # 8 subgroups of 2 x 4 fragments; 48 KiB
-    CoopTile(128, 128, 32, 64, 64),   # 4 subgroups of 4 x 4 (ggml-vulkan's large tile shape)
-    CoopTile(128, 128, 64, 32, 64, stages=1),  # 8 subgroups of 2 x 4, BK 64, one stage; 44 KiB
-    # 8 subgroups of 4 x 4 fragments (twice the MMAs per shared fragment load of w32x64), one
-    # stage, 38 KiB: COOP_BIG_QUANT, and its BN 256 twin (sweep)
+    CoopTile(128, 128, 64, 32, 64, stages=1),
     CoopTile(256, 128, 32, 64, 64, stages=1),
-    CoopTile(128, 256, 32, 64, 64, stages=1),
-    # 16 subgroups of 2 x 4 (512 threads: the compiler fits 128 registers per thread, where the
-    # 8-subgroup tilings take 172-246, NVIDIA's statistics), one stage (46 KiB): COOP_BIG_FLOAT
     CoopTile(128, 256, 32, 32, 64, stages=1),
 )}
-# also measured and dropped (session 5, 16 subgroups): t256x128_k32_w64x32_s1 (second to the
-# one above for f16, behind t256x128_k32_w64x64_s1 for q4_0), t128x128_k32_w32x32_s1 (75-99)
-# measured and dropped (session 5 H200 sweep, M = 512, f16 and q4_0): t64x128_k32_w32x64 (61-94
-# TFLOP/s), t128x256_k16_w64x64 (BK 16 double-buffered: 41-90), t128x128_k64_w64x64_s1 (41-113)
-# the H200 sweep of 2026-11-29 (tools/bench_coopmat.py): BK 64 with one stage was fastest by the
-# geometric mean over the swept shapes for every swept type (docs/PERFORMANCE.md)
 COOP_DEFAULT = "t128x128_k64_w32x64_s1"
-# tiling of mul_mat_coopmat_<type>_f32, by type (retune from the sweep's "fastest" table)
+# tiling of mul_mat_coopmat_<type>_f32, by type (retune from tools/bench_coopmat.py's "fastest" table)
 COOP_CONFIG: dict[str, str] = {t: COOP_DEFAULT for t in TYPES}
-COOP_SWEEP_TYPES = ("f16", "q4_0", "q8_0", "q4_k", "q6_k")
-#: the large tilings coop_choose weighs against the default: quantized weights BM 256 (each
-#: dequantized W tile serves 256 rows of x; 8 subgroups of 4 x 4), float weights BN 256 (each
-#: f32 -> f16 converted x tile serves 256 W rows; 16 subgroups of 2 x 4 at 128 registers).
-#: H200, M = 512, split to one wave (session 5, docs/PERFORMANCE.md): q4_0 4096x4096 102 vs 97
-#: TFLOP/s (default tiling), 4096x14336 117 vs 89, 14336x4096 108 vs 81; f16 4096x4096 125 vs
-#: 113, 4096x14336 150 vs 126, 14336x4096 130 vs 104 (bf16 / f32 weights take the f16 choice
-#: unswept: the same x side, their W converted in the loader)
 COOP_BIG_QUANT = "t256x128_k32_w64x64_s1"
 COOP_BIG_FLOAT = "t128x256_k32_w32x64_s1"
-# emulated variants (COOPMAT_EMULATE=1: no cooperative matrices, any subgroup size; tests
-# only): mul_mat_coopmat_emu_<type>_f32 with COOP_EMU_TILE for every type, plus extra tilings
-# for a few types (BK 64 with one stage, K-quant blocks spanning steps; BK 16, tall subgroup blocks,
-# fewer weight units than threads). Each fits lavapipe's 32 KiB of shared memory.
-COOP_EMU_TILE = CoopTile(64, 64, 32, 32, 32)
-COOP_EMU_EXTRA = {
-    CoopTile(32, 64, 64, 32, 32, stages=1): ("f16", "q4_k"),
-    CoopTile(64, 32, 16, 16, 32): ("bf16", "q8_0"),
-    # 16 subgroups (512 invocations), one stage, as COOP_BIG_FLOAT's layout: 25 KiB
-    CoopTile(64, 128, 16, 16, 32, stages=1): ("f16", "q4_0"),
-}
 _COOP_REQUIRES = ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel", "subgroupSizeControl", *_STORAGE)
 
 
@@ -705,8 +570,11 @@ def coop_big_tile(t: str) -> str:
     return COOP_BIG_QUANT if TYPES[t].quantized else COOP_BIG_FLOAT
 
 
-def _coop_variant(t: str, wt: WeightType, tile: CoopTile, name: str, emulate: bool) -> Variant:
-    defines = {"WTYPE": str(wt.id), **tile.defines()}
+def make_coop_variant(name: str, t: str, tile: CoopTile, emulate: bool = False) -> Variant:
+    """The Variant of a mul_mat_coopmat kernel of weight type ``t`` with ``tile``; ``emulate``:
+    the same tiling, loaders and edge handling without cooperative matrices (COOPMAT_EMULATE:
+    any device with f16 arithmetic runs it; how lavapipe tests the coopmat logic)."""
+    defines = {"WTYPE": str(TYPES[t].id), **tile.defines()}
     if emulate:
         return Variant(name=name, source="mul_mat_coopmat.comp", defines={**defines, "COOPMAT_EMULATE": "1"},
                        bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
@@ -715,34 +583,6 @@ def _coop_variant(t: str, wt: WeightType, tile: CoopTile, name: str, emulate: bo
                    push=PUSH_COOP,
                    local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang",
                    subgroup_size=COOP_SUBGROUP, requires=_COOP_REQUIRES)
-
-
-def _coop_variants() -> tuple[list[Variant], dict[str, CoopTile]]:
-    out: list[Variant] = []
-    tiles: dict[str, CoopTile] = {}
-
-    def add(t: str, tile: CoopTile, name: str, emulate: bool) -> None:
-        out.append(_coop_variant(t, TYPES[t], tile, name, emulate))
-        tiles[name] = tile
-
-    for t in TYPES:
-        add(t, COOP_TILES[COOP_CONFIG[t]], coop_variant_name(t), False)
-        big = coop_big_tile(t)
-        if t not in COOP_SWEEP_TYPES and big != COOP_CONFIG[t]:
-            add(t, COOP_TILES[big], coop_variant_name(t, big), False)
-    for t in COOP_SWEEP_TYPES:
-        for key, tile in COOP_TILES.items():
-            if key != COOP_CONFIG[t]:
-                add(t, tile, coop_variant_name(t, key), False)
-    for t in TYPES:
-        add(t, COOP_EMU_TILE, coop_variant_name(t, emulate=True), True)
-    for tile, ts in COOP_EMU_EXTRA.items():
-        for t in ts:
-            add(t, tile, coop_variant_name(t, tile.name, emulate=True), True)
-    return out, tiles
-
-
-_COOP_VARIANTS, COOP_VARIANT_TILES = _coop_variants()
 
 
 @dataclass(frozen=True)
@@ -771,55 +611,57 @@ class Cm2Tile:
     def defines(self) -> dict[str, str]:
         return {"BW": str(self.bw), "BX": str(self.bx), "BK": str(self.bk), "NT": str(self.threads)}
 
+    @classmethod
+    def from_defines(cls, d: dict[str, str]) -> Cm2Tile:
+        return cls(int(d["BW"]), int(d["BX"]), int(d["BK"]), int(d["NT"]))
 
-#: mul_mat_cm2 tilings: every one for CM2_SWEEP_TYPES (tools/bench_coopmat.py --cm2), the
-#: default (CM2_DEFAULT) for every type
+
+def coop_tile(name: str) -> CoopTile | Cm2Tile | None:
+    """The tiling of a built mul_mat_coopmat or mul_mat_cm2 variant (shipped or loaded), from
+    its defines; None for any other name."""
+    meta = variant_meta(name)
+    src = None if meta is None else meta.get("source")
+    if src == "mul_mat_coopmat.comp":
+        return CoopTile.from_defines(meta["defines"])  # type: ignore[index]
+    if src == "mul_mat_cm2.comp":
+        return Cm2Tile.from_defines(meta["defines"])  # type: ignore[index]
+    return None
+
+
+def _is_cm2(name: str) -> bool:
+    meta = variant_meta(name)
+    return meta is not None and meta.get("source") == "mul_mat_cm2.comp"
+
+
+def _is_emulated(name: str) -> bool:
+    meta = variant_meta(name)
+    return meta is not None and "COOPMAT_EMULATE" in (meta.get("defines") or {})
+
+
+#: the mul_mat_cm2 tilings models run (tools/bench_coopmat.py --cm2 sweeps others)
 CM2_TILES = {t.name: t for t in (
-    Cm2Tile(128, 256, 64),   # llama.cpp's large coopmat2 tile: 128 weight rows x 256 tokens
-    Cm2Tile(128, 128, 64),
-    Cm2Tile(256, 128, 64),
-    Cm2Tile(128, 128, 32),
-    Cm2Tile(64, 128, 64, 128),
-    Cm2Tile(64, 64, 64, 128),
-    # session 10: 64 rows of W x 256 of x, 256 invocations (the same accumulator area as
-    # 128 x 128; each staged W tile, decoded once, serves 256 rows of x): the quantized
-    # types' fastest tile loader (H200, M = 512, 4096x4096: Q4_K 172 vs 137 TFLOP/s, Q6_K
-    # 164 vs 140, Q4_0 187 vs 178); F16 191 vs 202. Swept and dropped with it: 128 x 256 at
-    # BK 32 (a 24 KB K step: F16 120-206, no better than BK 64)
+    Cm2Tile(128, 128, 64),        # CM2_DEFAULT
+    Cm2Tile(128, 256, 64),        # llama.cpp's large coopmat2 tile: 128 weight rows x 256 tokens
+    Cm2Tile(64, 128, 64, 128),    # two workgroups per SM
+    # 64 rows of W x 256 of x: the accumulator area of 128 x 128, but each W tile the driver
+    # decodes serves twice the rows of x (the quantized types' fastest tile loader)
     Cm2Tile(64, 256, 64),
-    # session 8, swept and dropped (H200, M = 512, f16): the fast path loading the next K
-    # step's operands before this step's product (a second pair of workgroup matrices): 0.10-
-    # 0.16x (the driver's staging serialises, 20-33 TFLOP/s); BK 128: 0.87-0.89x of BK 64
 )}
-#: (Session 11, swept and dropped, tree f2c68f8: F16 tilings staged by hand, each thread holding
-#: the next K step's share of both tiles in registers while the workgroup-scope matrices load
-#: this step's from padded shared memory. Correct on the H200 (21 tests with validation), 177 /
-#: 150 registers at BK 64 / 32 (the default's 255: still one workgroup per SM), and slower: M =
-#: 512, 4096x4096 0.118 / 0.137 ms against 0.084, 14336x4096 0.421 / 0.580 against 0.302.)
 CM2_DEFAULT = "w128x128_k64_n256"
-CM2_SWEEP_TYPES = COOP_SWEEP_TYPES
 #: mul_mat_cm2 workgroups of 256 invocations the H200 runs at once (one per SM: 448 tiles of
 #: 128 x 128 take 3.6x the time of 128), twice as many of 128
 CM2_WAVE = 132
-#: types whose coopmat path takes mul_mat_cm2: every type. (Session 7 kept Q4_K / Q5_K on
-#: mul_mat_coopmat: decoding the 6-bit scales per element with byte loads and a branch ran at
-#: 71-80 / 58-67 TFLOP/s against 100-113. Session 8 reads the 12 scale bytes and (d, dmin)
-#: with one 16-byte load and unpacks them branch-free, as ggml-vulkan: H200, M = 512, default
-#: tiling, 4096x4096 / 14336x4096: Q4_K 136 / 126 against mul_mat_coopmat's 99.6 / 102, Q5_K
-#: 103 / 93.6 against 97.8 / 99.2; docs/PERFORMANCE.md)
+#: types whose coopmat path takes mul_mat_cm2: every type (Q4_K / Q5_K read their block header
+#: with one 16-byte load and unpack scales and mins branch-free, as ggml-vulkan does)
 CM2_TYPES = frozenset(TYPES)
 _CM2_FLOAT = ("w128x128_k64_n256", "w128x256_k64_n256")
+_CM2_QUANT32 = ("w128x128_k64_n256", "w64x128_k64_n128", "w64x256_k64_n256")
 #: tilings cm2_choose weighs per type, and their throughput per workgroup-second relative to
-#: w128x128_k64_n256 (CM2_TILE_EFF; H200, M = 512, 4096x4096 and 14336x4096, `tools/bench_coopmat.py
-#: --cm2`, session 10, docs/PERFORMANCE.md): 64 x 256 (the same accumulator area) 1.05-1.3 for
-#: every quantized type (Q4_0 0.092 vs 0.096 ms at 4096x4096, Q4_K 0.100 vs 0.125, Q5_K 0.109 vs
-#: 0.142), the 128-invocation 64 x 128 (two per SM) 0.5-0.55 for the 32-element block types, Q6_K's
-#: 128 x 256 1.25 (session 7: 1.35); f16 128 x 256 1.1 (session 7: 14336x4096 0.277 vs 0.306 ms for
-#: the same waves; 64 x 256 is no faster for F16: 0.090 vs 0.085 ms); F32/BF16 take F16's
-_CM2_LEGACY = ("w128x128_k64_n256", "w64x128_k64_n128", "w64x256_k64_n256")
+#: CM2_DEFAULT (CM2_TILE_EFF; F32/BF16 take F16's) (measured: docs/PERFORMANCE.md, "Prefill
+#: kernels"; tools/bench_coopmat.py --cm2)
 CM2_CHOICES: dict[str, tuple[str, ...]] = {
     **{t: _CM2_FLOAT for t in ("f32", "f16", "bf16")},
-    **{t: _CM2_LEGACY for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
+    **{t: _CM2_QUANT32 for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
     "q6_k": ("w128x128_k64_n256", "w128x256_k64_n256", "w64x256_k64_n256"),
     "q4_k": (CM2_DEFAULT, "w64x256_k64_n256"), "q5_k": (CM2_DEFAULT, "w64x256_k64_n256"),
 }
@@ -846,37 +688,18 @@ def cm2_variant_name(t: str, tile: str = CM2_DEFAULT) -> str:
     return f"mul_mat_cm2_{t}_f32_{tile}"
 
 
-def _cm2_variants() -> tuple[list[Variant], dict[str, Cm2Tile]]:
-    out: list[Variant] = []
-    tiles: dict[str, Cm2Tile] = {}
-    for t, wt in TYPES.items():
-        for key, tile in CM2_TILES.items():
-            if key != CM2_DEFAULT and t not in CM2_SWEEP_TYPES and key not in CM2_CHOICES[t]:
-                continue
-            name = cm2_variant_name(t, key)
-            out.append(Variant(name=name, source="mul_mat_cm2.comp", defines={"WTYPE": str(wt.id), **tile.defines()},
-                               bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
-                               target_env="vulkan1.3", compiler="glslang15", requires=_CM2_REQUIRES))
-            tiles[name] = tile
-    return out, tiles
+def make_cm2_variant(t: str, tile: Cm2Tile) -> Variant:
+    """The Variant of mul_mat_cm2 for weight type ``t`` with ``tile`` (compiled by glslang15)."""
+    return Variant(name=cm2_variant_name(t, tile.name), source="mul_mat_cm2.comp",
+                   defines={"WTYPE": str(TYPES[t].id), **tile.defines()}, bindings=3, writes=(2,),
+                   push=PUSH_COOP, local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang15",
+                   requires=_CM2_REQUIRES)
 
-
-_CM2_VARIANTS, CM2_VARIANT_TILES = _cm2_variants()
-#: test kernels: the mul_mat_cm2 decode of every type but F16 (read as is), element by element
-#: from an ordinary binding (shaders/cm2_decode_check.comp), so its formulas are checked against
-#: gguf's dequantize on any device (tests/test_mul_mat_cm2.py), not only where coopmat2 runs
-CM2_CHECK_VARIANTS = [
-    Variant(name=f"cm2_decode_check_{t}", source="cm2_decode_check.comp", defines={"WTYPE": str(wt.id)},
-            bindings=2, writes=(1,), push="I", local_size=(64, 1, 1), compiler="glslang",
-            requires=("shaderFloat16", "shaderInt8", *_STORAGE))
-    for t, wt in TYPES.items() if t != "f16"]
-COOP_VARIANT_TILES.update(CM2_VARIANT_TILES)  # type: ignore[arg-type]  # grid and cost interface
 
 VARIANTS = (
-    [_vec_variant(vec_kernel_name(t, mm), wt, VEC_CONFIG[t], mm) for t, wt in TYPES.items() for mm in VEC_MAXM]
-    + [_vec_variant(name, TYPES[t], cfg, 1) for name, (t, cfg) in VEC_SWEEP.items()]
-    + [_wide_variant(name, TYPES[t], cfg, maxm) for name, (t, cfg, maxm) in VEC_WIDE.items()]
-    + [_vecq_variant(name, TYPES[t], cfg, maxm) for name, (t, cfg, maxm) in VECQ_SWEEP.items()]
+    [make_vec_variant(vec_kernel_name(t, mm), t, VEC_CONFIG[t], mm) for t in TYPES for mm in VEC_MAXM]
+    + [make_vec_variant(vec_m1_name(t, c), t, c, 1) for t, c in VEC_CPU_M1.items()]
+    + [make_vecq_variant(name, t, cfg, 1) for name, (t, cfg) in _vecq_shipped().items()]
     + [Variant(name=VECQ_QUANTIZE, source="quantize_q8_1.comp", defines={"WG": str(VECQ_QUANTIZE_WG)},
                bindings=2, writes=(1,), push=PUSH, local_size=(VECQ_QUANTIZE_WG, 1, 1)),
        Variant(name="swiglu_q8_1_f32", source="quantize_q8_1.comp",
@@ -885,9 +708,9 @@ VARIANTS = (
     + [Variant(name=f"mul_mat_{t}_f32", source="mul_mat.comp", defines={"WTYPE": str(wt.id)},
                bindings=3, writes=(2,), push=PUSH, local_size=(256, 1, 1), requires=_STORAGE)
        for t, wt in TYPES.items()]
-    + _COOP_VARIANTS
-    + _CM2_VARIANTS
-    + CM2_CHECK_VARIANTS
+    + [make_coop_variant(coop_variant_name(t, None if key == COOP_CONFIG[t] else key), t, COOP_TILES[key])
+       for t in TYPES for key in dict.fromkeys((COOP_CONFIG[t], coop_big_tile(t)))]
+    + [make_cm2_variant(t, CM2_TILES[key]) for t in TYPES for key in dict.fromkeys((CM2_DEFAULT, *CM2_CHOICES[t]))]
     + [Variant(name="reduce_splitk_f32", source="reduce_splitk.comp", bindings=2, writes=(1,), push="I" * 6,
                local_size=(256, 1, 1))]
 )
@@ -896,12 +719,11 @@ VARIANTS = (
 # split K and tiling for the coopmat path: a cost model of waves of workgroups
 
 #: workgroups of 8 subgroups the H200 runs at once: one per SM (132; registers allow no second),
-#: rounded to 128. A workgroup's time is its K loop whatever the grid (q4_0 4096x4096: 0.17 ms
-#: at M = 128, 256 and 512 alike, 32 to 128 tiles), so a grid under a wave leaves SMs idle and
-#: one just over it takes two waves' time.
+#: rounded to 128. A workgroup's time is its K loop whatever the grid, so a grid under a wave
+#: leaves SMs idle and one just over it takes two waves' time.
 COOP_WAVE = 128
 #: a split's fixed cost per workgroup, in K elements of its tile's work (the partial's store,
-#: the reduce dispatch, the loop's prologue), fitted with COOP_TILE_EFF to the session-5 sweep
+#: the reduce dispatch, the loop's prologue), fitted with COOP_TILE_EFF to measured splits
 SPLITK_FIXED_K = 256
 #: split counts the model considers; ranges are rounded up to whole BK steps, so the count used
 #: can come out lower (16 ranges of K = 7200 at BK 64 are 15 of 512 and one empty: 15 used)
@@ -910,14 +732,16 @@ SPLITK_COUNTS = (1, 2, 4, 8, 16)
 SPLITK_MIN_K = 512
 #: most bytes of partial products one dispatch may stage (the device's shared scratch)
 SPLITK_MAX_SCRATCH = 64 << 20
-#: tile throughput (MACs per workgroup-second) relative to the default tiling's, by tile
-#: (H200, session 5): the 4 x 4-fragment large tilings do more MMAs per shared-memory load
+#: tile throughput (MACs per workgroup-second) relative to the default tiling's, by tile: the
+#: 4 x 4-fragment large tilings do more MMAs per shared-memory load (measured:
+#: docs/PERFORMANCE.md, "Prefill kernels")
 COOP_TILE_EFF = {COOP_BIG_QUANT: 1.15, COOP_BIG_FLOAT: 1.25}
 
 
-def splitk_disabled() -> bool:
-    """VKXSPLIT_DISABLE_SPLITK=1: never split K (kill switch for bisecting)."""
-    return env_flag("VKXSPLIT_DISABLE_SPLITK")
+def splitk_off(device: Any) -> bool:
+    """Whether ``splitk`` is switched off for ``device`` (VKXSPLIT_DISABLE; no device: the
+    process's setting)."""
+    return "splitk" in _disabled(device)
 
 
 def split_chunk(K: int, splits: int, bk: int) -> int:
@@ -963,12 +787,6 @@ def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
     return _best_split(tile, M, N, K)[1]
 
 
-def coop_shapes_disabled() -> bool:
-    """VKXSPLIT_DISABLE_COOP_SHAPES=1: every coopmat product takes its type's default tiling
-    (COOP_CONFIG), split by coop_k_split; the large tiling is never chosen (bisecting)."""
-    return env_flag("VKXSPLIT_DISABLE_COOP_SHAPES")
-
-
 def coop_tile_fits(tile: CoopTile, device: Device | None) -> bool:
     """Whether ``device``'s limits take ``tile``'s workgroup (threads, shared memory, subgroups
     of COOP_SUBGROUP at the required size); any tile without a device or limits (the H200's
@@ -987,16 +805,15 @@ def coop_tile_fits(tile: CoopTile, device: Device | None) -> bool:
 def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> tuple[str, int]:
     """(variant, K elements per split) of a coopmat product of weight type ``t`` that names
     no variant: the type's default tiling or its large one (coop_big_tile), whichever
-    coop_cost models faster with its best split (ties: the default). No split with
-    VKXSPLIT_DISABLE_SPLITK; only the default tiling with VKXSPLIT_DISABLE_COOP_SHAPES or where
-    ``device``'s limits do not take the large one (coop_tile_fits: the float one has 512
-    threads and 46 KiB of shared memory, the quantized one 256 and 38 KiB).
-    H200 sweep (session 5, 5 types x M 128/256/512 x 4 llama8b shapes): within 1% of the
-    fastest measured (tiling, split) summed over the 60 cases, at most 12% off in one."""
-    nosplit = splitk_disabled()
+    coop_cost models faster with its best split (ties: the default). No split where ``splitk``
+    is switched off for ``device``; only the default tiling where ``device``'s limits do not
+    take the large one (coop_tile_fits: the float one has 512 threads and 46 KiB of shared
+    memory, the quantized one 256 and 38 KiB). (How close the model's picks come to the
+    fastest measured: docs/PERFORMANCE.md, "Prefill kernels".)"""
+    nosplit = splitk_off(device)
     keys = [COOP_CONFIG[t]]
     big = coop_big_tile(t)
-    if not coop_shapes_disabled() and big != COOP_CONFIG[t] and coop_tile_fits(COOP_TILES[big], device):
+    if big != COOP_CONFIG[t] and coop_tile_fits(COOP_TILES[big], device):
         keys.append(big)
     best: tuple[float, str, int] | None = None
     for key in keys:  # the default first: it keeps ties
@@ -1012,42 +829,43 @@ def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) ->
 def cm2_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> tuple[str, int]:
     """(variant, K elements per split) of a mul_mat_cm2 product of weight type ``t``: the
     tiling of CM2_CHOICES[t] and split with the least modelled time (coop_cost's waves, with
-    CM2_WAVE workgroups at once and CM2_TILE_EFF); ties: the earlier tiling, fewer splits. No
-    split with VKXSPLIT_DISABLE_SPLITK; only CM2_DEFAULT with VKXSPLIT_DISABLE_COOP_SHAPES."""
-    keys = (CM2_DEFAULT,) if coop_shapes_disabled() else CM2_CHOICES[t]
-    if device is not None:
+    CM2_WAVE workgroups at once and CM2_TILE_EFF); ties: the earlier tiling, fewer splits; only
+    tilings ``device`` has a flexible shape for. No split where ``splitk`` is switched off."""
+    keys = CM2_CHOICES[t]
+    if getattr(device, "physical", None) is not None:
         keys = tuple(k for k in keys if k == CM2_DEFAULT or cm2_tile_supported(device, CM2_TILES[k]))
-    _, key, ks = _cm2_best(t, keys, M, N, K)
+    _, key, ks = _cm2_best(t, keys, M, N, K, splitk_off(device))
     return cm2_variant_name(t, key), ks
 
 
-def _cm2_best(t: str, keys: tuple[str, ...], M: int, N: int, K: int) -> tuple[float, str, int]:
+def _cm2_best(t: str, keys: tuple[str, ...], M: int, N: int, K: int, nosplit: bool) -> tuple[float, str, int]:
     """(modelled time, tiling, K elements per split or 0) of the cheapest of ``keys`` for type
-    ``t`` (ties: the earlier tiling)."""
+    ``t`` (ties: the earlier tiling; one range only with ``nosplit``)."""
     best: tuple[float, str, int] | None = None
     for key in keys:
-        cost, ks = _cm2_cost(t, key, M, N, K)
+        cost, ks = _cm2_cost(t, key, M, N, K, nosplit)
         if best is None or cost < best[0]:
             best = (cost, key, ks)
     assert best is not None
     return best
 
 
-def _cm2_cost(t: str, key: str, M: int, N: int, K: int) -> tuple[float, int]:
-    """(modelled time, K elements per split or 0) of mul_mat_cm2 tiling ``key`` for type ``t``.
-    Where K % 256 == 0 split ranges are whole 256-element runs, so every range keeps the
-    kernel's aligned fast path (a range of BK multiples only would drop every workgroup of the
-    split to the element loads: 48 against 201 TFLOP/s for f16)."""
-    tile = CM2_TILES[key]
+def _cm2_cost(t: str, tile: str | Cm2Tile, M: int, N: int, K: int, nosplit: bool) -> tuple[float, int]:
+    """(modelled time, K elements per split or 0) of mul_mat_cm2 tiling ``tile`` (a Cm2Tile or
+    a CM2_TILES key) for type ``t``. Where K % 256 == 0 split ranges are whole 256-element
+    runs, so every range keeps the kernel's aligned fast path (a range of BK multiples only
+    would drop every workgroup of the split to the element loads, several times slower)."""
+    tile = CM2_TILES[tile] if isinstance(tile, str) else tile
     wave = CM2_WAVE * max(1, 256 // tile.threads)
     quantum = 256 if K % 256 == 0 else tile.bk
-    return _wave_cost(tile, M, N, K, wave, CM2_TILE_EFF.get(t, {}).get(key, 1.0), splitk_disabled(), quantum)
+    return _wave_cost(tile, M, N, K, wave, CM2_TILE_EFF.get(t, {}).get(tile.name, 1.0), nosplit, quantum)
 
 
-def cm2_k_split(t: str, key: str, M: int, N: int, K: int) -> int:
-    """K elements per split of mul_mat_cm2 tiling ``key`` for weight type ``t`` (0: none), by
-    cm2_choose's model (no split with VKXSPLIT_DISABLE_SPLITK)."""
-    return _cm2_cost(t, key, M, N, K)[1]
+def cm2_k_split(t: str, tile: str | Cm2Tile, M: int, N: int, K: int, device: Any = None) -> int:
+    """K elements per split of mul_mat_cm2 tiling ``tile`` (a Cm2Tile, e.g. :func:`coop_tile`'s
+    of a benchmark variant, or a CM2_TILES key) for weight type ``t`` (0: none), by
+    cm2_choose's model (no split where ``splitk`` is switched off for ``device``)."""
+    return _cm2_cost(t, tile, M, N, K, splitk_off(device))[1]
 
 
 #: Dequantize-first (dq16): on a coopmat2 device a product of quantized weights may decode its
@@ -1056,52 +874,43 @@ def cm2_k_split(t: str, key: str, M: int, N: int, K: int) -> int:
 #: x (ceil(M / BX) times). It pays where M is large enough that F16's rate makes up for the
 #: extra pass. The model: each path's wave cost (cm2_choose's units) times the type's cost per
 #: unit relative to F16 (DQ16_DIRECT_COST), against F16's cost plus the pass's bytes (read the
-#: blocks, write f16) at DQ16_UNITS_PER_BYTE (F16's units per second, 67.1 M in 85 us at
-#: 4096x4096x512, over the pass's measured bytes per second). DQ16_DIRECT_COST is fitted
-#: (session 10, H200, `tools/bench_coopmat.py --cm2`, M = 512) so that the model's direct / dq16
-#: ratio at 14336x4096 (the FFN's shape) is the measured one, each type's fastest tiling
-#: against dq16: Q4_0 0.346 / 0.313 ms, Q4_1 0.347 / 0.310, Q8_0 0.404 / 0.319, Q5_0 0.410 /
-#: 0.319, Q5_1 0.375 / 0.314, Q4_K 0.384 / 0.324, Q5_K 0.413 / 0.327, Q6_K 0.389 / 0.324. (Fitted
-#: at 4096x4096 the costs come out 2-8% lower: the wave model flatters the direct side's splits
-#: at 14336x4096. With these the pick at 4096x4096 x 512 is dq16 for every type but Q4_1
-#: (its 64 x 256 tile loader, 0.093 vs 0.096 ms): for Q4_0 0.096 vs the tile loader's 0.091
-#: ms, a tie or a win for dq16 elsewhere.)
+#: blocks, write f16) at DQ16_UNITS_PER_BYTE (F16's units per second over the pass's bytes
+#: per second). DQ16_DIRECT_COST is fitted so that the model's direct / dq16 ratio at the
+#: FFN's shape (14336x4096, M = 512) is the measured one, each type's fastest tiling against
+#: dq16 (measured: docs/PERFORMANCE.md, "Prefill kernels"; tools/bench_coopmat.py --cm2).
 DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.32, "q4_1": 1.4, "q5_0": 1.65, "q5_1": 1.47, "q8_0": 1.67,
                                       "q4_k": 1.6, "q5_k": 1.8, "q6_k": 1.66}
 #: fewest rows of x the model takes the path for: more than one 128-row tile of x (at M <= 128
-#: the tile loader decodes every weight once too, and the sweep's M = 128 cases all lost: Q4_0
-#: 119 vs 138, Q4_K 109 vs 119 TFLOP/s at 14336x4096)
+#: the tile loader decodes every weight once too, and the pass is pure overhead)
 DQ16_MIN_M = 129
 DQ16_UNITS_PER_BYTE = 0.30
-#: the pass's own dispatch and the barrier after it (~2 us at F16's 0.79 units per ps)
+#: the pass's own dispatch and the barrier after it (~2 us at F16's rate)
 DQ16_FIXED_UNITS = 1.6e6
 #: largest f16 copy the model makes (N K 2 bytes): the FFN of a 70B model (28672 x 8192, 448
 #: MiB) fits, an all-logits output projection of a 128k vocabulary (1 GiB) does not
-DQ16_MAX_BYTES = 512 << 20  # the pass at ~2.6 TB/s (2.3-3.4 measured, session 8)
-
-
-def dq16_disabled() -> bool:
-    """``VKXSPLIT_DISABLE_DQ16=1``: quantized products never take the dequantize-first path."""
-    return env_flag("VKXSPLIT_DISABLE_DQ16")
+DQ16_MAX_BYTES = 512 << 20
 
 
 def dq16_available(device: Device, t: str) -> bool:
     """Whether a product of ``t`` weights may take the dequantize-first path on ``device``: a
     quantized type, mul_mat_cm2 available (its F16 kernel reads the f16 rows; no device
-    addresses needed, so weights in exported or imported blocks qualify too)."""
-    return t in DQ16_DIRECT_COST and not dq16_disabled() and coopmat2_available(device)
+    addresses needed, so weights in exported or imported blocks qualify too), and ``dq16``
+    not switched off for the device."""
+    return t in DQ16_DIRECT_COST and "dq16" not in _disabled(device) and coopmat2_available(device)
 
 
-def dq16_chosen(t: str, M: int, N: int, K: int) -> bool:
+def dq16_chosen(t: str, M: int, N: int, K: int, device: Any = None) -> bool:
     """Whether the model above prefers the dequantize-first path for this product (the
     direct side modelled as mul_mat_cm2 with every tiling of CM2_CHOICES: where the device
-    filters tilings, VKXSPLIT_DISABLE_COOP_SHAPES is set or the weights keep mul_mat_coopmat,
-    the real direct path is no faster, so the pick errs towards the tile loader)."""
+    filters tilings or the weights keep mul_mat_coopmat, the real direct path is no faster, so
+    the pick errs towards the tile loader; both sides unsplit where ``splitk`` is switched off
+    for ``device``)."""
     if t not in DQ16_DIRECT_COST or M < DQ16_MIN_M or 2 * N * K > DQ16_MAX_BYTES:
         return False
-    direct = _cm2_best(t, CM2_CHOICES[t], M, N, K)[0] * DQ16_DIRECT_COST[t]
+    nosplit = splitk_off(device)
+    direct = _cm2_best(t, CM2_CHOICES[t], M, N, K, nosplit)[0] * DQ16_DIRECT_COST[t]
     pass_bytes = N * (TYPES[t].row_bytes(K) + 2 * K)
-    first = (_cm2_best("f16", CM2_CHOICES["f16"], M, N, K)[0]
+    first = (_cm2_best("f16", CM2_CHOICES["f16"], M, N, K, nosplit)[0]
              + pass_bytes * DQ16_UNITS_PER_BYTE + DQ16_FIXED_UNITS)
     return first < direct
 
@@ -1168,11 +977,6 @@ _SUBGROUP_ARITHMETIC = 0x4
 _STAGE_COMPUTE = 0x20
 
 
-def coopmat_disabled() -> bool:
-    """``VKXSPLIT_DISABLE_COOPMAT=1`` switches the cooperative-matrix path off."""
-    return env_flag("VKXSPLIT_DISABLE_COOPMAT")
-
-
 def coopmat_supported(device: Device) -> bool:
     """Whether ``device`` can run the coopmat kernels: the cooperativeMatrix feature, an
     f16 x f16 -> f32 16x16x16 subgroup shape, f16 arithmetic, the Vulkan memory model, and
@@ -1192,13 +996,8 @@ def coopmat_supported(device: Device) -> bool:
 
 
 def coopmat_available(device: Device) -> bool:
-    return not coopmat_disabled() and coopmat_supported(device)
-
-
-def coopmat2_disabled() -> bool:
-    """``VKXSPLIT_DISABLE_COOPMAT2=1``: the coopmat path keeps the subgroup-scope kernel
-    (mul_mat_coopmat) on devices with VK_NV_cooperative_matrix2 (kill switch for bisecting)."""
-    return env_flag("VKXSPLIT_DISABLE_COOPMAT2")
+    """coopmat_supported and ``coopmat`` not switched off for ``device``."""
+    return "coopmat" not in _disabled(device) and coopmat_supported(device)
 
 
 def coopmat2_supported(device: Device) -> bool:
@@ -1223,7 +1022,8 @@ def cm2_tile_supported(device: Device, tile: Cm2Tile) -> bool:
 
 
 def coopmat2_available(device: Device) -> bool:
-    return not coopmat2_disabled() and coopmat2_supported(device)
+    """coopmat2_supported, and neither ``coopmat`` nor ``coopmat2`` switched off for ``device``."""
+    return not ({"coopmat", "coopmat2"} & _disabled(device)) and coopmat2_supported(device)
 
 
 def cm2_eligible(device: Device, t: str, w: Bindable) -> bool:
@@ -1248,14 +1048,15 @@ def _vec_ok(p: Any) -> bool:
 
 def _grid(path: str, wt: WeightType, M: int, N: int, variant: str | None = None) -> tuple[int, int, int]:
     if path == "vec":
-        cfg = vec_config(variant) if variant else VEC_CONFIG[wt.name]
-        g = max(1, -(-N // getattr(cfg, "rows", cfg.nr)))  # (vecq shapes: nr teams x rpt rows each)
+        rows = _vec_rows(variant) if variant else VEC_CONFIG[wt.name].nr
+        g = max(1, -(-N // rows))
         gx = min(g, MAX_GROUPS)
         return gx, -(-g // gx), 1
     if path == "tiled":
         bm, bn = TILED_BM, TILED_BN
     else:
-        tile = COOP_VARIANT_TILES[variant or coop_variant_name(wt.name)]
+        tile = coop_tile(variant) if variant else COOP_TILES[COOP_CONFIG[wt.name]]
+        assert tile is not None
         bm, bn = tile.bm, tile.bn
     return max(1, -(-N // bn)), max(1, -(-M // bm)), 1
 
@@ -1293,8 +1094,8 @@ def check_mul_mat(w_type: TypeLike | WeightType, M: int, N: int, K: int, path: s
             raise KernelError(f"{name}: the mat-vec path needs subgroup arithmetic in compute shaders, "
                               f"which '{device.name}' lacks")
     elif path == "coopmat" and device is not None:
-        if coopmat_disabled():
-            raise KernelError(f"{name}: the coopmat path is disabled (VKXSPLIT_DISABLE_COOPMAT)")
+        if "coopmat" in _disabled(device):
+            raise KernelError(f"{name}: the coopmat path is switched off (VKXSPLIT_DISABLE=coopmat)")
         if not coopmat_supported(device):
             raise KernelError(f"{name}: '{device.name}' has no f16 16x16x16 subgroup cooperative "
                               "matrices with subgroup size 32")
@@ -1386,21 +1187,21 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     ``vec`` / ``tiled`` / ``coopmat`` or None (M <= 8: vec; else coopmat when available, else
     tiled). Returns the path taken. Raises KernelError for anything no kernel handles.
 
-    ``coop_variant`` (tests and benchmarks only; ``path`` must be ``coopmat``): run this
+    ``coop_variant`` (tests and benchmarks only; ``path`` must be ``coopmat``): run this built
     mul_mat_coopmat or mul_mat_cm2 variant of the weight type instead of the chosen one, e.g.
     a tiling of the sweep or an emulated variant (``mul_mat_coopmat_emu_*``, which runs on
-    devices without cooperative matrices).
+    devices without cooperative matrices; tools/kernels.py builds those).
 
-    ``vec_variant`` (benchmarks and tests only; the path must be ``vec``): run this mat-vec
-    variant of the weight type (e.g. a VEC_SWEEP one) instead of the default one for M. The
-    VEC_WIDE variants (``shaders/mul_mat_vec_wide.comp``) need K % 256 == 0.
+    ``vec_variant`` (benchmarks and tests only; the path must be ``vec``): run this built
+    mat-vec variant of the weight type (e.g. a sweep shape) instead of the default one for M.
+    Those of ``shaders/mul_mat_vec_wide.comp`` need K % 256 == 0.
 
     ``k_split`` (coopmat only): K elements per split, a multiple of the tile's BK; the partial
     products go to the device's split-K scratch and ``reduce_splitk_f32`` sums them into y;
     pinned without ``coop_variant``, the type's default tiling runs it. None: without
     ``coop_variant`` :func:`coop_choose` picks tiling and split, with a real one
-    :func:`coop_k_split` picks the split (never for emulated variants;
-    ``VKXSPLIT_DISABLE_SPLITK=1`` turns splits off); 0: no split.
+    :func:`coop_k_split` picks the split (never for emulated variants, nor where ``splitk``
+    is switched off for the device); 0: no split.
 
     ``dq16`` (coopmat path, quantized weights, coopmat2 devices): True decodes W's N rows to f16
     first and runs mul_mat_cm2's F16 kernel on them (dq16_chosen's model otherwise: None; False
@@ -1409,12 +1210,12 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     dev = seq.device
     if vec_variant is not None:
         if (path not in (None, "vec") or not vec_variant.startswith(f"mul_mat_vec_{wt.name}_f32")
-                or M > vec_variant_maxm(vec_variant)):
+                or M > vec_variant_maxm(vec_variant) or _defines(vec_variant, _VEC_SOURCES) is None):
             raise KernelError(f"vec_variant {vec_variant!r} is not a mat-vec variant for {wt.name.upper()} "
                               f"weights and M = {M} (and path must be 'vec')")
         path = "vec"
     if coop_variant is not None:
-        tile = COOP_VARIANT_TILES.get(coop_variant)
+        tile = coop_tile(coop_variant)
         if path != "coopmat" or tile is None or not coop_variant.startswith(
                 (coop_variant_name(wt.name), coop_variant_name(wt.name, emulate=True),
                  f"mul_mat_cm2_{wt.name}_f32")):
@@ -1423,12 +1224,12 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     if dq16 and (coop_variant is not None or not dq16_available(dev, wt.name)):
         raise KernelError(f"mul_mat[{wt.name.upper()}]: dq16 (dequantize first) needs quantized weights, "
                           f"VK_NV_cooperative_matrix2 (not disabled) and no coop_variant")
-    emulated = coop_variant is not None and coop_variant.startswith("mul_mat_coopmat_emu_")
+    emulated = coop_variant is not None and _is_emulated(coop_variant)
     path = check_mul_mat(wt, M, N, K, path=path, device=None if emulated else dev)
     if dq16 and path != "coopmat":
         raise KernelError(f"mul_mat[{wt.name.upper()}, M={M}]: dq16 needs the coopmat path, this product "
                           f"takes '{path}'")
-    if vec_variant in VEC_WIDE and K % WIDE_K:
+    if vec_variant is not None and _defines(vec_variant, ("mul_mat_vec_wide.comp",)) is not None and K % WIDE_K:
         raise KernelError(f"vec_variant {vec_variant!r} needs K % {WIDE_K} == 0 (16-byte aligned rows "
                           f"of whole 8-block groups), got K = {K}")
     if path == "vec" and vec_variant is None:
@@ -1453,7 +1254,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
         if coop_variant is None and dq16 is not False and dq16_available(dev, wt.name) and (
-                dq16 or dq16_chosen(wt.name, M, N, K)):
+                dq16 or dq16_chosen(wt.name, M, N, K, dev)):
             # dequantize first: W's N rows once to f16, then mul_mat_cm2's F16 kernel on them
             wh = _dq16_rows(dev, name, N * K * 2, forced=bool(dq16))
             if wh is not None:
@@ -1467,15 +1268,16 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
             cname, chosen = cm2_choose(wt.name, M, N, K, dev)
         elif coop_variant is None:
             cname, chosen = coop_choose(wt.name, M, N, K, dev)
-        elif coop_variant in CM2_VARIANT_TILES:
-            cname, chosen = coop_variant, cm2_k_split(wt.name, CM2_VARIANT_TILES[coop_variant].name, M, N, K)
+        elif _is_cm2(coop_variant):
+            cname, chosen = coop_variant, cm2_k_split(wt.name, tile, M, N, K, dev)  # type: ignore[arg-type]
         else:
-            cname, chosen = coop_variant, 0 if emulated or splitk_disabled() else coop_k_split(
-                COOP_VARIANT_TILES[coop_variant], M, N, K)
-        tile = COOP_VARIANT_TILES[cname]
+            cname, chosen = coop_variant, 0 if emulated or splitk_off(dev) else coop_k_split(
+                tile, M, N, K)  # type: ignore[arg-type]
+        tile = coop_tile(cname)
+        assert tile is not None
         if k_split is None:
             k_split = chosen
-        if cname in CM2_VARIANT_TILES:
+        if _is_cm2(cname):
             # mul_mat_cm2 reads x as compact f16 rows: converted once here, not per tile
             xh = _Scratch.get(dev, "xh", M * K * 2)
             record_convert_rows(seq, x, xh, M, K, x_stride, x_offset)
@@ -1507,9 +1309,15 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     return path
 
 
-__all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_SWEEP", "VEC_WIDE", "VECQ_SWEEP", "VecConfig", "VecqConfig",
-           "WideConfig", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1", "vecq_scratch_bytes",
-           "check_q8_1_scratch", "vecq_decode", "vecq_disabled", "vecq_fits", "vecq_w5u_disabled", "vecq_variant", "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "VECQ_GPU_M1_TALL", "vecq_for_shape", "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1",
-           "check_mul_mat", "coop_k_split", "cm2_choose", "cm2_variant_name", "coopmat2_available",
-           "coopmat2_supported", "coopmat2_disabled", "CM2_TILES", "CM2_DEFAULT", "CM2_TYPES", "cm2_k_split", "cm2_eligible", "dq16_available", "dq16_chosen", "dq16_disabled", "DQ16_DIRECT_COST", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits", "splitk_disabled", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available", "coopmat_disabled", "coopmat_supported", "device_vec_variant", "record_mul_mat", "vec_config",
-           "vec_kernel_name", "vec_supported", "MAX_VEC_M", "PATHS"]
+__all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_MAXM", "VecConfig", "VecqConfig", "CoopTile", "Cm2Tile",
+           "make_vec_variant", "make_vecq_variant", "make_coop_variant", "make_cm2_variant", "vec_m1_name",
+           "vecq_name", "vecq_spec", "coop_tile", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1",
+           "vecq_scratch_bytes", "check_q8_1_scratch", "vecq_decode", "vecq_fits", "vecq_variant",
+           "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "VECQ_GPU_M1_TALL", "VECQ_TYPES", "vecq_for_shape",
+           "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1", "check_mul_mat", "coop_k_split",
+           "cm2_choose", "cm2_variant_name", "coopmat2_available", "coopmat2_supported", "CM2_TILES", "CM2_DEFAULT",
+           "CM2_TYPES", "CM2_CHOICES", "cm2_k_split", "cm2_eligible", "cm2_tile_supported", "dq16_available",
+           "dq16_chosen", "DQ16_DIRECT_COST", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits",
+           "splitk_off", "COOP_TILES", "COOP_CONFIG", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available",
+           "coopmat_supported", "coop_variant_name", "device_vec_variant", "record_mul_mat", "vec_config",
+           "vec_kernel_name", "vec_variant_maxm", "vec_supported", "MAX_VEC_M", "PATHS", "WIDE_K"]

@@ -17,39 +17,22 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..features import kernel_config_ident
+
 log = logging.getLogger("vkxsplit.plan")
 
 PROFILE_VERSION = 2
 
-#: settings that change which kernels the hub runs (so what a profile measured)
-KERNEL_SWITCHES = ("VKXSPLIT_DISABLE_COOPMAT", "VKXSPLIT_DISABLE_COOPMAT2", "VKXSPLIT_DISABLE_DQ16", "VKXSPLIT_DISABLE_VECQ", "VKXSPLIT_DISABLE_VECQ_SG",
-                   "VKXSPLIT_DISABLE_SPLITK", "VKXSPLIT_DISABLE_COOP_SHAPES", "VKXSPLIT_DISABLE_FUSION")
-
-
-def kernels_ident() -> str:
-    """A hash of the kernels the hub would run: every shipped SPIR-V module's hash and the
-    kill switches set (KERNEL_SWITCHES). New kernels (a vkxsplit upgrade, a rebuild) or another
-    switch mean other costs: a profile measured before does not apply."""
-    from ..shaders import shipped
-    from ..vk.instance import env_flag
-
-    h = hashlib.sha256()
-    for name, meta in sorted(shipped().items()):
-        h.update(f"{name}:{meta.get('spv_sha256', '')}\n".encode())
-    for k in KERNEL_SWITCHES:
-        h.update(f"{k}={int(env_flag(k))}\n".encode())  # (unset, "", "0", "off": the same)
-    return h.hexdigest()[:16]
-
-
 def _hub_ident(device: Any) -> dict[str, Any]:
     p = device.physical
     return {"device": device.name, "device_uuid": bytes(p.device_uuid).hex(), "driver_version": int(p.driver_version),
-            "kernels": kernels_ident()}
+            "kernels": kernel_config_ident(device)}
 
 
 class Profile:
     """Measured costs of one hub device, as JSON under the cache dir. The file name and its
-    content carry the device UUID, driver version and kernels (:func:`kernels_ident`): when
+    content carry the device UUID, driver version and kernels
+    (:func:`vkxsplit.features.kernel_config_ident`): when
     any changes, what was measured no longer applies and is measured again."""
 
     def __init__(self, path: Path | None = None, ident: dict[str, Any] | None = None) -> None:
@@ -109,4 +92,4 @@ class Profile:
             log.warning("cannot save the device profile %s: %s", self.path, exc)
 
 
-__all__ = ["KERNEL_SWITCHES", "PROFILE_VERSION", "Profile", "kernels_ident"]
+__all__ = ["PROFILE_VERSION", "Profile"]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EnvironmentProblem, VkxError
+from ..features import disabled_from_env
 from .api import API_1_3, NULL, check, cstr, ffi, lib, new, next_serial, vk
 from .instance import (
     COOPMAT2_FEATURES,
@@ -93,6 +94,9 @@ class Device:
         self._queue_lock = threading.Lock()
         self._fns: dict[str, Any] = {}
         self._owns_instance = False
+        # the kernel features switched off (VKXSPLIT_DISABLE, read once here; every kernel
+        # choice on this device reads this set: vkxsplit.features)
+        self.disabled: frozenset[str] = disabled_from_env()
 
         missing = [(f, why) for f, why in REQUIRED_FEATURES if not physical.features.get(f)]
         if missing:

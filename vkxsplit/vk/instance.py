@@ -251,6 +251,14 @@ class PhysicalDeviceInfo:
     coopmat2: dict[str, int] = field(default_factory=dict)
     coopmat2_flex: list[CoopMatFlex] = field(default_factory=list)
     min_imported_host_pointer_alignment: int = 0
+    #: streaming multiprocessors (VK_NV_shader_sm_builtins) or compute units
+    #: (VK_AMD_shader_core_properties); 0 where the driver does not say
+    compute_units: int = 0
+
+    @property
+    def is_cpu(self) -> bool:
+        """A Vulkan device that runs on the host's cores (lavapipe, SwiftShader)."""
+        return self.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
 
     @property
     def api_version_str(self) -> str:
@@ -363,6 +371,16 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
         hostp = new("VkPhysicalDeviceExternalMemoryHostPropertiesEXT")
         tail.pNext = hostp
         tail = hostp
+    smp = None
+    if info.has("VK_NV_shader_sm_builtins"):
+        smp = new("VkPhysicalDeviceShaderSMBuiltinsPropertiesNV")
+        tail.pNext = smp
+        tail = smp
+    amdp = None
+    if info.has("VK_AMD_shader_core_properties"):
+        amdp = new("VkPhysicalDeviceShaderCorePropertiesAMD")
+        tail.pNext = amdp
+        tail = amdp
     cm2p = None
     if info.has("VK_NV_cooperative_matrix2"):
         cm2p, cm2p_ptr = raw_struct("VkxCoopmat2Properties", STYPE_COOPMAT2_PROPERTIES)
@@ -387,6 +405,11 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
         info.min_subgroup_size = info.max_subgroup_size = info.subgroup_size
     if hostp is not None:
         info.min_imported_host_pointer_alignment = hostp.minImportedHostPointerAlignment
+    if smp is not None:
+        info.compute_units = int(smp.shaderSMCount)
+    elif amdp is not None:
+        info.compute_units = int(amdp.shaderEngineCount * amdp.shaderArraysPerEngineCount
+                                 * amdp.computeUnitsPerShaderArray)
 
     # features2 chain
     structs: dict[str, Any] = {}

@@ -1,7 +1,9 @@
 """Kernels: compute pipelines made from the shipped SPIR-V.
 
 ``Kernel.get(device, "convert_f32_bf16")`` returns the device's one pipeline for a variant
-(created on first use through the device's pipeline cache). A kernel binds ``bindings``
+(created on first use through the device's pipeline cache): a shipped one, or one of a
+directory of experiment kernels made loadable with :func:`vkxsplit.shaders.add_kernel_dir`
+(benchmarks and tests build those on demand: ``tools/kernels.py``). A kernel binds ``bindings``
 storage buffers at set 0 and takes its push constants as a ``struct`` format from the
 manifest. Descriptor sets are made per distinct set of bound ranges and kept, so a
 sequence recorded once can be replayed without touching descriptors again.
@@ -48,10 +50,11 @@ def as_range(b: Bindable) -> tuple[Any, int, int, int]:
 
 class Kernel:
     def __init__(self, device: Device, name: str) -> None:
-        meta = shaders.shipped().get(name)
+        meta = shaders.variant_meta(name)
         if meta is None:
-            raise KernelError(f"no kernel named {name} ships with vkxsplit",
-                              "rebuild the shaders (vkxsplit build-shaders) or check the variant name")
+            raise KernelError(f"no kernel named {name} ships with vkxsplit or is in a loaded kernel directory",
+                              "check the variant name; experiment kernels: build them (python "
+                              "tools/build_tool_shaders.py) and load them (tools/kernels.py ensure())")
         missing = [f for f in meta.get("requires", []) if not device.features.get(f)]
         if missing:
             raise KernelError(f"kernel {name} needs device feature(s) {', '.join(missing)}, "
