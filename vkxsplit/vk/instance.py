@@ -356,31 +356,27 @@ def _query_device(index: int, handle: Any, instance_handle: Any = None) -> Physi
     for e in enumerate_(lib.vkEnumerateDeviceExtensionProperties, "VkExtensionProperties", handle, NULL):
         info.extensions[string(e.extensionName)] = e.specVersion
 
-    # properties2 chain: subgroup (1.1), driver (1.2), subgroup size control, host import
+    # properties2 chain: subgroup (1.1), driver (1.2), then each extension's struct where the
+    # device has the extension (None where it does not)
     p11 = new("VkPhysicalDeviceVulkan11Properties")
     p12 = new("VkPhysicalDeviceVulkan12Properties")
     p11.pNext = p12
-    tail = p12
-    ssc = None
-    if api >= API_1_3 or info.has("VK_EXT_subgroup_size_control"):
-        ssc = new("VkPhysicalDeviceSubgroupSizeControlProperties")
-        tail.pNext = ssc
-        tail = ssc
-    hostp = None
-    if info.has("VK_EXT_external_memory_host"):
-        hostp = new("VkPhysicalDeviceExternalMemoryHostPropertiesEXT")
-        tail.pNext = hostp
-        tail = hostp
-    smp = None
-    if info.has("VK_NV_shader_sm_builtins"):
-        smp = new("VkPhysicalDeviceShaderSMBuiltinsPropertiesNV")
-        tail.pNext = smp
-        tail = smp
-    amdp = None
-    if info.has("VK_AMD_shader_core_properties"):
-        amdp = new("VkPhysicalDeviceShaderCorePropertiesAMD")
-        tail.pNext = amdp
-        tail = amdp
+    chain = [p12]
+
+    def link(present: bool, ctype: str) -> Any:
+        if not present:
+            return None
+        s = new(ctype)
+        chain[-1].pNext = s
+        chain.append(s)
+        return s
+
+    ssc = link(api >= API_1_3 or info.has("VK_EXT_subgroup_size_control"),
+               "VkPhysicalDeviceSubgroupSizeControlProperties")
+    hostp = link(info.has("VK_EXT_external_memory_host"), "VkPhysicalDeviceExternalMemoryHostPropertiesEXT")
+    smp = link(info.has("VK_NV_shader_sm_builtins"), "VkPhysicalDeviceShaderSMBuiltinsPropertiesNV")
+    amdp = link(info.has("VK_AMD_shader_core_properties"), "VkPhysicalDeviceShaderCorePropertiesAMD")
+    tail = chain[-1]
     cm2p = None
     if info.has("VK_NV_cooperative_matrix2"):
         cm2p, cm2p_ptr = raw_struct("VkxCoopmat2Properties", STYPE_COOPMAT2_PROPERTIES)
