@@ -509,9 +509,9 @@ def test_planner_places_layers_and_rows_on_the_peer(device, tmp_path, mode):
 def test_close_leaves_no_fds_or_hub_memory(device, seqs, rng):
     """Twice (a driver may cache device-node fds it opens the first time): each round must
     leave the fd count where it found it, and memory where it was. On the H200 every round
-    left two fds to /dev/nvidia0 until session 3: the backend's stream timeline and the peer's
-    relay timeline lived until the hub closed (tools/diag_peer_fds.py found it); closing a
-    backend now retires them."""
+    left two fds to /dev/nvidia0 once: the backend's stream timeline and the peer's relay
+    timeline lived until the hub closed (tools/diag_peer_fds.py found it); closing a backend
+    retires them."""
     for _round in range(2):
         fds0, bytes0 = fd_targets(), device.memory.allocated_bytes
         _peer_round(device, rng, bytes0)

@@ -1,12 +1,12 @@
 """Shared by the benchmark scripts: bring the GPU to its working clocks before timing.
 
 GPUs idle at low clocks and take a while under load to ramp up; a benchmark whose first
-shapes run on a cold GPU reports them slow (session 2's H200 tables: the first shape of
-bench_matvec and bench_coopmat timed 1.5-5x slower than larger later ones). ``spin_up`` keeps
+shapes run on a cold GPU reports them slow (the first shapes of bench_matvec and bench_coopmat
+timed 1.5-5x slower than larger later ones on the H200: docs/PERFORMANCE-HISTORY.md). ``spin_up`` keeps
 the device busy with copies for ``seconds`` first, and ``replay_warm`` replays a recorded
 benchmark sequence for a while before the run that is timed: the checks and host-side set-up
-between timings leave the GPU idle long enough to drop its clocks again (session 3: the first
-shapes timed after the numpy checks stayed 1.5-5x slow even after a spin-up at start).
+between timings leave the GPU idle long enough to drop its clocks again (the first shapes timed
+after the numpy checks stayed 1.5-5x slow even after a spin-up at start).
 """
 
 from __future__ import annotations
@@ -44,9 +44,7 @@ def spin_up(dev: Device, seconds: float = 1.5, nbytes: int = 256 << 20) -> int:
 
 
 def _cpu(dev: Device) -> bool:
-    from vkxsplit.vk.api import vk
-
-    return getattr(dev.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+    return dev.is_cpu
 
 
 def replay_warm(seq: Sequence, seconds: float = 0.2) -> None:

@@ -4,9 +4,8 @@ synthetic model with the relay spinning on the shards' timelines (the default on
 only, or blocking in vkWaitSemaphores (slices of 0.05 s or 10 s). Prints one table: ms per
 step, host time submitting segment 0, and the logits' distance to a one-hub model.
 
-(Session 6 also timed segments queued up front, waiting on timelines the relay signalled, in one
-vkQueueSubmit per step or one per segment: docs/PERFORMANCE-HISTORY.md section 0000. The relay now
-submits each segment itself.)
+(Segments queued up front, waiting on timelines the relay signalled, read the other GPU's
+partial stale: docs/PERFORMANCE-HISTORY.md section 0000. The relay submits each segment itself.)
 
   python tools/diag_tensor_split.py --devices 0,1 --shape llama1b
 """

@@ -168,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 #: seconds of warm-up runs before timing on a GPU: a short step (a 1B model's 512-token prefill
 #: is ~20 ms) after an idle host phase runs at low clocks; one warm-up run was not enough
-#: (session 3: llama1b pp512 0.21-0.30x hub-only vs 0.80x after the planner's calibration)
+#: (measured: docs/PERFORMANCE-HISTORY.md, session 3)
 WARMUP_S = 1.0
 
 
