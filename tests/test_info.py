@@ -470,6 +470,7 @@ def test_prefill_path_is_reported(report, monkeypatch):
     decides (coopmat availability); a fake coopmat2 device gets mul_mat_cm2 with dq16 from
     DQ16_MIN_M, which the kill switches take away."""
     from vkxsplit.info import prefill_report
+    from vkxsplit.ops import choose
     from vkxsplit.ops import mul_mat as mm
     from vkxsplit.vk import instance as vki
     from vkxsplit.vk.device import COOPMAT2_NEEDS
@@ -484,7 +485,7 @@ def test_prefill_path_is_reported(report, monkeypatch):
     flex = [vki.CoopMatFlex(16, 16, 16, 0, 0, 1, 1, False, 2, n) for n in (128, 256)]
     p = SimpleNamespace(features=feats, name="fake", coopmat2_flex=flex,
                         has=lambda e: e == "VK_NV_cooperative_matrix2")
-    assert prefill_report(p) == {"path": "mul_mat_cm2", "dq16": True, "dq16_min_m": mm.DQ16_MIN_M}
+    assert prefill_report(p) == {"path": "mul_mat_cm2", "dq16": True, "dq16_min_m": choose.DQ16_MIN_M}
     monkeypatch.setenv("VKXSPLIT_DISABLE", "dq16")
     assert prefill_report(p)["dq16"] is False
     p.has = lambda e: False  # no extension: no cooperative matrix shapes either here

@@ -31,7 +31,10 @@ from gguf.quants import dequantize, quantize
 
 from vkxsplit import shaders
 from vkxsplit.errors import KernelError
+from vkxsplit.ops import choose
 from vkxsplit.ops import mul_mat as mm
+from vkxsplit.ops import mul_mat_kernels as mk
+from vkxsplit.ops.choose import kernels_for
 from vkxsplit.ops.quant import TYPES, block_size, row_bytes, weight_type
 from vkxsplit.vk.command import Sequence
 from vkxsplit.vk.kernel import View
@@ -274,7 +277,7 @@ def test_random_bit_patterns(device, bufs, rng, t):
 
 @pytest.mark.parametrize("t", ALL)
 def test_coopmat(device, bufs, rng, t):
-    if not mm.coopmat_supported(device):
+    if not kernels_for(device).coopmat:
         pytest.skip(f"'{device.name}' has no usable cooperative matrices")
     if "coopmat" in device.disabled:
         pytest.skip("VKXSPLIT_DISABLE=coopmat")
@@ -302,23 +305,23 @@ def test_path_selection(device):
     assert mm.check_mul_mat("q4_0", 8, 10, 64) == "vec"
     assert mm.check_mul_mat("q4_0", 9, 10, 64) == "tiled"
     nv = _fake_device()
-    assert mm.coopmat_supported(nv)
+    assert kernels_for(nv).coopmat
     assert mm.check_mul_mat("q4_k", 1, 10, 256, device=nv) == "vec"
     assert mm.check_mul_mat("q4_k", 9, 10, 256, device=nv) == "coopmat"
     assert mm.check_mul_mat("q4_k", 9, 10, 256, path="tiled", device=nv) == "tiled"
     for bad in (_fake_device(coop=False), _fake_device(sg=(64, 64)),
                 _fake_device(shape=(16, 16, 16, 0, 0, 0, 0, 3)), _fake_device(shape=(16, 8, 16, 0, 0, 1, 1, 3))):
-        assert not mm.coopmat_supported(bad)
+        assert not kernels_for(bad).coopmat
         assert mm.check_mul_mat("q4_k", 9, 10, 256, device=bad) == "tiled"
     assert mm.check_mul_mat("f16", 2, 10, 64, device=_fake_device(coop=False, ops=0)) == "tiled"
     off = _fake_device(disabled={"coopmat"})  # VKXSPLIT_DISABLE=coopmat
-    assert mm.coopmat_supported(off) and not mm.coopmat_available(off)
+    assert kernels_for(off).coopmat and not kernels_for(off).coopmat_available
     assert mm.check_mul_mat("q4_k", 9, 10, 256, device=off) == "tiled"
     with pytest.raises(KernelError, match="switched off"):
         mm.check_mul_mat("q4_k", 9, 10, 256, path="coopmat", device=off)
     assert mm.check_mul_mat("q4_k", 9, 10, 256, device=_fake_device(disabled={"coopmat2", "splitk"})) == "coopmat"
     # this machine's device (lavapipe has no cooperative matrices)
-    expect = "coopmat" if mm.coopmat_supported(device) else "tiled"
+    expect = "coopmat" if kernels_for(device).coopmat else "tiled"
     assert mm.check_mul_mat("q8_0", 64, 10, 64, device=device) == expect
     if expect == "tiled":
         with pytest.raises(KernelError, match="cooperative"):
@@ -557,31 +560,34 @@ def test_splitk_scratch_grows_geometrically(device):
 
 def test_coop_k_split_rule(monkeypatch):
     """coop_k_split takes the split count of SPLITK_COUNTS with the least modelled time: waves
-    of COOP_WAVE workgroups, each as long as its tile work plus SPLITK_FIXED_K per split
+    of coop_wave workgroups, each as long as its tile work plus SPLITK_FIXED_K per split
     workgroup, ranges at least SPLITK_MIN_K and whole BK steps (worked by hand for the H200's
-    128 x 128 tiles, BK 64; costs in K elements per workgroup wave)."""
+    128 x 128 tiles, BK 64; costs in K elements per workgroup wave; the cost model alone, no
+    device: the H200's 132 compute units, a wave of 128)."""
+    monkeypatch.delenv("VKXSPLIT_DISABLE", raising=False)
     tile = mm.COOP_TILES["t128x128_k64_w32x64_s1"]
-    assert (mm.COOP_WAVE, mm.SPLITK_FIXED_K, mm.SPLITK_MIN_K) == (128, 256, 512)
+    h = kernels_for(None)
+    assert (h.coop_wave, choose.SPLITK_FIXED_K, choose.SPLITK_MIN_K) == (128, 256, 512)
     # M=128, N=4096, K=4096: 32 tiles; 1: 4096, 2: 2304, 4 (128 groups): 1280, 8 (2 waves): 1536
-    assert mm.coop_k_split(tile, 128, 4096, 4096) == 1024
+    assert h.coop_k_split(tile, 128, 4096, 4096) == 1024
     # M=512, N=1024 (GQA k/v): 32 tiles, the same
-    assert mm.coop_k_split(tile, 512, 1024, 4096) == 1024
+    assert h.coop_k_split(tile, 512, 1024, 4096) == 1024
     # M=512, N=4096, K=14336 (ffn_down): 128 tiles; 1: 14336, 2 (2 waves): 2 x 7424 -> no split
-    assert mm.coop_k_split(tile, 512, 4096, 14336) == 0
+    assert h.coop_k_split(tile, 512, 4096, 14336) == 0
     # M=256, N=4096, K=14336: 64 tiles; 2: 7424, 4 (2 waves): 7680 -> 2 ranges of 7168
-    assert mm.coop_k_split(tile, 256, 4096, 14336) == 7168
+    assert h.coop_k_split(tile, 256, 4096, 14336) == 7168
     # M=512, N=14336: 448 tiles; 1: 4 waves x 4096 = 16384, 2: 7 x 2304 = 16128 (measured: q4_0
     # 0.687 ms split vs 0.747 unsplit)
-    assert mm.coop_k_split(tile, 512, 14336, 4096) == 2048
+    assert h.coop_k_split(tile, 512, 14336, 4096) == 2048
     # K = 1000, 1 tile: 2 ranges of 512 (8 BK steps) + 488: 768 < 1024
-    assert mm.coop_k_split(tile, 128, 128, 1000) == 512
+    assert h.coop_k_split(tile, 128, 128, 1000) == 512
     # K = 1536: 4 ranges would be 384 < SPLITK_MIN_K: 2 of 768
-    assert mm.coop_k_split(tile, 16, 100, 1536) == 768
+    assert h.coop_k_split(tile, 16, 100, 1536) == 768
     # the partials' scratch is bounded: M x N x 4 bytes per range
     for M, N in ((128, 65536), (1024, 16384), (64, 4096)):
-        ks = mm.coop_k_split(tile, M, N, 4096)
-        assert ks == 0 or 4 * M * N * -(-4096 // ks) <= mm.SPLITK_MAX_SCRATCH
-    assert mm.coop_cost(tile, 4096, 4096, 4096, 2) is None  # 128 MiB of partials
+        ks = h.coop_k_split(tile, M, N, 4096)
+        assert ks == 0 or 4 * M * N * -(-4096 // ks) <= choose.SPLITK_MAX_SCRATCH
+    assert h.coop_cost(tile, 4096, 4096, 4096, 2) is None  # 128 MiB of partials
 
 
 def test_coop_choose_rule(monkeypatch):
@@ -590,51 +596,53 @@ def test_coop_choose_rule(monkeypatch):
     ``splitk`` switched off (VKXSPLIT_DISABLE=splitk) never splits. Every variant it can name
     ships."""
     monkeypatch.delenv("VKXSPLIT_DISABLE", raising=False)  # (no device: the process's setting)
-    assert mm.COOP_TILE_EFF == {"t256x128_k32_w64x64_s1": 1.15, "t128x256_k32_w32x64_s1": 1.25}
+    h = kernels_for(None)
+    assert choose.COOP_TILE_EFF == {"t256x128_k32_w64x64_s1": 1.15, "t128x256_k32_w32x64_s1": 1.25}
     q, f = "mul_mat_coopmat_q4_0_f32_t256x128_k32_w64x64_s1", "mul_mat_coopmat_f16_f32_t128x256_k32_w32x64_s1"
     # q4_0 M=512, 4096x4096: default 128 tiles unsplit = 4096 x 16384 (67.1 M); large tiling 64
     # tiles in 2 ranges = (2048 / 1.15 + 256) x 32768 (66.7 M)
-    assert mm.coop_choose("q4_0", 512, 4096, 4096) == (q, 2048)
+    assert h.coop("q4_0", 512, 4096, 4096) == (q, 2048)
     # f16 (128 x 256 tiles, 16 subgroups): (2048 / 1.25 + 256) x 32768 = 62.1 M < 67.1 M
-    assert mm.coop_choose("f16", 512, 4096, 4096) == (f, 2048)
+    assert h.coop("f16", 512, 4096, 4096) == (f, 2048)
     # M=512, N=14336: large 224 tiles, 2 waves x 4096 / 1.15 x 32768 (233 M; f16: / 1.25, 215 M)
     # vs the default's 7 waves x 2304 x 16384 (264 M)
-    assert mm.coop_choose("q4_0", 512, 14336, 4096) == (q, 0)
-    assert mm.coop_choose("f16", 512, 14336, 4096) == (f, 0)
+    assert h.coop("q4_0", 512, 14336, 4096) == (q, 0)
+    assert h.coop("f16", 512, 14336, 4096) == (f, 0)
     # M=512, N=1024: default 4 x 1024 (1280 x 16384 = 21.0 M) vs large 8 x 512 (701 x 32768 = 23.0 M)
-    assert mm.coop_choose("q4_0", 512, 1024, 4096) == ("mul_mat_coopmat_q4_0_f32", 1024)
+    assert h.coop("q4_0", 512, 1024, 4096) == ("mul_mat_coopmat_q4_0_f32", 1024)
     # M=128: a 256-row tile is half empty: the default, 4 ranges
-    assert mm.coop_choose("q4_0", 128, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 1024)
+    assert h.coop("q4_0", 128, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 1024)
     nosplit = types.SimpleNamespace(disabled=frozenset({"splitk"}))
-    assert mm.coop_choose("q4_0", 512, 4096, 4096, nosplit) == ("mul_mat_coopmat_q4_0_f32", 0)  # 67.1 M vs 3562 x 32768
+    assert kernels_for(nosplit).coop("q4_0", 512, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 0)  # 67.1 M vs 3562 x 32768
     monkeypatch.setenv("VKXSPLIT_DISABLE", "splitk")  # no device: the process's setting
-    assert mm.coop_choose("q4_0", 512, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 0)
+    assert kernels_for(None).coop("q4_0", 512, 4096, 4096) == ("mul_mat_coopmat_q4_0_f32", 0)
     monkeypatch.delenv("VKXSPLIT_DISABLE")
     # a device whose limits do not take the large tiling (256 threads, 32 KiB) keeps the default
     class Small:
         class physical:  # noqa: N801
             limits = {"maxComputeWorkGroupInvocations": 256, "maxComputeSharedMemorySize": 32768,
                       "maxComputeWorkGroupSize": (256, 256, 64)}
-    assert not mm.coop_tile_fits(mm.COOP_TILES[mm.COOP_BIG_FLOAT], Small)
-    assert mm.coop_choose("f16", 512, 14336, 4096, Small)[0] == "mul_mat_coopmat_f16_f32"
-    assert mm.coop_choose("q4_0", 512, 14336, 4096, Small)[0] == "mul_mat_coopmat_q4_0_f32"
+    small = kernels_for(Small)
+    assert not small.tile_fits(mm.COOP_TILES[mk.COOP_BIG_FLOAT])
+    assert small.coop("f16", 512, 14336, 4096)[0] == "mul_mat_coopmat_f16_f32"
+    assert small.coop("q4_0", 512, 14336, 4096)[0] == "mul_mat_coopmat_q4_0_f32"
     names = {v.name for v in mm.VARIANTS}
     for t in ALL:
         for M, N, K in ((128, 4096, 4096), (512, 4096, 4096), (512, 14336, 4096), (300, 1000, 1000)):
-            name, ks = mm.coop_choose(t, M, N, K)
+            name, ks = h.coop(t, M, N, K)
             assert name in names and mm.coop_tile(name) is not None
             assert ks % mm.coop_tile(name).bk == 0 and ks < K
 
 
 def test_coopmat_variants():
     """Every real tiling fits the shared-memory budget and the 16x16 fragment grid; every type
-    ships its default and its large tiling (what coop_choose picks from) and nothing else;
+    ships its default and its large tiling (what DeviceKernels.coop picks from) and nothing else;
     every type has an emulated variant; the sweep covers each tiling for its types."""
     for tile in {*tk.COOP_ALL_TILES.values(), tk.COOP_EMU_TILE, *tk.COOP_EMU_EXTRA}:
         assert tile.bm % tile.wm == 0 and tile.bn % tile.wn == 0 and tile.bk % 16 == 0
         assert tile.wm % 16 == 0 and tile.wn % 16 == 0 and tile.threads <= 1024
     for tile in tk.COOP_ALL_TILES.values():
-        assert tile.shared_bytes <= mm.COOP_SHARED_MAX, tile.name
+        assert tile.shared_bytes <= choose.COOP_SHARED_MAX, tile.name  # the H200's limit
     for tile in (tk.COOP_EMU_TILE, *tk.COOP_EMU_EXTRA):
         assert tile.shared_bytes <= 32768, tile.name  # lavapipe's limit
     names = {v.name: v for v in mm.VARIANTS}
@@ -782,17 +790,14 @@ def test_cpu_devices_get_the_small_decode_shapes(device):
     """CPU Vulkan devices (lavapipe) run M = 1 with the small-workgroup shapes of VEC_CPU_M1
     (the GPU defaults are 2-5x slower there); GPUs, and M > 1, keep the defaults. The variants
     themselves are checked against numpy by test_vec_variant above."""
-    from vkxsplit.vk.api import vk
-
-    gpu = types.SimpleNamespace(physical=types.SimpleNamespace(device_type=vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU))
-    cpu = types.SimpleNamespace(physical=types.SimpleNamespace(device_type=vk.VK_PHYSICAL_DEVICE_TYPE_CPU))
+    gpu = kernels_for(types.SimpleNamespace(physical=types.SimpleNamespace(), is_cpu=False))
+    cpu = kernels_for(types.SimpleNamespace(physical=types.SimpleNamespace(), is_cpu=True))
     for t, c in mm.VEC_CPU_M1.items():
-        name = mm.device_vec_variant(cpu, t, 1)
+        name = cpu.matvec(t, 1)
         assert name in shaders.shipped() and mm.vec_config(name) == c
-        assert mm.device_vec_variant(cpu, t, 2) is None and mm.device_vec_variant(gpu, t, 1) is None
-    assert mm.device_vec_variant(cpu, "q5_k", 1) is None  # no sweep shape: the default
-    expect_cpu = device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
-    assert (mm.device_vec_variant(device, "q4_1", 1) is not None) == expect_cpu
+        assert cpu.matvec(t, 2) == mm.vec_kernel_name(t, 2) and gpu.matvec(t, 1) == mm.vec_kernel_name(t, 1)
+    assert cpu.matvec("q5_k", 1) == mm.vec_kernel_name("q5_k", 1)  # no sweep shape: the default
+    assert (kernels_for(device).matvec("q4_1", 1) != mm.vec_kernel_name("q4_1", 1)) == device.is_cpu
 
 
 # ------------------------------------------------------------------------------------------
@@ -1117,39 +1122,38 @@ def test_vecq_default_policy(device, monkeypatch):
     products, Q6_K on CPU devices, never at M > 1, never with ``intdot`` switched off; the
     variant's shape is the device kind's (on GPUs per type where one was measured faster), and
     every choice, with its halfword twin where it loads whole words, ships."""
-    from vkxsplit.vk.api import vk
-
+    kc = kernels_for(device)
     if "intdot" in device.disabled or not device.features.get("shaderIntegerDotProduct"):
-        assert all(mm.vecq_variant(device, t, 1) is None for t in mm.VECQ_TYPES)
+        assert all(kc.vecq(t, 1) is None for t in mm.VECQ_TYPES)
         return
     shipped = shaders.shipped()
-    cpu = device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+    cpu = device.is_cpu
     for t in mm.VECQ_TYPES:
-        cfg = mm.VECQ_DEFAULT_M1["cpu"] if cpu else mm.VECQ_GPU_M1_BY_TYPE.get(t, mm.VECQ_DEFAULT_M1["gpu"])
+        cfg = mk.VECQ_DEFAULT_M1["cpu"] if cpu else mk.VECQ_GPU_M1_BY_TYPE.get(t, mk.VECQ_DEFAULT_M1["gpu"])
         want = f"mul_mat_vecq_{t}_q8_1_m1_{cfg.tag}" if cpu or t in mm.VECQ_GPU_TYPES else None
-        assert mm.vecq_variant(device, t, 1) == want and (want is None or want in shipped)
-        assert mm.vecq_variant(device, t, 2) is None
-    assert mm.vecq_variant(device, "f16", 1) is None and mm.vecq_variant(device, "q5_k", 1) is None
+        assert kc.vecq(t, 1) == want and (want is None or want in shipped)
+        assert kc.vecq(t, 2) is None
+    assert kc.vecq("f16", 1) is None and kc.vecq("q5_k", 1) is None
     for t in mm.VECQ_GPU_TYPES:
         assert f"mul_mat_vecq_{t}_q8_1_m1_{mm.vecq_default_config(t, cpu=False).tag}" in shipped
     # tall products (the FFN's gate / up) take VECQ_GPU_M1_TALL's shape on GPUs only
     gpu_q4 = f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=False).tag}"
-    tall = mm.vecq_for_shape(gpu_q4, "q4_0", 14336, 4096)
+    tall = choose.vecq_for_shape(gpu_q4, "q4_0", 14336, 4096)
     assert tall != gpu_q4 and tall in shipped and mm.vecq_spec(tall)[1].rpt == 4
-    assert mm.vecq_for_shape(gpu_q4, "q4_0", 4096, 4096) == gpu_q4
-    assert mm.vecq_for_shape(gpu_q4, "q4_0", 4096, 14336) == gpu_q4
+    assert choose.vecq_for_shape(gpu_q4, "q4_0", 4096, 4096) == gpu_q4
+    assert choose.vecq_for_shape(gpu_q4, "q4_0", 4096, 14336) == gpu_q4
     cpu_q4 = f"mul_mat_vecq_q4_0_q8_1_m1_{mm.vecq_default_config('q4_0', cpu=True).tag}"
-    assert mm.vecq_for_shape(cpu_q4, "q4_0", 14336, 4096) == cpu_q4
+    assert choose.vecq_for_shape(cpu_q4, "q4_0", 14336, 4096) == cpu_q4
     gpu_q8 = f"mul_mat_vecq_q8_0_q8_1_m1_{mm.vecq_default_config('q8_0', cpu=False).tag}"
-    tall8 = mm.vecq_for_shape(gpu_q8, "q8_0", 14336, 4096)
+    tall8 = choose.vecq_for_shape(gpu_q8, "q8_0", 14336, 4096)
     assert tall8 != gpu_q8 and tall8 in shipped and mm.vecq_spec(tall8)[1].sg == 1
-    assert mm.vecq_for_shape(gpu_q8, "q8_0", 4096, 14336) == gpu_q8
+    assert choose.vecq_for_shape(gpu_q8, "q8_0", 4096, 14336) == gpu_q8
     # the whole-word (w5u) shapes' halfword twins ship: record_mul_mat_vecq records them where
     # the weight binding ends inside the last row's trailing word
     for v in (gpu_q4, tall):
         assert mm.vecq_spec(v)[1].w5u == 1 and v.replace("_w5u", "") in shipped
     # intdot switched off for a device (VKXSPLIT_DISABLE=intdot): f32 x everywhere
     off = types.SimpleNamespace(physical=device.physical, features=device.features, disabled=frozenset({"intdot"}))
-    assert all(mm.vecq_variant(off, t, 1) is None for t in mm.VECQ_TYPES)
-    assert mm.vecq_decode(device.physical, device.features, frozenset({"intdot"})) == {}
+    assert all(kernels_for(off).vecq(t, 1) is None for t in mm.VECQ_TYPES)
+    assert kernels_for(off).vecq_decode() == {} and kc.vecq_decode()
 

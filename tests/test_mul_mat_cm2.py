@@ -28,8 +28,10 @@ from test_mul_mat import (
 from test_mul_mat import bufs as bufs  # noqa: F401  (fixture)
 
 from vkxsplit.errors import KernelError
+from vkxsplit.ops import choose
 from vkxsplit.ops import convert as cv
 from vkxsplit.ops import mul_mat as mm
+from vkxsplit.ops.choose import kernels_for
 from vkxsplit.ops.quant import block_size
 from vkxsplit.vk import instance as vki
 from vkxsplit.vk.command import Sequence
@@ -39,9 +41,9 @@ CM2_NAMES = sorted(tk.CM2_VARIANTS)  # (the shipped tilings and the sweep's)
 
 
 def _skip(device, name: str | None = None) -> None:
-    if not mm.coopmat2_supported(device):
+    if not kernels_for(device).coopmat2:
         pytest.skip(f"'{device.name}' has no usable VK_NV_cooperative_matrix2")
-    if name is not None and not mm.cm2_tile_supported(device, tk.CM2_VARIANTS[name][1]):
+    if name is not None and not kernels_for(device).cm2_tile_supported(tk.CM2_VARIANTS[name][1]):
         pytest.skip(f"'{device.name}' has no workgroup-scope shape for {name}")
 
 
@@ -77,7 +79,7 @@ def test_cm2_tiling(device, bufs, rng, name, tool_kernels):  # noqa: F811
 @pytest.mark.parametrize("t", ALL)
 def test_cm2_default_path(device, bufs, rng, t, monkeypatch):  # noqa: F811
     """Without a pinned variant the coopmat path takes mul_mat_cm2 for CM2_TYPES (x converted
-    once), split as cm2_choose says, and mul_mat_coopmat for the others; a device with
+    once), split as the device's cm2 choice says, and mul_mat_coopmat for the others; a device with
     ``coopmat2`` switched off (VKXSPLIT_DISABLE=coopmat2) goes back to mul_mat_coopmat."""
     _skip(device)
     N, K = 300, test_k(t) * (4 if block_size(t) != 256 else 2)
@@ -92,7 +94,7 @@ def test_cm2_default_path(device, bufs, rng, t, monkeypatch):  # noqa: F811
         n = len(passes)
         y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, None)
         assert took == "coopmat" and converts[-1] == (M, K)  # every type takes mul_mat_cm2
-        dq = mm.dq16_available(device, t) and mm.dq16_chosen(t, M, N, K, device)
+        dq = kernels_for(device).matmat(t, M, N, K).dq16
         assert len(passes) == n + dq and (not dq or passes[-1] == (N, K))
         check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
     monkeypatch.setattr(device, "disabled", frozenset({"coopmat2"}))
@@ -241,22 +243,22 @@ def test_cm2_device_checks():
     f16 x f16 -> f32 workgroup-scope flexible shape of the default tiling's workgroup size
     whose granularities divide it; cm2_tile_supported per tiling; coopmat2_available: not
     with ``coopmat2`` or ``coopmat`` switched off."""
-    ok = _fake([(16, 16, 16, 256), (16, 16, 16, 128)])
-    assert mm.coopmat2_supported(ok) and mm.coopmat2_available(ok)
-    assert all(mm.cm2_tile_supported(ok, tile) for tile in tk.CM2_ALL_TILES.values())
-    assert not mm.coopmat2_supported(_fake([(16, 16, 16, 256)], cm2=False))
-    assert not mm.coopmat2_supported(_fake([(16, 16, 16, 512)]))    # no 256-invocation shape
-    assert not mm.coopmat2_supported(_fake([(48, 16, 16, 256)]))    # granularity not dividing
-    only256 = _fake([(16, 16, 16, 256)])
-    assert not mm.cm2_tile_supported(only256, tk.CM2_ALL_TILES["w64x64_k64_n128"])
+    ok = kernels_for(_fake([(16, 16, 16, 256), (16, 16, 16, 128)]))
+    assert ok.coopmat2 and ok.coopmat2_available
+    assert all(ok.cm2_tile_supported(tile) for tile in tk.CM2_ALL_TILES.values())
+    assert not kernels_for(_fake([(16, 16, 16, 256)], cm2=False)).coopmat2
+    assert not kernels_for(_fake([(16, 16, 16, 512)])).coopmat2    # no 256-invocation shape
+    assert not kernels_for(_fake([(48, 16, 16, 256)])).coopmat2    # granularity not dividing
+    only256 = kernels_for(_fake([(16, 16, 16, 256)]))
+    assert not only256.cm2_tile_supported(tk.CM2_ALL_TILES["w64x64_k64_n128"])
     lacking = _fake([(16, 16, 16, 256)])
     del lacking.features["cooperativeMatrixBlockLoads"]
-    assert not mm.coopmat2_supported(lacking)
+    assert not kernels_for(lacking).coopmat2
     for off in ({"coopmat2"}, {"coopmat"}):
-        dev = _fake([(16, 16, 16, 256)], disabled=off)
-        assert mm.coopmat2_supported(dev) and not mm.coopmat2_available(dev)
-        assert not mm.dq16_available(dev, "q4_0")  # (dq16 runs mul_mat_cm2's F16 kernel)
-    assert mm.dq16_available(ok, "q4_0") and not mm.dq16_available(_fake([(16, 16, 16, 256)], disabled={"dq16"}), "q4_0")
+        kc = kernels_for(_fake([(16, 16, 16, 256)], disabled=off))
+        assert kc.coopmat2 and not kc.coopmat2_available
+        assert not kc.dq16_available("q4_0")  # (dq16 runs mul_mat_cm2's F16 kernel)
+    assert ok.dq16_available("q4_0") and not kernels_for(_fake([(16, 16, 16, 256)], disabled={"dq16"})).dq16_available("q4_0")
 
 
 def test_cm2_eligible(monkeypatch):
@@ -266,14 +268,16 @@ def test_cm2_eligible(monkeypatch):
     machine's own buffers are never such blocks (lavapipe has no coopmat2)."""
     from vkxsplit.vk.kernel import View
 
-    monkeypatch.setattr(mm, "coopmat2_available", lambda dev: True)
+    kc = kernels_for(_fake([(16, 16, 16, 256)]))
     plain = types.SimpleNamespace(block=types.SimpleNamespace(device_address=True), size=4096)
     shared = types.SimpleNamespace(block=types.SimpleNamespace(device_address=False), size=4096)
-    assert mm.cm2_eligible(None, "q4_0", plain) and mm.cm2_eligible(None, "f16", View(plain, 256))
-    assert not mm.cm2_eligible(None, "q4_0", shared) and not mm.cm2_eligible(None, "q4_0", View(shared, 256))
-    assert mm.cm2_eligible(None, "q4_k", plain) and mm.cm2_eligible(None, "q5_k", plain)  # every type
-    monkeypatch.setattr(mm, "coopmat2_available", lambda dev: False)
-    assert not mm.cm2_eligible(None, "q4_0", plain)
+    assert kc.cm2_eligible("q4_0", plain) and kc.cm2_eligible("f16", View(plain, 256))
+    assert not kc.cm2_eligible("q4_0", shared) and not kc.cm2_eligible("q4_0", View(shared, 256))
+    assert kc.cm2_eligible("q4_k", plain) and kc.cm2_eligible("q5_k", plain)  # every type
+    # the shared weights keep mul_mat_coopmat; dequantized first, their f16 rows take mul_mat_cm2
+    assert kc.matmat("q4_0", 512, 4096, 4096, addressable=False, dq16=False).variant.startswith("mul_mat_coopmat_")
+    assert kc.matmat("q4_0", 512, 4096, 4096, addressable=False, dq16=True).variant.startswith("mul_mat_cm2_f16_")
+    assert not kernels_for(_fake([(16, 16, 16, 256)], disabled={"coopmat2"})).cm2_eligible("q4_0", plain)
 
 
 def test_device_buffers_here_have_no_device_addresses(device):
@@ -314,23 +318,25 @@ def test_cm2_dq16(device, bufs, rng, t, monkeypatch):  # noqa: F811
 
 
 def test_dq16_choice(device, monkeypatch):
-    """dq16_chosen: never for small batches of the cheap-to-decode types, for large ones where
+    """The dq16 model (DeviceKernels.dq16): never for small batches of the cheap-to-decode types, for large ones where
     the model says the f16 rate pays for the pass; dq16 only where it can run (raises on a
     device without coopmat2, such as lavapipe); the kill switch; splitk switched off models
     both sides unsplit."""
-    for t in mm.DQ16_DIRECT_COST:
-        picks = [mm.dq16_chosen(t, M, 4096, 4096) for M in (16, 128, 512, 4096)]
+    monkeypatch.delenv("VKXSPLIT_DISABLE", raising=False)  # (no device: the process's setting)
+    h = kernels_for(None)  # the cost model alone (the H200's compute units)
+    for t in choose.DQ16_DIRECT_COST:
+        picks = [h.dq16(t, M, 4096, 4096) for M in (16, 128, 512, 4096)]
         assert picks == sorted(picks), (t, picks)  # once it pays, it pays for every larger M
-    assert not mm.dq16_chosen("f16", 4096, 4096, 4096) and not mm.dq16_chosen("q4_0", 16, 4096, 4096)
-    assert mm.dq16_chosen("q4_0", 8192, 4096, 4096)
+    assert not h.dq16("f16", 4096, 4096, 4096) and not h.dq16("q4_0", 16, 4096, 4096)
+    assert h.dq16("q4_0", 8192, 4096, 4096)
     # the H200 sweep: the tile loader at M = 128, dq16 at M = 512 for every llama8b shape
     for t in ("q4_0", "q4_k", "q6_k"):
         for N, K in ((4096, 4096), (14336, 4096), (4096, 14336)):
-            assert not mm.dq16_chosen(t, 128, N, K) and mm.dq16_chosen(t, 512, N, K), (t, N, K)
+            assert not h.dq16(t, 128, N, K) and h.dq16(t, 512, N, K), (t, N, K)
     # no f16 copy over DQ16_MAX_BYTES (an all-logits output projection of a 128k vocabulary)
-    assert not mm.dq16_chosen("q6_k", 4096, 128256, 4096) and 2 * 128256 * 4096 > mm.DQ16_MAX_BYTES
-    if not mm.coopmat2_available(device):
-        assert not mm.dq16_available(device, "q4_0")
+    assert not h.dq16("q6_k", 4096, 128256, 4096) and 2 * 128256 * 4096 > choose.DQ16_MAX_BYTES
+    if not kernels_for(device).coopmat2_available:
+        assert not kernels_for(device).dq16_available("q4_0")
         wb = device.memory.alloc(18 * 64, "host", name="w")
         xb = device.memory.alloc(4 * 16 * 32, "host", name="x")
         yb = device.memory.alloc(4 * 16 * 64, "host", name="y")
@@ -342,17 +348,17 @@ def test_dq16_choice(device, monkeypatch):
             seq.close()
             for b in (wb, xb, yb):
                 b.close()
-    assert not mm.dq16_available(types.SimpleNamespace(disabled=frozenset({"dq16"})), "q4_0")
-    nosplit = types.SimpleNamespace(disabled=frozenset({"splitk"}))
-    for t in mm.DQ16_DIRECT_COST:
-        picks = [mm.dq16_chosen(t, M, 4096, 4096, nosplit) for M in (16, 128, 512, 4096)]
+    assert not kernels_for(types.SimpleNamespace(disabled=frozenset({"dq16"}))).dq16_available("q4_0")
+    nosplit = kernels_for(types.SimpleNamespace(disabled=frozenset({"splitk"})))
+    for t in choose.DQ16_DIRECT_COST:
+        picks = [nosplit.dq16(t, M, 4096, 4096) for M in (16, 128, 512, 4096)]
         assert picks == sorted(picks) and picks[-1], (t, picks)
 
 
 def test_dq16_needs_the_coopmat_path(device, bufs, monkeypatch):  # noqa: F811
     """dq16=True for a product that resolves to another path (M <= 8: vec) raises, also where
     the device could run dq16."""
-    monkeypatch.setattr(mm, "dq16_available", lambda dev, t: True)
+    monkeypatch.setattr(choose.DeviceKernels, "dq16_available", lambda self, t: True)
     wb, xb, yb = bufs.new(18 * 64), bufs.new(4 * 4 * 32), bufs.new(4 * 4 * 64)
     seq = Sequence(device, "dq16")
     try:
@@ -405,43 +411,44 @@ def test_dq16_out_of_memory_falls_back(monkeypatch, caplog):
 
 
 def test_cm2_choose(monkeypatch):
-    """cm2_choose: a tiling of CM2_CHOICES (a shipped variant) and the split with the least
+    """DeviceKernels.cm2: a tiling of CM2_CHOICES (a shipped variant) and the split with the least
     modelled time; no split on a device with ``splitk`` switched off; splits in whole BK
     steps below K."""
     monkeypatch.delenv("VKXSPLIT_DISABLE", raising=False)  # (no device: the process's setting)
+    h = kernels_for(None)  # the cost model alone (the H200's 132 compute units)
     names = {v.name for v in mm.VARIANTS}
     for t in ALL:
         for M, N, K in ((512, 4096, 4096), (128, 1024, 4096), (512, 14336, 4096), (512, 4096, 14336)):
-            name, ks = mm.cm2_choose(t, M, N, K)
+            name, ks = h.cm2(t, M, N, K)
             assert name in names and name.startswith(f"mul_mat_cm2_{t}_f32_")
             assert ks == 0 or (ks % mm.coop_tile(name).bk == 0 and ks < K)
-    # M = 128, N = 1024: 8 x 1 tiles of 128 x 128 for a wave of CM2_WAVE: splitting K is cheaper
-    assert mm.cm2_choose("f16", 128, 1024, 4096)[1] > 0
+    # M = 128, N = 1024: 8 x 1 tiles of 128 x 128 for a wave of cm2_wave: splitting K is cheaper
+    assert h.cm2("f16", 128, 1024, 4096)[1] > 0
     # where K % 256 == 0 every split range is whole 256-element runs (the kernel's fast path),
     # also for K = 11008 (43 runs) and 4864 (19), which BK-sized rounding would cut elsewhere
     for t in ALL:
         for M, N, K in ((128, 4096, 11008), (128, 896, 4864), (256, 1024, 4096), (512, 1024, 14336)):
-            name, ks = mm.cm2_choose(t, M, N, K)
+            name, ks = h.cm2(t, M, N, K)
             assert ks % 256 == 0, (t, M, N, K, name, ks)
-            assert mm.cm2_k_split(t, mm.coop_tile(name).name, M, N, K) == ks
-            assert mm.cm2_k_split(t, mm.coop_tile(name), M, N, K) == ks
+            assert h.cm2_k_split(t, mm.coop_tile(name).name, M, N, K) == ks
+            assert h.cm2_k_split(t, mm.coop_tile(name), M, N, K) == ks
     # what the H200 measured (tools/bench_coopmat.py --cm2, M = 256, 4096x4096): the 64 x 256
     # tile loader split in two for the K-quants, ahead of dq16; the 64 x 128 one for Q8_0 at
     # M = 512 14336x4096 loses to dq16
     for t in ("q4_k", "q6_k"):
-        name, ks = mm.cm2_choose(t, 256, 4096, 4096)
+        name, ks = h.cm2(t, 256, 4096, 4096)
         assert name == mm.cm2_variant_name(t, "w64x256_k64_n256") and ks == 2048, (t, name, ks)
-        assert not mm.dq16_chosen(t, 256, 4096, 4096)
-    assert mm.dq16_chosen("q8_0", 512, 14336, 4096)
-    nosplit = types.SimpleNamespace(disabled=frozenset({"splitk"}))
-    assert mm.cm2_choose("f16", 128, 1024, 4096, nosplit)[1] == 0
-    assert mm.cm2_k_split("f16", mm.CM2_DEFAULT, 128, 1024, 4096, nosplit) == 0
+        assert not h.dq16(t, 256, 4096, 4096)
+    assert h.dq16("q8_0", 512, 14336, 4096)
+    nosplit = kernels_for(types.SimpleNamespace(disabled=frozenset({"splitk"})))
+    assert nosplit.cm2("f16", 128, 1024, 4096)[1] == 0
+    assert nosplit.cm2_k_split("f16", mm.CM2_DEFAULT, 128, 1024, 4096) == 0
     # a sweep tiling (tools/kernels.py) has a split too
-    assert mm.cm2_k_split("f16", tk.CM2_SWEEP_TILES["w128x128_k32_n256"], 128, 1024, 4096) > 0
+    assert h.cm2_k_split("f16", tk.CM2_SWEEP_TILES["w128x128_k32_n256"], 128, 1024, 4096) > 0
 
 
 def test_cm2_variants():
-    """Every type ships the tilings cm2_choose weighs for it (and nothing else), the sweep
+    """Every type ships the tilings DeviceKernels.cm2 weighs for it (and nothing else), the sweep
     types have every tiling (tools/kernels.py); tilings are multiples of 16 (the flexible
     granularity NVIDIA reports) and the kernels need what Device enables."""
     names = {v.name: v for v in mm.VARIANTS}
@@ -494,7 +501,7 @@ def test_coopmat2_struct_layouts():
 def test_lavapipe_has_no_coopmat2(device):
     """This machine's device either has the extension with its features or the kernels are
     refused with a message naming the missing feature, never a wrong answer."""
-    if mm.coopmat2_supported(device):
+    if kernels_for(device).coopmat2:
         pytest.skip("this device has VK_NV_cooperative_matrix2")
     assert not device.coopmat2
     from vkxsplit.vk.kernel import Kernel

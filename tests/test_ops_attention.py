@@ -300,17 +300,20 @@ def test_attention_splits():
 
 
 def test_decode_target_workgroups_by_device_kind():
+    """Two workgroups per compute unit of a GPU (264 on an H200's 132 SMs, and on a GPU that
+    does not report its units), one per host core on a CPU device."""
     import os
     import types
 
     from vkxsplit.ops.attention import decode_target_workgroups
-    from vkxsplit.vk.api import vk
 
-    def dev(kind):
-        return types.SimpleNamespace(physical=types.SimpleNamespace(device_type=kind))
+    def dev(cpu, units=0):
+        return types.SimpleNamespace(physical=types.SimpleNamespace(compute_units=units), is_cpu=cpu)
 
-    assert decode_target_workgroups(dev(vk.VK_PHYSICAL_DEVICE_TYPE_CPU)) == (os.cpu_count() or 1)
-    assert decode_target_workgroups(dev(vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU)) == 264
+    assert decode_target_workgroups(dev(True)) == (os.cpu_count() or 1)
+    assert decode_target_workgroups(dev(False)) == 264
+    assert decode_target_workgroups(dev(False, 132)) == 264
+    assert decode_target_workgroups(dev(False, 108)) == 216
 
 
 def test_attention_validation(seq, bufs):

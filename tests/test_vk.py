@@ -331,7 +331,6 @@ def test_wait_flag_dispatch_polls_memory(device, tool_kernels):
     from flags import GAVE_UP, record_wait_flag  # tools/flags.py
 
     from vkxsplit.ops.copy import record_copy
-    from vkxsplit.vk.api import vk
 
     tool_kernels("wait_flag")
 
@@ -366,7 +365,7 @@ def test_wait_flag_dispatch_polls_memory(device, tool_kernels):
         assert run(5, 5) == 0
         assert run(0, 9, fill=9) == 0
         assert run(0, 3, max_spins=1000) == GAVE_UP
-        if device.physical.device_type != vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+        if not device.is_cpu:
             # a host write while it spins: the sequence ends (bounded: no hang) with the polls
             # taken, or GAVE_UP where the driver does not let a spinning dispatch see the write:
             # the H200 does not: after the first read its polls are served from the GPU's cache
@@ -462,3 +461,22 @@ def test_kernel_config_ident_follows_the_disabled_set_and_the_kernels(monkeypatc
     assert features.kernel_config_ident(types.SimpleNamespace()) == features.kernel_config_ident(dev("coopmat2"))
     monkeypatch.setattr(shaders, "manifest_ident", lambda: "0" * 64)
     assert features.kernel_config_ident(dev()) != base
+
+
+def test_bindings_overlap(device):
+    """The one overlap rule of the op checks (vk.kernel.bindings_overlap / spans_overlap):
+    bindings of one block whose byte ranges intersect; never across blocks."""
+    from vkxsplit.vk.kernel import bindings_overlap, spans_overlap
+
+    a = device.memory.alloc(4096, "host", name="a")
+    b = device.memory.alloc(4096, "host", name="b")
+    try:
+        assert bindings_overlap(a, a) and bindings_overlap(View(a, 0, 256), View(a, 255, 1))
+        assert not bindings_overlap(View(a, 0, 256), View(a, 256, 256))
+        assert bindings_overlap(a, View(a, 1024, 16)) and bindings_overlap(View(a, 1024, 16), a)
+        assert not bindings_overlap(a, b)  # (sub-allocated from one block or not: apart)
+        assert spans_overlap((1, 0, 10), (1, 9, 12)) and not spans_overlap((1, 0, 10), (1, 10, 12))
+        assert not spans_overlap((1, 0, 10), (2, 0, 10))
+    finally:
+        a.close()
+        b.close()

@@ -15,7 +15,7 @@ Usage: python tools/bench_coopmat.py [--quick] [--reps N] [--m 128,512] [--types
   --splits times each variant with K split as coop_k_split chooses (auto) and/or into the given
            numbers of ranges (each a multiple of the tile's BK, at least 2 BK long); "auto" adds
            the unsplit default and the tiled path; a "chosen" row per shape is what a model gets
-           (record_mul_mat's own choice, vkxsplit.ops.mul_mat.coop_choose)
+           (record_mul_mat's own choice, vkxsplit.ops.choose.DeviceKernels.matmat)
   --quick  small shapes; on a device without cooperative matrices (lavapipe) it runs the
            emulated variants (mul_mat_coopmat_emu_*), a smoke test of the script and kernel.
 Exit status: 0, or 1 when a variant FAILs its check (2 when the device has no coopmat and
@@ -43,6 +43,7 @@ from gguf.quants import dequantize  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
+from vkxsplit.ops.choose import DeviceKernels, kernels_for, split_chunk  # noqa: E402
 from vkxsplit.ops.get_rows import record_dequant_rows  # noqa: E402
 from vkxsplit.ops.quant import block_size, row_bytes, weight_type  # noqa: E402
 from vkxsplit.vk.command import Sequence  # noqa: E402
@@ -77,11 +78,11 @@ def tile_of(name: str):  # type: ignore[no-untyped-def]
     return mm.coop_tile(name) or {**tk.COOP_VARIANTS, **tk.COOP_EMU_VARIANTS, **tk.CM2_VARIANTS}[name][1]
 
 
-def auto_split(t: str, tile: object, M: int, n: int, k: int) -> int:
-    """K elements per split the product's own rule gives ``tile`` (0: none)."""
+def auto_split(kc: DeviceKernels, t: str, tile: object, M: int, n: int, k: int) -> int:
+    """K elements per split the device's own rule gives ``tile`` (0: none)."""
     if CM2:
-        return mm.cm2_k_split(t, tile, M, n, k)
-    return mm.coop_k_split(tile, M, n, k)
+        return kc.cm2_k_split(t, tile, M, n, k)  # type: ignore[arg-type]
+    return kc.coop_k_split(tile, M, n, k)  # type: ignore[arg-type]
 
 
 def make_weights(rng: np.random.Generator, t: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -180,7 +181,8 @@ def main() -> int:
     tk.ensure("^mul_mat_c")  # the sweep's tilings and the emulated variants (tools/kernels.py)
     dev = Device.open()
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
-    real = mm.coopmat2_available(dev) if CM2 else mm.coopmat_available(dev)
+    kc = kernels_for(dev)  # the device's kernel choice (vkxsplit/ops/choose.py)
+    real = kc.coopmat2_available if CM2 else kc.coopmat_available
     print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), "
           f"{'coopmat2' if CM2 else 'coopmat'}={real}\n")
     if CM2:
@@ -260,11 +262,11 @@ def main() -> int:
                 runs += [("no-split", "1"), ("tiled", "-")]
             if not emulate:
                 runs.append(("chosen", "-"))
-            dq = not emulate and mm.dq16_available(dev, t)
+            dq = not emulate and kc.dq16_available(t)
             if dq:  # the dequantize-first path against decoding in the tile loader, and its pass alone
                 runs += [("direct", "-"), ("dq16", "-"), ("dequant", "-")]
             for name, sp in runs:
-                # "auto": the coopmat variants split K where mm.coop_k_split says so (real coopmat
+                # "auto": the coopmat variants split K where kc.coop_k_split says so (real coopmat
                 # only); a count: split into that many ranges; "no-split": the default variant
                 # with k_split=0, for the comparison
                 if name in ("direct", "dq16", "dequant"):
@@ -280,8 +282,8 @@ def main() -> int:
                               f"(read + write) | - | {sec * 1e3:.3f} | - |")
                         continue
                     use = name == "dq16"
-                    cname, cks = mm.cm2_choose("f16" if use else t, M, n, k, dev) if (
-                        use or t in mm.CM2_TYPES) else mm.coop_choose(t, M, n, k, dev)
+                    cname, cks = kc.cm2("f16" if use else t, M, n, k) if (
+                        use or t in mm.CM2_TYPES) else kc.coop(t, M, n, k)
                     tile = tile_of(cname).name + (f" split K {-(-k // cks)}x{cks}" if cks else "")
                     tile += " after dequant_rows" if use else ""
                     try:
@@ -294,35 +296,34 @@ def main() -> int:
                     continue
                 if name == "tiled":
                     kw = {"path": "tiled"}
-                elif name == "chosen":  # what a model gets: record_mul_mat's own choice (coop_choose)
+                elif name == "chosen":  # what a model gets: record_mul_mat's own choice (kc.matmat)
                     kw = {"path": "coopmat"}
                 elif name == "no-split":
                     kw = {"path": "coopmat", "coop_variant": default, "k_split": 0}
                 else:
                     kw = {"path": "coopmat", "coop_variant": name}
-                chooser = (mm.cm2_choose if (CM2 or mm.coopmat2_available(dev)) and t in mm.CM2_TYPES
-                           else mm.coop_choose)
-                cname, cks = chooser(t, M, n, k, dev) if name == "chosen" else (name, 0)
+                chooser = kc.cm2 if (CM2 or kc.coopmat2_available) and t in mm.CM2_TYPES else kc.coop
+                cname, cks = chooser(t, M, n, k) if name == "chosen" else (name, 0)
                 ctile = tile_of(default if name == "no-split" else cname) if name != "tiled" else None
                 tile = "64x64 f32" if ctile is None else ctile.name
                 bm, bn = (64, 64) if ctile is None else (ctile.bm, ctile.bn)
                 groups = -(-M // bm) * -(-n // bn)
                 if name == "chosen":
-                    if mm.dq16_available(dev, t) and mm.dq16_chosen(t, M, n, k, dev):
+                    if kc.dq16_available(t) and kc.dq16(t, M, n, k):
                         tile = "dq16 (dequant_rows, then f16)"
                     elif cks:
                         tile += f" split K {-(-k // cks)}x{cks}"
                         groups *= -(-k // cks)
                 elif ctile is not None and name != "no-split" and sp != "auto":
-                    chunk = mm.split_chunk(k, int(sp), ctile.bk)
+                    chunk = split_chunk(k, int(sp), ctile.bk)
                     if int(sp) > 1 and (chunk >= k or chunk < 2 * ctile.bk):
                         continue  # K too short for that many ranges
                     kw["k_split"] = 0 if int(sp) == 1 else chunk
                     if int(sp) > 1:
                         tile += f" split K {-(-k // chunk)}x{chunk}"
                         groups *= -(-k // chunk)
-                elif ctile is not None and name != "no-split" and not emulate and not mm.splitk_off(dev):
-                    ks = auto_split(t, ctile, M, n, k)
+                elif ctile is not None and name != "no-split" and not emulate and kc.splits_k:
+                    ks = auto_split(kc, t, ctile, M, n, k)
                     kw["k_split"] = ks
                     if ks:
                         tile += f" split K {-(-k // ks)}x{ks}"

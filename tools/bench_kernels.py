@@ -34,6 +34,7 @@ from benchutil import spin_up  # noqa: E402
 
 from vkxsplit.errors import VkxError  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
+from vkxsplit.ops.choose import kernels_for, vecq_for_shape  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.mul_mat import record_mul_mat  # noqa: E402
 from vkxsplit.ops.quant import row_bytes  # noqa: E402
@@ -63,7 +64,7 @@ def rotating(dev: Device, rng: np.random.Generator, nbytes: int, rotate: int, bu
 def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int, reps: int,
                  rotate: int) -> list[tuple[str, float | str]]:
     """(path, seconds, or the error that stopped it) rows of one type and shape for :func:`matvec`."""
-    vecq = mm.vecq_decode(dev.physical, dev.features)
+    vecq = kernels_for(dev).vecq_decode()
     bufs: list = []
     out: list[tuple[str, float | str]] = []
     try:
@@ -84,7 +85,7 @@ def matvec_times(dev: Device, rng: np.random.Generator, ty: str, n: int, k: int,
         out.append(("f32 x (`record_mul_mat`)", t))
         v = vecq.get(ty)
         if v is not None and k % 32 == 0:
-            v = mm.vecq_for_shape(v, ty, n, k)
+            v = vecq_for_shape(v, ty, n, k)
             tag = mm.vecq_spec(v)[1].tag
             try:
                 tb, _, tk = time_vecq(dev, ty, v, 1, n, k, ws, x, xq, y, ystride, reps)
@@ -339,7 +340,7 @@ def stats(dev: Device, extra: tuple[str, ...] = ()) -> None:
 
     names = [mm.cm2_variant_name("f16", tile) for tile in mm.CM2_CHOICES["f16"]]
     names += [pr.mma_variant(t) for t in (None, *pr.MMA_WG_TILES)] + [f"probe_read_u{u}" for u in pr.READ_UNROLLS]
-    names += sorted({v for v in mm.vecq_decode(dev.physical, dev.features).values() if v})
+    names += sorted({v for v in kernels_for(dev).vecq_decode().values() if v})
     names += [v for v in tk.VECQ_SWEEP if any(s in v for s in extra) and v not in names]
     print("\ncompiler statistics (VKXSPLIT_PIPELINE_STATS=1)\n\n| variant | statistics |\n|---|---|")
     for name in names:

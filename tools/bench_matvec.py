@@ -243,9 +243,7 @@ def main() -> int:
     spin_up(dev)  # working clocks before the first timing (tools/benchutil.py)
     print(f"device: {dev.name} ({dev.physical.driver_name} {dev.physical.driver_info}), "
           f"subgroup size {dev.physical.subgroup_size}\n")
-    from vkxsplit.vk.api import vk
-
-    cpu = dev.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+    cpu = dev.is_cpu
     rng = np.random.default_rng(0)
 
     # copy reference (same kernel and accounting as tools/bench_kernels.py)

@@ -16,6 +16,12 @@ A :class:`~vkxsplit.vk.device.Device` reads the variable once, when it is create
 (``device.disabled``); every kernel choice reads that set. An unknown name is an error naming
 the valid ones. Objects that stand in for a device (a physical device in ``vkxsplit info``,
 test doubles) without a ``disabled`` attribute read the variable when asked.
+
+Also here, because the cost profile is keyed by it: :class:`KernelInputs`, everything kernel
+choice reads of a device (compute units, the workgroup and shared-memory limits, subgroup
+sizes, the cooperative-matrix shapes, the enabled features, the disabled set), read once by
+:func:`kernel_inputs`; :mod:`vkxsplit.ops.choose` derives the choices from it, and
+:func:`kernel_config_ident` hashes it with the shipped SPIR-V.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from .errors import VkxError
@@ -85,16 +92,108 @@ def is_disabled(device: Any, feature: str) -> bool:
     return feature in disabled(device)
 
 
+@dataclass(frozen=True)
+class KernelInputs:
+    """What kernel choice (:mod:`vkxsplit.ops.choose`) reads of a device, read once. ``None`` /
+    0 where the object does not say (test doubles, drivers without the extension); the
+    chooser's fallbacks apply then."""
+
+    #: SMs (VK_NV_shader_sm_builtins) or AMD compute units; 0: not reported (lavapipe, Intel)
+    compute_units: int = 0
+    is_cpu: bool = False
+    #: the host's cores where the device runs on them (a CPU device's compute units), else 0
+    host_cores: int = 0
+    #: maxComputeSharedMemorySize, maxComputeWorkGroupInvocations, maxComputeWorkGroupSize[0]
+    #: (None: an object without limits)
+    shared_memory: int | None = None
+    workgroup_invocations: int | None = None
+    workgroup_size_x: int | None = None
+    #: maxComputeWorkgroupSubgroups (0: not reported)
+    workgroup_subgroups: int = 0
+    min_subgroup_size: int = 0
+    max_subgroup_size: int = 0
+    #: subgroup arithmetic in compute shaders (the mat-vec kernels' reduction)
+    subgroup_arithmetic: bool = False
+    #: the enabled features that are on
+    features: frozenset[str] = frozenset()
+    #: VkCooperativeMatrixPropertiesKHR as tuples (CoopMatShape's fields: m, n, k, a, b, c,
+    #: result type, saturating, scope)
+    coopmat_shapes: tuple[tuple[Any, ...], ...] = ()
+    #: VK_NV_cooperative_matrix2 enabled, and its flexible workgroup-scope shapes (as tuples in
+    #: CoopMatFlex's field order; None: an object without a physical device, every tiling)
+    coopmat2: bool = False
+    coopmat2_flex: tuple[tuple[Any, ...], ...] | None = ()
+    disabled: frozenset[str] = frozenset()
+
+    def ident(self) -> str:
+        """A hash of every input (stable across processes)."""
+        parts = [f"{k}={sorted(v) if isinstance(v, frozenset) else v!r}"
+                 for k, v in zip(self.__dataclass_fields__, astuple(self), strict=True)]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+_SUBGROUP_ARITHMETIC, _STAGE_COMPUTE = 0x4, 0x20
+
+
+_SHAPE = ("m", "n", "k", "a_type", "b_type", "c_type", "result_type", "saturating", "scope")
+_FLEX = ("m_granularity", "n_granularity", "k_granularity", "a_type", "b_type", "c_type", "result_type",
+         "saturating", "scope", "workgroup_invocations")
+
+
+def _tuple(x: Any, fields: tuple[str, ...]) -> tuple[Any, ...]:
+    return tuple(getattr(x, f, None) for f in fields)
+
+
+def kernel_inputs(device: Any) -> KernelInputs:
+    """The :class:`KernelInputs` of ``device``: a :class:`~vkxsplit.vk.device.Device` (its
+    physical device's properties and its enabled features), a physical device standing in for
+    one (``vkxsplit info``), a test double (what it lacks counts as not reported), or None
+    (nothing known: the cost model alone)."""
+    off = disabled(device)
+    phys = getattr(device, "physical", None)
+    if phys is None and hasattr(device, "device_type"):
+        phys = device  # a PhysicalDeviceInfo standing in for a device
+    if phys is None:
+        return KernelInputs(coopmat2_flex=None, disabled=off)
+    feats = getattr(device, "features", None)
+    if feats is None:
+        feats = getattr(phys, "features", None) or {}
+    cpu = getattr(device, "is_cpu", None)
+    if cpu is None:
+        cpu = getattr(phys, "is_cpu", False)
+    lim = getattr(phys, "limits", None) or {}
+    size = lim.get("maxComputeWorkGroupSize")
+    return KernelInputs(
+        compute_units=int(getattr(phys, "compute_units", 0) or 0), is_cpu=bool(cpu),
+        host_cores=(os.cpu_count() or 1) if cpu else 0,
+        shared_memory=lim.get("maxComputeSharedMemorySize") if lim else None,
+        workgroup_invocations=lim.get("maxComputeWorkGroupInvocations") if lim else None,
+        workgroup_size_x=None if size is None else int(size[0]),
+        workgroup_subgroups=int(getattr(phys, "max_workgroup_subgroups", 0) or 0),
+        min_subgroup_size=int(getattr(phys, "min_subgroup_size", 0) or 0),
+        max_subgroup_size=int(getattr(phys, "max_subgroup_size", 0) or 0),
+        subgroup_arithmetic=bool(getattr(phys, "subgroup_ops", 0) & _SUBGROUP_ARITHMETIC
+                                 and getattr(phys, "subgroup_stages", 0) & _STAGE_COMPUTE),
+        features=frozenset(k for k, v in feats.items() if v),
+        coopmat_shapes=tuple(_tuple(s, _SHAPE) for s in getattr(phys, "coopmat_shapes", ()) or ()),
+        coopmat2=bool(getattr(device, "coopmat2", False)),
+        coopmat2_flex=tuple(_tuple(f, _FLEX) for f in getattr(phys, "coopmat2_flex", ()) or ()),
+        disabled=off)
+
+
 def kernel_config_ident(device: Any) -> str:
     """A hash of what decides which kernels ``device`` runs: the shipped SPIR-V (every module's
-    name and hash) and the features switched off for it. A cost profile measured under one
-    configuration does not apply to another (vkxsplit.plan keys profiles with it)."""
+    name and hash) and the device's :class:`KernelInputs` (compute units, limits, subgroup
+    sizes, cooperative-matrix shapes, enabled features, the features switched off for it).
+    A cost profile measured under one configuration does not apply to another (vkxsplit.plan
+    keys profiles with it)."""
     from .shaders import manifest_ident
 
     h = hashlib.sha256(manifest_ident().encode())
     h.update(("disabled=" + ",".join(sorted(disabled(device)))).encode())
+    h.update(("inputs=" + kernel_inputs(device).ident()).encode())
     return h.hexdigest()[:16]
 
 
-__all__ = ["ENV", "FEATURES", "disabled", "disabled_from_env", "is_disabled", "kernel_config_ident",
-           "parse_disabled"]
+__all__ = ["ENV", "FEATURES", "KernelInputs", "disabled", "disabled_from_env", "is_disabled",
+           "kernel_config_ident", "kernel_inputs", "parse_disabled"]

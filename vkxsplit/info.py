@@ -588,24 +588,24 @@ def kernel_report(p: Any, variants: dict[str, Any]) -> dict[str, Any]:
 def prefill_report(p: Any) -> dict[str, Any]:
     """The mat-mat path (M > 8) a hub on ``p`` takes, as record_mul_mat decides it on the
     device vkxsplit would open: mul_mat_cm2 (VK_NV_cooperative_matrix2, every type; quantized
-    weights dequantized to f16 rows first where dq16_chosen says so), mul_mat_coopmat
+    weights dequantized to f16 rows first where the device's dq16 model says so), mul_mat_coopmat
     (VK_KHR_cooperative_matrix) or the f32 tiled kernel; the kill switches are honoured."""
     from types import SimpleNamespace
 
     from .features import disabled_from_env
-    from .ops import mul_mat as mm
+    from .ops.choose import DQ16_MIN_M, kernels_for
     from .vk.device import coopmat2_enablable
 
-    dev = SimpleNamespace(features=p.features, physical=p, coopmat2=coopmat2_enablable(p), name=p.name,
-                          disabled=disabled_from_env())
-    if mm.coopmat2_available(dev):
+    kc = kernels_for(SimpleNamespace(features=p.features, physical=p, coopmat2=coopmat2_enablable(p), name=p.name,
+                                     disabled=disabled_from_env()))
+    if kc.coopmat2_available:
         path = "mul_mat_cm2"
-    elif mm.coopmat_available(dev):
+    elif kc.coopmat_available:
         path = "mul_mat_coopmat"
     else:
         path = "tiled"
-    dq16 = path == "mul_mat_cm2" and "dq16" not in dev.disabled
-    return {"path": path, "dq16": dq16, "dq16_min_m": mm.DQ16_MIN_M if dq16 else None}
+    dq16 = path == "mul_mat_cm2" and "dq16" not in kc.disabled
+    return {"path": path, "dq16": dq16, "dq16_min_m": DQ16_MIN_M if dq16 else None}
 
 
 def shader_report() -> dict[str, Any]:
@@ -917,10 +917,10 @@ def _collect_with(inst: Any, device: int | None, gl: _Glfw | None, surface_info:
         d["interop"]["opaque_fd_mappable"] = mappable
         d["interop"]["opaque_fd_mappable_detail"] = mappable_why
         d["kernels"] = kernel_report(p, variants)
-        from .ops.mul_mat import vecq_decode
+        from .ops.choose import kernels_for
 
         # decode mat-vecs that read x as q8_1 (integer dot products), by weight type
-        d["kernels"]["decode_q8_1"] = vecq_decode(p)
+        d["kernels"]["decode_q8_1"] = kernels_for(p).vecq_decode()
         d["kernels"]["prefill"] = prefill_report(p)
         d["attach_matrix"] = attach_matrix(p, backends, d["interop"], mappable, mappable_why)
         devices.append(d)

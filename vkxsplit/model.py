@@ -60,7 +60,7 @@ class DecodeQ8:
     """Where a decode graph quantizes x for the integer-dot-product mat-vecs (ggml's MMVQ).
 
     ``mul_mat(name, w, x, out)`` adds a ``mul_mat`` node; when ``w``'s type has a variant in
-    ``variants`` (from :func:`~vkxsplit.ops.mul_mat.vecq_variant`), the node reads x as q8_1
+    ``variants`` (from :meth:`~vkxsplit.ops.choose.DeviceKernels.vecq_decode`), the node reads x as q8_1
     (params ``xq``, ``vecq``). x is quantized once, before its first such reader, and shared
     by the rest (q/k/v, gate/up) until something rewrites x: by the node that made x where
     it can write q8_1 too (a norm with a weight, add_rms_norm, swiglu: no extra dispatch or
@@ -82,7 +82,8 @@ class DecodeQ8:
         return any(overlap(xs, span(t)) for n in self.g.nodes[self._cur[1] + 1:] for t in n.writes())
 
     def mul_mat(self, name: str, w: Tensor, x: Tensor, out: Tensor) -> Tensor:
-        from .ops.mul_mat import vecq_for_shape, vecq_scratch_bytes
+        from .ops.choose import vecq_for_shape
+        from .ops.mul_mat import vecq_scratch_bytes
 
         g = self.g
         v = self.variants.get(w.dtype)
@@ -508,11 +509,11 @@ class Model(LanguageModel):
         if T == 1:
             split_kv = {"n_splits": self.decode_splits,
                         "scratch": Tensor("attn_scratch", (1,), "f32", self.attn_scratch)}
-        # decode: the mat-vecs of the types vecq_variant names a kernel for on this device
+        # decode: the mat-vecs of the types the device's kernel choice names a q8_1-x kernel for
         # (Q4_0/Q4_1/Q8_0/Q4_K; Q6_K on CPU devices) read x as q8_1 (DecodeQ8)
-        from .ops.mul_mat import VECQ_TYPES, vecq_variant
+        from .ops.choose import kernels_for
 
-        q8 = DecodeQ8(g, {t: v for t in VECQ_TYPES if (v := vecq_variant(self.device, t, T)) is not None},
+        q8 = DecodeQ8(g, kernels_for(self.device).vecq_decode() if T == 1 else {},
                       lambda nbytes: V(self.xq_buf, 0, nbytes), fuse=fuse)
         mul_mat = q8.mul_mat
 

@@ -33,6 +33,7 @@ from ..errors import KernelError
 from ..shaders import Variant
 from ..vk.command import Sequence
 from ..vk.kernel import Bindable, Kernel
+from .choose import kernels_for
 from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
 
 MAX_HEAD_DIM = 128
@@ -118,17 +119,13 @@ def attention_scratch_bytes(n_tokens: int, n_heads: int, head_dim: int, n_splits
 
 
 def decode_target_workgroups(device: Any) -> int:
-    """Workgroups a decode attention should spread over: about two per SM of a large GPU (264
-    for an H100/H200), one per host core on a CPU device. On lavapipe (2 cores) the GPU value
-    made SmolLM2's decode attention 6.8x slower (44.8 vs 6.6 ms per token over 30 layers: 32
-    splits, most of them over empty cache) and the whole step 152 vs 121 ms."""
-    import os
-
-    from ..vk.api import vk
-
-    if getattr(device.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
-        return max(1, os.cpu_count() or 1)
-    return 264
+    """Workgroups a decode attention should spread over: two per compute unit of a GPU (264
+    for an H100/H200's 132 SMs; a GPU that does not report its units counts as one of those),
+    one per host core on a CPU device (``kernels_for(device).decode_workgroups``). On lavapipe
+    (2 cores) the GPU value made SmolLM2's decode attention 6.8x slower (44.8 vs 6.6 ms per
+    token over 30 layers: 32 splits, most of them over empty cache) and the whole step 152 vs
+    121 ms."""
+    return kernels_for(device).decode_workgroups
 
 
 def attention_splits(n_tokens: int, n_heads: int, n_kv_heads: int, n_ctx: int,

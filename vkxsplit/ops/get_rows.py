@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import KernelError
 from ..shaders import Variant
-from ..vk.kernel import Bindable, Kernel, as_range
+from ..vk.kernel import Bindable, Kernel, as_range, bindings_overlap
 from .quant import TYPES, TypeLike, WeightType, weight_type
 
 if TYPE_CHECKING:
@@ -34,12 +34,6 @@ VARIANTS = [
             requires=("storageBuffer16BitAccess", "storageBuffer8BitAccess"))
     for t, wt in TYPES.items() if wt.quantized
 ]
-
-
-def _overlap(a: Bindable, b: Bindable) -> bool:
-    _, oa, sa, ba = as_range(a)
-    _, ob, sb, bb = as_range(b)
-    return ba == bb and oa < ob + sb and ob < oa + sa
 
 
 def record_get_rows(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, ids: Bindable, out: Bindable,
@@ -80,7 +74,7 @@ def record_get_rows(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, i
         raise KernelError(f"{name}: the output does not fit its binding ({o_size} bytes)")
     if n_ids and out_offset + (n_ids - 1) * out_stride + K >= 1 << 32:
         raise KernelError(f"{name}: element offsets exceed 32 bits")
-    if _overlap(out, w) or _overlap(out, ids):
+    if bindings_overlap(out, w) or bindings_overlap(out, ids):
         raise KernelError(f"{name}: out overlaps the weights or the ids")
     gx = ((K + 3) // 4 + WG - 1) // WG
     if gx > MAX_GROUPS:
@@ -121,7 +115,7 @@ def record_dequant_rows(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
         raise KernelError(f"{name}: {n} rows of {K} f16 do not fit the output binding ({o_size} bytes)")
     if (row0 + n) * rbytes >= 1 << 32 or out_offset + n * K >= 1 << 32:
         raise KernelError(f"{name}: offsets exceed 32 bits")
-    if _overlap(out, w):
+    if bindings_overlap(out, w):
         raise KernelError(f"{name}: out overlaps the weights")
     gx = (K // 8 + DQ_WG - 1) // DQ_WG
     if gx > MAX_GROUPS:

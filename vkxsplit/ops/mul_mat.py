@@ -10,7 +10,7 @@ dequantization in ``shaders/dequant.glsl``):
   1/2/4 columns), M <= 8: a workgroup computes a few output rows for all M columns, reading
   each weight once; memory-bandwidth bound (decode). At M = 1 graphs read Q4_0 / Q4_1 / Q8_0 /
   Q4_K (and Q6_K on CPU devices) with x quantized to q8_1 and integer dot products
-  (``mul_mat_vecq_*``, :func:`vecq_variant`).
+  (``mul_mat_vecq_*``, ``kernels_for(device).vecq``).
 - ``tiled`` (``mul_mat_<type>_f32``), any M: 64 x 64 shared-memory tiles with 4 x 4 register
   blocking, W dequantized in the tile loader; f32 throughout.
 - ``coopmat`` (``mul_mat_coopmat_<type>_f32``), any M: GL_KHR_cooperative_matrix 16x16x16
@@ -20,12 +20,15 @@ dequantization in ``shaders/dequant.glsl``):
   ``shaders/cm2_decode.glsl``) on x converted to f16 first (``convert_rows_f32_f16``), and
   quantized weights of large products may be dequantized to f16 rows first (dq16).
 
-Only the variants these choices can name ship (:data:`VARIANTS`); benchmarks and tests build
-other shapes on demand (``tools/kernels.py``) and pin them with ``vec_variant=`` /
-``coop_variant=`` / :func:`record_mul_mat_vecq`'s ``variant=``: a variant's shape is read
-from its manifest entry (its defines), so any built variant of a family runs here.
-``VKXSPLIT_DISABLE`` (:mod:`vkxsplit.features`: coopmat, coopmat2, intdot, dq16, splitk) takes
-paths away, per device.
+This module records products and checks their operands. Which kernel a product runs is the
+device's :class:`~vkxsplit.ops.choose.DeviceKernels` (``kernels_for(device)``: built once per
+device from its queried limits); the kernels' shapes and names are
+:mod:`vkxsplit.ops.mul_mat_kernels`'s. Only the variants the choices can name ship
+(:data:`VARIANTS`); benchmarks and tests build other shapes on demand (``tools/kernels.py``)
+and pin them with ``vec_variant=`` / ``coop_variant=`` / :func:`record_mul_mat_vecq`'s
+``variant=``: a variant's shape is read from its manifest entry (its defines), so any built
+variant of a family runs here. ``VKXSPLIT_DISABLE`` (:mod:`vkxsplit.features`: coopmat,
+coopmat2, intdot, dq16, splitk) takes paths away, per device.
 
 A tensor split computes only output rows ``[r0, r0 + N)``: pass ``w_row_offset=r0`` (and
 the full tensor as ``w``); results go to y columns ``y_col_offset + n`` (default ``r0``).
@@ -34,15 +37,77 @@ the full tensor as ``w``); results go to y columns ``y_col_offset + n`` (default
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KernelError, OutOfDeviceMemory
-from ..features import disabled as _disabled
-from ..shaders import Variant, variant_meta
-from ..vk.kernel import Bindable, Kernel, View, as_range
+from ..shaders import Variant
+from ..vk.kernel import Bindable, Kernel, as_range, bindings_overlap
+from .choose import (  # noqa: F401  (re-exported: tools/probes.py and tests name these here)
+    cm2_tile_supported,
+    coopmat2_supported,
+    coopmat_available,
+    coopmat_supported,
+    kernels_for,
+    vecq_for_shape,
+    vecq_variant,
+)
 from .convert import record_convert_rows
 from .get_rows import record_dequant_rows
+from .mul_mat_kernels import (  # noqa: F401  (the kernel shapes, re-exported: tools/kernels.py and tests name them here)
+    _CM2_REQUIRES,
+    _COOP_REQUIRES,
+    _STORAGE,
+    _VEC_SOURCES,
+    CM2_CHOICES,
+    CM2_DEFAULT,
+    CM2_TILES,
+    CM2_TYPES,
+    COOP_CONFIG,
+    COOP_SUBGROUP,
+    COOP_TILES,
+    FLAG_WVEC,
+    FLAG_XVEC,
+    FLAG_YVEC,
+    MAX_VEC_M,
+    PUSH,
+    PUSH_COOP,
+    TILED_BM,
+    TILED_BN,
+    VEC_CONFIG,
+    VEC_CPU_M1,
+    VEC_MAXM,
+    VECQ_BLOCK_BYTES,
+    VECQ_GPU_M1_TALL,
+    VECQ_GPU_TYPES,
+    VECQ_QUANTIZE,
+    VECQ_QUANTIZE_WG,
+    VECQ_TYPES,
+    WIDE_K,
+    Cm2Tile,
+    CoopTile,
+    VecConfig,
+    VecqConfig,
+    _defines,
+    _is_cm2,
+    _is_emulated,
+    _vec_rows,
+    cm2_variant_name,
+    coop_big_tile,
+    coop_tile,
+    coop_variant_name,
+    make_cm2_variant,
+    make_coop_variant,
+    make_vec_variant,
+    make_vecq_variant,
+    vec_config,
+    vec_kernel_name,
+    vec_m1_name,
+    vec_variant_maxm,
+    vecq_default_config,
+    vecq_name,
+    vecq_spec,
+)
 from .quant import TYPES, TypeLike, WeightType, weight_type
 
 if TYPE_CHECKING:
@@ -51,305 +116,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vkxsplit.mul_mat")
 
-MAX_VEC_M = 8           # the mat-vec kernel handles up to this many columns of x in one pass
-PUSH = "I" * 10         # M, N, K, x_stride, y_stride, x_offset, y_offset, w_row0, y_col0, flags
-PUSH_COOP = PUSH + "I"  # ... ksplit (coopmat: K elements per split, 0 = no split)
-FLAG_XVEC = 1           # x rows are vec4-aligned (x binding 16-aligned, offset/stride % 4 == 0)
-FLAG_WVEC = 2           # float W rows allow vector loads (vec: K % 8 == 0; others: K % 4 == 0)
 MAX_GROUPS = 65535      # per grid dimension (Vulkan's guaranteed minimum; lavapipe and NVIDIA)
-
-_STORAGE = ("storageBuffer16BitAccess", "storageBuffer8BitAccess")
-_TYPE_BY_ID = {wt.id: t for t, wt in TYPES.items()}
-
-
-def _defines(name: str, sources: tuple[str, ...]) -> dict[str, str] | None:
-    """The defines of kernel ``name`` (shipped or loaded) when its source is one of ``sources``."""
-    meta = variant_meta(name)
-    if meta is None or meta.get("source") not in sources:
-        return None
-    return dict(meta.get("defines") or {})
-
-
-def _type_of(defines: dict[str, str]) -> str | None:
-    wid = defines.get("WTYPE")
-    return None if wid is None else _TYPE_BY_ID.get(int(wid))
-
-
-@dataclass(frozen=True)
-class VecConfig:
-    """Shape of a mat-vec kernel (``shaders/mul_mat_vec.comp``): ``wg`` threads per workgroup,
-    ``nr`` output rows per workgroup, ``unr`` units per thread per loop iteration (the loads a
-    thread has in flight: ``nr * unr`` units), ``lanes`` per block (``DQX_L``: 2 or 4 for
-    Q4_0/Q4_1/Q8_0, 4 or 8 for Q4_K/Q5_K; 0 for the type's default / types without a choice)."""
-
-    wg: int
-    nr: int
-    unr: int = 1
-    lanes: int = 0
-
-    @property
-    def tag(self) -> str:
-        return f"wg{self.wg}_nr{self.nr}_u{self.unr}" + (f"_l{self.lanes}" if self.lanes else "")
-
-    @property
-    def rows(self) -> int:
-        """Rows per workgroup."""
-        return self.nr
-
-    def defines(self) -> dict[str, str]:
-        d = {"WG": str(self.wg), "NR": str(self.nr), "UNR": str(self.unr)}
-        if self.lanes:
-            d["DQX_L"] = str(self.lanes)
-        return d
-
-    @classmethod
-    def from_defines(cls, d: dict[str, str]) -> VecConfig:
-        return cls(int(d["WG"]), int(d["NR"]), int(d.get("UNR", 1)), int(d.get("DQX_L", 0)))
-
-
-#: mat-vec shape per type: >= 128 threads per workgroup so enough workgroups are resident to
-#: fill a GPU's cores, rows per workgroup to reuse each x load, units per iteration for loads
-#: in flight; Q5_* and BF16/F32 follow their nearest measured type (measured:
-#: docs/PERFORMANCE.md, "Decode kernels"; tools/bench_matvec.py sweeps alternatives)
-VEC_CONFIG: dict[str, VecConfig] = {
-    **{t: VecConfig(128, 4, 4) for t in ("f32", "f16", "bf16")},
-    **{t: VecConfig(128, 4, 2) for t in ("q5_0", "q5_1")},
-    **{t: VecConfig(128, 4, 4, 2) for t in ("q4_0", "q8_0")},
-    "q4_1": VecConfig(128, 8, 1, 2),
-    **{t: VecConfig(128, 2, 1, 4) for t in ("q4_k", "q5_k")},
-    "q6_k": VecConfig(128, 2, 2),
-}
-# mat-vec variants by the most columns of x they handle (fewer columns, fewer registers);
-# the 8-column one is mul_mat_vec_<type>_f32, the others carry an _m<n> suffix
-VEC_MAXM = (1, 2, 4, 8)
-
-#: M = 1 (decode) mat-vec shapes for CPU Vulkan devices: lavapipe runs a workgroup's invocations
-#: on one core, where the GPU shapes above (128 threads, several units in flight) are several
-#: times slower than small workgroups (measured: docs/PERFORMANCE.md, "Decode kernels")
-VEC_CPU_M1: dict[str, VecConfig] = {
-    **{t: VecConfig(32, 4, 1, 4) for t in ("q4_0", "q4_1", "q8_0")},
-    "q4_k": VecConfig(32, 2, 1, 8), "q6_k": VecConfig(32, 2, 1), "f16": VecConfig(128, 8, 1),
-}
-
-
-def vec_m1_name(t: str, cfg: VecConfig) -> str:
-    """The name of an M = 1 mat-vec variant of shape ``cfg``: mul_mat_vec_<type>_f32_m1_<tag>."""
-    return f"mul_mat_vec_{t}_f32_m1_{cfg.tag}"
-
-
-def device_vec_variant(device: Device, t: str, M: int) -> str | None:
-    """The mat-vec variant for ``device`` where it differs from the default (CPU devices, M = 1)."""
-    from ..vk.api import vk
-
-    if M != 1 or getattr(device.physical, "device_type", None) != vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
-        return None
-    c = VEC_CPU_M1.get(t)
-    return None if c is None else vec_m1_name(t, c)
-
-
-def vec_kernel_name(t: str, M: int) -> str:
-    mm = next(m for m in VEC_MAXM if m >= M)
-    return f"mul_mat_vec_{t}_f32" + ("" if mm == MAX_VEC_M else f"_m{mm}")
-
-
-#: sources of the mat-vec kernels (the f32-x one, the wide one of the benchmarks, the q8_1-x one)
-_VEC_SOURCES = ("mul_mat_vec.comp", "mul_mat_vec_wide.comp")
-WIDE_K = 256  # mul_mat_vec_wide.comp needs K % WIDE_K == 0 (whole 16-byte-aligned 8-block groups)
-
-
-def vec_config(name: str) -> VecConfig | VecqConfig:
-    """The shape of a built mat-vec variant (f32 x or q8_1 x) by name, from its defines.
-    Raises KernelError for a name that is neither shipped nor loaded."""
-    d = _defines(name, ("mul_mat_vec.comp",))
-    if d is not None:
-        return VecConfig.from_defines(d)
-    d = _defines(name, ("mul_mat_vecq.comp",))
-    if d is not None:
-        return VecqConfig.from_defines(d)
-    raise KernelError(f"{name!r} is not a built mat-vec variant")
-
-
-def vec_variant_maxm(name: str) -> int:
-    """The most columns of x a built mat-vec variant handles (0 for an unknown name)."""
-    d = _defines(name, (*_VEC_SOURCES, "mul_mat_vecq.comp"))
-    return 0 if d is None else int(d.get("MAXM", MAX_VEC_M))
-
-
-def _vec_rows(name: str) -> int:
-    """Rows per workgroup of a built mat-vec variant (NR, times RPT for q8_1-x shapes)."""
-    d = _defines(name, (*_VEC_SOURCES, "mul_mat_vecq.comp"))
-    if d is None:
-        raise KernelError(f"{name!r} is not a built mat-vec variant")
-    return int(d["NR"]) * int(d.get("RPT", 1))
-
-
-def make_vec_variant(name: str, t: str, cfg: VecConfig, maxm: int) -> Variant:
-    """The Variant of a mat-vec (f32 x) kernel of weight type ``t``, shape ``cfg``, ``maxm`` columns."""
-    return Variant(name=name, source="mul_mat_vec.comp",
-                   defines={"WTYPE": str(TYPES[t].id), "MAXM": str(maxm), **cfg.defines()},
-                   bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1), requires=_STORAGE)
-
-
-@dataclass(frozen=True)
-class VecqConfig:
-    """Shape of an integer-dot-product mat-vec kernel (``shaders/mul_mat_vecq.comp``, Q4_0 /
-    Q4_1 / Q8_0 / Q4_K / Q6_K weights times x quantized to 8-bit blocks by ``quantize_q8_1.comp``): ``wg``
-    threads per workgroup, ``nr`` rows per workgroup (``wg // nr`` threads per row), ``blk`` weight
-    blocks per load unit (8: 16-byte aligned 8-block groups, K % 256 == 0, not Q4_1; 1: single blocks,
-    any K % 32 == 0), ``unr`` units per thread per loop iteration, ``idp`` 1: packed 4x8 dot
-    products (OpSDot; needs shaderIntegerDotProduct), 0: the same sums with int multiply-adds
-    of unpacked bytes (``_emu``), ``sat``: OpSDotAccSat instead of OpSDot + add, ``rpt`` rows
-    per thread (Q4_0 / Q8_0 with ``blk`` 1: each x block loaded once for ``rpt`` rows; a
-    workgroup then computes ``nr * rpt`` rows), ``sg`` 1: the partial sums reduced with
-    subgroupAdd per row instead of one thread adding a row's ``wg // nr`` partials in order,
-    ``sub`` (Q4_K) load units per super-block: 1 whole super-blocks, 4 quarters (the header and
-    32 nibble bytes each: four times the units per row, so short rows keep more lanes busy),
-    ``w5u`` (Q4_0 / Q8_0, ``blk`` 1) 1: each block read as QW + 1 32-bit words instead of QW
-    words and two halfwords; the last word is not bounds-checked, so a binding that ends inside
-    the last row's trailing word runs the same shape without ``w5u`` (:func:`vecq_fits`)."""
-
-    wg: int
-    nr: int
-    blk: int = 8
-    unr: int = 1
-    idp: int = 1
-    sat: int = 0
-    rpt: int = 1
-    sg: int = 0
-    sub: int = 1
-    w5u: int = 0
-
-    @property
-    def tag(self) -> str:
-        return (f"b{self.blk}_wg{self.wg}_nr{self.nr}" + (f"_u{self.unr}" if self.unr > 1 else "")
-                + (f"_r{self.rpt}" if self.rpt > 1 else "") + (f"_s{self.sub}" if self.sub > 1 else "")
-                + ("_sg" if self.sg else "") + ("_w5u" if self.w5u else "")
-                + ("_sat" if self.sat else "") + ("" if self.idp else "_emu"))
-
-    @property
-    def rows(self) -> int:
-        """Rows per workgroup (``nr`` teams, ``rpt`` rows per thread)."""
-        return self.nr * self.rpt
-
-    def defines(self) -> dict[str, str]:
-        d = {"WG": str(self.wg), "NR": str(self.nr), "BLK": str(self.blk), "UNR": str(self.unr),
-             "IDP": str(self.idp), "IDP_SAT": str(self.sat)}
-        if self.rpt > 1:
-            d["RPT"] = str(self.rpt)
-        if self.sg:
-            d["SG"] = "1"
-        if self.sub > 1:
-            d["KSUB"] = str(self.sub)
-        if self.w5u:
-            d["WLOAD5"] = "1"
-        return d
-
-    @classmethod
-    def from_defines(cls, d: dict[str, str]) -> VecqConfig:
-        return cls(int(d["WG"]), int(d["NR"]), blk=int(d["BLK"]), unr=int(d.get("UNR", 1)), idp=int(d["IDP"]),
-                   sat=int(d.get("IDP_SAT", 0)), rpt=int(d.get("RPT", 1)), sg=int(d.get("SG", 0)),
-                   sub=int(d.get("KSUB", 1)), w5u=int(d.get("WLOAD5", 0)))
-
-
-VECQ_QUANTIZE = "quantize_q8_1"   # the quantize-x kernel (shaders/quantize_q8_1.comp)
-VECQ_QUANTIZE_WG = 256            # its workgroup: 8 threads per 32-element block
-VECQ_BLOCK_BYTES = 40             # scratch bytes per block of x: 32 int8 + f32 d + int32 sum
-VECQ_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")
-_IDP_REQUIRES = ("shaderIntegerDotProduct",)
-#: the decode (M = 1) shape per device kind where no type-specific one applies: GPUs a
-#: workgroup of 4 teams of 32; CPU devices (llvmpipe runs a workgroup's invocations as SIMD
-#: batches on one core) one row per invocation, no cross-lane reduction
-VECQ_DEFAULT_M1 = {"gpu": VecqConfig(128, 4, blk=1), "cpu": VecqConfig(64, 64, blk=1)}
-#: GPU decode shapes per type: Q4_0 128 threads per row, 2 rows per thread, the subgroupAdd
-#: reduction and whole-word block loads; Q8_0 64 threads per row, 2 rows per thread; Q4_K
-#: quarter super-blocks per load unit (a row of K = 4096 has only 16 super-blocks)
-#: (measured: docs/PERFORMANCE.md, "Decode kernels")
-VECQ_GPU_M1_BY_TYPE = {"q4_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1, w5u=1),
-                       "q8_0": VecqConfig(128, 2, blk=1, unr=2, rpt=2),
-                       "q4_k": VecqConfig(128, 2, blk=1, unr=2, sub=4)}
-#: GPU decode shapes for tall products (VECQ_TALL_N <= N <= 4 K, K <= VECQ_TALL_K: the FFN's
-#: gate and up, 2.7-3.5x wider than K in llama-family models; not an output projection, whose
-#: vocabulary is 8-31x K), where they beat the type's shape and lose at the other shapes
-#: (measured: docs/PERFORMANCE.md, "Decode kernels")
-VECQ_GPU_M1_TALL = {"q4_0": VecqConfig(128, 2, blk=1, rpt=4, w5u=1),
-                    "q8_0": VecqConfig(128, 1, blk=1, unr=2, rpt=2, sg=1)}
-VECQ_TALL_N, VECQ_TALL_K = 8192, 4096
-#: types whose vecq path GPUs take by default; Q6_K's (one 210-byte super-block per load unit)
-#: is no faster than its f32-x kernel on a GPU, so only CPU devices, where it is several times
-#: faster, take it (CPU devices take every VECQ_TYPES type)
-VECQ_GPU_TYPES = ("q4_0", "q4_1", "q8_0", "q4_k")
-
-
-def vecq_name(t: str, cfg: VecqConfig, maxm: int = 1) -> str:
-    """mul_mat_vecq_<type>_q8_1_m<maxm>_<shape tag>."""
-    return f"mul_mat_vecq_{t}_q8_1_m{maxm}_{cfg.tag}"
-
-
-def vecq_default_config(t: str, cpu: bool) -> VecqConfig:
-    """The decode (M = 1) integer-dot-product shape of weight type ``t`` on a CPU or GPU device."""
-    if cpu:
-        return VECQ_DEFAULT_M1["cpu"]
-    return VECQ_GPU_M1_BY_TYPE.get(t, VECQ_DEFAULT_M1["gpu"])
-
-
-def vecq_decode(physical: Any, features: Any = None, disabled: frozenset[str] | None = None) -> dict[str, str]:
-    """weight type -> the integer-dot-product mat-vec variant decode (M = 1) uses on this
-    physical device (``features``: the enabled ones, default: what it offers; ``disabled``:
-    the features switched off, default: VKXSPLIT_DISABLE); empty without
-    shaderIntegerDotProduct or subgroup arithmetic, or with ``intdot`` switched off."""
-    from ..features import disabled_from_env
-    from ..vk.api import vk
-
-    feats = physical.features if features is None else features
-    off = disabled_from_env() if disabled is None else disabled
-    if "intdot" in off or not feats.get("shaderIntegerDotProduct") or not _vec_ok(physical):
-        return {}
-    cpu = getattr(physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
-    return {t: vecq_name(t, vecq_default_config(t, cpu)) for t in VECQ_TYPES if cpu or t in VECQ_GPU_TYPES}
-
-
-def vecq_for_shape(variant: str, t: str, N: int, K: int) -> str:
-    """The decode variant for an N x K product of ``t`` weights, given the type's default
-    ``variant`` (:func:`vecq_variant`): VECQ_GPU_M1_TALL's shape where the default is the GPU
-    one and the product is tall; the default otherwise. (A graph decides on the weight's
-    rows; where a plan splits that product's rows between backends the hub's share runs the
-    same shape, correct for any rows, measured only for the whole.)"""
-    tall = VECQ_GPU_M1_TALL.get(t)
-    if (tall is None or N < VECQ_TALL_N or N > 4 * K or K > VECQ_TALL_K
-            or variant != vecq_name(t, vecq_default_config(t, cpu=False))):
-        return variant
-    return vecq_name(t, tall)
-
-
-def vecq_variant(device: Device, t: str, M: int) -> str | None:
-    """The integer-dot-product mat-vec variant a graph uses for ``M`` columns of x times ``t``
-    weights on ``device`` (x quantized to q8_1 once, shared by every mat-vec reading it), or
-    None where the f32-x kernels stay: other types (those outside VECQ_GPU_TYPES on GPUs), M > 1, no
-    shaderIntegerDotProduct, or ``intdot`` switched off for the device."""
-    return vecq_decode(device.physical, device.features, _disabled(device)).get(t) if M == 1 else None
-
-
-def vecq_spec(name: str) -> tuple[str, VecqConfig, int] | None:
-    """(weight type, shape, most columns of x) of a built integer-dot-product mat-vec variant
-    (shipped or loaded), from its defines; None for any other name."""
-    d = _defines(name, ("mul_mat_vecq.comp",))
-    if d is None or "PROBE_NOX" in d:
-        return None
-    t = _type_of(d)
-    return None if t is None else (t, VecqConfig.from_defines(d), int(d["MAXM"]))
-
 
 def vecq_scratch_bytes(M: int, K: int) -> int:
     """Bytes of the quantized-x scratch of :func:`record_mul_mat_vecq` (M columns of K)."""
     return M * (K // 32) * VECQ_BLOCK_BYTES
-
-
-def make_vecq_variant(name: str, t: str, cfg: VecqConfig, maxm: int) -> Variant:
-    """The Variant of an integer-dot-product mat-vec kernel of weight type ``t``, shape ``cfg``."""
-    return Variant(name=name, source="mul_mat_vecq.comp",
-                   defines={"WTYPE": str(TYPES[t].id), "MAXM": str(maxm), **cfg.defines()},
-                   bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1),
-                   requires=(*(_IDP_REQUIRES if cfg.idp else ()), *_STORAGE))
 
 
 def _vecq_shipped() -> dict[str, tuple[str, VecqConfig]]:
@@ -453,7 +224,7 @@ def check_q8_1_scratch(name: str, xq_scratch: Bindable, M: int, K: int,
     if vecq_scratch_bytes(M, K) > q_size:
         raise KernelError(f"{name}: the q8_1 scratch has {q_size} bytes, needs {vecq_scratch_bytes(M, K)}")
     for what, b in others:
-        if _overlap(xq_scratch, b):
+        if bindings_overlap(xq_scratch, b):
             raise KernelError(f"{name}: the q8_1 scratch overlaps {what}")
 
 
@@ -487,7 +258,7 @@ def record_swiglu_q8_1(seq: Sequence, gate: Bindable, up: Bindable, dst: Bindabl
         _, off, size, _ = as_range(b)
         if off % 4 or size < 4 * M * K:
             raise KernelError(f"{name}: {what} must be 4-byte aligned and hold {4 * M * K} bytes ({size} at byte {off})")
-    if _overlap(dst, up):
+    if bindings_overlap(dst, up):
         raise KernelError(f"{name}: dst overlaps up")
     if M == 0:
         return
@@ -495,205 +266,6 @@ def record_swiglu_q8_1(seq: Sequence, gate: Bindable, up: Bindable, dst: Bindabl
     seq.dispatch(Kernel.get(seq.device, "swiglu_q8_1_f32"), [gate, up, dst, xq_scratch],
                  (M, 0, K, K, 0, 0, 0, 0, 0, 0), (nq, 1, 1))
 
-
-
-TILED_BM, TILED_BN = 64, 64       # mul_mat.comp tile (rows of x, rows of W)
-COOP_SUBGROUP = 32
-FLAG_YVEC = 4           # coopmat: y rows 16-byte aligned (binding, offset, column offset, stride)
-COOP_SHARED_MAX = 49152  # bytes of shared memory a coopmat variant may use (H200's limit)
-
-
-@dataclass(frozen=True)
-class CoopTile:
-    """A mul_mat_coopmat.comp tiling: BM x BN output tile per workgroup (rows of x x rows of
-    W), BK the K slice per step, WM x WN the block of one subgroup (of 32 invocations),
-    stages: 2 (double-buffered shared tiles, one barrier per step) or 1 (two barriers)."""
-
-    bm: int
-    bn: int
-    bk: int
-    wm: int
-    wn: int
-    stages: int = 2
-
-    @property
-    def name(self) -> str:
-        return f"t{self.bm}x{self.bn}_k{self.bk}_w{self.wm}x{self.wn}" + ("_s1" if self.stages == 1 else "")
-
-    @property
-    def threads(self) -> int:
-        return 32 * (self.bm // self.wm) * (self.bn // self.wn)
-
-    @property
-    def shared_bytes(self) -> int:
-        """f16 stages of rows padded to BK + 8, plus a 16x16 f32 staging area per subgroup"""
-        return self.stages * 2 * (self.bm + self.bn) * (self.bk + 8) + 4 * 256 * (self.threads // 32)
-
-    def defines(self) -> dict[str, str]:
-        return {"BM": str(self.bm), "BN": str(self.bn), "BK": str(self.bk), "WM": str(self.wm),
-                "WN": str(self.wn), "STAGES": str(self.stages)}
-
-    @classmethod
-    def from_defines(cls, d: dict[str, str]) -> CoopTile:
-        return cls(int(d["BM"]), int(d["BN"]), int(d["BK"]), int(d["WM"]), int(d["WN"]), int(d.get("STAGES", 2)))
-
-
-#: the tilings models run: COOP_DEFAULT, 8 subgroups of 2 x 4 fragments with BK 64 and one
-#: stage (44 KiB), the fastest over the measured shapes for every measured type; and the
-#: large ones coop_choose weighs against it: COOP_BIG_QUANT for quantized weights (BM 256:
-#: each dequantized W tile serves 256 rows of x; 8 subgroups of 4 x 4, one stage, 38 KiB) and
-#: COOP_BIG_FLOAT for f16/bf16/f32 (BN 256: each converted x tile serves 256 W rows; 16
-#: subgroups of 2 x 4, one stage, 46 KiB: at 512 threads NVIDIA's compiler fits 128 registers
-#: per thread, where the 8-subgroup tilings take up to 246, so an SM keeps twice the warps in
-#: flight) (measured: docs/PERFORMANCE.md, "Prefill kernels"; tools/bench_coopmat.py sweeps
-#: other tilings, tools/kernels.py)
-COOP_TILES = {t.name: t for t in (
-    CoopTile(128, 128, 64, 32, 64, stages=1),
-    CoopTile(256, 128, 32, 64, 64, stages=1),
-    CoopTile(128, 256, 32, 32, 64, stages=1),
-)}
-COOP_DEFAULT = "t128x128_k64_w32x64_s1"
-# tiling of mul_mat_coopmat_<type>_f32, by type (retune from tools/bench_coopmat.py's "fastest" table)
-COOP_CONFIG: dict[str, str] = {t: COOP_DEFAULT for t in TYPES}
-COOP_BIG_QUANT = "t256x128_k32_w64x64_s1"
-COOP_BIG_FLOAT = "t128x256_k32_w32x64_s1"
-_COOP_REQUIRES = ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel", "subgroupSizeControl", *_STORAGE)
-
-
-def coop_variant_name(t: str, tile: str | None = None, emulate: bool = False) -> str:
-    """mul_mat_coopmat[_emu]_<type>_f32[_<tile>] (no tile: the type's default variant)."""
-    return f"mul_mat_coopmat{'_emu' if emulate else ''}_{t}_f32" + (f"_{tile}" if tile else "")
-
-
-def coop_big_tile(t: str) -> str:
-    """The large tiling of weight type ``t`` (COOP_BIG_QUANT or COOP_BIG_FLOAT)."""
-    return COOP_BIG_QUANT if TYPES[t].quantized else COOP_BIG_FLOAT
-
-
-def make_coop_variant(name: str, t: str, tile: CoopTile, emulate: bool = False) -> Variant:
-    """The Variant of a mul_mat_coopmat kernel of weight type ``t`` with ``tile``; ``emulate``:
-    the same tiling, loaders and edge handling without cooperative matrices (COOPMAT_EMULATE:
-    any device with f16 arithmetic runs it; how lavapipe tests the coopmat logic)."""
-    defines = {"WTYPE": str(TYPES[t].id), **tile.defines()}
-    if emulate:
-        return Variant(name=name, source="mul_mat_coopmat.comp", defines={**defines, "COOPMAT_EMULATE": "1"},
-                       bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
-                       requires=("shaderFloat16", *_STORAGE))
-    return Variant(name=name, source="mul_mat_coopmat.comp", defines=defines, bindings=3, writes=(2,),
-                   push=PUSH_COOP,
-                   local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang",
-                   subgroup_size=COOP_SUBGROUP, requires=_COOP_REQUIRES)
-
-
-@dataclass(frozen=True)
-class Cm2Tile:
-    """A mul_mat_cm2.comp tiling: BW rows of W x BX rows of x per workgroup (the
-    workgroup-scope accumulator is BW x BX), BK the K slice per step, ``threads`` invocations.
-    ``bm`` / ``bn`` (rows of x / of W) give it CoopTile's grid and cost-model interface."""
-
-    bw: int
-    bx: int
-    bk: int
-    threads: int = 256
-
-    @property
-    def name(self) -> str:
-        return f"w{self.bw}x{self.bx}_k{self.bk}_n{self.threads}"
-
-    @property
-    def bm(self) -> int:
-        return self.bx
-
-    @property
-    def bn(self) -> int:
-        return self.bw
-
-    def defines(self) -> dict[str, str]:
-        return {"BW": str(self.bw), "BX": str(self.bx), "BK": str(self.bk), "NT": str(self.threads)}
-
-    @classmethod
-    def from_defines(cls, d: dict[str, str]) -> Cm2Tile:
-        return cls(int(d["BW"]), int(d["BX"]), int(d["BK"]), int(d["NT"]))
-
-
-def coop_tile(name: str) -> CoopTile | Cm2Tile | None:
-    """The tiling of a built mul_mat_coopmat or mul_mat_cm2 variant (shipped or loaded), from
-    its defines; None for any other name."""
-    meta = variant_meta(name)
-    src = None if meta is None else meta.get("source")
-    if src == "mul_mat_coopmat.comp":
-        return CoopTile.from_defines(meta["defines"])  # type: ignore[index]
-    if src == "mul_mat_cm2.comp":
-        return Cm2Tile.from_defines(meta["defines"])  # type: ignore[index]
-    return None
-
-
-def _is_cm2(name: str) -> bool:
-    meta = variant_meta(name)
-    return meta is not None and meta.get("source") == "mul_mat_cm2.comp"
-
-
-def _is_emulated(name: str) -> bool:
-    meta = variant_meta(name)
-    return meta is not None and "COOPMAT_EMULATE" in (meta.get("defines") or {})
-
-
-#: the mul_mat_cm2 tilings models run (tools/bench_coopmat.py --cm2 sweeps others)
-CM2_TILES = {t.name: t for t in (
-    Cm2Tile(128, 128, 64),        # CM2_DEFAULT
-    Cm2Tile(128, 256, 64),        # llama.cpp's large coopmat2 tile: 128 weight rows x 256 tokens
-    Cm2Tile(64, 128, 64, 128),    # two workgroups per SM
-    # 64 rows of W x 256 of x: the accumulator area of 128 x 128, but each W tile the driver
-    # decodes serves twice the rows of x (the quantized types' fastest tile loader)
-    Cm2Tile(64, 256, 64),
-)}
-CM2_DEFAULT = "w128x128_k64_n256"
-#: mul_mat_cm2 workgroups of 256 invocations the H200 runs at once (one per SM: 448 tiles of
-#: 128 x 128 take 3.6x the time of 128), twice as many of 128
-CM2_WAVE = 132
-#: types whose coopmat path takes mul_mat_cm2: every type (Q4_K / Q5_K read their block header
-#: with one 16-byte load and unpack scales and mins branch-free, as ggml-vulkan does)
-CM2_TYPES = frozenset(TYPES)
-_CM2_FLOAT = ("w128x128_k64_n256", "w128x256_k64_n256")
-_CM2_QUANT32 = ("w128x128_k64_n256", "w64x128_k64_n128", "w64x256_k64_n256")
-#: tilings cm2_choose weighs per type, and their throughput per workgroup-second relative to
-#: CM2_DEFAULT (CM2_TILE_EFF; F32/BF16 take F16's) (measured: docs/PERFORMANCE.md, "Prefill
-#: kernels"; tools/bench_coopmat.py --cm2)
-CM2_CHOICES: dict[str, tuple[str, ...]] = {
-    **{t: _CM2_FLOAT for t in ("f32", "f16", "bf16")},
-    **{t: _CM2_QUANT32 for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
-    "q6_k": ("w128x128_k64_n256", "w128x256_k64_n256", "w64x256_k64_n256"),
-    "q4_k": (CM2_DEFAULT, "w64x256_k64_n256"), "q5_k": (CM2_DEFAULT, "w64x256_k64_n256"),
-}
-CM2_TILE_EFF: dict[str, dict[str, float]] = {
-    **{t: {"w128x256_k64_n256": 1.1} for t in ("f32", "f16", "bf16")},
-    "q4_0": {"w64x128_k64_n128": 0.51, "w64x256_k64_n256": 1.05},
-    "q4_1": {"w64x128_k64_n128": 0.53, "w64x256_k64_n256": 1.15},
-    "q5_0": {"w64x128_k64_n128": 0.55, "w64x256_k64_n256": 1.17},
-    "q5_1": {"w64x128_k64_n128": 0.5, "w64x256_k64_n256": 1.12},
-    "q8_0": {"w64x128_k64_n128": 0.55, "w64x256_k64_n256": 1.07},
-    "q4_k": {"w64x256_k64_n256": 1.24},
-    "q5_k": {"w64x256_k64_n256": 1.3},
-    "q6_k": {"w128x256_k64_n256": 1.25, "w64x256_k64_n256": 1.2},
-}
-
-
-_CM2_REQUIRES = ("cooperativeMatrix", "cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
-                 "cooperativeMatrixTensorAddressing", "cooperativeMatrixBlockLoads", "bufferDeviceAddress",
-                 "shaderFloat16", "vulkanMemoryModel", *_STORAGE)
-
-
-def cm2_variant_name(t: str, tile: str = CM2_DEFAULT) -> str:
-    """mul_mat_cm2_<type>_f32_<tile>."""
-    return f"mul_mat_cm2_{t}_f32_{tile}"
-
-
-def make_cm2_variant(t: str, tile: Cm2Tile) -> Variant:
-    """The Variant of mul_mat_cm2 for weight type ``t`` with ``tile`` (compiled by glslang15)."""
-    return Variant(name=cm2_variant_name(t, tile.name), source="mul_mat_cm2.comp",
-                   defines={"WTYPE": str(TYPES[t].id), **tile.defines()}, bindings=3, writes=(2,),
-                   push=PUSH_COOP, local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang15",
-                   requires=_CM2_REQUIRES)
 
 
 VARIANTS = (
@@ -714,221 +286,6 @@ VARIANTS = (
     + [Variant(name="reduce_splitk_f32", source="reduce_splitk.comp", bindings=2, writes=(1,), push="I" * 6,
                local_size=(256, 1, 1))]
 )
-
-# ------------------------------------------------------------------------------------------
-# split K and tiling for the coopmat path: a cost model of waves of workgroups
-
-#: workgroups of 8 subgroups the H200 runs at once: one per SM (132; registers allow no second),
-#: rounded to 128. A workgroup's time is its K loop whatever the grid, so a grid under a wave
-#: leaves SMs idle and one just over it takes two waves' time.
-COOP_WAVE = 128
-#: a split's fixed cost per workgroup, in K elements of its tile's work (the partial's store,
-#: the reduce dispatch, the loop's prologue), fitted with COOP_TILE_EFF to measured splits
-SPLITK_FIXED_K = 256
-#: split counts the model considers; ranges are rounded up to whole BK steps, so the count used
-#: can come out lower (16 ranges of K = 7200 at BK 64 are 15 of 512 and one empty: 15 used)
-SPLITK_COUNTS = (1, 2, 4, 8, 16)
-#: shortest K range of a split but the last (elements; the last takes what is left of K)
-SPLITK_MIN_K = 512
-#: most bytes of partial products one dispatch may stage (the device's shared scratch)
-SPLITK_MAX_SCRATCH = 64 << 20
-#: tile throughput (MACs per workgroup-second) relative to the default tiling's, by tile: the
-#: 4 x 4-fragment large tilings do more MMAs per shared-memory load (measured:
-#: docs/PERFORMANCE.md, "Prefill kernels")
-COOP_TILE_EFF = {COOP_BIG_QUANT: 1.15, COOP_BIG_FLOAT: 1.25}
-
-
-def splitk_off(device: Any) -> bool:
-    """Whether ``splitk`` is switched off for ``device`` (VKXSPLIT_DISABLE; no device: the
-    process's setting)."""
-    return "splitk" in _disabled(device)
-
-
-def split_chunk(K: int, splits: int, bk: int) -> int:
-    """K elements per range when K is cut into ``splits`` ranges of whole ``bk`` steps (the
-    last range takes what is left; the count used is ceil(K / chunk), maybe fewer)."""
-    per = -(-K // splits)
-    return -(-per // bk) * bk
-
-
-def coop_cost(tile: CoopTile, M: int, N: int, K: int, splits: int) -> float | None:
-    """Modelled time of a coopmat product with ``tile`` and K in ``splits`` ranges (None when
-    that split is not allowed: ranges under SPLITK_MIN_K, partials over SPLITK_MAX_SCRATCH):
-    waves of COOP_WAVE workgroups, each wave as long as one workgroup's tile work, BM x BN x
-    its K range / COOP_TILE_EFF, plus SPLITK_FIXED_K of work per split workgroup."""
-    got = _split_cost(tile, M, N, K, splits, COOP_WAVE, COOP_TILE_EFF.get(tile.name, 1.0), tile.bk)
-    return None if got is None else got[0]
-
-
-def _split_cost(tile: Any, M: int, N: int, K: int, splits: int, wave: int, eff: float,
-                quantum: int) -> tuple[float, int] | None:
-    """(modelled time, K elements per split or 0) of ``tile`` with K cut into ``splits``
-    ranges of whole ``quantum`` multiples (None when not allowed: ranges under SPLITK_MIN_K,
-    partials over SPLITK_MAX_SCRATCH): waves of ``wave`` workgroups, each wave as long as one
-    workgroup's BM x BN x K-range work / ``eff``, plus SPLITK_FIXED_K per split workgroup."""
-    chunk = split_chunk(K, splits, quantum)
-    used = -(-K // max(chunk, 1))
-    if used > 1 and (chunk < SPLITK_MIN_K or 4 * M * N * used > SPLITK_MAX_SCRATCH):
-        return None
-    groups = -(-M // tile.bm) * -(-N // tile.bn) * used
-    work = chunk / eff + (SPLITK_FIXED_K if used > 1 else 0)
-    return -(-groups // wave) * tile.bm * tile.bn * work, (chunk if used > 1 and chunk < K else 0)
-
-
-def _best_split(tile: CoopTile, M: int, N: int, K: int, nosplit: bool = False) -> tuple[float, int]:
-    """(modelled cost, K elements per split or 0) of the count of SPLITK_COUNTS with the least
-    coop_cost (ties: fewer splits; one range is always allowed; only that with ``nosplit``)."""
-    return _wave_cost(tile, M, N, K, COOP_WAVE, COOP_TILE_EFF.get(tile.name, 1.0), nosplit)
-
-
-def coop_k_split(tile: CoopTile, M: int, N: int, K: int) -> int:
-    """K elements per split for a coopmat product with ``tile`` (0: no split): the count of
-    SPLITK_COUNTS with the least coop_cost (ties: fewer splits), as a multiple of BK."""
-    return _best_split(tile, M, N, K)[1]
-
-
-def coop_tile_fits(tile: CoopTile, device: Device | None) -> bool:
-    """Whether ``device``'s limits take ``tile``'s workgroup (threads, shared memory, subgroups
-    of COOP_SUBGROUP at the required size); any tile without a device or limits (the H200's
-    are COOP_SHARED_MAX, 1024 threads, 32 subgroups)."""
-    phys = getattr(device, "physical", None)
-    lim = getattr(phys, "limits", None)
-    if not lim:
-        return True
-    most_sg = int(getattr(phys, "max_workgroup_subgroups", 0) or 0)
-    return (tile.threads <= int(lim.get("maxComputeWorkGroupInvocations", 1024))
-            and tile.shared_bytes <= int(lim.get("maxComputeSharedMemorySize", COOP_SHARED_MAX))
-            and tile.threads <= int(lim.get("maxComputeWorkGroupSize", (1024,))[0])
-            and (most_sg == 0 or tile.threads // COOP_SUBGROUP <= most_sg))
-
-
-def coop_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> tuple[str, int]:
-    """(variant, K elements per split) of a coopmat product of weight type ``t`` that names
-    no variant: the type's default tiling or its large one (coop_big_tile), whichever
-    coop_cost models faster with its best split (ties: the default). No split where ``splitk``
-    is switched off for ``device``; only the default tiling where ``device``'s limits do not
-    take the large one (coop_tile_fits: the float one has 512 threads and 46 KiB of shared
-    memory, the quantized one 256 and 38 KiB). (How close the model's picks come to the
-    fastest measured: docs/PERFORMANCE.md, "Prefill kernels".)"""
-    nosplit = splitk_off(device)
-    keys = [COOP_CONFIG[t]]
-    big = coop_big_tile(t)
-    if big != COOP_CONFIG[t] and coop_tile_fits(COOP_TILES[big], device):
-        keys.append(big)
-    best: tuple[float, str, int] | None = None
-    for key in keys:  # the default first: it keeps ties
-        tile = COOP_TILES[key]
-        cost, ks = _best_split(tile, M, N, K, nosplit)
-        if best is None or cost < best[0]:
-            best = (cost, key, ks)
-    assert best is not None
-    _, key, ks = best
-    return coop_variant_name(t, None if key == COOP_CONFIG[t] else key), ks
-
-
-def cm2_choose(t: str, M: int, N: int, K: int, device: Device | None = None) -> tuple[str, int]:
-    """(variant, K elements per split) of a mul_mat_cm2 product of weight type ``t``: the
-    tiling of CM2_CHOICES[t] and split with the least modelled time (coop_cost's waves, with
-    CM2_WAVE workgroups at once and CM2_TILE_EFF); ties: the earlier tiling, fewer splits; only
-    tilings ``device`` has a flexible shape for. No split where ``splitk`` is switched off."""
-    keys = CM2_CHOICES[t]
-    if getattr(device, "physical", None) is not None:
-        keys = tuple(k for k in keys if k == CM2_DEFAULT or cm2_tile_supported(device, CM2_TILES[k]))
-    _, key, ks = _cm2_best(t, keys, M, N, K, splitk_off(device))
-    return cm2_variant_name(t, key), ks
-
-
-def _cm2_best(t: str, keys: tuple[str, ...], M: int, N: int, K: int, nosplit: bool) -> tuple[float, str, int]:
-    """(modelled time, tiling, K elements per split or 0) of the cheapest of ``keys`` for type
-    ``t`` (ties: the earlier tiling; one range only with ``nosplit``)."""
-    best: tuple[float, str, int] | None = None
-    for key in keys:
-        cost, ks = _cm2_cost(t, key, M, N, K, nosplit)
-        if best is None or cost < best[0]:
-            best = (cost, key, ks)
-    assert best is not None
-    return best
-
-
-def _cm2_cost(t: str, tile: str | Cm2Tile, M: int, N: int, K: int, nosplit: bool) -> tuple[float, int]:
-    """(modelled time, K elements per split or 0) of mul_mat_cm2 tiling ``tile`` (a Cm2Tile or
-    a CM2_TILES key) for type ``t``. Where K % 256 == 0 split ranges are whole 256-element
-    runs, so every range keeps the kernel's aligned fast path (a range of BK multiples only
-    would drop every workgroup of the split to the element loads, several times slower)."""
-    tile = CM2_TILES[tile] if isinstance(tile, str) else tile
-    wave = CM2_WAVE * max(1, 256 // tile.threads)
-    quantum = 256 if K % 256 == 0 else tile.bk
-    return _wave_cost(tile, M, N, K, wave, CM2_TILE_EFF.get(t, {}).get(tile.name, 1.0), nosplit, quantum)
-
-
-def cm2_k_split(t: str, tile: str | Cm2Tile, M: int, N: int, K: int, device: Any = None) -> int:
-    """K elements per split of mul_mat_cm2 tiling ``tile`` (a Cm2Tile, e.g. :func:`coop_tile`'s
-    of a benchmark variant, or a CM2_TILES key) for weight type ``t`` (0: none), by
-    cm2_choose's model (no split where ``splitk`` is switched off for ``device``)."""
-    return _cm2_cost(t, tile, M, N, K, splitk_off(device))[1]
-
-
-#: Dequantize-first (dq16): on a coopmat2 device a product of quantized weights may decode its
-#: N x K weights once into f16 rows (dequant_rows_<type>_f16, a scratch of N K 2 bytes) and run
-#: mul_mat_cm2's F16 kernel on them, instead of decoding in the tile loader for every tile of
-#: x (ceil(M / BX) times). It pays where M is large enough that F16's rate makes up for the
-#: extra pass. The model: each path's wave cost (cm2_choose's units) times the type's cost per
-#: unit relative to F16 (DQ16_DIRECT_COST), against F16's cost plus the pass's bytes (read the
-#: blocks, write f16) at DQ16_UNITS_PER_BYTE (F16's units per second over the pass's bytes
-#: per second). DQ16_DIRECT_COST is fitted so that the model's direct / dq16 ratio at the
-#: FFN's shape (14336x4096, M = 512) is the measured one, each type's fastest tiling against
-#: dq16 (measured: docs/PERFORMANCE.md, "Prefill kernels"; tools/bench_coopmat.py --cm2).
-DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.32, "q4_1": 1.4, "q5_0": 1.65, "q5_1": 1.47, "q8_0": 1.67,
-                                      "q4_k": 1.6, "q5_k": 1.8, "q6_k": 1.66}
-#: fewest rows of x the model takes the path for: more than one 128-row tile of x (at M <= 128
-#: the tile loader decodes every weight once too, and the pass is pure overhead)
-DQ16_MIN_M = 129
-DQ16_UNITS_PER_BYTE = 0.30
-#: the pass's own dispatch and the barrier after it (~2 us at F16's rate)
-DQ16_FIXED_UNITS = 1.6e6
-#: largest f16 copy the model makes (N K 2 bytes): the FFN of a 70B model (28672 x 8192, 448
-#: MiB) fits, an all-logits output projection of a 128k vocabulary (1 GiB) does not
-DQ16_MAX_BYTES = 512 << 20
-
-
-def dq16_available(device: Device, t: str) -> bool:
-    """Whether a product of ``t`` weights may take the dequantize-first path on ``device``: a
-    quantized type, mul_mat_cm2 available (its F16 kernel reads the f16 rows; no device
-    addresses needed, so weights in exported or imported blocks qualify too), and ``dq16``
-    not switched off for the device."""
-    return t in DQ16_DIRECT_COST and "dq16" not in _disabled(device) and coopmat2_available(device)
-
-
-def dq16_chosen(t: str, M: int, N: int, K: int, device: Any = None) -> bool:
-    """Whether the model above prefers the dequantize-first path for this product (the
-    direct side modelled as mul_mat_cm2 with every tiling of CM2_CHOICES: where the device
-    filters tilings or the weights keep mul_mat_coopmat, the real direct path is no faster, so
-    the pick errs towards the tile loader; both sides unsplit where ``splitk`` is switched off
-    for ``device``)."""
-    if t not in DQ16_DIRECT_COST or M < DQ16_MIN_M or 2 * N * K > DQ16_MAX_BYTES:
-        return False
-    nosplit = splitk_off(device)
-    direct = _cm2_best(t, CM2_CHOICES[t], M, N, K, nosplit)[0] * DQ16_DIRECT_COST[t]
-    pass_bytes = N * (TYPES[t].row_bytes(K) + 2 * K)
-    first = (_cm2_best("f16", CM2_CHOICES["f16"], M, N, K, nosplit)[0]
-             + pass_bytes * DQ16_UNITS_PER_BYTE + DQ16_FIXED_UNITS)
-    return first < direct
-
-
-def _wave_cost(tile: Any, M: int, N: int, K: int, wave: int, eff: float, nosplit: bool,
-               quantum: int = 0) -> tuple[float, int]:
-    """(modelled time, K elements per split or 0) of the best split of SPLITK_COUNTS for
-    ``tile`` (only one range when ``nosplit``), ranges whole multiples of ``quantum`` (default
-    the tile's BK): waves of ``wave`` workgroups, each wave as long as one workgroup's BM x BN x
-    K-range work / ``eff``, plus SPLITK_FIXED_K per split."""
-    best: tuple[float, int] | None = None
-    for n in (1,) if nosplit else SPLITK_COUNTS:
-        got = _split_cost(tile, M, N, K, n, wave, eff, quantum or tile.bk)
-        if got is not None and (best is None or got[0] < best[0]):
-            best = got
-    assert best is not None
-    return best
-
 
 class _Scratch:
     """A device's buffer for one kind of intermediate (``splitk``: split-K partial products;
@@ -969,81 +326,8 @@ class _Scratch:
         self.buffers.clear()
         self.device.__dict__.pop(f"_{self.kind}_scratch", None)
 
+
 PATHS = ("vec", "tiled", "coopmat")
-
-# VkComponentTypeKHR / VkScopeKHR values
-_FLOAT16, _FLOAT32, _SCOPE_WORKGROUP, _SCOPE_SUBGROUP = 0, 1, 2, 3
-_SUBGROUP_ARITHMETIC = 0x4
-_STAGE_COMPUTE = 0x20
-
-
-def coopmat_supported(device: Device) -> bool:
-    """Whether ``device`` can run the coopmat kernels: the cooperativeMatrix feature, an
-    f16 x f16 -> f32 16x16x16 subgroup shape, f16 arithmetic, the Vulkan memory model, and
-    subgroup size 32 (the kernels' layout)."""
-    f = device.features
-    if not all(f.get(x) for x in ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel",
-                                  "subgroupSizeControl")):
-        return False
-    p = device.physical
-    if not (p.min_subgroup_size <= COOP_SUBGROUP <= p.max_subgroup_size):
-        return False
-    if not all(coop_tile_fits(COOP_TILES[COOP_CONFIG[t]], device) for t in TYPES):
-        return False  # the default tilings' workgroups exceed the device's limits
-    return any(s.m == 16 and s.n == 16 and s.k == 16 and s.a_type == _FLOAT16 and s.b_type == _FLOAT16
-               and s.c_type == _FLOAT32 and s.result_type == _FLOAT32 and s.scope == _SCOPE_SUBGROUP
-               for s in p.coopmat_shapes)
-
-
-def coopmat_available(device: Device) -> bool:
-    """coopmat_supported and ``coopmat`` not switched off for ``device``."""
-    return "coopmat" not in _disabled(device) and coopmat_supported(device)
-
-
-def coopmat2_supported(device: Device) -> bool:
-    """Whether ``device`` runs mul_mat_cm2: VK_NV_cooperative_matrix2 enabled with the features
-    the kernel needs (Device enables it only with all of them), and an f16 x f16 -> f32
-    workgroup-scope flexible shape whose granularities divide the default tiling at its
-    workgroup size (cm2_choose leaves out other tilings the device has no shape for)."""
-    if not getattr(device, "coopmat2", False) or not all(device.features.get(f) for f in _CM2_REQUIRES):
-        return False
-    return all(cm2_tile_supported(device, tile) for tile in (CM2_TILES[CM2_DEFAULT],))
-
-
-def cm2_tile_supported(device: Device, tile: Cm2Tile) -> bool:
-    """An f16 x f16 -> f32 workgroup-scope flexible shape of ``tile.threads`` invocations whose
-    granularities divide the tile (A: BW x BK, B: BK x BX, accumulator BW x BX)."""
-    return any(f.scope == _SCOPE_WORKGROUP and f.a_type == _FLOAT16 and f.b_type == _FLOAT16
-               and f.c_type == _FLOAT32 and f.result_type == _FLOAT32
-               and f.workgroup_invocations == tile.threads
-               and tile.bw % f.m_granularity == 0 and tile.bx % f.n_granularity == 0
-               and tile.bk % f.k_granularity == 0
-               for f in getattr(device.physical, "coopmat2_flex", []))
-
-
-def coopmat2_available(device: Device) -> bool:
-    """coopmat2_supported, and neither ``coopmat`` nor ``coopmat2`` switched off for ``device``."""
-    return not ({"coopmat", "coopmat2"} & _disabled(device)) and coopmat2_supported(device)
-
-
-def cm2_eligible(device: Device, t: str, w: Bindable) -> bool:
-    """Whether a product of ``t`` weights bound as ``w`` runs mul_mat_cm2 on ``device``: a
-    CM2_TYPES type, the kernel available, and the weights in a block created for device
-    addresses (the decode functions take a pointer into it; exported or imported blocks, such
-    as an arena shared with an attached backend, are not: those products keep mul_mat_coopmat)."""
-    if t not in CM2_TYPES or not coopmat2_available(device):
-        return False
-    buf = w.buffer if isinstance(w, View) else w
-    return bool(getattr(getattr(buf, "block", None), "device_address", False))
-
-
-def vec_supported(device: Device) -> bool:
-    """The mat-vec kernel reduces with subgroup arithmetic in compute shaders."""
-    return _vec_ok(device.physical)
-
-
-def _vec_ok(p: Any) -> bool:
-    return bool(p.subgroup_ops & _SUBGROUP_ARITHMETIC) and bool(p.subgroup_stages & _STAGE_COMPUTE)
 
 
 def _grid(path: str, wt: WeightType, M: int, N: int, variant: str | None = None) -> tuple[int, int, int]:
@@ -1080,23 +364,19 @@ def check_mul_mat(w_type: TypeLike | WeightType, M: int, N: int, K: int, path: s
         raise KernelError(f"{name}: the weight tensor is 4 GiB or more; byte offsets are 32-bit")
     if path is not None and path not in PATHS:
         raise KernelError(f"{name}: unknown path {path!r} (one of {', '.join(PATHS)})")
+    kc = None if device is None else kernels_for(device)
     if path is None:
-        if M <= MAX_VEC_M and (device is None or vec_supported(device)):
-            path = "vec"
-        elif device is not None and coopmat_available(device):
-            path = "coopmat"
-        else:
-            path = "tiled"
+        path = ("vec" if M <= MAX_VEC_M else "tiled") if kc is None else kc.path(M)
     elif path == "vec":
         if M > MAX_VEC_M:
             raise KernelError(f"{name}: the mat-vec path handles M <= {MAX_VEC_M}")
-        if device is not None and not vec_supported(device):
+        if kc is not None and not kc.vec:
             raise KernelError(f"{name}: the mat-vec path needs subgroup arithmetic in compute shaders, "
                               f"which '{device.name}' lacks")
-    elif path == "coopmat" and device is not None:
-        if "coopmat" in _disabled(device):
+    elif path == "coopmat" and kc is not None:
+        if "coopmat" in kc.disabled:
             raise KernelError(f"{name}: the coopmat path is switched off (VKXSPLIT_DISABLE=coopmat)")
-        if not coopmat_supported(device):
+        if not kc.coopmat:
             raise KernelError(f"{name}: '{device.name}' has no f16 16x16x16 subgroup cooperative "
                               "matrices with subgroup size 32")
     gx, gy, _ = _grid(path, wt, M, N)
@@ -1145,18 +425,12 @@ def _check_bindings(name: str, wt: WeightType, w: Bindable, x: Bindable, y: Bind
     if M and (y_offset + (M - 1) * y_stride + y_col + N) * 4 > y_size:
         raise KernelError(f"{name}: y ({M} rows of stride {y_stride} from {y_offset}, columns "
                           f"{y_col}..{y_col + N}) does not fit its binding ({y_size} bytes)")
-    if _overlap(y, w) or _overlap(y, x):
+    if bindings_overlap(y, w) or bindings_overlap(y, x):
         raise KernelError(f"{name}: y overlaps x or the weights")
     for v in (x_offset + (M - 1) * x_stride + K, y_offset + (M - 1) * y_stride + y_col + N):
         if v >= 1 << 32:
             raise KernelError(f"{name}: element offsets exceed 32 bits")
     return x_off, y_off
-
-
-def _overlap(a: Bindable, b: Bindable) -> bool:
-    _, oa, sa, ba = as_range(a)
-    _, ob, sb, bb = as_range(b)
-    return ba == bb and oa < ob + sb and ob < oa + sa
 
 
 def _dq16_rows(dev: Device, name: str, nbytes: int, forced: bool) -> Any:
@@ -1199,15 +473,17 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     ``k_split`` (coopmat only): K elements per split, a multiple of the tile's BK; the partial
     products go to the device's split-K scratch and ``reduce_splitk_f32`` sums them into y;
     pinned without ``coop_variant``, the type's default tiling runs it. None: without
-    ``coop_variant`` :func:`coop_choose` picks tiling and split, with a real one
-    :func:`coop_k_split` picks the split (never for emulated variants, nor where ``splitk``
-    is switched off for the device); 0: no split.
+    ``coop_variant`` the device's :meth:`~vkxsplit.ops.choose.DeviceKernels.matmat` picks
+    tiling and split, with a real one its ``coop_k_split`` / ``cm2_k_split`` picks the split
+    (never for emulated variants, nor where ``splitk`` is switched off for the device); 0: no
+    split.
 
     ``dq16`` (coopmat path, quantized weights, coopmat2 devices): True decodes W's N rows to f16
-    first and runs mul_mat_cm2's F16 kernel on them (dq16_chosen's model otherwise: None; False
+    first and runs mul_mat_cm2's F16 kernel on them (the device's model otherwise: None; False
     never)."""
     wt = weight_type(w_type)
     dev = seq.device
+    kc = kernels_for(dev)
     if vec_variant is not None:
         if (path not in (None, "vec") or not vec_variant.startswith(f"mul_mat_vec_{wt.name}_f32")
                 or M > vec_variant_maxm(vec_variant) or _defines(vec_variant, _VEC_SOURCES) is None):
@@ -1221,7 +497,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
                  f"mul_mat_cm2_{wt.name}_f32")):
             raise KernelError(f"coop_variant {coop_variant!r} is not a coopmat variant for "
                               f"{wt.name.upper()} weights (and path must be 'coopmat')")
-    if dq16 and (coop_variant is not None or not dq16_available(dev, wt.name)):
+    if dq16 and (coop_variant is not None or not kc.dq16_available(wt.name)):
         raise KernelError(f"mul_mat[{wt.name.upper()}]: dq16 (dequantize first) needs quantized weights, "
                           f"VK_NV_cooperative_matrix2 (not disabled) and no coop_variant")
     emulated = coop_variant is not None and _is_emulated(coop_variant)
@@ -1233,7 +509,7 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
         raise KernelError(f"vec_variant {vec_variant!r} needs K % {WIDE_K} == 0 (16-byte aligned rows "
                           f"of whole 8-block groups), got K = {K}")
     if path == "vec" and vec_variant is None:
-        vec_variant = device_vec_variant(dev, wt.name, M)
+        vec_variant = kc.matvec(wt.name, M)
     name = f"mul_mat[{wt.name.upper()}, M={M}, N={N}, K={K}]"
     x_stride, y_col, y_stride = _layout(name, M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset,
                                         y_col_offset)
@@ -1249,30 +525,27 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     if wt.quantized or K % (8 if path == "vec" else 4) == 0:
         flags |= FLAG_WVEC
     if path == "vec":
-        kernel = Kernel.get(dev, vec_variant or vec_kernel_name(wt.name, M))
+        kernel = Kernel.get(dev, vec_variant)
     elif path == "tiled":
         kernel = Kernel.get(dev, f"mul_mat_{wt.name}_f32")
     else:
-        if coop_variant is None and dq16 is not False and dq16_available(dev, wt.name) and (
-                dq16 or dq16_chosen(wt.name, M, N, K, dev)):
-            # dequantize first: W's N rows once to f16, then mul_mat_cm2's F16 kernel on them
-            wh = _dq16_rows(dev, name, N * K * 2, forced=bool(dq16))
-            if wh is not None:
-                record_dequant_rows(seq, w, wt, wh, N, K, row0=w_row_offset)
-                w, wt, w_row_offset = wh, TYPES["f16"], 0
-        cm2 = coop_variant is None and cm2_eligible(dev, wt.name, w)
-        if coop_variant is None and k_split is not None:
-            # a pinned split: the default tiling
-            cname, chosen = (cm2_variant_name(wt.name) if cm2 else coop_variant_name(wt.name)), k_split
-        elif cm2:
-            cname, chosen = cm2_choose(wt.name, M, N, K, dev)
-        elif coop_variant is None:
-            cname, chosen = coop_choose(wt.name, M, N, K, dev)
+        if coop_variant is None:
+            pick = kc.matmat(wt.name, M, N, K, addressable=kc.cm2_eligible(wt.name, w), dq16=dq16)
+            if pick.dq16:
+                # dequantize first: W's N rows once to f16, then mul_mat_cm2's F16 kernel on them
+                wh = _dq16_rows(dev, name, N * K * 2, forced=bool(dq16))
+                if wh is None:
+                    pick = kc.matmat(wt.name, M, N, K, addressable=kc.cm2_eligible(wt.name, w), dq16=False)
+                else:
+                    record_dequant_rows(seq, w, wt, wh, N, K, row0=w_row_offset)
+                    w, wt, w_row_offset = wh, TYPES["f16"], 0
+            cname, chosen = pick.variant, pick.k_split
+            if k_split is not None:  # a pinned split: the default tiling
+                cname = cm2_variant_name(wt.name) if _is_cm2(cname) else coop_variant_name(wt.name)
         elif _is_cm2(coop_variant):
-            cname, chosen = coop_variant, cm2_k_split(wt.name, tile, M, N, K, dev)  # type: ignore[arg-type]
+            cname, chosen = coop_variant, kc.cm2_k_split(wt.name, tile, M, N, K)  # type: ignore[arg-type]
         else:
-            cname, chosen = coop_variant, 0 if emulated or splitk_off(dev) else coop_k_split(
-                tile, M, N, K)  # type: ignore[arg-type]
+            cname, chosen = coop_variant, 0 if emulated else kc.coop_k_split(tile, M, N, K)  # type: ignore[arg-type]
         tile = coop_tile(cname)
         assert tile is not None
         if k_split is None:
@@ -1309,15 +582,6 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
     return path
 
 
-__all__ = ["VARIANTS", "VEC_CONFIG", "VEC_CPU_M1", "VEC_MAXM", "VecConfig", "VecqConfig", "CoopTile", "Cm2Tile",
-           "make_vec_variant", "make_vecq_variant", "make_coop_variant", "make_cm2_variant", "vec_m1_name",
-           "vecq_name", "vecq_spec", "coop_tile", "q8_1_reference", "record_mul_mat_vecq", "record_quantize_q8_1",
-           "vecq_scratch_bytes", "check_q8_1_scratch", "vecq_decode", "vecq_fits", "vecq_variant",
-           "VECQ_DEFAULT_M1", "VECQ_GPU_M1_BY_TYPE", "VECQ_GPU_M1_TALL", "VECQ_TYPES", "vecq_for_shape",
-           "vecq_default_config", "VECQ_GPU_TYPES", "record_swiglu_q8_1", "check_mul_mat", "coop_k_split",
-           "cm2_choose", "cm2_variant_name", "coopmat2_available", "coopmat2_supported", "CM2_TILES", "CM2_DEFAULT",
-           "CM2_TYPES", "CM2_CHOICES", "cm2_k_split", "cm2_eligible", "cm2_tile_supported", "dq16_available",
-           "dq16_chosen", "DQ16_DIRECT_COST", "coop_cost", "split_chunk", "coop_choose", "coop_tile_fits",
-           "splitk_off", "COOP_TILES", "COOP_CONFIG", "COOP_WAVE", "SPLITK_FIXED_K", "coopmat_available",
-           "coopmat_supported", "coop_variant_name", "device_vec_variant", "record_mul_mat", "vec_config",
-           "vec_kernel_name", "vec_variant_maxm", "vec_supported", "MAX_VEC_M", "PATHS", "WIDE_K"]
+__all__ = ["MAX_GROUPS", "PATHS", "VARIANTS", "check_mul_mat", "check_q8_1_scratch", "q8_1_reference",
+           "record_mul_mat", "record_mul_mat_vecq", "record_quantize_q8_1", "record_swiglu_q8_1", "vecq_fits",
+           "vecq_scratch_bytes"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..errors import KernelError
 from ..shaders import Variant
 from ..vk.command import Sequence
-from ..vk.kernel import Bindable, Kernel
+from ..vk.kernel import Bindable, Kernel, spans_overlap
 from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
 from .mul_mat import check_q8_1_scratch
 
@@ -95,7 +95,7 @@ def record_add_rms_norm(seq: Sequence, x: Bindable, residual: Bindable, weight: 
         check_operand(f"{op}_{dtype}", o, shape)
     check_alias(f"{op}_{dtype}", xs, rs, shape)
     for other in (xs, rs, w):
-        if _overlaps(d, other):
+        if spans_overlap(d.span(), other.span()):
             raise KernelError(f"{op}_{dtype}: dst overlaps {other.name} (shape {list(shape)})")
     bufs: list[Bindable] = [x, residual, weight, dst]
     if xq is not None:
@@ -109,8 +109,3 @@ def record_add_rms_norm(seq: Sequence, x: Bindable, residual: Bindable, weight: 
     seq.dispatch(k, bufs,
                  (cols, rows, xs.offset, xs.stride, weight_offset, d.offset, d.stride, float(eps),
                   rs.offset, rs.stride), min(rows, MAX_GROUPS))
-
-
-def _overlaps(a: Operand, b: Operand) -> bool:
-    (ab, a0, a1), (bb, b0, b1) = a.span(), b.span()
-    return ab == bb and a0 < b1 and b0 < a1

@@ -309,6 +309,11 @@ class Device:
     def name(self) -> str:
         return self.physical.name
 
+    @property
+    def is_cpu(self) -> bool:
+        """A Vulkan device that runs on the host's cores (lavapipe, SwiftShader)."""
+        return self.physical.is_cpu
+
     def close(self) -> None:
         if self.handle is None:
             return

@@ -48,6 +48,19 @@ def as_range(b: Bindable) -> tuple[Any, int, int, int]:
     return b.handle, b.offset, b.size, b.block._serial
 
 
+def spans_overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    """Whether two (block serial, first byte, end byte) spans share a byte: the overlap rule of
+    the op checks (the same as vkxsplit.graph's ``overlap`` of graph spans)."""
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def bindings_overlap(a: Bindable, b: Bindable) -> bool:
+    """Whether two bindings share a byte (the same block, intersecting byte ranges)."""
+    _, oa, sa, ba = as_range(a)
+    _, ob, sb, bb = as_range(b)
+    return spans_overlap((ba, oa, oa + sa), (bb, ob, ob + sb))
+
+
 class Kernel:
     def __init__(self, device: Device, name: str) -> None:
         meta = shaders.variant_meta(name)
