@@ -27,6 +27,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from .errors import EnvironmentProblem, ModelError
+from .gguf_header import CORRUPT_HINT, GGUF_MAGIC_BYTES, HEADER_BYTES, describe_path, preparse_header
 
 __all__ = [
     "GGUF_MAGIC_BYTES",
@@ -51,9 +52,6 @@ SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
 #: the converter for this); "neox" rotates (i, i + n_rot/2).
 SUPPORTED_ARCHS: dict[str, str] = {"llama": "norm", "mistral": "norm", "qwen2": "neox"}
 
-GGUF_MAGIC_BYTES = b"GGUF"
-_HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, kv count
-
 #: Per-layer tensors every supported architecture must have (``blk.{i}.{name}.weight``).
 LAYER_TENSORS: tuple[str, ...] = (
     "attn_norm",
@@ -76,8 +74,6 @@ _REQUANT_HINT = (
 )
 
 
-def _describe(path: Path) -> str:
-    return f"GGUF file {str(path)!r}"
 
 
 @dataclass(frozen=True)
@@ -231,7 +227,7 @@ class ModelFile:
             return self.tensors[name]
         except KeyError:
             raise ModelError(
-                f"{_describe(self.path)} has no tensor {name!r}",
+                f"{describe_path(self.path)} has no tensor {name!r}",
                 hint="the file is incomplete or of a different architecture; re-convert it with llama.cpp",
             ) from None
 
@@ -331,7 +327,7 @@ def _get_int(path: Path, reader: GGUFReader, key: str, default: int | None = Non
     if f is None:
         if default is None:
             raise ModelError(
-                f"{_describe(path)} lacks the metadata key {key!r}",
+                f"{describe_path(path)} lacks the metadata key {key!r}",
                 hint="the file is incomplete or was written by an old converter; re-convert it with llama.cpp",
             )
         return default
@@ -339,7 +335,7 @@ def _get_int(path: Path, reader: GGUFReader, key: str, default: int | None = Non
     if isinstance(v, list):  # per-layer arrays (e.g. head_count): must be uniform here
         if not v or any(x != v[0] for x in v):
             raise ModelError(
-                f"{_describe(path)} has per-layer values for {key!r} ({v[:8]}...)",
+                f"{describe_path(path)} has per-layer values for {key!r} ({v[:8]}...)",
                 hint="models with non-uniform layers are not supported",
             )
         v = v[0]
@@ -347,7 +343,7 @@ def _get_int(path: Path, reader: GGUFReader, key: str, default: int | None = Non
         return int(v)
     except (TypeError, ValueError):
         raise ModelError(
-            f"{_describe(path)} has a non-integer value {v!r} for {key!r}",
+            f"{describe_path(path)} has a non-integer value {v!r} for {key!r}",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
         ) from None
 
@@ -368,34 +364,34 @@ def _get_str(reader: GGUFReader, key: str, default: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # loading
 
-
 def _open_reader(path: Path) -> tuple[GGUFReader, int]:
     if not path.exists():
         raise ModelError(
-            f"{_describe(path)} does not exist",
+            f"{describe_path(path)} does not exist",
             hint="check the path; the default model is found with vkxsplit.gguf_model.default_model_path()",
         )
     if not path.is_file():
-        raise ModelError(f"{_describe(path)} is not a regular file", hint="pass the path of a .gguf file")
+        raise ModelError(f"{describe_path(path)} is not a regular file", hint="pass the path of a .gguf file")
     size = path.stat().st_size
     with path.open("rb") as fh:
-        head = fh.read(_HEADER_BYTES)
+        head = fh.read(HEADER_BYTES)
     if size == 0:
         raise ModelError(
-            f"{_describe(path)} is empty (0 bytes)",
+            f"{describe_path(path)} is empty (0 bytes)",
             hint="the download or copy failed; fetch the file again",
         )
     if head[:4] != GGUF_MAGIC_BYTES:
         raise ModelError(
-            f"{_describe(path)} is not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC_BYTES!r})",
+            f"{describe_path(path)} is not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC_BYTES!r})",
             hint="pass a .gguf model file (convert safetensors/PyTorch checkpoints with llama.cpp's "
             "convert_hf_to_gguf.py)",
         )
-    if len(head) < _HEADER_BYTES:
+    if len(head) < HEADER_BYTES:
         raise ModelError(
-            f"{_describe(path)} is truncated: {size} bytes is shorter than the GGUF header",
+            f"{describe_path(path)} is truncated: {size} bytes is shorter than the GGUF header",
             hint="the download or copy was cut short; fetch the file again",
         )
+    header = preparse_header(path, size)  # gguf-py only ever sees a header that passed
     try:
         reader = GGUFReader(path, "r")
     except ValueError as e:
@@ -409,20 +405,26 @@ def _open_reader(path: Path) -> tuple[GGUFReader, int]:
         else:
             cause = f"is corrupt or truncated ({msg})"
         raise ModelError(
-            f"{_describe(path)} {cause}",
+            f"{describe_path(path)} {cause}",
             hint="the download or copy may be cut short or damaged; fetch it again",
         ) from e
     except IndexError as e:  # a read past the end of the memory map
         raise ModelError(
-            f"{_describe(path)} is truncated: its header runs past the end of the file ({size} bytes)",
+            f"{describe_path(path)} is truncated: its header runs past the end of the file ({size} bytes)",
             hint="the download or copy was cut short; fetch the file again",
         ) from e
     except (KeyError, UnicodeDecodeError, OverflowError, TypeError, MemoryError) as e:
         raise ModelError(
-            f"{_describe(path)} is truncated or corrupt: its header could not be parsed "
+            f"{describe_path(path)} is truncated or corrupt: its header could not be parsed "
             f"({type(e).__name__}: {e})",
             hint="the download or copy may be cut short or damaged; fetch it again",
         ) from e
+    if int(reader.data_offset) != header.data_offset or len(reader.tensors) != header.n_tensors:
+        raise ModelError(  # two parsers disagree: trust neither
+            f"{describe_path(path)}: gguf-py reads its header differently from vkxsplit's check (data at "
+            f"{int(reader.data_offset)} vs {header.data_offset}, {len(reader.tensors)} vs {header.n_tensors} tensors)",
+            hint=CORRUPT_HINT,
+        )
     return reader, size
 
 
@@ -435,20 +437,20 @@ def _build_tensors(path: Path, reader: GGUFReader, size: int) -> dict[str, Tenso
         n_dims = len(dims)
         if n_dims < 1 or n_dims > 4 or any(d <= 0 for d in dims):
             raise ModelError(
-                f"{_describe(path)}: tensor {rt.name!r} has an invalid shape {dims}",
+                f"{describe_path(path)}: tensor {rt.name!r} has an invalid shape {dims}",
                 hint="the file is corrupt; fetch or re-convert it",
             )
         ne = (dims + [1, 1, 1, 1])[:4]
         if qt not in SUPPORTED_TYPES:
             raise ModelError(
-                f"{_describe(path)}: tensor {rt.name!r} has weight type {qt.name}, which vkxsplit has no "
+                f"{describe_path(path)}: tensor {rt.name!r} has weight type {qt.name}, which vkxsplit has no "
                 f"kernel for (supported: {_SUPPORTED_NAMES})",
                 hint=_REQUANT_HINT,
             )
         block, tsize = GGML_QUANT_SIZES[qt]
         if ne[0] % block:
             raise ModelError(
-                f"{_describe(path)}: tensor {rt.name!r} has rows of {ne[0]} elements, not a multiple of the "
+                f"{describe_path(path)}: tensor {rt.name!r} has rows of {ne[0]} elements, not a multiple of the "
                 f"{qt.name} block size {block}",
                 hint="the file is corrupt; fetch or re-convert it",
             )
@@ -457,13 +459,13 @@ def _build_tensors(path: Path, reader: GGUFReader, size: int) -> dict[str, Tenso
         offset = int(rt.data_offset)
         if offset < reader.data_offset or offset + nbytes > size:
             raise ModelError(
-                f"{_describe(path)} is truncated: tensor {rt.name!r} needs bytes {offset}..{offset + nbytes} "
+                f"{describe_path(path)} is truncated: tensor {rt.name!r} needs bytes {offset}..{offset + nbytes} "
                 f"but the file has {size} bytes",
                 hint="the download or copy was cut short; fetch the file again",
             )
         if (offset - reader.data_offset) % int(reader.alignment):
             raise ModelError(
-                f"{_describe(path)}: tensor {rt.name!r} data at offset {offset} is not aligned to "
+                f"{describe_path(path)}: tensor {rt.name!r} data at offset {offset} is not aligned to "
                 f"{int(reader.alignment)} bytes",
                 hint="the file is corrupt; fetch or re-convert it",
             )
@@ -490,7 +492,7 @@ def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, 
     n_ctx = _get_int(path, reader, p + "context_length", 2048)
     if min(n_embd, n_layer, n_head, n_head_kv, n_ff) <= 0 or n_head % n_head_kv:
         raise ModelError(
-            f"{_describe(path)} has inconsistent hyperparameters (n_embd={n_embd}, n_layer={n_layer}, "
+            f"{describe_path(path)} has inconsistent hyperparameters (n_embd={n_embd}, n_layer={n_layer}, "
             f"n_head={n_head}, n_head_kv={n_head_kv}, n_ff={n_ff})",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
         )
@@ -507,7 +509,7 @@ def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, 
     n_rot = _get_int(path, reader, p + "rope.dimension_count", head_dim)
     if n_rot > head_dim or n_rot % 2:
         raise ModelError(
-            f"{_describe(path)} has rope.dimension_count={n_rot} for heads of {head_dim}",
+            f"{describe_path(path)} has rope.dimension_count={n_rot} for heads of {head_dim}",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
         )
     # llama.cpp: rope.scale_linear (old) or rope.scaling.factor (new); freq_scale = 1/factor
@@ -567,7 +569,7 @@ def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise ModelError(
-            f"{_describe(path)} lacks required tensors: {shown}",
+            f"{describe_path(path)} lacks required tensors: {shown}",
             hint="the file is incomplete or not a llama-family model; re-convert it with llama.cpp",
         )
     for name, want in expected.items():
@@ -575,7 +577,7 @@ def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied
         got = tuple(d for d in t.ne[: max(t.n_dims, len(want))])
         if got != want:
             raise ModelError(
-                f"{_describe(path)}: tensor {name!r} has shape (ne) {list(got)} but the hyperparameters "
+                f"{describe_path(path)}: tensor {name!r} has shape (ne) {list(got)} but the hyperparameters "
                 f"need {list(want)}",
                 hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
             )
@@ -584,15 +586,41 @@ def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied
             t = tensors.get(f"blk.{i}.{b}.bias")
             if t is not None and t.n_elements != width:
                 raise ModelError(
-                    f"{_describe(path)}: bias {t.name!r} has {t.n_elements} elements, expected {width}",
+                    f"{describe_path(path)}: bias {t.name!r} has {t.n_elements} elements, expected {width}",
                     hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
                 )
     rf = tensors.get("rope_freqs.weight")
     if rf is not None and rf.n_elements != hp.n_rot // 2:
         raise ModelError(
-            f"{_describe(path)}: rope_freqs.weight has {rf.n_elements} elements, expected {hp.n_rot // 2}",
+            f"{describe_path(path)}: rope_freqs.weight has {rf.n_elements} elements, expected {hp.n_rot // 2}",
             hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
         )
+
+
+def _check_vocab(path: Path, reader: GGUFReader, tensors: dict[str, TensorInfo], tied: bool) -> None:
+    """The vocabulary (``tokenizer.ggml.tokens``) must have one token per row of the embedding and
+    output matrices, as llama.cpp requires: a token id with no text (a smaller vocabulary) cannot
+    be printed, and a text whose id has no row (a larger one) cannot be embedded."""
+    f = reader.fields.get("tokenizer.ggml.tokens")
+    if f is None:
+        return  # no tokenizer: load_model works, Tokenizer.from_model_file says what is missing
+    if len(f.types) != 2 or f.types[0] != GGUFValueType.ARRAY or f.types[1] != GGUFValueType.STRING:
+        raise ModelError(
+            f"{describe_path(path)}: tokenizer.ggml.tokens is not an array of strings "
+            f"({'/'.join(t.name for t in f.types)})",
+            hint="the file's tokenizer metadata is corrupt; re-convert the model with llama.cpp",
+        )
+    n_tokens = len(f.data)
+    for name in ("token_embd.weight",) + (() if tied else ("output.weight",)):
+        t = tensors.get(name)
+        if t is not None and t.n_dims >= 2 and t.rows != n_tokens:
+            less = "fewer" if n_tokens < t.rows else "more"
+            raise ModelError(
+                f"{describe_path(path)} has {n_tokens} tokens in tokenizer.ggml.tokens, {less} than the "
+                f"{t.rows} rows of {name}: the vocabulary does not match the model",
+                hint="the file's tokenizer and weights come from different models, or it is corrupt "
+                "(llama.cpp refuses it too); re-convert the model with llama.cpp",
+            )
 
 
 def load_model(path: str | Path) -> ModelFile:
@@ -602,19 +630,20 @@ def load_model(path: str | Path) -> ModelFile:
     f_arch = reader.fields.get("general.architecture")
     if f_arch is None:
         raise ModelError(
-            f"{_describe(path)} lacks general.architecture",
+            f"{describe_path(path)} lacks general.architecture",
             hint="the file is not a model (or was written by a very old converter); re-convert it",
         )
     arch = str(_field_value(f_arch))
     if arch not in SUPPORTED_ARCHS:
         raise ModelError(
-            f"{_describe(path)} has architecture {arch!r}, which vkxsplit does not run "
+            f"{describe_path(path)} has architecture {arch!r}, which vkxsplit does not run "
             f"(supported: {', '.join(SUPPORTED_ARCHS)})",
             hint="use a llama-family model (llama, mistral, qwen2) in GGUF form",
         )
     tensors = _build_tensors(path, reader, size)
     hp = _read_hparams(path, reader, arch, tensors)
     tied = "output.weight" not in tensors
+    _check_vocab(path, reader, tensors, tied)
     _check_tensors(path, hp, tensors, tied)
     return ModelFile(
         path=path,

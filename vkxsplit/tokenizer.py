@@ -21,12 +21,18 @@ split over several tokens.
 from __future__ import annotations
 
 import codecs
-import datetime
-import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from .chat_template import (
+    CHATML_TEMPLATE,
+    TEMPLATE_MAX_CHARS,
+    TEMPLATE_MAX_STEPS,
+    TEMPLATE_TIME_LIMIT_S,
+    compile_template,
+    render_template,
+)
 from .errors import ModelError
 
 if TYPE_CHECKING:
@@ -36,6 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "TEMPLATE_MAX_CHARS",
+    "TEMPLATE_MAX_STEPS",
+    "TEMPLATE_TIME_LIMIT_S",
     "TOKEN_BYTE",
     "TOKEN_CONTROL",
     "TOKEN_NORMAL",
@@ -98,15 +107,6 @@ EOT_TEXTS = frozenset(
         "<｜end▁of▁sentence｜>",
     }
 )
-
-#: Used when the file has no tokenizer.chat_template (llama.cpp's default is ChatML too).
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
 
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
@@ -461,25 +461,16 @@ class Tokenizer:
 
     def _compiled_template(self) -> Any:
         if self._template is None:
-            from jinja2.exceptions import TemplateError
-
-            env = _chat_environment()
-            try:
-                self._template = env.from_string(self.chat_template or CHATML_TEMPLATE)
-            except TemplateError as e:
-                raise ModelError(
-                    f"{self.source}: tokenizer.chat_template does not compile ({e})",
-                    hint="pass messages already rendered to text, or fix the model's chat template",
-                ) from e
+            self._template = compile_template(self.chat_template or CHATML_TEMPLATE, self.source)
         return self._template
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the model's chat template
-        (ChatML when the file has none), in a sandboxed jinja2 environment."""
-        from jinja2.exceptions import TemplateError
-
+        (ChatML when the file has none), in the bounded sandbox of :mod:`vkxsplit.chat_template`:
+        a template past its time, size or recursion limits, or failing in any other way, raises
+        :class:`ModelError`."""
         tmpl = self._compiled_template()
         ctx: dict[str, Any] = {
             "bos_token": self.bos_text,
@@ -490,13 +481,7 @@ class Tokenizer:
         ctx.update(kwargs)
         ctx["messages"] = [dict(m) for m in messages]
         ctx["add_generation_prompt"] = add_generation_prompt
-        try:
-            return str(tmpl.render(**ctx))
-        except TemplateError as e:
-            raise ModelError(
-                f"{self.source}: the chat template rejected the messages: {e}",
-                hint="check the roles and order of the messages (many templates need user/assistant to alternate)",
-            ) from e
+        return render_template(tmpl, ctx, self.source)
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -536,34 +521,3 @@ class StreamDecoder:
         out = self._dec.decode(b"", final=True)
         self._dec.reset()
         return out
-
-
-# ---- jinja2 ---------------------------------------------------------------------------------
-
-
-def _raise_exception(message: str) -> None:
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-def _tojson(
-    value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
-) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=1)
-def _chat_environment() -> Any:
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env

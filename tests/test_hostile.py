@@ -1,0 +1,460 @@
+"""Hostile inputs: GGUF files and chat templates made to hang, exhaust memory or crash the loader.
+
+The corpus is generated here (a small valid file written with GGUFWriter, then edited byte by
+byte), never checked in. Every hostile input must be refused with a ModelError naming the cause,
+within 5 s and with under 200 MB of memory growth (measured in a child process: its peak RSS);
+``vkxsplit run`` on one must exit non-zero with a one-line cause and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gguf import GGUFValueType, GGUFWriter
+from test_gguf_model import write_tiny
+
+from vkxsplit import gguf_header
+from vkxsplit.errors import ModelError
+from vkxsplit.gguf_header import GGUF_MAX_ARRAY_DEPTH
+from vkxsplit.gguf_model import load_model
+from vkxsplit.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, Tokenizer
+
+LIMIT_S = 5.0
+LIMIT_MB = 200
+ROOT = Path(__file__).resolve().parent.parent
+
+# ---- the base file and its byte layout -----------------------------------------------------------
+
+
+def _base_kv(w: GGUFWriter) -> None:
+    w.add_array("hostile.arr", [1, 2, 3, 4])  # an int array whose count we edit
+    w.add_string("hostile.str", "abcdefgh")  # a string whose length we edit
+    w.add_array("hostile.nested", [[1, 2], [3]])  # an array of arrays (depth 2: accepted)
+    w.add_key_value("hostile.u8", [1, 2, 3], GGUFValueType.ARRAY, GGUFValueType.UINT8)  # gguf-py hangs on a huge u8 count
+
+
+def write_base(path: Path) -> Path:
+    return write_tiny(path, extra_kv=_base_kv)
+
+
+def _after(data: bytes, marker: bytes) -> int:
+    """Offset just past the one occurrence of a length-prefixed ``marker`` string in the header."""
+    needle = struct.pack("<Q", len(marker)) + marker
+    i = data.find(needle)
+    assert i > 0 and data.find(needle, i + 1) < 0, marker
+    return i + len(needle)
+
+
+def _tensor_fields(data: bytes, name: str) -> dict[str, int]:
+    """Offsets of the n_dims, dims, type and offset fields of tensor ``name``'s info."""
+    p = _after(data, name.encode())
+    n_dims = struct.unpack_from("<I", data, p)[0]
+    return {"n_dims": p, "dims": p + 4, "type": p + 4 + 8 * n_dims, "offset": p + 8 + 8 * n_dims}
+
+
+def _u64(data: bytes, at: int) -> int:
+    return struct.unpack_from("<Q", data, at)[0]
+
+
+def _put(data: bytes, at: int, fmt: str, value: int) -> bytes:
+    b = bytearray(data)
+    struct.pack_into(fmt, b, at, value)
+    return bytes(b)
+
+
+def _nested_file(depth: int) -> bytes:
+    """A hand-made header: one key whose value nests arrays ``depth`` deep (one element each)."""
+    key = b"deep"
+    body = struct.pack("<Q", len(key)) + key + struct.pack("<I", 9)
+    body += struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQ", 0, 1) + b"\x07"
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body
+
+
+# name -> (edit of the base file's bytes, fragment the error must contain)
+Edit = Callable[[bytes], bytes]
+
+
+def _arr_count(n: int) -> Edit:
+    return lambda d: _put(d, _after(d, b"hostile.arr") + 8, "<Q", n)
+
+
+def _str_len(n: int) -> Edit:
+    return lambda d: _put(d, _after(d, b"hostile.str") + 4, "<Q", n)
+
+
+def _tensor(name: str, field: str, fmt: str, value: Callable[[bytes, dict[str, int]], int]) -> Edit:
+    def edit(d: bytes) -> bytes:
+        f = _tensor_fields(d, name)
+        return _put(d, f[field], fmt, value(d, f))
+
+    return edit
+
+
+_Q, _K, _V = "blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"
+
+
+def _rename(d: bytes, old: str, new: str) -> bytes:
+    assert len(old) == len(new)
+    return d.replace(struct.pack("<Q", len(old)) + old.encode(), struct.pack("<Q", len(new)) + new.encode(), 1)
+
+
+HOSTILE_FILES: dict[str, tuple[Edit, str]] = {
+    "u8_array_count_2^40": (lambda d: _put(d, _after(d, b"hostile.u8") + 8, "<Q", 1 << 40), "claims 1099511627776"),
+    "array_count_2^40": (_arr_count(1 << 40), "claims 1099511627776 elements"),
+    "array_count_past_end": (_arr_count(1 << 26), "only"),
+    "string_len_2^40": (_str_len(1 << 40), "claims 1099511627776 bytes"),
+    "string_len_past_end": (_str_len(1 << 20), "truncated or corrupt"),
+    "tensor_count_2^40": (lambda d: _put(d, 8, "<Q", 1 << 40), "declares 1099511627776 tensors"),
+    "kv_count_2^40": (lambda d: _put(d, 16, "<Q", 1 << 40), "declares 1099511627776 key-value pairs"),
+    "tensor_count_plus_one": (lambda d: _put(d, 8, "<Q", _u64(d, 8) + 1), "corrupt"),
+    "n_dims_5": (_tensor(_Q, "n_dims", "<I", lambda d, f: 5), "has 5 dimensions"),
+    "n_dims_2^31": (_tensor(_Q, "n_dims", "<I", lambda d, f: 1 << 31), "dimensions (at most 4)"),
+    "dim_product_overflow": (_tensor(_Q, "dims", "<Q", lambda d, f: 1 << 62), "does not fit in 63 bits"),
+    "dim_negative": (_tensor(_Q, "dims", "<Q", lambda d, f: (1 << 64) - 64), "does not fit in 63 bits"),
+    "offset_past_end": (_tensor(_Q, "offset", "<Q", lambda d, f: 1 << 40), "needs bytes"),
+    "offset_misaligned": (_tensor(_K, "offset", "<Q", lambda d, f: _u64(d, f["offset"]) + 4), "not aligned"),
+    "offset_overlapping": (
+        _tensor(_K, "offset", "<Q", lambda d, f: _u64(d, _tensor_fields(d, _Q)["offset"])),
+        "overlaps tensor",
+    ),
+    "offset_gap": (_tensor(_K, "offset", "<Q", lambda d, f: _u64(d, f["offset"]) + 32), "expected"),
+    "unknown_ggml_type": (_tensor(_Q, "type", "<I", lambda d, f: 999), "ggml type id 999"),
+    "invalid_value_type": (lambda d: _put(d, _after(d, b"hostile.str"), "<I", 77), "invalid value type 77"),
+    "duplicate_key": (lambda d: _rename(d, "hostile.str", "hostile.arr"), "appears twice"),
+    "duplicate_tensor": (lambda d: _rename(d, _K, _V), "appears twice"),
+    "name_too_long": (lambda d: _put(d, _after(d, _Q.encode()) - len(_Q) - 8, "<Q", 200), "at most 63"),
+    "version_1": (lambda d: _put(d, 4, "<I", 1), "GGUFv1"),
+    "version_big_endian": (lambda d: _put(d, 4, "<I", 3 << 24), "big-endian"),
+    "version_99": (lambda d: _put(d, 4, "<I", 99), "unsupported GGUF version 99"),
+    "nested_depth_3": (lambda d: _nested_file(3), f"deeper than {GGUF_MAX_ARRAY_DEPTH}"),
+    "nested_depth_100000": (lambda d: _nested_file(100_000), "deeper than"),
+}
+#: cut lengths of the truncated-file variants (fractions of the file)
+TRUNCATIONS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.9, 0.99)
+
+
+def _write_vocab_short(path: Path, n_tokens: int = 90) -> Path:
+    def kv(w: GGUFWriter) -> None:
+        toks = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(n_tokens - 3)]
+        w.add_tokenizer_model("llama")
+        w.add_token_list(toks)
+        w.add_token_types([TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL] + [TOKEN_NORMAL] * (n_tokens - 3))
+        w.add_token_scores([0.0] * n_tokens)
+
+    return write_tiny(path, n_vocab=100, extra_kv=kv)
+
+
+def make_corpus(d: Path) -> dict[str, tuple[Path, str]]:
+    """Write every hostile file into ``d``: name -> (path, fragment its error must contain)."""
+    base = write_base(d / "base.gguf").read_bytes()
+    out: dict[str, tuple[Path, str]] = {}
+    for name, (edit, frag) in HOSTILE_FILES.items():
+        p = d / f"{name}.gguf"
+        p.write_bytes(edit(base))
+        out[name] = (p, frag)
+    for frac in TRUNCATIONS:
+        p = d / f"truncated_{frac}.gguf"
+        p.write_bytes(base[: int(len(base) * frac)])
+        out[p.stem] = (p, "truncated")
+    out["vocab_smaller_than_embedding"] = (_write_vocab_short(d / "vocab.gguf"), "fewer than the 100 rows")
+    out["vocab_larger_than_embedding"] = (_write_vocab_short(d / "vocab2.gguf", 110), "more than the 100 rows")
+    return out
+
+
+# ---- hostile chat templates ----------------------------------------------------------------------
+
+HOSTILE_TEMPLATES: dict[str, tuple[str, str]] = {
+    "nested_huge_loops": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "steps",
+    ),
+    "nested_loops_over_list": (
+        "{% set l = range(100000)|list %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}",
+        "steps",
+    ),
+    "string_times_4e9": ("{{ 'a' * 4000000000 }}", "repeated sequence"),
+    "range_1e9": ("{{ range(10**9) }}", "range of more than"),
+    "range_1e30": ("{% for i in range(10**30) %}{% endfor %}", "range of more than"),
+    "macro_recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses too deeply"),
+    "macro_fan_out": (
+        "{% macro f(n) %}{% if n < 60 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(0) }}",
+        "longer than",
+    ),
+    "doubling_tilde": (
+        "{% set ns = namespace(s='a') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+        "concatenation",
+    ),
+    "doubling_plus": (
+        "{% set ns = namespace(s=['a']) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+        "concatenation",
+    ),
+    "list_of_big_strings": ("{% set s = 'a' * 4000000 %}{{ [s] * 100000 }}", "repeated sequence"),
+    "output_loop": ("{% set s = 'a' * 4000000 %}{% for i in range(1000) %}{{ s }}{% endfor %}", "output"),
+    "macro_buffer": (
+        "{% set s = 'a' * 4000000 %}{% macro f() %}{% for i in range(100000) %}{{ s ~ i }}{% endfor %}"
+        "{% endmacro %}{{ f() }}",
+        "output",
+    ),
+    "center_filter": ("{{ 'a'|center(4000000000) }}", "centered string"),
+    "ljust_method": ("{{ 'a'.ljust(4000000000) }}", "str.ljust"),
+    "format_width": ("{{ '{:>4000000000}'.format('a') }}", "str.format field"),
+    "percent_width": ("{{ '%4000000000d' % 1 }}", "%-formatted"),
+    "join_separator": ("{{ range(100000)|join('a' * 1000) }}", "joined string"),
+    "replace_amplify": ("{{ ('a' * 100000)|replace('a', 'b' * 1000) }}", "replaced string"),
+    "indent_amplify": ("{{ ('\\n' * 10000)|indent(100000) }}", "indented string"),
+    "batch_fill": ("{{ [1]|batch(1000000000, 'x')|list }}", "linecount"),
+    "int_power": ("{{ 10 ** (10 ** 8) }}", "bits"),
+    "int_squaring": (
+        "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+        "bits",
+    ),
+    "division_by_zero": ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    "deep_source": ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "does not compile"),
+    "lipsum": ("{{ lipsum(10000000) }}", "undefined"),
+}
+
+
+def _tiny_tok(template: str) -> Tokenizer:
+    return Tokenizer(
+        model="llama",
+        tokens=["<unk>", "<s>", "</s>", "\u2581"],
+        token_types=[TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_NORMAL],
+        scores=[0.0, 0.0, 0.0, -1.0],
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        chat_template=template,
+    )
+
+
+def _render(template: str) -> str:
+    return _tiny_tok(template).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# ---- measurements ------------------------------------------------------------------------------------
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _refused(fn: Callable[[], Any]) -> tuple[ModelError, float, float]:
+    """Run ``fn``; it must raise ModelError (nothing else). Returns the error, seconds, RSS growth (MB)."""
+    r0, t0 = _rss_mb(), time.perf_counter()
+    try:
+        fn()
+    except ModelError as e:
+        err = e
+    else:
+        raise AssertionError("accepted")
+    return err, time.perf_counter() - t0, _rss_mb() - r0
+
+
+def corpus_report(d: str) -> None:
+    """(Run in a child process.) Every hostile input, one at a time, with its time and the
+    process's peak RSS growth over the baseline; prints one JSON object."""
+    corpus = make_corpus(Path(d))
+    _render("{{ 1 }}")  # import jinja2 and build the environment before the baseline
+    load_model(write_base(Path(d) / "warm.gguf"))
+    base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rows = []
+    cases: list[tuple[str, Callable[[], Any]]] = [(f"file:{n}", lambda p=p: load_model(p)) for n, (p, _) in corpus.items()]
+    cases += [(f"template:{n}", lambda t=t: _render(t)) for n, (t, _) in HOSTILE_TEMPLATES.items()]
+    for name, fn in cases:
+        t0 = time.perf_counter()
+        try:
+            fn()
+            kind = "accepted"
+        except ModelError:
+            kind = "ModelError"
+        except BaseException as e:  # noqa: BLE001 - reported, then failed by the test
+            kind = type(e).__name__
+        dt = time.perf_counter() - t0
+        peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_kb) / 1024
+        rows.append({"name": name, "kind": kind, "s": round(dt, 3), "peak_growth_mb": round(peak_mb, 1)})
+    print(json.dumps(rows))
+
+
+# ---- tests: the valid base file -------------------------------------------------------------------
+
+
+def test_base_file_loads_with_its_metadata(tmp_path: Path) -> None:
+    """The corpus's starting point is valid: a wrong edit helper would show up here first."""
+    mf = load_model(write_base(tmp_path / "base.gguf"))
+    assert mf.get("hostile.arr") == [1, 2, 3, 4] and mf.get("hostile.str") == "abcdefgh"
+    h = gguf_header.preparse_header(tmp_path / "base.gguf", (tmp_path / "base.gguf").stat().st_size)
+    assert h.kv_types["hostile.nested"] == (9, 9, 2) and mf.has("hostile.nested")  # depth 2: read
+    assert mf.tensor(_Q).shape == (64, 64) and mf.tensor(_K).shape == (32, 64)
+    data = (tmp_path / "base.gguf").read_bytes()
+    # the layout helpers point at what GGUFReader read
+    f = _tensor_fields(data, _K)
+    assert _u64(data, f["dims"]) == 64 and _u64(data, f["offset"]) + mf.reader.data_offset == mf.tensor(_K).offset
+    assert _u64(data, _after(data, b"hostile.arr") + 8) == 4
+    assert struct.unpack_from("<IQ", data, _after(data, b"hostile.u8") + 4) == (0, 3)  # uint8 x 3
+
+
+def test_edits_that_keep_the_file_valid_are_accepted(tmp_path: Path) -> None:
+    """The checks are not over-eager: an edit that keeps the layout (a string's bytes) loads."""
+    base = write_base(tmp_path / "base.gguf").read_bytes()
+    p = tmp_path / "renamed.gguf"
+    p.write_bytes(base.replace(b"abcdefgh", b"ABCDEFGH"))
+    assert load_model(p).get("hostile.str") == "ABCDEFGH"
+
+
+def test_preparse_agrees_with_gguf_reader_on_smol() -> None:
+    from conftest import smol_path
+
+    p = smol_path()
+    h = gguf_header.preparse_header(p, p.stat().st_size)
+    mf = load_model(p)
+    assert h.data_offset == mf.reader.data_offset and len(h.tensors) == len(mf.tensors) == 272
+    for name, (_type, _ne, offset, nbytes) in h.tensors.items():
+        assert (mf.tensors[name].offset, mf.tensors[name].nbytes) == (offset, nbytes)
+    assert h.kv_types["tokenizer.ggml.tokens"] == (9, 8, 49152)
+
+
+def test_synthetic_model_passes(tmp_path: Path) -> None:
+    from vkxsplit.synth import write_synthetic
+
+    mf = load_model(write_synthetic(tmp_path / "s.gguf", "tiny", "q4_0", n_vocab=512, n_layer=1))
+    assert mf.hparams.n_vocab == 512 and mf.token_embd.rows == 512
+
+
+# ---- tests: hostile files ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    return make_corpus(tmp_path_factory.mktemp("hostile"))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [*HOSTILE_FILES, *(f"truncated_{f}" for f in TRUNCATIONS), "vocab_smaller_than_embedding",
+     "vocab_larger_than_embedding"],
+)
+def test_hostile_file_is_refused(corpus: dict[str, tuple[Path, str]], name: str) -> None:
+    path, frag = corpus[name]
+    err, dt, grew = _refused(lambda: load_model(path))
+    assert frag in str(err), str(err)
+    assert str(path) in str(err) and err.hint
+    assert dt < LIMIT_S and grew < LIMIT_MB, (dt, grew)
+
+
+def test_every_prefix_of_the_header_is_refused(tmp_path: Path) -> None:
+    base = write_base(tmp_path / "base.gguf").read_bytes()
+    header_end = _tensor_fields(base, "blk.1.ffn_down.weight")["offset"] + 8
+    p = tmp_path / "cut.gguf"
+    for n in range(24, header_end, 7):
+        p.write_bytes(base[:n])
+        with pytest.raises(ModelError, match="truncated"):
+            load_model(p)
+
+
+# ---- tests: hostile templates ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_TEMPLATES))
+def test_hostile_template_is_refused(name: str) -> None:
+    template, frag = HOSTILE_TEMPLATES[name]
+    err, dt, grew = _refused(lambda: _render(template))
+    assert frag in str(err), str(err)
+    assert "--no-chat" in err.hint
+    assert dt < LIMIT_S and grew < LIMIT_MB, (dt, grew)
+
+
+def test_guarded_environment_renders_like_plain_jinja2() -> None:
+    """The limits change nothing for real templates: SmolLM2's and ChatML, with a conversation."""
+    from conftest import smol_path
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from vkxsplit.tokenizer import CHATML_TEMPLATE
+
+    smol_tmpl = load_model(smol_path()).get("tokenizer.chat_template")
+    tricky = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{{ loop.index }}/{{ loop.length }}{{ m.role|upper ~ ':' ~ m.content|trim }}{{ '%s!' % m.role }}"
+        "{{ '{:>6}'.format(m.role) }}{{ ', '.join([m.role, m.content]) }}{{ m|tojson }}"
+        "{% if not loop.last %}|{% endif %}{% endfor %}{{ ns.n * 2 }}{{ range(3)|join(',') }}"
+        "{{ messages|map(attribute='role')|join(' ') }}{{ 2 ** 10 }}{{ [1, 2] + [3] }}{{ 'ab' * 3 }}"
+    )
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": " Hi é "},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    plain.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
+    for tmpl in (smol_tmpl, CHATML_TEMPLATE, tricky):
+        for gen in (True, False):
+            want = plain.from_string(tmpl).render(messages=msgs, add_generation_prompt=gen, bos_token="<s>",
+                                                  eos_token="</s>", unk_token="<unk>", pad_token="")
+            assert _tiny_tok(tmpl).apply_chat_template(msgs, add_generation_prompt=gen) == want
+
+
+# ---- tests: a child process (peak memory) and the CLI --------------------------------------------------
+
+
+def test_corpus_in_a_child_process_time_and_peak_memory(tmp_path: Path) -> None:
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_hostile; " \
+           f"test_hostile.corpus_report({str(tmp_path)!r})"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(rows) == len(HOSTILE_FILES) + len(TRUNCATIONS) + 2 + len(HOSTILE_TEMPLATES)
+    bad = [r for r in rows if r["kind"] != "ModelError" or r["s"] >= LIMIT_S or r["peak_growth_mb"] >= LIMIT_MB]
+    print("\n".join(f"{r['name']:45s} {r['kind']:10s} {r['s']:6.3f} s  peak +{r['peak_growth_mb']} MB" for r in rows))
+    assert not bad, bad
+
+
+def _cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VKXSPLIT_TRACEBACK": ""}
+    return subprocess.run([sys.executable, "-m", "vkxsplit", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("name", ["array_count_2^40", "offset_overlapping", "vocab_smaller_than_embedding"])
+def test_cli_run_refuses_hostile_file(corpus: dict[str, tuple[Path, str]], name: str) -> None:
+    path, frag = corpus[name]
+    t0 = time.perf_counter()
+    res = _cli(["run", "-m", str(path), "-p", "hi", "-n", "1"])
+    assert time.perf_counter() - t0 < 60
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "Traceback" not in out, out
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("vkxsplit: error: ")]
+    assert len(errors) == 1 and frag in errors[0] and str(path) in errors[0], res.stderr
+    assert "\n  hint: " in res.stderr
+
+
+def test_cli_run_refuses_hostile_template(tmp_path: Path) -> None:
+    """A runnable synthetic model whose chat template loops forever: `run` stops with the cause."""
+    from vkxsplit.synth import write_synthetic
+    from vkxsplit.tokenizer import CHATML_TEMPLATE
+
+    p = write_synthetic(tmp_path / "s.gguf", "tiny", "q4_0", n_vocab=512, n_layer=1)
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    pad = len(CHATML_TEMPLATE) - len(loop) - len("{##}")
+    hostile = loop + "{#" + "x" * pad + "#}"
+    data = p.read_bytes()
+    assert data.count(CHATML_TEMPLATE.encode()) == 1 and len(hostile) == len(CHATML_TEMPLATE)
+    p.write_bytes(data.replace(CHATML_TEMPLATE.encode(), hostile.encode()))
+    res = _cli(["run", "-m", str(p), "-p", "hi", "-n", "1"], timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "Traceback" not in out, out
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("vkxsplit: error: ")]
+    assert len(errors) == 1 and "chat template ran more than" in errors[0], res.stderr
+    assert "--no-chat" in res.stderr
+
