@@ -8,8 +8,9 @@
 # then on the device (device tool, carry [".device"]; .before travels as an untracked folder):
 #   . .device/on-device.sh && bash tools/bench_before_after.sh [SHAPES] [SPLITS]
 # SHAPES default smol135m:q4_1,llama1b:q4_0,llama8b:q4_0; SPLITS default 'none;mode:cuda>=32'.
-# Each shape runs the old tree, then the new one, then llama.cpp's llama-server (when
-# /tmp/llama-vulkan is there) once, through tools/bench_models.py of each tree. Tables and JSON
+# Each shape runs the old tree, then the new one (ORDER=after-first: the other way round, to
+# see an order effect), then llama.cpp's llama-server (when /tmp/llama-vulkan is there) once,
+# through tools/bench_models.py of each tree; REPS repetitions each (default 3). Tables and JSON
 # rows go to $OUT/before_after.md. Remove .before afterwards: it is not part of the project.
 set -uo pipefail
 shapes=${1:-smol135m:q4_1,llama1b:q4_0,llama8b:q4_0}
@@ -24,10 +25,16 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
 # (docs/KERNELS.md); a throwaway run of the smallest shape takes that hit for neither tree.
 timeout 200 python3 tools/bench_models.py --shapes smol135m:q4_1 --splits none -r 1 -p 512 -n 16 \
   --server /nonexistent >/dev/null 2>&1
+before() {
+  echo "## $1: before (.before)" | tee -a "$log"
+  (cd .before && timeout 280 python3 tools/bench_models.py --shapes "$1" --backends cuda --splits "$splits" \
+     -r "${REPS:-3}" --server /nonexistent 2>&1 | tee "$OUT/${1%%:*}_before.log" | tail -n 4) | tee -a "$log"
+}
+after() {
+  echo "## $1: after (checkout)" | tee -a "$log"
+  timeout 280 python3 tools/bench_models.py --shapes "$1" --backends cuda --splits "$splits" -r "${REPS:-3}" 2>&1 \
+    | tee "$OUT/${1%%:*}_after.log" | tail -n 4 | tee -a "$log"
+}
 for s in ${shapes//,/ }; do
-  echo "## $s: before (.before)" | tee -a "$log"
-  (cd .before && timeout 280 python3 tools/bench_models.py --shapes "$s" --backends cuda --splits "$splits" \
-     --server /nonexistent 2>&1 | tee "$OUT/${s%%:*}_before.log" | tail -n 4) | tee -a "$log"
-  echo "## $s: after (checkout)" | tee -a "$log"
-  timeout 280 python3 tools/bench_models.py --shapes "$s" --backends cuda --splits "$splits" 2>&1 | tee "$OUT/${s%%:*}_after.log" | tail -n 4 | tee -a "$log"
+  if [[ ${ORDER:-} == after-first ]]; then after "$s"; before "$s"; else before "$s"; after "$s"; fi
 done
