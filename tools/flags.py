@@ -63,9 +63,8 @@ def record_wait_flag(seq: Sequence, flag: Bindable, target: Bindable, result: Bi
 def link_poll(device: object) -> str:
     """How a wait polls on ``device``: ``volatile`` loads on GPUs, ``atomic`` reads on CPU
     drivers (llvmpipe folds a loop of volatile loads away)."""
-    from vkxsplit.vk.api import vk
 
-    return "atomic" if device.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU else "volatile"  # type: ignore[attr-defined]
+    return "atomic" if device.is_cpu else "volatile"  # type: ignore[attr-defined]
 
 
 def _word(what: str, b: Bindable, words: int = 1) -> None:

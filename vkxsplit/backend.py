@@ -81,6 +81,7 @@ from .attach import (
     stats,
 )
 from .errors import EnvironmentProblem, KernelError, VkxError
+from .ops.quant import ELEM_BYTES, row_bytes, type_info
 from .vk.api import next_serial
 from .vk.event import Timeline, default_timeout
 
@@ -91,26 +92,9 @@ if TYPE_CHECKING:
 # ggml types
 
 
-def ggml_type_info(type_name: str) -> tuple[int, int]:
-    """``(elements per block, bytes per block)`` of a ggml type name (``"q4_0"``, ``"bf16"``...)."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    try:
-        t = GGMLQuantizationType[type_name.upper()]
-    except KeyError:
-        raise KernelError(f"unknown ggml type {type_name!r}") from None
-    return GGML_QUANT_SIZES[t]
-
-
-def row_bytes(type_name: str, k: int) -> int:
-    """Bytes of one row of ``k`` elements of ``type_name`` (``k`` must fill whole blocks)."""
-    block, size = ggml_type_info(type_name)
-    if k % block:
-        raise KernelError(f"a row of {k} elements is not a whole number of {type_name} blocks ({block} each)")
-    return k // block * size
-
-
-_ELEM = {"f32": 4, "f16": 2, "bf16": 2}
+# (the table lives in vkxsplit.ops.quant; these names stay for backends written against them)
+ggml_type_info = type_info
+_ELEM = ELEM_BYTES
 
 #: Op names a backend may list in ``Capabilities.ops`` (the hub's op vocabulary).
 KNOWN_OPS = frozenset({"mul_mat", "add", "mul", "scale", "rms_norm", "norm", "softmax", "rope", "silu",

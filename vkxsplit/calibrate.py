@@ -28,11 +28,11 @@ from .errors import VkxError
 from .executor import Executor, record_graph
 from .graph import Graph
 from .ops.convert import record_convert
+from .ops.quant import ELEM_BYTES as _ELEM
 from .plan.cost import CostModel
 from .plan.planner import Planner
 from .plan.profile import Profile
 from .plan.schedule import HubOp
-from .plan.workspace import ELEM_BYTES as _ELEM
 from .vk.command import Sequence, Timestamps
 from .vk.event import Gate
 

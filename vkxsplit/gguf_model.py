@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from .errors import EnvironmentProblem, ModelError
 from .gguf_header import CORRUPT_HINT, GGUF_MAGIC_BYTES, HEADER_BYTES, describe_path, preparse_header
+from .ops.quant import TYPES, type_info
 
 __all__ = [
     "GGUF_MAGIC_BYTES",
@@ -42,10 +43,8 @@ __all__ = [
 
 Q = GGMLQuantizationType
 
-#: The weight types the kernel library has kernels for.
-SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-)
+#: The weight types the kernel library has kernels for (the type table: vkxsplit.ops.quant).
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(t.ggml for t in TYPES.values())
 
 #: Architectures of the llama family this runtime runs, with their RoPE flavour.
 #: "norm" rotates adjacent pairs (2i, 2i+1) (GGUF llama Q/K weights are already permuted by
@@ -116,12 +115,12 @@ class TensorInfo:
     @property
     def block_size(self) -> int:
         """Elements per quantization block (1 for float types)."""
-        return GGML_QUANT_SIZES[self.ggml_type][0]
+        return type_info(self.ggml_type)[0]
 
     @property
     def type_size(self) -> int:
         """Bytes per quantization block (per element for float types)."""
-        return GGML_QUANT_SIZES[self.ggml_type][1]
+        return type_info(self.ggml_type)[1]
 
     @property
     def row_bytes(self) -> int:
@@ -447,7 +446,7 @@ def _build_tensors(path: Path, reader: GGUFReader, size: int) -> dict[str, Tenso
                 f"kernel for (supported: {_SUPPORTED_NAMES})",
                 hint=_REQUANT_HINT,
             )
-        block, tsize = GGML_QUANT_SIZES[qt]
+        block, tsize = type_info(qt)
         if ne[0] % block:
             raise ModelError(
                 f"{describe_path(path)}: tensor {rt.name!r} has rows of {ne[0]} elements, not a multiple of the "

@@ -198,9 +198,8 @@ class PipelineModel(LanguageModel):
     def _relay(self, i: int) -> HostBridge:
         """The thread that signals link ``i``'s timeline (on stage i + 1's device) when stage
         ``i``'s step ends."""
-        from .vk.api import vk
 
-        cpu = any(d.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU for d in self.devices)
+        cpu = any(d.is_cpu for d in self.devices)
         return HostBridge(self.devices[i + 1], self.link_timelines[i], name=f"pipeline-relay{i}",
                           run=lambda _job: None, timeout=self.timeout,
                           spin_s=0.0 if cpu else self.relay_spin_s)  # (a spin takes a core from a CPU device)

@@ -92,7 +92,6 @@ def _available_memory() -> int | None:
 
 def _load(args: argparse.Namespace) -> Any:
     from .model import load_model
-    from .vk.api import vk
     from .vk.device import Device
 
     if getattr(args, "devices", None):
@@ -117,7 +116,7 @@ def _load(args: argparse.Namespace) -> Any:
     dev = Device.open(args.device)
     split, backends = args.split, args.backends
     try:
-        if split is None and backends is None and dev.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+        if split is None and backends is None and dev.is_cpu:
             # No GPU: the hub is a CPU Vulkan driver (lavapipe), whose shaders run the matrix
             # products far slower than the cpu backend's; what the planner picks there (`auto`:
             # mode:cpu at T = 1 and 40 for SmolLM2, prompt 7.8 -> 245-260 tok/s, generation
@@ -174,11 +173,9 @@ WARMUP_S = 1.0
 
 def _warm(model: Any, run: Any) -> None:
     """``run()`` once (records the sequences), then again until WARMUP_S passed on a GPU."""
-    from .vk.api import vk
-
     t0 = time.perf_counter()
     run()
-    if getattr(model.device.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
+    if model.device.is_cpu:
         return
     while time.perf_counter() - t0 < WARMUP_S:
         run()

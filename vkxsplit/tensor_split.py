@@ -393,9 +393,8 @@ class TensorSplitModel(LanguageModel):
         self._pending: list[Sequence] = []  # what a failed step submitted (see _drain)
 
     def _relay(self) -> Relay:
-        from .vk.api import vk
 
-        cpu = any(d.physical.device_type == vk.VK_PHYSICAL_DEVICE_TYPE_CPU for d in self.devices)
+        cpu = any(d.is_cpu for d in self.devices)
         return Relay([s.done for s in self.shards], self.timeout, "tensor-split-relay",
                      spin_s=0.0 if cpu else None)  # (a spin would take a core from a CPU device)
 

@@ -1,8 +1,11 @@
-"""The ggml weight types the hub's kernels read (raw GGUF bytes, never repacked).
+"""The ggml type table: every module that needs a type's block or row size asks here.
 
 ``gguf.constants.GGML_QUANT_SIZES`` / ``gguf.GGMLQuantizationType`` are the source of truth
-for block sizes; this module only says which of them have kernels and what the kernels call
-them (``q4_0`` in variant names, ``WTYPE`` = the ggml enum value in the shaders).
+for block sizes. This module gives them to the rest of vkxsplit (:func:`type_info`,
+:func:`row_bytes` for any ggml type, :data:`ELEM_BYTES` for the float types activations use)
+and says which types the hub's kernels read (:data:`TYPES`, :func:`weight_type`: raw GGUF
+bytes, never repacked) and what the kernels call them (``q4_0`` in variant names, ``WTYPE`` =
+the ggml enum value in the shaders).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..errors import KernelError
 
 TypeLike = str | int | GGMLQuantizationType
+
+#: the float types activations and converted weights use, and their bytes per element
+FLOAT_TYPES = ("f32", "f16", "bf16")
+ELEM_BYTES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -76,14 +83,26 @@ def weight_type(t: TypeLike | WeightType) -> WeightType:
     return wt
 
 
+def type_info(t: TypeLike | WeightType) -> tuple[int, int]:
+    """``(elements per block, bytes per block)`` of any ggml type (a name such as ``"q4_0"`` or
+    ``"IQ4_NL"``, an enum or its value), whether or not the hub has kernels for it."""
+    if isinstance(t, WeightType):
+        return t.block_size, t.block_bytes
+    try:
+        g = GGMLQuantizationType[t.upper()] if isinstance(t, str) else GGMLQuantizationType(int(t))
+        return GGML_QUANT_SIZES[g]
+    except (KeyError, ValueError, TypeError):
+        raise KernelError(f"unknown ggml type {t!r}") from None
+
+
 def block_size(t: TypeLike | WeightType) -> int:
-    return weight_type(t).block_size
+    return type_info(t)[0]
 
 
 def row_bytes(t: TypeLike | WeightType, k: int) -> int:
-    """Bytes of one row of ``k`` elements; ``k`` must be a multiple of the block size."""
-    wt = weight_type(t)
-    if k < 0 or k % wt.block_size:
-        raise KernelError(f"a {wt.name.upper()} row of {k} elements is not a whole number of "
-                          f"{wt.block_size}-element blocks")
-    return k // wt.block_size * wt.block_bytes
+    """Bytes of one row of ``k`` elements of any ggml type; ``k`` must fill whole blocks."""
+    bs, bb = type_info(t)
+    if k < 0 or k % bs:
+        name = t.name if isinstance(t, WeightType) else str(t)
+        raise KernelError(f"a {name.upper()} row of {k} elements is not a whole number of {bs}-element blocks")
+    return k // bs * bb

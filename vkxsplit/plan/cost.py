@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..graph import Graph, Node
+from ..ops.quant import ELEM_BYTES as _ELEM
+from ..ops.quant import row_bytes
 from .profile import Profile
 from .schedule import BackendNodeOp, BackendOp, HubOp, Schedule
 from .spec import HUB
-from .workspace import ELEM_BYTES as _ELEM
 
 if TYPE_CHECKING:
     from ..vk.device import Device
@@ -78,11 +79,8 @@ class CostModel:
             return HUB if explicit else name
         if name in ("cuda", "hip"):
             return HUB
-        if name == "cpu" and self.device is not None:
-            from ..vk.api import vk
-
-            if getattr(self.device.physical, "device_type", None) == vk.VK_PHYSICAL_DEVICE_TYPE_CPU:
-                return HUB
+        if name == "cpu" and self.device is not None and self.device.is_cpu:
+            return HUB
         return name
 
     @staticmethod
@@ -115,8 +113,6 @@ class CostModel:
                      if not t.weight or t.dtype in _ELEM)
         if node.op == "mul_mat":
             w, x = node.inputs
-            from ..ops.quant import row_bytes
-
             nbytes += w.shape[0] * row_bytes(w.dtype, w.shape[-1]) if w.dtype not in _ELEM else 0
             return 2.0 * x.rows * w.shape[0] * w.shape[-1] / (DEFAULTS["hub_gflops"] * 1e9) + \
                 nbytes / (DEFAULTS["hub_gbs"] * 1e9)

@@ -13,14 +13,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..graph import Span, Tensor, span
+from ..ops.quant import ELEM_BYTES, FLOAT_TYPES
 
 if TYPE_CHECKING:
     from ..attach import SharedArena
     from ..vk.device import Device
 
-FLOAT_TYPES = ("f32", "f16", "bf16")
-#: bytes per element of the float types
-ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 _ELEM = ELEM_BYTES
 
 
