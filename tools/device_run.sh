@@ -25,6 +25,8 @@ what=${*:-tests kernels models handoff info}
 python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed (tests needing it skip)"
 if [[ -f .pcache.tgz ]]; then tar -C / -xzf .pcache.tgz && echo "pipeline caches unpacked from .pcache.tgz"; fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# say which experiment kernels are missing or stale (their tests skip, their sweeps shrink)
+python3 tools/build_tool_shaders.py --check 2>&1 | tail -n 4 | sed 's/^/experiment kernels: /'
 for w in $what; do
   case $w in
     warm)

@@ -72,8 +72,9 @@ def disabled_from_env(environ: Mapping[str, str] | None = None) -> frozenset[str
     for old, new in _REPLACED.items():
         v = env.get(old)
         if v is not None and v.strip().lower() not in ("", "0", "false", "no", "off"):
-            what = f"{ENV}={new}" if new else f"nothing (that tuning round's kernels are gone; {ENV} lists the switches)"
-            raise VkxError(f"{old} is no longer read", f"use {what}")
+            hint = (f"use {ENV}={new}" if new else
+                    f"unset it (that tuning round's kernels are gone; {ENV} lists the switches)")
+            raise VkxError(f"{old} is no longer read", hint)
     return parse_disabled(env.get(ENV))
 
 

@@ -44,10 +44,11 @@ GGUF_VERSIONS = (2, 3)
 #: arrays), 2 = also arrays of such arrays (gguf-py reads those); deeper is refused
 GGUF_MAX_ARRAY_DEPTH = 2
 #: most metadata array elements in all (vkxsplit's own: gguf-py's reader keeps ~0.7-1.3 KB and
-#: spends ~10-20 us per element, so this bounds it at ~1.3 GB / ~20 s; the largest vocabularies
-#: of the supported architectures (Llama 3, Mistral Tekken: tokens + types + scores + merges)
-#: have ~0.7 M; SmolLM2 0.15 M)
-GGUF_MAX_METADATA_ELEMENTS = 1 << 20
+#: spends ~10-20 us per element, so this bounds it at ~2.6 GB / ~40 s for a file that is valid
+#: in every other way; vocabularies: SmolLM2 0.15 M elements (tokens + types + merges), Llama 3
+#: ~0.54 M, a 262k-token vocabulary with scores and types ~0.79 M, with merges ~1.3 M). Reading
+#: the metadata from the walk itself instead of gguf-py would lift this bound
+GGUF_MAX_METADATA_ELEMENTS = 1 << 21
 
 # GGUF value type -> bytes of one scalar (8 = string and 9 = array are variable)
 _VALUE_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}

@@ -79,7 +79,7 @@ class CostModel:
             return HUB if explicit else name
         if name in ("cuda", "hip"):
             return HUB
-        if name == "cpu" and self.device is not None and self.device.is_cpu:
+        if name == "cpu" and getattr(self.device, "is_cpu", False):
             return HUB
         return name
 
