@@ -38,6 +38,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from .cachefile import atomic_write
 from .errors import EnvironmentProblem, ShaderBuildError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -254,7 +255,7 @@ def _build_locked(variants: dict[str, Variant], out_dir: Path, src_dir: Path, on
 
     def work(v: Variant) -> None:
         out = out_dir / f"{v.name}.spv"
-        tmp = out.with_suffix(".spv.tmp")
+        tmp = out.with_suffix(f".spv.tmp{os.getpid()}")  # the build holds a lock; still, one per process
         _compile(v, src_dir, tmp)
         spirv_validate(tmp, v.target_env)
         tmp.replace(out)
@@ -279,9 +280,7 @@ def _build_locked(variants: dict[str, Variant], out_dir: Path, src_dir: Path, on
     }
     if not todo and old_man.get("variants") == manifest["variants"]:
         return old_man  # nothing changed: the manifest (and its compiler versions) stay as they are
-    tmpm = out_dir / "manifest.json.tmp"
-    tmpm.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    tmpm.replace(out_dir / "manifest.json")
+    atomic_write(out_dir / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     log(f"manifest: {len(entries)} variants in {out_dir / 'manifest.json'}")
     return manifest
 

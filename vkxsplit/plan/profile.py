@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from ..cachefile import atomic_write
 from ..features import kernel_config_ident
 
 log = logging.getLogger("vkxsplit.plan")
@@ -84,9 +84,7 @@ class Profile:
         data = {"version": PROFILE_VERSION, **self.ident, "entries": self.entries}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True))
             self.dirty = False
         except OSError as exc:
             log.warning("cannot save the device profile %s: %s", self.path, exc)

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..cachefile import atomic_write
 from ..errors import EnvironmentProblem, VkxError
 from ..features import disabled_from_env
 from .api import API_1_3, NULL, check, cstr, ffi, lib, new, next_serial, vk
@@ -266,9 +267,7 @@ class Device:
         try:
             p = self._cache_path()
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_suffix(".tmp")
-            tmp.write_bytes(ffi.buffer(buf, n[0])[:])
-            tmp.replace(p)
+            atomic_write(p, ffi.buffer(buf, n[0])[:])
         except OSError as exc:
             log.info("pipeline cache not saved: %s", exc)
 
