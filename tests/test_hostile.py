@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 from gguf import GGUFValueType, GGUFWriter
 from test_gguf_model import write_tiny
+from test_tokenizer import _tiny_tok
 
 from vkxsplit import gguf_header
 from vkxsplit.errors import ModelError
 from vkxsplit.gguf_header import GGUF_MAX_ARRAY_DEPTH
 from vkxsplit.gguf_model import load_model
-from vkxsplit.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, Tokenizer
+from vkxsplit.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN
 
 LIMIT_S = 5.0
 LIMIT_MB = 200
@@ -222,19 +223,6 @@ HOSTILE_TEMPLATES: dict[str, tuple[str, str]] = {
     "deep_source": ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "does not compile"),
     "lipsum": ("{{ lipsum(10000000) }}", "undefined"),
 }
-
-
-def _tiny_tok(template: str) -> Tokenizer:
-    return Tokenizer(
-        model="llama",
-        tokens=["<unk>", "<s>", "</s>", "\u2581"],
-        token_types=[TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_NORMAL],
-        scores=[0.0, 0.0, 0.0, -1.0],
-        bos_id=1,
-        eos_id=2,
-        unk_id=0,
-        chat_template=template,
-    )
 
 
 def _render(template: str) -> str:
