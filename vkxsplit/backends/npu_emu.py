@@ -61,6 +61,7 @@ class NpuEmuBackend(Backend):
                          caps=with_caps(NpuEmuBackend, min_batch=min_batch, max_kernels=max_kernels))
         self.gflops = gflops
         self._closing = False
+        self._stop_sent = False  # nothing is sent after "stop"
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._mapped: dict[int, Chunk] = {}
@@ -74,7 +75,8 @@ class NpuEmuBackend(Backend):
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "vkxsplit.backends.npu_emu_server", "--fd", str(child.fileno()),
                  "--gflops", str(gflops), "--max-kernels", str(max_kernels)],
-                pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env)
+                pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True)  # Ctrl-C is the parent's to handle (the server ignores SIGINT)
         except OSError as exc:
             parent.close()
             raise EnvironmentProblem(f"cannot start the npu-emu process: {exc}") from exc
@@ -164,15 +166,18 @@ class NpuEmuBackend(Backend):
             return
         if hasattr(self, "_reader"):  # (not when construction failed half-way)
             self._closing = True
-            try:
-                self._send({"op": "stop"})
-            except Exception:  # already gone
-                pass
-        super().close()  # the bridge, then release(), then the timeline retired
+            # "stop" goes through the bridge queue: after every job, unmap and unload queued
+            # before it (the server handles requests in order, then exits 0)
+            self.bridge.control(self._send_stop)  # type: ignore[union-attr]
+        super().close()  # the bridge (drains its queue), then release(), then the timeline retired
 
     def release(self) -> None:
         if not hasattr(self, "_reader"):
             return
+        try:  # the bridge did not get to it (dead, or its thread still stuck after its close timeout)
+            self._send_stop()
+        except Exception:  # already gone
+            pass
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -187,9 +192,15 @@ class NpuEmuBackend(Backend):
 
     # -- plumbing -------------------------------------------------------------------------
 
+    def _send_stop(self) -> None:
+        self._send({"op": "stop"})
+
     def _send(self, msg: dict[str, Any], fds: list[Any] = ()) -> None:  # type: ignore[assignment]
         data = json.dumps(msg).encode()
         with self._send_lock:
+            if self._stop_sent:
+                return  # the process is exiting: a late unmap/unload has nothing left to do
+            self._stop_sent = msg.get("op") == "stop"
             try:
                 if fds:
                     from .. import native
@@ -259,7 +270,10 @@ class NpuEmuBackend(Backend):
                 msg = json.loads(data)
             except ValueError:
                 continue
-            seq = int(msg.get("seq", 0))
+            try:
+                seq = int(msg.get("seq", 0))
+            except (AttributeError, TypeError, ValueError):
+                continue
             if msg.get("op") == "done":
                 job = self._post.pop(seq, None)
                 if job is not None:
@@ -268,4 +282,5 @@ class NpuEmuBackend(Backend):
                 bridge.complete(seq)
             elif msg.get("op") == "error":
                 self._post.pop(seq, None)
-                bridge.complete(seq, KernelError(f"npu-emu: {msg.get('message')}"))
+                what = "" if seq else f" (request {msg.get('request')!r})"  # a rejected map/unmap/unload
+                bridge.complete(seq, KernelError(f"npu-emu{what}: {msg.get('message')}"))
