@@ -5,7 +5,8 @@
 // every step. Rounding is round-to-nearest-even in integer bit math (bit-exact with numpy).
 // Positions outside [0, n_ctx) are skipped. gl_WorkGroupID.z: 0 = K, 1 = V.
 // ROPE = 1 (kv_store_rope[_neox]_f32_f16): K is rotated on its way into the cache, with the
-// same formula and operations as rope.comp (rope then store, up to FMA contraction): the RoPE of
+// same formula and operations as rope.comp (frequency factors included; rope then store, up to
+// FMA contraction): the RoPE of
 // K and the store are one dispatch and one barrier level.
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int16 : require
@@ -18,6 +19,9 @@ layout(std430, binding = 1) readonly buffer V { uint v[]; };
 layout(std430, binding = 2) readonly buffer Pos { int pos[]; };
 layout(std430, binding = 3) writeonly buffer KC { uint16_t kc[]; };
 layout(std430, binding = 4) writeonly buffer VC { uint16_t vc[]; };
+#if ROPE
+layout(std430, binding = 5) readonly buffer FF { float ff[]; };  // freq factors when has_ff != 0
+#endif
 
 layout(push_constant) uniform Push {
     uint n_tokens;
@@ -35,6 +39,7 @@ layout(push_constant) uniform Push {
     uint n_dims;
     float theta_log2;  // -2 log2(freq_base) / n_dims
     float freq_scale;
+    uint has_ff;
 #endif
 } p;
 
@@ -58,6 +63,9 @@ float roped_k(uint kb, uint c, int ps) {
     uint c1 = c0 + 1u;
 #endif
     float freq = p.freq_scale * exp2(float(j) * p.theta_log2);
+    if (p.has_ff != 0u) {
+        freq /= ff[j];
+    }
     float theta = reduce_2pi(float(ps) * freq);
     float cs = cos(theta);
     float sn = sin(theta);

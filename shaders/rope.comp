@@ -1,7 +1,8 @@
 #version 450
 // rope_f32 / rope_neox_f32: rotary position embedding of an f32 tensor
 // [n_tokens, n_heads, head_dim] (token and head strides in elements), as ggml's rope with
-// ext_factor = 0: for i < n_dims/2, theta_i = pos[t] * freq_scale * freq_base^(-2i/n_dims),
+// ext_factor = 0: for i < n_dims/2, theta_i = pos[t] * freq_scale * freq_base^(-2i/n_dims) / ff[i]
+// (ff: ggml's freq_factors, llama 3.x's rope_freqs.weight, read only when has_ff != 0),
 //   normal (NEOX = 0, llama): rotate the pair (2i, 2i+1),
 //   NeoX (NEOX = 1): rotate the pair (i, i + n_dims/2),
 // (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos); elements from n_dims on are copied.
@@ -15,6 +16,7 @@ layout(local_size_x = 256) in;
 layout(std430, binding = 0) readonly buffer X { float x[]; };
 layout(std430, binding = 1) readonly buffer Pos { int pos[]; };
 layout(std430, binding = 2) writeonly buffer Dst { float d[]; };
+layout(std430, binding = 3) readonly buffer FF { float ff[]; };
 
 layout(push_constant) uniform Push {
     uint head_dim;
@@ -30,6 +32,7 @@ layout(push_constant) uniform Push {
     uint pos_off;
     float theta_log2;  // -2 log2(freq_base) / n_dims
     float freq_scale;
+    uint has_ff;
 } p;
 
 void main() {
@@ -53,6 +56,9 @@ void main() {
             uint e1 = 2u * j + 1u;
 #endif
             float freq = p.freq_scale * exp2(float(j) * p.theta_log2);
+            if (p.has_ff != 0u) {
+                freq /= ff[j];
+            }
             float theta = reduce_2pi(float(pos[p.pos_off + t]) * freq);
             float c = cos(theta);
             float s = sin(theta);

@@ -133,8 +133,11 @@ def write_tiny(
     reshape: dict[str, tuple[int, ...]] | None = None,
     extra_kv: Callable[[GGUFWriter], None] | None = None,
     scale: float = 0.02,
+    rope_freqs: np.ndarray | None = None,
 ) -> Path:
-    """A small float32 model written with GGUFWriter (no vkxsplit code involved)."""
+    """A small float32 model written with GGUFWriter (no vkxsplit code involved). ``rope_freqs``:
+    also write these RoPE frequency factors as ``rope_freqs.weight`` (llama 3.x); the other
+    tensors are the same bytes with or without them."""
     rng = np.random.default_rng(0)
     w = GGUFWriter(path, arch)
     keys: dict[str, Any] = {
@@ -190,6 +193,8 @@ def write_tiny(
             block, size = _BLOCKS.get(int(qt), (256, 84))  # Q2_K: 256 elements in 84 bytes
             raw = rng.integers(0, 256, size=(*shp[:-1], shp[-1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=qt)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -428,3 +433,55 @@ def test_model_error_is_vkx_error_with_hint_line(tmp_path: Path) -> None:
     err = _model_error(tmp_path / "nope.gguf")
     assert "\n  hint: " in str(err)
     assert err.exit_code == 2
+
+
+# ---- metadata and tensors the forward does not implement are refused, never ignored ----------
+
+
+@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+def test_unimplemented_rope_scaling_is_refused(tmp_path: Path, kind: str) -> None:
+    def kv(w: GGUFWriter) -> None:
+        w.add_string("llama.rope.scaling.type", kind)
+        w.add_float32("llama.rope.scaling.factor", 4.0)
+
+    err = _model_error(write_tiny(tmp_path / "m.gguf", extra_kv=kv))
+    assert f"RoPE scaling {kind!r}" in str(err) and "rope.scaling.type" in str(err)
+
+
+def test_linear_rope_scaling_is_freq_scale(tmp_path: Path) -> None:
+    def kv(w: GGUFWriter) -> None:
+        w.add_string("llama.rope.scaling.type", "linear")
+        w.add_float32("llama.rope.scaling.factor", 4.0)
+
+    with load_model(write_tiny(tmp_path / "m.gguf", extra_kv=kv)) as mf:
+        assert mf.hparams.rope_scaling_type == "linear" and mf.hparams.rope_freq_scale == 0.25
+
+
+def test_rope_attn_factor_is_refused(tmp_path: Path) -> None:
+    err = _model_error(write_tiny(tmp_path / "m.gguf",
+                                  extra_kv=lambda w: w.add_float32("llama.rope.scaling.attn_factor", 1.2)))
+    assert "attn_factor" in str(err)
+
+
+def test_value_heads_of_another_size_are_refused(tmp_path: Path) -> None:
+    err = _model_error(write_tiny(tmp_path / "m.gguf",
+                                  extra_kv=lambda w: w.add_uint32("llama.attention.value_length", 8)))
+    assert "value_length" in str(err)
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_output.bias", "blk.1.ffn_down.bias", "blk.0.attn_q_norm.weight"])
+def test_tensors_the_forward_does_not_use_are_refused(tmp_path: Path, name: str) -> None:
+    err = _model_error(write_tiny(tmp_path / "m.gguf", reshape={name: (64,)}))
+    assert name in str(err) and "does not use" in str(err)
+
+
+def test_rope_freqs_checked(tmp_path: Path) -> None:
+    ff = np.linspace(1, 8, 8, dtype=np.float32)  # head_dim 16: 8 pairs
+    with load_model(write_tiny(tmp_path / "ok.gguf", rope_freqs=ff)) as mf:
+        assert mf.rope_freqs is not None
+        np.testing.assert_array_equal(mf.rope_freqs.dequantize(), ff)
+    err = _model_error(write_tiny(tmp_path / "short.gguf", rope_freqs=ff[:7]))
+    assert "rope_freqs.weight has 7 elements, expected 8" in str(err)
+    err = _model_error(write_tiny(tmp_path / "f16.gguf", reshape={"rope_freqs.weight": (8,)},
+                                  raw_types={"rope_freqs.weight": GGMLQuantizationType.F16}))
+    assert "rope_freqs.weight is F16" in str(err)

@@ -133,6 +133,47 @@ def test_architectures_match_reference(device, tmp_path, arch, bias, tied):
     assert np.abs(got - want).max() <= 2e-3 * scale + 1e-4, (np.abs(got - want).max(), scale)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_rope_freqs_match_reference(device, tmp_path, monkeypatch, arch):
+    """Llama 3.x's RoPE frequency factors (``rope_freqs.weight``, each pair's angle divided by
+    its factor): a tiny f32 model with factors in [1, 8], normal (llama) and NeoX (qwen2)
+    ordering, fused (RoPE of K in the KV store) and unfused graphs, prefill (T = 8, 4) and
+    decode (T = 1) steps, all against the float64 reference that applies the factors. The same
+    file without the tensor (the unscaled RoPE) is far from that reference: the test would fail
+    on a forward that ignores the factors."""
+    from test_gguf_model import write_tiny
+
+    from vkxsplit.gguf_model import load_model as load_gguf
+    from vkxsplit.model import load_model
+
+    ff = np.random.default_rng(3).uniform(1.0, 8.0, 8).astype(np.float32)  # head_dim 16: 8 pairs
+    kw = dict(arch=arch, bias=arch == "qwen2", tied=False, n_vocab=64, scale=0.3)
+    path = write_tiny(tmp_path / f"{arch}-ff.gguf", rope_freqs=ff, **kw)
+    plain = write_tiny(tmp_path / f"{arch}-plain.gguf", **kw)
+    ids = list(np.random.default_rng(1).integers(0, 64, 20))
+    with load_gguf(path) as mf:
+        assert mf.rope_freqs is not None
+        want = reference_logits(mf, ids)
+    with load_gguf(plain) as mf:
+        unscaled = reference_logits(mf, ids)
+    scale = np.abs(want).max()
+    bound = 2e-3 * scale + 1e-4
+    assert np.abs(unscaled - want).max() > 20 * bound  # the factors matter at this bound
+    for fused in (True, False):
+        monkeypatch.setattr(device, "disabled", device.disabled - {"fusion"} if fused else device.disabled | {"fusion"})
+        with load_model(path, device=device, n_ctx=32, ubatch=8) as m:
+            g = m._build_graph(1, False)
+            ropes = [n for n in g.nodes if n.op == "rope" or (n.op == "kv_store" and n.params.get("rope_k"))]
+            assert len(ropes) == 2 * m.hp.n_layer and all(n.inputs[-1].name == "rope_freqs.weight" for n in ropes)
+            pp = m.logits(ids)
+            m.reset()
+            m.ubatch = 1  # every step a decode step (T = 1)
+            dec = m.logits(ids)
+        for what, got in (("prefill", pp), ("decode", dec)):
+            err = np.abs(got - want).max()
+            assert err <= bound, (fused, what, err, scale)
+
+
 def test_model_without_vocabulary_runs_ids_but_names_the_missing_tokenizer(device, tmp_path):
     from test_gguf_model import write_tiny
 

@@ -37,8 +37,9 @@ TIMEOUT = WAIT_S  # (conftest: first dispatches compile inside the wait on lavap
 def synth(tmp_path_factory):
     from vkxsplit.synth import write_synthetic
 
+    # with Llama 3.1's RoPE frequency factors (rope_freqs.weight): every split mode runs them
     return write_synthetic(tmp_path_factory.mktemp("split") / "tiny-q4_0.gguf", "smol135m", "q4_0", seed=3,
-                           n_vocab=N_VOCAB, n_layer=2)
+                           n_vocab=N_VOCAB, n_layer=2, rope_freqs=True)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +172,9 @@ def test_split_matches_hub(split_model, hub, mfile, spec):
             op = j.op
             if isinstance(op, BackendNodeOp):  # a norm/SwiGLU/add on the backend: shared activations only
                 assert op.backend == "cpu" and job.op == op.node.op
+                # RoPE (and the KV store it is fused into) runs on the hub only: no backend has
+                # it (NODE_OPS), so no backend can ignore the frequency factors
+                assert op.node.op not in ("rope", "kv_store", "attention")
                 assert all(v.shared is t.buffer.shared for v, t in zip(job.inputs, op.node.inputs))
                 continue
             if op.converted_weight:
@@ -205,11 +209,20 @@ def test_split_matches_hub(split_model, hub, mfile, spec):
             assert p.prediction.total_s == pytest.approx(min(t for _, t in p.candidates))
 
 
-def test_hub_only_path(hub):
-    _out, st, plans = hub
+def test_hub_only_path(hub, mfile):
+    out, st, plans = hub
     assert st["submits"] == st["steps"] == 5 and st["backend_jobs"] == 0
     assert all(p.schedule.submits == 1 and p.schedule.jobs == [] for p in plans.values())
     assert st["host_waits_in_step"] == 0
+    # the hub (the split runs' yardstick) against the float64 reference, RoPE frequency
+    # factors (rope_freqs.weight) applied in both (this random model's attention is too flat
+    # for them to move its logits much: test_model.py::test_rope_freqs_match_reference shows
+    # that they matter)
+    assert mfile.rope_freqs is not None
+    ref, _ = references(mfile, plans)
+    for k in ("pp", "dec"):
+        E = 2e-3 * np.abs(ref[k]).max() + 1e-3
+        assert np.abs(out[k] - ref[k]).max() <= E, k
 
 
 def test_load_model_api_and_bad_specs(device, synth, hub, profile_dir):
@@ -342,3 +355,36 @@ def test_run_on_a_cpu_hub_gives_the_products_to_the_cpu_backend(capsys, monkeypa
     rows = json.loads(capsys.readouterr().out)
     want = (CPU_HUB_SPLIT, "vulkan,cpu") if cpu_hub else ("none", "vulkan")
     assert {(r["split"], r["backends"]) for r in rows} == {want}
+
+
+@pytest.mark.parametrize("mode", ["layer", "row"])
+def test_several_hubs_apply_rope_freqs(device, tmp_path, mode):
+    """``--devices 0,0``: the layers over two hubs (``--split-mode layer``, a pipeline) and the
+    heads over two hubs (``row``, a tensor split; each shard's RoPE reads the whole factor
+    table) with Llama 3.x RoPE frequency factors (``rope_freqs.weight``, in [1, 8]): prefill and
+    decode logits against the float64 reference that applies them, which the unscaled file's
+    reference misses by far."""
+    from test_gguf_model import write_tiny
+
+    from vkxsplit.gguf_model import load_model as load_gguf
+    from vkxsplit.pipeline import PipelineModel
+    from vkxsplit.tensor_split import TensorSplitModel
+
+    ff = np.random.default_rng(3).uniform(1.0, 8.0, 8).astype(np.float32)
+    kw = dict(n_layer=2, tied=False, n_vocab=64, scale=0.3)
+    path = write_tiny(tmp_path / "ff.gguf", rope_freqs=ff, **kw)
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, 64, 14)]
+    with load_gguf(path) as mf:
+        want = reference_forward(mf, ids)
+    with load_gguf(write_tiny(tmp_path / "plain.gguf", **kw)) as mf:
+        unscaled = reference_forward(mf, ids)
+    bound = 2e-3 * np.abs(want).max() + 1e-4
+    assert np.abs(unscaled - want).max() > 20 * bound
+    cls = PipelineModel if mode == "layer" else TensorSplitModel
+    with cls(path, devices="0,0", n_ctx=32, ubatch=8) as m:
+        pp = m.logits(ids)
+        m.reset()
+        m.ubatch = 1  # decode steps
+        dec = m.logits(ids)
+    for what, got in (("prefill", pp), ("decode", dec)):
+        assert np.abs(got - want).max() <= bound, (mode, what, np.abs(got - want).max())

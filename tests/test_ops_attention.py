@@ -161,11 +161,14 @@ def test_kv_store(seq, bufs, rng):
     np.testing.assert_array_equal(get(V, (n_ctx, row), np.uint16), v_ref)
 
 
-def _rope64(x, pos, n_dims, neox, base, fscale):
-    """float64 RoPE of x [T, heads, D] (ggml's formula), positions per token."""
+def _rope64(x, pos, n_dims, neox, base, fscale, ff=None):
+    """float64 RoPE of x [T, heads, D] (ggml's formula), positions per token; ``ff``: ggml's
+    freq_factors (each pair's angle divided by its factor)."""
     x = x.astype(np.float64).copy()
     half = n_dims // 2
     theta = (pos.astype(np.float64)[:, None] * fscale) * base ** (-2.0 * np.arange(half) / n_dims)
+    if ff is not None:
+        theta = theta / np.asarray(ff, np.float64)[None, :]
     c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
     i0 = np.arange(half) if neox else 2 * np.arange(half)
     i1 = i0 + (half if neox else 1)
@@ -174,11 +177,13 @@ def _rope64(x, pos, n_dims, neox, base, fscale):
     return x
 
 
+@pytest.mark.parametrize("factors", [False, True])
 @pytest.mark.parametrize("neox", [False, True])
-def test_kv_store_with_rope(seq, bufs, rng, neox):
+def test_kv_store_with_rope(seq, bufs, rng, neox, factors):
     """RoPE of K fused into the store: within half an f16 ulp (the rounding) plus the f32
     rotation bound test_rope uses ((2e-6 + 4 |theta|max 2^-24) max|x|) of the float64 rope of
-    K; V stored unrotated; and as close to rope_f32 followed by the plain store."""
+    K; V stored unrotated; and as close to rope_f32 followed by the plain store. ``factors``:
+    with per-pair frequency factors (llama 3.x's rope_freqs.weight) in [0.5, 8], in both."""
     T, n_kv, D, n_ctx, n_dims = 6, 3, 64, 40, 48
     row = n_kv * D
     k = rng.standard_normal((T, row)).astype(np.float32)
@@ -191,14 +196,24 @@ def test_kv_store_with_rope(seq, bufs, rng, neox):
     Kc, Vc = bufs(n_ctx * row, np.float16), bufs(n_ctx * row, np.float16)
     Kc.numpy(np.uint16)[:] = 0x7E01
     Vc.numpy(np.uint16)[:] = 0x7E01
-    rope = {"n_dims": n_dims, "mode": "neox" if neox else "normal", "freq_base": 10000.0, "freq_scale": 0.5}
+    ff = F = None
+    if factors:
+        ff = rng.uniform(0.5, 8.0, n_dims // 2).astype(np.float32)
+        F = bufs(n_dims // 2)
+        put(F, ff)
+    rope = {"n_dims": n_dims, "mode": "neox" if neox else "normal", "freq_base": 10000.0, "freq_scale": 0.5,
+            "freq_factors": F}
     record_kv_store(seq, Kin, Vin, P, Kc, Vc, T, n_kv, D, n_ctx, rope=rope)
     seq.run()
     got_k = get(Kc, (n_ctx, row), np.float16)[pos].astype(np.float64)
     got_v = get(Vc, (n_ctx, row), np.uint16)[pos]
-    ref_k = _rope64(k.reshape(T, n_kv, D), pos, n_dims, neox, 10000.0, 0.5).reshape(T, row)
+    ref_k = _rope64(k.reshape(T, n_kv, D), pos, n_dims, neox, 10000.0, 0.5, ff).reshape(T, row)
     ulp = np.spacing(np.abs(ref_k).astype(np.float16)).astype(np.float64)
-    rot = (2e-6 + 4 * float(pos.max()) * 0.5 * 2.0**-24) * np.abs(k).max()
+    tmax = float(pos.max()) * 0.5 / (float(ff.min()) if factors else 1.0)
+    rot = (2e-6 + 4 * tmax * 2.0**-24) * np.abs(k).max()
+    if factors:  # the factors matter: the unscaled rotation is far off
+        plain = _rope64(k.reshape(T, n_kv, D), pos, n_dims, neox, 10000.0, 0.5).reshape(T, row)
+        assert np.abs(got_k - plain).max() > 0.1
     bad = np.argwhere(np.abs(got_k - ref_k) > 0.5 * ulp + rot)
     assert bad.size == 0, (bad[:10], got_k[tuple(bad[0])], ref_k[tuple(bad[0])])
     np.testing.assert_array_equal(got_v, v.astype(np.float16).view(np.uint16))
@@ -210,7 +225,7 @@ def test_kv_store_with_rope(seq, bufs, rng, neox):
     s2 = Sequence(seq.device, "unfused")
     try:
         record_rope(s2, Kin, P, R, T, n_kv, D, n_dims=n_dims, mode=rope["mode"], freq_base=10000.0,
-                    freq_scale=0.5)
+                    freq_scale=0.5, freq_factors=F)
         record_kv_store(s2, R, Vin, P, Kc2, Vc, T, n_kv, D, n_ctx)
         s2.run()
     finally:
@@ -227,6 +242,9 @@ def test_kv_store_rope_validation(seq, bufs):
         record_kv_store(seq, K, K, P, C, C2, 1, 1, 64, 1, rope={"n_dims": 65, "mode": "normal"})
     with pytest.raises(KernelError, match="mode"):
         record_kv_store(seq, K, K, P, C, C2, 1, 1, 64, 1, rope={"n_dims": 64, "mode": "glm"})
+    with pytest.raises(KernelError, match="freq_factors"):  # 31 floats for 32 pairs
+        record_kv_store(seq, K, K, P, C, C2, 1, 1, 64, 1,
+                        rope={"n_dims": 64, "mode": "normal", "freq_factors": bufs(31)})
 
 
 def _neox(v, p, D):

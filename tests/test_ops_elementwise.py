@@ -405,11 +405,14 @@ def test_softmax_in_place_causal_and_empty_rows(seq, bufs, rng):
 
 # -- rope -----------------------------------------------------------------------------------
 
-def _rope_ref(x, pos, n_dims, mode, base, fscale):
-    """x [T, H, D] float64; ggml rope (ext_factor 0) from its definition."""
+def _rope_ref(x, pos, n_dims, mode, base, fscale, ff=None):
+    """x [T, H, D] float64; ggml rope (ext_factor 0) from its definition; ``ff``: ggml's
+    freq_factors (each pair's angle divided by its factor)."""
     out = x.copy()
     i = np.arange(n_dims // 2)
     theta = pos[:, None].astype(np.float64) * fscale * base ** (-2.0 * i / n_dims)  # [T, n_dims/2]
+    if ff is not None:
+        theta = theta / np.asarray(ff, np.float64)[None, :]
     c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
     if mode == "normal":
         i0, i1 = 2 * i, 2 * i + 1
@@ -427,7 +430,11 @@ def _rope_ref(x, pos, n_dims, mode, base, fscale):
     (5, 2, 128, 96, 500000.0, 0.25),
     (3, 4, 40, 16, 10000.0, 1.0),
 ])
-def test_rope(seq, bufs, rng, mode, n_tokens, n_heads, head_dim, n_dims, base, fscale):
+@pytest.mark.parametrize("factors", [False, True])
+def test_rope(seq, bufs, rng, mode, n_tokens, n_heads, head_dim, n_dims, base, fscale, factors):
+    """With ``factors``: per-pair frequency factors (llama 3.x's rope_freqs.weight, ggml's
+    freq_factors) in [0.5, 8], against the reference that divides each angle by its factor,
+    and far from the unscaled rotation."""
     # a view of a fused QKV row: token stride covers q, k and v heads
     tstride = 3 * n_heads * head_dim
     x = rng.standard_normal((n_tokens, tstride)).astype(np.float32)
@@ -438,14 +445,22 @@ def test_rope(seq, bufs, rng, mode, n_tokens, n_heads, head_dim, n_dims, base, f
     put(X, x)
     put(P, np.concatenate([np.full(3, 77, np.int32), pos]))
     poison(D)
+    ff = F = None
+    if factors:
+        ff = rng.uniform(0.5, 8.0, n_dims // 2).astype(np.float32)
+        F = bufs(n_dims // 2)
+        put(F, ff)
     record_rope(seq, X, P, D, n_tokens, n_heads, head_dim, n_dims=n_dims, mode=mode, freq_base=base,
-                freq_scale=fscale, pos_offset=3, src_offset=off, src_token_stride=tstride)
+                freq_scale=fscale, pos_offset=3, src_offset=off, src_token_stride=tstride, freq_factors=F)
     run(seq)
     xin = x[:, off:off + n_heads * head_dim].reshape(n_tokens, n_heads, head_dim).astype(np.float64)
-    ref, tmax = _rope_ref(xin, pos, n_dims, mode, base, fscale)
+    ref, tmax = _rope_ref(xin, pos, n_dims, mode, base, fscale, ff)
     got = get(D, n_tokens * n_heads * head_dim).reshape(n_tokens, n_heads, head_dim)
     bound = (2e-6 + 4 * tmax * 2.0 ** -24) * np.abs(xin).max()
     assert_close(got, ref, 0.0, bound, f"rope {mode}")
+    if factors:  # the factors matter: the unscaled rotation is far outside the bound
+        plain, _ = _rope_ref(xin, pos, n_dims, mode, base, fscale)
+        assert np.abs(got - plain).max() > 100 * bound
     np.testing.assert_array_equal(got[:, :, n_dims:], xin[:, :, n_dims:].astype(np.float32))
 
 
@@ -512,6 +527,8 @@ def test_validation_errors(seq, bufs):
         record_rope(seq, A, B, A, 1, 1, 8, n_dims=7, mode="neox")
     with pytest.raises(KernelError, match="mode 'yarn'"):
         record_rope(seq, A, B, A, 1, 1, 8, mode="yarn")
+    with pytest.raises(KernelError, match="rope_f32: freq_factors"):  # 63 floats for 64 pairs
+        record_rope(seq, bufs(128), B, bufs(128), 1, 1, 128, freq_factors=bufs(63))
     with pytest.raises(KernelError, match="rms_norm_mul: dtype 'bf16'"):
         record_rms_norm(seq, A, B, 1, 10, 1e-5, A, dtype="bf16")
     with pytest.raises(KernelError, match="softmax_mask_f32: mask_rows"):

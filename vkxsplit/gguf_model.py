@@ -51,6 +51,9 @@ SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(t.ggml for t in TYP
 #: the converter for this); "neox" rotates (i, i + n_rot/2).
 SUPPORTED_ARCHS: dict[str, str] = {"llama": "norm", "mistral": "norm", "qwen2": "neox"}
 
+#: ``{arch}.rope.scaling.type`` values the forward implements ("linear": freq_scale = 1/factor).
+SUPPORTED_ROPE_SCALING: tuple[str, ...] = ("none", "linear")
+
 #: Per-layer tensors every supported architecture must have (``blk.{i}.{name}.weight``).
 LAYER_TENSORS: tuple[str, ...] = (
     "attn_norm",
@@ -159,7 +162,7 @@ class HParams:
     rope_freq_base: float
     #: position multiplier (1 / scaling factor); 1.0 when the model is not scaled
     rope_freq_scale: float
-    #: "none", "linear", "yarn", ... (``{arch}.rope.scaling.type``)
+    #: "none" or "linear" (``{arch}.rope.scaling.type``; the loader refuses the others: yarn, ...)
     rope_scaling_type: str
     #: "norm" (pairs 2i, 2i+1: llama, mistral) or "neox" (pairs i, i + n_rot/2: qwen2)
     rope_type: str
@@ -511,12 +514,37 @@ def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, 
             f"{describe_path(path)} has rope.dimension_count={n_rot} for heads of {head_dim}",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
         )
-    # llama.cpp: rope.scale_linear (old) or rope.scaling.factor (new); freq_scale = 1/factor
-    factor = _get_float(reader, p + "rope.scale_linear", 0.0)
+    # llama.cpp: rope.scaling.factor, else the old rope.scale_linear; freq_scale = 1/factor
+    factor = _get_float(reader, p + "rope.scaling.factor", 0.0)
     if factor == 0.0:
-        factor = _get_float(reader, p + "rope.scaling.factor", 0.0)
+        factor = _get_float(reader, p + "rope.scale_linear", 0.0)
     scaling_type = _get_str(reader, p + "rope.scaling.type", "linear" if factor not in (0.0, 1.0) else "none")
+    if not (math.isfinite(factor) and factor >= 0.0):
+        raise ModelError(
+            f"{describe_path(path)} has rope.scaling.factor={factor}",
+            hint="the file's metadata is corrupt; re-convert it with llama.cpp",
+        )
     freq_scale = 1.0 if factor == 0.0 else 1.0 / factor
+    # Only what the forward does may run: RoPE with freq_scale (linear) and frequency factors
+    # (rope_freqs.weight), no YaRN / LongRoPE terms, no attention factor, one head size.
+    if scaling_type not in SUPPORTED_ROPE_SCALING:
+        raise ModelError(
+            f"{describe_path(path)} asks for RoPE scaling {scaling_type!r} (rope.scaling.type), which vkxsplit "
+            f"does not implement (it does: {', '.join(SUPPORTED_ROPE_SCALING)}; llama 3.x frequency factors)",
+            hint="use a build of the model without that context extension, or llama.cpp",
+        )
+    attn_factor = _get_float(reader, p + "rope.scaling.attn_factor", 1.0)
+    if attn_factor != 1.0:
+        raise ModelError(
+            f"{describe_path(path)} has rope.scaling.attn_factor={attn_factor}, which vkxsplit does not apply",
+            hint="use a build of the model without that RoPE scaling, or llama.cpp",
+        )
+    if head_dim_v != head_dim:
+        raise ModelError(
+            f"{describe_path(path)} has V heads of {head_dim_v} (attention.value_length) and K heads of "
+            f"{head_dim} (attention.key_length); vkxsplit's attention needs them equal",
+            hint="use a model whose K and V heads have one size, or llama.cpp",
+        )
     return HParams(
         n_vocab=n_vocab,
         n_embd=n_embd,
@@ -593,6 +621,22 @@ def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied
         raise ModelError(
             f"{describe_path(path)}: rope_freqs.weight has {rf.n_elements} elements, expected {hp.n_rot // 2}",
             hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
+        )
+    if rf is not None and rf.ggml_type != Q.F32:
+        raise ModelError(
+            f"{describe_path(path)}: rope_freqs.weight is {rf.ggml_type.name}, not F32 (RoPE reads f32 factors)",
+            hint="re-convert the model with llama.cpp (its converter writes the factors as F32)",
+        )
+    # every tensor must be one the forward reads: one it would skip (an output-projection or FFN
+    # bias, Q/K norms, ...) would make the model run silently wrong
+    used = set(expected) | {"rope_freqs.weight"} | {
+        f"blk.{i}.{b}.bias" for i in range(hp.n_layer) for b in LAYER_BIASES}
+    unused = sorted(n for n in tensors if n not in used)
+    if unused:
+        shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+        raise ModelError(
+            f"{describe_path(path)} has tensors the llama forward of vkxsplit does not use: {shown}",
+            hint="the model needs something vkxsplit does not implement; run it with llama.cpp",
         )
 
 

@@ -539,14 +539,17 @@ class Model(LanguageModel):
                     g.add("add", p + nm + "_bias", [t, bias], t)
             rope = {"n_dims": hp.n_rot, "freq_base": hp.rope_freq_base, "freq_scale": hp.rope_freq_scale,
                     "mode": hp.rope_type, "head_dim": hp.head_dim}
-            g.add("rope", p + "rope_q", [q, pos], q, n_heads=hp.n_head, **rope)
+            # llama 3.x: per-pair frequency factors (each pair's angle divided by its factor),
+            # an extra input of every RoPE node, fused or not
+            ff = [W["rope_freqs.weight"]] if "rope_freqs.weight" in W else []
+            g.add("rope", p + "rope_q", [q, pos, *ff], q, n_heads=hp.n_head, **rope)
             if not fuse:
-                g.add("rope", p + "rope_k", [k, pos], k, n_heads=hp.n_head_kv, **rope)
+                g.add("rope", p + "rope_k", [k, pos, *ff], k, n_heads=hp.n_head_kv, **rope)
             ck, cv = self.kv[il]
             cache_k = Tensor(f"cache_k.{il}", (self.n_ctx, hp.n_embd_k_gqa), "f16", ck)
             cache_v = Tensor(f"cache_v.{il}", (self.n_ctx, hp.n_embd_v_gqa), "f16", cv)
             # K is roped on its way into the cache (one dispatch: RoPE of K + KV store)
-            g.add("kv_store", p + "kv_store", [k, v, pos], cache_k, cache_v=cache_v,
+            g.add("kv_store", p + "kv_store", [k, v, pos, *(ff if fuse else [])], cache_k, cache_v=cache_v,
                   n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, rope_k=rope if fuse else None)
             a = g.add("attention", p + "attn", [q, cache_k, cache_v, pos], act("attn", hp.n_head * hp.head_dim_v),
                       n_heads=hp.n_head, n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, n_ctx=self.n_ctx,

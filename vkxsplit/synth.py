@@ -17,7 +17,7 @@ quantizer, such tensors fall back to Q5_0 (for Q4_K), Q5_1 (for Q5_K) or Q8_0 (f
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 
 from .tokenizer import CHATML_TEMPLATE, TOKEN_CONTROL, TOKEN_NORMAL, bytes_to_unicode
 
-__all__ = ["QTYPES", "SHAPES", "WEIGHT_STD", "SynthShape", "synthetic_tensor_types", "write_synthetic"]
+__all__ = ["QTYPES", "SHAPES", "WEIGHT_STD", "SynthShape", "llama3_rope_freqs", "synthetic_tensor_types",
+           "write_synthetic"]
 
 Q = GGMLQuantizationType
 
@@ -342,6 +343,20 @@ def _plan(s: SynthShape, qt: GGMLQuantizationType) -> list[tuple[str, GGMLQuanti
     return plan
 
 
+def llama3_rope_freqs(n_rot: int, base: float, factor: float = 8.0, low_freq_factor: float = 1.0,
+                      high_freq_factor: float = 4.0, original_context: int = 8192) -> np.ndarray:
+    """Llama 3.1's RoPE frequency factors (``rope_scaling.rope_type = "llama3"``), one per
+    rotated pair, as llama.cpp's converter writes them into ``rope_freqs.weight``: 1 for short
+    wavelengths, ``factor`` for long ones, smoothly between."""
+    freqs = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original_context / high_freq_factor, 1.0,
+                   np.where(wavelen > original_context / low_freq_factor, factor, mid))
+    return out.astype(np.float32)
+
+
 def write_synthetic(
     path: str | Path,
     shape: str,
@@ -349,8 +364,13 @@ def write_synthetic(
     seed: int = 0,
     n_vocab: int | None = None,
     n_layer: int | None = None,
+    rope_freqs: bool | Sequence[float] = False,
 ) -> Path:
     """Write a llama-architecture GGUF with random weights; returns the path.
+
+    ``rope_freqs``: also write ``rope_freqs.weight``, RoPE frequency factors as llama.cpp's
+    converter does for Llama 3.x models: ``True`` for Llama 3.1's (:func:`llama3_rope_freqs`),
+    or the n_rot/2 factors themselves.
 
     ``shape`` is one of :data:`SHAPES` (``smol135m``, ``llama1b``, ``llama8b``, ``tiny``), ``qtype`` one of
     :data:`QTYPES` (the type of every weight matrix; norms are F32). ``n_vocab`` and ``n_layer``
@@ -360,6 +380,16 @@ def write_synthetic(
     qt = _qtype(qtype)
     path = Path(path)
     plan = _plan(s, qt)
+    hd = s.n_embd // s.n_head
+    ff: np.ndarray | None = None
+    if rope_freqs is True:
+        ff = llama3_rope_freqs(hd, s.rope_freq_base)
+    elif rope_freqs is not False:
+        ff = np.asarray(rope_freqs, np.float32)
+        if ff.shape != (hd // 2,):
+            raise ValueError(f"rope_freqs: {ff.shape} factors for {hd // 2} rotated pairs")
+    if ff is not None:
+        plan.insert(0, ("rope_freqs.weight", Q.F32, (hd // 2,)))
     tokens, types, merges = _synthetic_vocab(s.n_vocab, seed)
 
     w = GGUFWriter(path, "llama")
@@ -411,7 +441,9 @@ def write_synthetic(
         fout = w.fout[0]
         for (name, t, ne), nbytes in zip(plan, sizes):
             w.write_padding(fout, fout.tell())
-            if name.endswith("norm.weight"):
+            if name == "rope_freqs.weight" and ff is not None:
+                fout.write(ff.astype(np.float32).tobytes())
+            elif name.endswith("norm.weight"):
                 # RMSNorm gains around 1 so the random model stays well conditioned
                 g = 1.0 + 0.1 * (rnd.gen.random(ne[0], dtype=np.float32) - 0.5)
                 fout.write(g.astype(np.float32).tobytes())
@@ -438,7 +470,8 @@ def register(sub: Any) -> None:
 
         t0 = time.perf_counter()
         try:
-            p = write_synthetic(args.output, args.shape, args.type, seed=args.seed, n_layer=args.n_layer)
+            p = write_synthetic(args.output, args.shape, args.type, seed=args.seed, n_layer=args.n_layer,
+                                rope_freqs=args.rope_freqs)
         except ValueError as exc:
             from .errors import VkxError
 
@@ -451,5 +484,7 @@ def register(sub: Any) -> None:
     p.add_argument("--type", default="q4_0", help="weight type (q4_0, q4_1, q8_0, q4_k, q6_k, f16, bf16, ...)")
     p.add_argument("--n-layer", type=int, default=None, help="override the layer count")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rope-freqs", action="store_true",
+                   help="also write rope_freqs.weight (Llama 3.1's RoPE frequency factors)")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=run)

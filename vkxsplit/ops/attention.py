@@ -45,8 +45,8 @@ VARIANTS = [
     Variant(name="kv_store_f32_f16", source="kv_store.comp", defines={"ROPE": "0", "NEOX": "0"}, bindings=5,
             writes=(3, 4), push="IIIIIIIIIIIIff", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",)),
     *[Variant(name=f"kv_store_rope{'_neox' if neox else ''}_f32_f16", source="kv_store.comp",
-              defines={"ROPE": "1", "NEOX": "1" if neox else "0"}, bindings=5, writes=(3, 4),
-              push="IIIIIIIIIIIIff", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",))
+              defines={"ROPE": "1", "NEOX": "1" if neox else "0"}, bindings=6, writes=(3, 4),
+              push="IIIIIIIIIIIIffI", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",))
       for neox in (False, True)],
     Variant(name="attn_f16_f32", source="attention.comp", bindings=6, writes=(4, 5),
             push="IIIIIIIIIIIIIf", local_size=(128, 1, 1), requires=("storageBuffer16BitAccess",)),
@@ -69,7 +69,8 @@ def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_ca
     head_dim] at rows ``pos[pos_offset + t]`` (int32; rows outside ``0..n_ctx-1`` are skipped).
     Rounding to f16 is round-to-nearest-even. Offsets in elements of each buffer's type.
 
-    ``rope`` (optional: ``n_dims``, ``mode`` "normal"/"neox", ``freq_base``, ``freq_scale``, as
+    ``rope`` (optional: ``n_dims``, ``mode`` "normal"/"neox", ``freq_base``, ``freq_scale``,
+    ``freq_factors``: an f32 buffer of ``n_dims / 2`` factors or None, as
     :func:`~vkxsplit.ops.rope.record_rope` takes them) rotates K by its position on the way
     into the cache: the RoPE of K and the store in one dispatch."""
     op = "kv_store"
@@ -92,9 +93,16 @@ def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_ca
     b2, s2, e2 = ovc.span()
     if row and n_ctx and b1 == b2 and s1 < e2 and s2 < e1:
         raise KernelError(f"kv_store_f32_f16: the K and V caches overlap (shape {list(shape)})")
+    ff = None if rope is None else rope.get("freq_factors")
+    if ff is not None:
+        n_ff = int(rope.get("n_dims") or head_dim) // 2
+        off = Operand("freq_factors", ff, 0, 1, 1, n_ff)
+        check_operand("kv_store_rope", off, shape)
+        for dst in (okc, ovc):
+            check_alias("kv_store_rope", dst, off, shape)
     if n_tokens == 0 or row == 0:
         return
-    name, rp = "kv_store_f32_f16", (0, 0, 0.0, 0.0)
+    name, rp, binds = "kv_store_f32_f16", (0, 0, 0.0, 0.0), [k, v, pos, k_cache, v_cache]
     if rope is not None:
         n_dims = int(rope.get("n_dims") or head_dim)
         mode = rope.get("mode", "normal")
@@ -105,9 +113,10 @@ def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_ca
         if not (base > 0 and math.isfinite(base) and math.isfinite(fscale)):
             raise KernelError(f"kv_store_rope: freq_base = {base!r}, freq_scale = {fscale!r} (shape {list(shape)})")
         name = "kv_store_rope_neox_f32_f16" if mode == "neox" else "kv_store_rope_f32_f16"
-        rp = (head_dim, n_dims, -2.0 * math.log2(base) / n_dims, fscale)
+        rp = (head_dim, n_dims, -2.0 * math.log2(base) / n_dims, fscale, int(ff is not None))
+        binds.append(pos if ff is None else ff)  # (without factors: any buffer, never read)
     kern = Kernel.get(seq.device, name)
-    seq.dispatch(kern, [k, v, pos, k_cache, v_cache],
+    seq.dispatch(kern, binds,
                  (n_tokens, row, n_ctx, k_offset, ok.stride, v_offset, ov.stride, pos_offset,
                   k_cache_offset, v_cache_offset, *rp),
                  (max(1, min(4096, -(-row // 256))), min(n_tokens, MAX_GROUPS), 2))

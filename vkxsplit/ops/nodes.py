@@ -153,20 +153,22 @@ def _swiglu(seq: Sequence, n: Node) -> None:
 
 @register("rope")
 def _rope(seq: Sequence, n: Node) -> None:
-    x, pos = n.inputs
+    x, pos, *ff = n.inputs  # (a third input: the frequency factors, rope_freqs.weight)
     p = n.params
     record_rope(seq, x.buffer, pos.buffer, n.output.buffer, x.rows, p["n_heads"], p["head_dim"],
                 n_dims=p["n_dims"], mode="neox" if p["mode"] == "neox" else "normal",
-                freq_base=p["freq_base"], freq_scale=p["freq_scale"])
+                freq_base=p["freq_base"], freq_scale=p["freq_scale"],
+                freq_factors=ff[0].buffer if ff else None)
 
 
 @register("kv_store")
 def _kv_store(seq: Sequence, n: Node) -> None:
-    k, v, pos = n.inputs
+    k, v, pos, *ff = n.inputs  # (a fourth input: RoPE's frequency factors, rope_freqs.weight)
     p = n.params
     rope = p.get("rope_k")
     if rope is not None:
-        rope = dict(rope, mode="neox" if rope["mode"] == "neox" else "normal")
+        rope = dict(rope, mode="neox" if rope["mode"] == "neox" else "normal",
+                    freq_factors=ff[0].buffer if ff else None)
     record_kv_store(seq, k.buffer, v.buffer, pos.buffer, n.output.buffer, p["cache_v"].buffer, k.rows,
                     p["n_kv_heads"], p["head_dim"], n.output.shape[0], rope=rope)
 

@@ -2,7 +2,9 @@
 
 Applied to an f32 tensor [n_tokens, n_heads, head_dim] (token and head strides in elements, so
 a view of a fused QKV row works) with int32 positions read from a buffer (one per token):
-``theta_i = pos * freq_scale * freq_base^(-2i / n_dims)`` for ``i < n_dims / 2``;
+``theta_i = pos * freq_scale * freq_base^(-2i / n_dims) / freq_factors[i]`` for ``i < n_dims / 2``
+(``freq_factors``: ggml's optional per-pair frequency factors, llama 3.x's ``rope_freqs.weight``;
+1 when absent);
 
 - ``mode="normal"`` (llama): rotate the pairs ``(2i, 2i+1)``;
 - ``mode="neox"``: rotate the pairs ``(i, i + n_dims/2)``;
@@ -25,7 +27,7 @@ MODES = {"normal": "rope", "neox": "rope_neox"}
 
 VARIANTS = [
     Variant(name=f"{name}_f32", source="rope.comp", defines={"NEOX": "1" if mode == "neox" else "0"},
-            bindings=3, writes=(2,), push="IIIIIIIIIIIff", local_size=(WG, 1, 1))
+            bindings=4, writes=(2,), push="IIIIIIIIIIIffI", local_size=(WG, 1, 1))
     for mode, name in MODES.items()
 ]
 
@@ -49,11 +51,12 @@ def record_rope(seq: Sequence, src: Bindable, pos: Bindable, dst: Bindable, n_to
                 src_offset: int = 0, src_token_stride: int | None = None,
                 src_head_stride: int | None = None, dst_offset: int = 0,
                 dst_token_stride: int | None = None, dst_head_stride: int | None = None,
-                dtype: str = "f32") -> None:
+                dtype: str = "f32", freq_factors: Bindable | None = None) -> None:
     """Rotate ``src`` [n_tokens, n_heads, head_dim] into ``dst`` by the int32 positions
     ``pos[pos_offset : pos_offset + n_tokens]``. ``n_dims`` (default ``head_dim``, even, <=
     head_dim) leading elements of each head are rotated. Strides in elements default to the
-    contiguous layout."""
+    contiguous layout. ``freq_factors`` (optional): an f32 buffer of ``n_dims / 2`` factors,
+    each pair's angle divided by its factor (ggml's ``freq_factors``)."""
     name = MODES.get(mode)
     shape = (n_tokens, n_heads, head_dim)
     if name is None:
@@ -78,6 +81,10 @@ def record_rope(seq: Sequence, src: Bindable, pos: Bindable, dst: Bindable, n_to
     pp = Operand("pos", pos, pos_offset, 1, 1, n_tokens)
     check_operand(f"{name}_{dtype}", pp, shape)
     check_alias(f"{name}_{dtype}", d, pp, shape)
+    if freq_factors is not None:
+        fo = Operand("freq_factors", freq_factors, 0, 1, 1, n_dims // 2)
+        check_operand(f"{name}_{dtype}", fo, shape)
+        check_alias(f"{name}_{dtype}", d, fo, shape)
     if n_tokens == 0 or n_heads == 0:
         return
     total = n_tokens * n_heads * (head_dim // 2)
@@ -85,7 +92,8 @@ def record_rope(seq: Sequence, src: Bindable, pos: Bindable, dst: Bindable, n_to
         raise KernelError(f"{name}_{dtype}: too many elements (shape {list(shape)})")
     theta_log2 = -2.0 * math.log2(freq_base) / n_dims
     k = Kernel.get(seq.device, f"{name}_{dtype}")
-    seq.dispatch(k, [src, pos, dst],
+    # (without factors, binding 3 is any buffer: has_ff = 0 and the shader never reads it)
+    seq.dispatch(k, [src, pos, dst, pos if freq_factors is None else freq_factors],
                  (head_dim, n_heads, n_tokens, n_dims, src_offset, sts, shs, dst_offset, dts, dhs,
-                  pos_offset, theta_log2, float(freq_scale)),
+                  pos_offset, theta_log2, float(freq_scale), int(freq_factors is not None)),
                  max(1, min(65535, -(-total // WG))))
