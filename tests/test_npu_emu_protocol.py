@@ -177,6 +177,9 @@ HOSTILE = {
     "empty message": _raw(b""),
     "oversized message": _raw(b'{"op": "stop", "pad": "' + b"x" * 70000 + b'"}'),
     "unknown op": _raw(b'{"op": "frobnicate"}'),
+    # the error text would echo the request: 21,000 euro signs are 63 KB of UTF-8 in the request
+    # and 126 KB as JSON escapes in a reply that quoted them; it must still fit a 64 KiB receive
+    "huge unknown op": _raw(('{"op": "' + "\u20ac" * 21000 + '"}').encode()),
     "op missing": _raw(b'{"chunk": 1}'),
     "op not a string": _raw(b'{"op": 3}'),
     # map: fds

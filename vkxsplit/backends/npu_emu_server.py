@@ -64,6 +64,9 @@ SCHEMA: dict[str, dict[str, str]] = {
 FDS = {"map": 1}  # fds each op carries (others: none)
 
 
+#: longest error text in a reply (characters)
+MAX_ERROR_TEXT = 1024
+
 class BadRequest(Exception):
     """A request that does not pass validation: answered with an error reply."""
 
@@ -194,6 +197,12 @@ class Npu:
         self.reply_op: str | None = None
 
     def send(self, msg: dict[str, Any]) -> None:
+        # an error text may echo a hostile request: cut it so every reply fits the host's
+        # 64 KiB receive (a cut reply would not parse and its job would never complete)
+        if isinstance(msg.get("message"), str) and len(msg["message"]) > MAX_ERROR_TEXT:
+            msg = {**msg, "message": msg["message"][:MAX_ERROR_TEXT] + " ..."}
+        if "request" in msg and isinstance(msg["request"], str):
+            msg["request"] = msg["request"][:64]
         self.sock.send(json.dumps(msg).encode())
 
     def _ref(self, msg: dict[str, Any], name: str, itemsize: int, nbytes: int) -> tuple[int, int, int]:
