@@ -446,3 +446,31 @@ def test_cli_run_refuses_hostile_template(tmp_path: Path) -> None:
     assert len(errors) == 1 and "chat template ran more than" in errors[0], res.stderr
     assert "--no-chat" in res.stderr
 
+
+
+# ---- sampling parameters (from the CLI or the API) -------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                 dict(temperature=-0.1), dict(temperature="0.7"), dict(top_p=float("nan")),
+                                 dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.5),
+                                 dict(top_k=True), dict(top_k=float("nan"))])
+def test_bad_sampling_parameters_are_refused(bad: dict[str, Any]) -> None:
+    """NaN passed the old check (every comparison with NaN is false); each bad value is a
+    VkxError naming the parameters, never a numpy error mid-generation."""
+    from vkxsplit.errors import VkxError
+    from vkxsplit.model import Sampler
+
+    with pytest.raises(VkxError, match="bad sampling parameters"):
+        Sampler(**bad)
+
+
+def test_good_sampling_parameters_sample() -> None:
+    import numpy as np
+
+    from vkxsplit.model import Sampler
+
+    logits = np.array([0.0, 5.0, 1.0, -2.0], np.float32)
+    assert Sampler().sample(logits) == 1  # greedy
+    s = Sampler(temperature=0.8, top_k=np.int64(2), top_p=1, seed=3)
+    assert {s.sample(logits) for _ in range(50)} <= {1, 2}  # top-k 2 keeps ids 1 and 2

@@ -25,6 +25,7 @@ the same weights and KV cache; ``mode:cuda>=32`` is "CUDA does prefill, Vulkan d
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -769,8 +770,17 @@ class Sampler:
     """Greedy, temperature, top-k and top-p sampling on the host (numpy)."""
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise VkxError(f"bad sampling parameters: temperature={temperature}, top_k={top_k}, top_p={top_p}")
+        def number(v: Any, integer: bool = False) -> bool:
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                return False
+            return float(v) == int(v) if integer and math.isfinite(v) else math.isfinite(v)
+
+        if not (number(temperature) and temperature >= 0 and number(top_p) and 0 < top_p <= 1
+                and number(top_k, integer=True) and top_k >= 0):
+            raise VkxError(f"bad sampling parameters: temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}",
+                           "temperature: a finite number >= 0 (0 = greedy); top_k: a whole number >= 0 "
+                           "(0 = off); top_p: a number in (0, 1]")
+        temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.rng = np.random.default_rng(seed)
 
