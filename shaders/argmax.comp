@@ -1,6 +1,9 @@
 #version 450
 // argmax_f32: index (int32) of the largest element of each row of a 2-D f32 tensor. Ties go
-// to the lowest index; NaN never wins (a row of NaN gives 0, as ggml). One workgroup per row.
+// to the lowest index. A row holding any NaN or +infinity gives -1 instead: the caller reports
+// non-finite logits (non-finite weights, most likely) rather than decode a meaningless id
+// (-infinity never wins, so it is allowed).
+// One workgroup per row.
 
 layout(local_size_x = 256) in;
 #define WG 256u
@@ -19,6 +22,7 @@ layout(push_constant) uniform Push {
 
 shared float red_v[WG];
 shared uint red_i[WG];
+shared uint bad;
 
 void main() {
     uint tid = gl_LocalInvocationID.x;
@@ -27,8 +31,14 @@ void main() {
         uint xb = p.x_off + row * p.x_stride;
         float best = NEG_INF;
         uint bi = NONE;
+        bool nonfinite = false;
+        if (tid == 0u) {
+            bad = 0u;
+        }
+        barrier();
         for (uint c = tid; c < p.ncols; c += WG) {  // increasing c: strict > keeps the lowest
             float v = x[xb + c];
+            nonfinite = nonfinite || isnan(v) || (isinf(v) && v > 0.0);
             if (v > best || (v == best && bi == NONE)) {
                 best = v;
                 bi = c;
@@ -36,6 +46,9 @@ void main() {
         }
         red_v[tid] = best;
         red_i[tid] = bi;
+        if (nonfinite) {
+            atomicOr(bad, 1u);
+        }
         barrier();
         for (uint k = WG / 2u; k > 0u; k >>= 1) {
             if (tid < k) {
@@ -52,7 +65,7 @@ void main() {
         }
         if (tid == 0u) {
             uint r = red_i[0];
-            d[p.d_off + row] = int(r == NONE ? 0u : r);
+            d[p.d_off + row] = bad != 0u ? -1 : int(r == NONE ? 0u : r);
         }
         barrier();
     }

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from gguf import GGUFValueType, GGUFWriter
 from test_gguf_model import write_tiny
@@ -474,3 +475,28 @@ def test_good_sampling_parameters_sample() -> None:
     assert Sampler().sample(logits) == 1  # greedy
     s = Sampler(temperature=0.8, top_k=np.int64(2), top_p=1, seed=3)
     assert {s.sample(logits) for _ in range(50)} <= {1, 2}  # top-k 2 keeps ids 1 and 2
+
+
+# ---- non-finite weights ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_weights_give_an_error_not_an_empty_answer(device, tmp_path: Path, temperature: float) -> None:
+    """A NaN in the weights makes every logit NaN; the GPU argmax flags it (greedy) and the
+    host checks the logits it samples from: a ModelError naming the cause, not the id 0 (an
+    end token for many files, so an empty answer with exit 0) or a numpy error."""
+    from gguf import GGUFReader
+
+    from vkxsplit.model import load_model
+    from vkxsplit.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "nan.gguf", "smol135m", "q8_0", seed=5, n_vocab=500, n_layer=2)
+    with load_model(path, device=device, n_ctx=32, ubatch=8) as m:  # finite: generates
+        assert len(list(m.generate_ids([1, 2, 3], 2, temperature=temperature, seed=1, stop_ids=set()))) == 2
+    t = next(t for t in GGUFReader(path).tensors if t.name == "output_norm.weight")
+    with open(path, "r+b") as f:
+        f.seek(int(t.data_offset))
+        f.write(np.full(int(t.n_elements), np.nan, np.float32).tobytes())
+    with load_model(path, device=device, n_ctx=32, ubatch=8) as m:
+        with pytest.raises(ModelError, match="logits of nan.gguf are not finite"):
+            list(m.generate_ids([1, 2, 3], 2, temperature=temperature, seed=1))

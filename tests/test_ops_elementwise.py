@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from vkxsplit.errors import KernelError
-from vkxsplit.ops.argmax import record_argmax
+from vkxsplit.ops.argmax import NONFINITE, record_argmax
 from vkxsplit.ops.elementwise import (
     record_add,
     record_gelu,
@@ -480,21 +480,22 @@ def test_rope_in_place(seq, bufs, rng):
 # -- argmax ---------------------------------------------------------------------------------
 
 def test_argmax(seq, bufs, rng):
-    rows, cols = 6, 50001
+    rows, cols = 7, 50001
     x = rng.standard_normal((rows, cols)).astype(np.float32)
     x[1, [17, 4000, 49999]] = 9.0          # ties: lowest index
-    x[2, :] = -np.inf
+    x[2, :] = -np.inf                      # -inf never wins, and is allowed
     x[2, [300, 301]] = -1.0
-    x[3, :] = np.nan
+    x[3, :] = np.nan                       # any NaN or +inf: NONFINITE (-1), not an id
     x[4, :] = 1.0                          # all equal -> 0
     x[5, 5:] = np.nan
+    x[6, 49000] = np.inf
     X, D = bufs(x.size + 10), bufs(rows + 1, np.int32)
     put(X, np.concatenate([np.zeros(10, np.float32), x.reshape(-1)]))
     D.numpy(np.int32)[:] = -7
     record_argmax(seq, X, D, rows, cols, src_offset=10, dst_offset=1)
     run(seq)
     got = get(D, rows + 1, np.int32)
-    ref = [int(np.argmax(x[0])), 17, 300, 0, 0, int(np.argmax(x[5, :5]))]
+    ref = [int(np.argmax(x[0])), 17, 300, NONFINITE, 0, NONFINITE, NONFINITE]
     assert got[0] == -7
     assert list(got[1:]) == ref
 

@@ -232,7 +232,10 @@ class LanguageModel:
     def last_argmax(self) -> int:
         out = self._out()
         views = out.__dict__.get("_io_views")
-        return int(views[2][0] if views is not None else out.argmax_buf.numpy(np.int32, (1,))[0])
+        tok = int(views[2][0] if views is not None else out.argmax_buf.numpy(np.int32, (1,))[0])
+        if tok < 0:  # the GPU argmax saw a NaN or +inf (ops/argmax.py)
+            raise _nonfinite_logits(self)
+        return tok
 
     def generate_ids(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -246,7 +249,13 @@ class LanguageModel:
         self.timings["prompt_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         for i in range(max_tokens):
-            tok = self.last_argmax() if sampler.greedy else sampler.sample(self.last_logits())
+            if sampler.greedy:
+                tok = self.last_argmax()
+            else:
+                logits = self.last_logits()
+                if not np.isfinite(logits).all() and (np.isnan(logits).any() or np.isposinf(logits).any()):
+                    raise _nonfinite_logits(self)
+                tok = sampler.sample(logits)
             if tok in stop:
                 break
             self.timings["gen_tokens"] = i + 1
@@ -765,6 +774,13 @@ class Model(LanguageModel):
             self.device = None  # type: ignore[assignment]
         if getattr(self, "file", None) is not None:
             self.file.close()
+
+def _nonfinite_logits(model: LanguageModel) -> ModelError:
+    where = getattr(model, "path", None)
+    return ModelError(f"the logits of {where.name if where else 'the model'} are not finite (NaN or "
+                      "infinity): the model file most likely holds non-finite weights",
+                      "check the file (e.g. gguf's dequantize of each tensor for NaN or inf) or fetch it again")
+
 
 class Sampler:
     """Greedy, temperature, top-k and top-p sampling on the host (numpy)."""

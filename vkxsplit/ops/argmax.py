@@ -1,5 +1,6 @@
 """Argmax over the rows of a 2-D f32 tensor (``shaders/argmax.comp``): one int32 per row, ties
-to the lowest index, NaN never wins (a row of NaN gives 0, as ggml)."""
+to the lowest index; -1 for a row holding any NaN or +infinity (:data:`NONFINITE`), which the
+model reports as non-finite logits instead of decoding an id."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from ..vk.kernel import Bindable, Kernel
 from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
 
 WG = 256
+#: what a row with a NaN or a +infinity gives (-infinity never wins: allowed)
+NONFINITE = -1
 
 VARIANTS = [
     Variant(name="argmax_f32", source="argmax.comp", bindings=2, writes=(1,), push="IIIII",
@@ -20,7 +23,8 @@ VARIANTS = [
 def record_argmax(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: int, *,
                   src_offset: int = 0, src_stride: int | None = None, dst_offset: int = 0,
                   dtype: str = "f32") -> None:
-    """``dst[dst_offset + r] = argmax(src[r, :])`` (int32) for a ``rows x cols`` f32 tensor."""
+    """``dst[dst_offset + r] = argmax(src[r, :])`` (int32) for a ``rows x cols`` f32 tensor, or
+    NONFINITE where the row holds a NaN or a +infinity."""
     op = "argmax"
     shape = (rows, cols)
     check_dtype(op, dtype, shape)
