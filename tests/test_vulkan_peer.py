@@ -452,7 +452,7 @@ def test_reduce_add_of_three_partials_in_place(device, seqs, rng):
 
 
 # --------------------------------------------------------------------------------------------
-# through the planner and executor (vkxsplit/plan.py, executor.py, model.py)
+# through the planner and executor (vkxsplit/plan/, executor.py, model.py)
 
 
 @pytest.mark.parametrize("mode", ["shared", "split"])
