@@ -89,12 +89,10 @@ if TYPE_CHECKING:
     from .vk.device import Device
 
 # ---------------------------------------------------------------------------------------------
-# ggml types
+# ggml types (the table lives in vkxsplit.ops.quant; this name stays for backends written
+# against it)
 
-
-# (the table lives in vkxsplit.ops.quant; these names stay for backends written against them)
 ggml_type_info = type_info
-_ELEM = ELEM_BYTES
 
 #: Op names a backend may list in ``Capabilities.ops`` (the hub's op vocabulary).
 KNOWN_OPS = frozenset({"mul_mat", "add", "mul", "scale", "rms_norm", "norm", "softmax", "rope", "silu",
@@ -141,9 +139,9 @@ class Capabilities:
             raise VkxError(f"unknown op name(s) in Capabilities.ops: {', '.join(sorted(unknown))}")
         for t in self.weight_types:
             ggml_type_info(t)
-        bad = [d for d in self.compute_dtypes if d not in _ELEM]
+        bad = [d for d in self.compute_dtypes if d not in ELEM_BYTES]
         if bad or not self.compute_dtypes:
-            raise VkxError(f"compute_dtypes must be some of {', '.join(_ELEM)}, got {sorted(self.compute_dtypes)}")
+            raise VkxError(f"compute_dtypes must be some of {', '.join(ELEM_BYTES)}, got {sorted(self.compute_dtypes)}")
         if self.min_batch < 1 or (self.max_batch is not None and self.max_batch < self.min_batch):
             raise VkxError(f"bad batch range [{self.min_batch}, {self.max_batch}]")
         if self.max_kernels is not None and self.max_kernels < 1:
@@ -208,8 +206,8 @@ class MatMulJob:
             raise KernelError(f"{what}: empty shape")
         if not 0 <= self.r0 < self.r1 <= self.N:
             raise KernelError(f"{what}: row range [{self.r0}, {self.r1}) outside [0, {self.N})")
-        if self.x_type not in _ELEM:
-            raise KernelError(f"{what}: x type must be one of {', '.join(_ELEM)}")
+        if self.x_type not in ELEM_BYTES:
+            raise KernelError(f"{what}: x type must be one of {', '.join(ELEM_BYTES)}")
         if self.x_stride < self.K or self.y_stride < self.N:
             raise KernelError(f"{what}: strides ({self.x_stride}, {self.y_stride}) shorter than rows")
         if not isinstance(self.weight, SharedView):
@@ -227,7 +225,7 @@ class MatMulJob:
         if self.w_row0 > self.r0 or (self.r1 - self.w_row0) * rb > self.weight.size:
             raise KernelError(f"{what}: the weight view ({self.weight.size} bytes from row {self.w_row0}) "
                               f"does not hold rows [{self.r0}, {self.r1}) of {rb} bytes")
-        need_x = ((self.M - 1) * self.x_stride + self.K) * _ELEM[self.x_type]
+        need_x = ((self.M - 1) * self.x_stride + self.K) * ELEM_BYTES[self.x_type]
         need_y = ((self.M - 1) * self.y_stride + self.r1) * 4
         if need_x > self.x.size or need_y > self.y.size:
             raise KernelError(f"{what}: x/y views ({self.x.size}, {self.y.size} bytes) are smaller than "

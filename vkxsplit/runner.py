@@ -167,7 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 #: seconds of warm-up runs before timing on a GPU: a short step (a 1B model's 512-token prefill
 #: is ~20 ms) after an idle host phase runs at low clocks; one warm-up run was not enough
-#: (measured: docs/PERFORMANCE-HISTORY.md, session 3)
+#: (measured: docs/PERFORMANCE-HISTORY.md, the models section of the warm-up round)
 WARMUP_S = 1.0
 
 

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from ..attach import SharedArena
     from ..vk.device import Device
 
-_ELEM = ELEM_BYTES
 
 
 class Workspace:
@@ -62,7 +61,7 @@ class Workspace:
 
     @property
     def converted_bytes(self) -> int:
-        return sum(t.rows * t.cols * _ELEM[t.dtype] for t in self._weights.values())
+        return sum(t.rows * t.cols * ELEM_BYTES[t.dtype] for t in self._weights.values())
 
     def release(self) -> None:
         """Forget everything (a new split config)."""
@@ -90,7 +89,7 @@ class ArenaWorkspace(Workspace):
         self.shadow_bytes = 0
 
     def _alloc_shadow(self, x: Tensor, dtype: str) -> Any:
-        n = x.rows * x.cols * _ELEM[dtype]
+        n = x.rows * x.cols * ELEM_BYTES[dtype]
         sb = self.arena.alloc(n, f"{x.name}@{dtype}")
         self._bufs.append(sb)
         self.shadow_bytes += n
@@ -103,7 +102,7 @@ class ArenaWorkspace(Workspace):
 
         K = w.shape[-1]
         rows = r1 - r0
-        n = rows * K * _ELEM[dtype]
+        n = rows * K * ELEM_BYTES[dtype]
         sb = self.arena.alloc(n, f"{w.name}[{r0}:{r1}]@{dtype}")
         self._bufs.append(sb)
         dev = self.device
