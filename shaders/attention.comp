@@ -8,6 +8,9 @@
 //   pos int32: pos0 = pos[pos_off] is the absolute position of token 0; token t (position
 //       pos0 + t) attends to cache positions 0 .. pos0 + t. Read from a buffer, so one
 //       recorded command buffer serves every decode step.
+//   swa (push constant): a sliding window when > 0: token t sees only the cache positions j
+//       with (pos0 + t) - j < swa (llama.cpp's LLAMA_SWA_TYPE_STANDARD); the splits of a
+//       workgroup then cover only [first visible position, end).
 //   out f32 [n_tokens, n_heads, head_dim] (token stride o_stride), when n_splits == 1;
 //       otherwise unnormalised partial outputs and their (max, sum) go to `part`:
 //       part[(s * n_rows + row) * head_dim + d], then part[n_splits * n_rows * head_dim +
@@ -19,7 +22,9 @@
 //
 // Two paths, same bindings, push constants and grid:
 //   HD undefined (attn_f16_f32): any head_dim <= 128 at run time, one dot product per
-//     invocation; the fallback.
+//     invocation; the fallback. With D256 defined (attn_f16_f32_h256): any head_dim <= 256
+//     (Gemma 3), 8 query rows and 16 cache positions a block, so the tiles stay in about the
+//     shared memory of the 128 path.
 //   HD = 64 or 128 (attn_f16_f32_d64/_d128): head_dim fixed at compile time; vec4 shared
 //     memory tiles, register-blocked scores (2 rows x 2 positions per invocation) and output
 //     (PRT rows x 4 dims per invocation), 8-byte cache loads (cache offsets multiple of 4)
@@ -63,6 +68,7 @@ layout(push_constant) uniform Push {
     uint o_stride;
     uint n_splits;
     float scale;
+    uint swa;
 } p;
 
 shared vec4 sq[BR * DV];       // scaled queries [r][d4]
@@ -105,6 +111,9 @@ void main() {
     const uint rb = ra + 1u;
     const uint lim_a = min(pos0 + (r0 + ra) / grp + 1u, kv_total);
     const uint lim_b = min(pos0 + (r0 + rb) / grp + 1u, kv_total);
+    // sliding window: the first position each row sees (0 without a window)
+    const uint low_a = p.swa > 0u ? max(int(pos0 + (r0 + ra) / grp + 1u) - int(p.swa), 0) : 0u;
+    const uint low_b = p.swa > 0u ? max(int(pos0 + (r0 + rb) / grp + 1u) - int(p.swa), 0) : 0u;
     float m_a = NEG, m_b = NEG, l_a = 0.0, l_b = 0.0;
 
     // output: dims 4 d4 .. 4 d4 + 3 of rows orow + i
@@ -117,8 +126,10 @@ void main() {
 
     const uint t_last = (r0 + nr - 1u) / grp;
     const uint kv_hi = min(pos0 + t_last + 1u, kv_total);
-    const uint chunk = ((kv_total + p.n_splits - 1u) / p.n_splits + BC - 1u) / BC * BC;
-    const uint lo = split * chunk;
+    // the first position any row of this workgroup sees (its first row: positions grow with t)
+    const uint base = p.swa > 0u ? min(uint(max(int(pos0 + r0 / grp + 1u) - int(p.swa), 0)), kv_total) : 0u;
+    const uint chunk = ((kv_total - base + p.n_splits - 1u) / p.n_splits + BC - 1u) / BC * BC;
+    const uint lo = base + split * chunk;
     const uint hi = min(lo + chunk, kv_hi);
     const uint kbase0 = p.k_off / 4u + g * DV;
     const uint vbase0 = p.v_off / 4u + g * DV;
@@ -164,10 +175,10 @@ void main() {
             uint c1 = kb + cg + 16u;
             bool v0 = cg < nc;
             bool v1 = cg + 16u < nc;
-            s_a0 = (v0 && c0 < lim_a) ? a0 : NEG;
-            s_a1 = (v1 && c1 < lim_a) ? a1 : NEG;
-            s_b0 = (v0 && c0 < lim_b && rb < nr) ? b0 : NEG;
-            s_b1 = (v1 && c1 < lim_b && rb < nr) ? b1 : NEG;
+            s_a0 = (v0 && c0 < lim_a && c0 >= low_a) ? a0 : NEG;
+            s_a1 = (v1 && c1 < lim_a && c1 >= low_a) ? a1 : NEG;
+            s_b0 = (v0 && c0 < lim_b && c0 >= low_b && rb < nr) ? b0 : NEG;
+            s_b1 = (v1 && c1 < lim_b && c1 >= low_b && rb < nr) ? b1 : NEG;
         }
         red_m[ra * 16u + cg] = max(s_a0, s_a1);
         red_m[rb * 16u + cg] = max(s_b0, s_b1);
@@ -272,9 +283,15 @@ void main() {
 
 #else
 #define NT 128u     // invocations per workgroup
-#define BR 16u      // query rows per workgroup
-#define BC 32u      // cache positions per block
-#define DMAX 128u   // largest head_dim
+#if defined(D256)
+#define BR 8u       // query rows per workgroup
+#define BC 16u      // cache positions per block
+#define DMAX 256u   // largest head_dim
+#else
+#define BR 16u
+#define BC 32u
+#define DMAX 128u
+#endif
 #define OPT 16      // output entries per invocation: BR * DMAX / NT
 #define NEG -3.0e38 // "masked" score and initial running max (finite: no inf - inf)
 
@@ -302,6 +319,7 @@ layout(push_constant) uniform Push {
     uint o_stride;
     uint n_splits;
     float scale;
+    uint swa;
 } p;
 
 shared float sq[BR * DMAX];          // scaled queries, [r][d]
@@ -311,6 +329,7 @@ shared float sm[BR];                 // running max per row
 shared float sl[BR];                 // running sum per row
 shared float salpha[BR];             // rescale of the accumulators for this block
 shared uint slim[BR];                // exclusive end of the positions row r may see
+shared uint slo[BR];                 // first position row r may see (sliding window; else 0)
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -339,12 +358,15 @@ void main() {
         sl[tid] = 0.0;
         uint t = (r0 + tid) / grp;
         slim[tid] = min(pos0 + t + 1u, kv_total);
+        slo[tid] = p.swa > 0u ? uint(max(int(pos0 + t + 1u) - int(p.swa), 0)) : 0u;
     }
 
     const uint t_last = (r0 + nr - 1u) / grp;
     const uint kv_hi = min(pos0 + t_last + 1u, kv_total);
-    const uint chunk = ((kv_total + p.n_splits - 1u) / p.n_splits + BC - 1u) / BC * BC;
-    const uint lo = split * chunk;
+    // the first position any row of this workgroup sees (its first row: positions grow with t)
+    const uint base = p.swa > 0u ? min(uint(max(int(pos0 + r0 / grp + 1u) - int(p.swa), 0)), kv_total) : 0u;
+    const uint chunk = ((kv_total - base + p.n_splits - 1u) / p.n_splits + BC - 1u) / BC * BC;
+    const uint lo = base + split * chunk;
     const uint hi = min(lo + chunk, kv_hi);
 
     float acc[OPT];
@@ -366,7 +388,7 @@ void main() {
             uint r = i / BC;
             uint c = i % BC;
             float s = NEG;
-            if (c < nc && kb + c < slim[r]) {
+            if (c < nc && kb + c < slim[r] && kb + c >= slo[r]) {
                 float a = 0.0;
                 for (uint d = 0u; d < D; d++) {
                     a += sq[r * D + d] * skv[c * kd + d];

@@ -9,7 +9,7 @@
 // and Q4_K/Q5_K's header, read as one uvec4 (their
 // 144- and 176-byte blocks are 16-byte aligned because record_mul_mat requires a 16-byte
 // aligned weight binding), so std430 packs them without padding (sizes 18, 20, 22, 24, 34, 144,
-// 176, 210 bytes = QBYTES of dequant.glsl).
+// 176, 210, and 84, 110, 18, 136 for Q2_K, Q3_K, IQ4_NL, IQ4_XS = QBYTES of dequant.glsl).
 //
 // The including shader defines WTYPE (ggml type id); this file defines QK, CM2_DECODE
 // (", dq_elem" or empty: F16 needs no decode) and the buffer w_blocks[]. The decode itself is
@@ -71,11 +71,33 @@ struct WBlock { uvec4 h; uint16_t qh[16]; uint16_t qs[64]; };  // 176 bytes
 #define QK 256
 #define CM2_ALIGN 2
 struct WBlock { uint16_t ql[64]; uint16_t qh[32]; int8_t scales[16]; float16_t d; };
+#elif WTYPE == WT_Q2_K
+#define QK 256
+#define CM2_ALIGN 4
+struct WBlock { uint8_t scales[16]; uint16_t qs[32]; f16vec2 dm; };  // 84 bytes
+#elif WTYPE == WT_Q3_K
+#define QK 256
+#define CM2_ALIGN 2
+struct WBlock { uint16_t hmask[16]; uint16_t qs[32]; uint8_t scales[12]; float16_t d; };  // 110 bytes
+#elif WTYPE == WT_IQ4_NL
+#define QK 32
+#define CM2_ALIGN 2
+struct WBlock { float16_t d; uint16_t qs[8]; };
+#elif WTYPE == WT_IQ4_XS
+#define QK 256
+#define CM2_ALIGN 8
+struct WBlock { float16_t d; uint16_t scales_h; uint8_t scales_l[4]; uint16_t qs[64]; };  // 136 bytes
 #else
 #error "unknown WTYPE"
 #endif
 
 layout(std430, binding = 0) readonly buffer WB { WBlock w_blocks[]; };
+
+#if WTYPE == WT_IQ4_NL || WTYPE == WT_IQ4_XS
+// ggml's kvalues_iq4nl
+const float KV_IQ4NL[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+                                     1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+#endif
 
 #ifndef CM2_NO_REF
 layout(buffer_reference, std430, buffer_reference_align = CM2_ALIGN) readonly buffer WRef { WBlock b; };

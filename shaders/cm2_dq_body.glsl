@@ -56,4 +56,34 @@
     const uint qh = (uint(B.qh[((j & 0x80u) >> 3) + ((j & 0x1Eu) >> 1)]) >> (8u * (j & 1u) + ((j & 0x60u) >> 4))) & 3u;
     const int sc = int(B.scales[j >> 4]);
     return float16_t(float(B.d) * float(sc) * float(int(ql | (qh << 4)) - 32));
+#elif WTYPE == WT_Q2_K || WTYPE == WT_Q3_K
+    // element j = 128 h + 32 g + l: bits 2g of qs byte 32 h + l (halfword 16 h + l / 2, byte
+    // l & 1 of it: bit 0 of j masked as above), sub-block scale j >> 4
+    const uint l = j & 31u, g = (j >> 5) & 3u, h = j >> 7;
+    uint q = (uint(B.qs[16u * h + (l >> 1)]) >> (8u * (j & 1u) + 2u * g)) & 3u;
+    const uint s = j >> 4;
+#if WTYPE == WT_Q2_K
+    // scale byte: low nibble the scale, high nibble the min (ggml: d sc q - dmin m)
+    const uint sm = uint(B.scales[s]);
+    const vec2 dm = vec2(B.dm);
+    return float16_t(dm.x * float(sm & 15u) * float(q) - dm.y * float(sm >> 4));
+#else
+    // third bit: bit 4h + g of hmask byte l (set: + 0, clear: - 4); the 6-bit scale: nibble
+    // s / 8 of byte s % 8, bits 2 (s / 4) of byte 8 + s % 4 above it, minus 32
+    q |= ((uint(B.hmask[l >> 1]) >> (8u * (j & 1u) + 4u * h + g)) & 1u) << 2;
+    const uint lo = (uint(B.scales[s & 7u]) >> (4u * (s >> 3))) & 15u;
+    const uint hi = (uint(B.scales[8u + (s & 3u)]) >> (2u * (s >> 2))) & 3u;
+    return float16_t(float(B.d) * float(int(lo | (hi << 4)) - 32) * float(int(q) - 4));
+#endif
+#elif WTYPE == WT_IQ4_NL
+    // Q4_0's nibble layout, the nibble indexing kvalues_iq4nl
+    const uint q = (uint(B.qs[(j & 14u) >> 1]) >> (8u * (j & 1u) + ((j & 16u) >> 2))) & 15u;
+    return float16_t(float(B.d) * KV_IQ4NL[q]);
+#elif WTYPE == WT_IQ4_XS
+    // sub-block s = j >> 5: IQ4_NL's nibble layout in qs bytes 16 s .. 16 s + 15, the 6-bit scale
+    // nibble s & 1 of scales_l[s / 2] with bits 2s of scales_h above it, minus 32
+    const uint s = j >> 5;
+    const uint q = (uint(B.qs[8u * s + ((j & 14u) >> 1)]) >> (8u * (j & 1u) + ((j & 16u) >> 2))) & 15u;
+    const uint ls = ((uint(B.scales_l[s >> 1]) >> (4u * (s & 1u))) & 15u) | (((uint(B.scales_h) >> (2u * s)) & 3u) << 4);
+    return float16_t(float(B.d) * float(int(ls) - 32) * KV_IQ4NL[q]);
 #endif

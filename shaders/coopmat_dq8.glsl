@@ -94,8 +94,45 @@ void t8_fetch(uint rb, uint k, out uvec4 r[2]) {
     const uint qhb = bb + 128u + 32u * h + l;
     r[0] = uvec4(t8_w2(qlb), t8_w2(qlb + 4u), t8_w2(qhb), t8_w2(qhb + 4u));
     r[1] = uvec4(t8_h(bb + 208u) | (uint(w_u8[bb + 192u + (i >> 4)]) << 16), 0u, 0u, 0u);
+#elif WTYPE == WT_Q2_K
+    // scales[16] | qs[64] | d, dmin; element i = 128h + 32j + l: bits 2j of qs[32h + l]. The
+    // 8 qs bytes (4-aligned words), the (d, dmin) word and the scale byte i / 16
+    const uint wb = (rb >> 2) + (k >> 8) * 21u;
+    const uint i = k & 255u;
+    const uint qw = wb + 4u + 8u * (i >> 7) + ((i & 31u) >> 2);
+    r[0] = uvec4(w_u32[qw], w_u32[qw + 1u], w_u32[wb + 20u], (w_u32[wb + (i >> 6)] >> (8u * ((i >> 4) & 3u))) & 0xFFu);
+#elif WTYPE == WT_Q3_K
+    // hmask[32] | qs[64] | scales[12] | d; element i = 128h + 32j + l: bits 2j of qs[32h + l],
+    // bit 4h + j of hmask[l]. The 8 qs and 8 hmask bytes, d and the two bytes of scale i / 16
+    const uint bb = rb + (k >> 8) * 110u;
+    const uint i = k & 255u;
+    const uint l = i & 31u;
+    const uint s = i >> 4;
+    const uint qb = bb + 32u + 32u * (i >> 7) + l;
+    r[0] = uvec4(t8_w2(qb), t8_w2(qb + 4u), t8_w2(bb + l), t8_w2(bb + l + 4u));
+    r[1] = uvec4(t8_h(bb + 108u), uint(w_u8[bb + 96u + (s & 7u)]), uint(w_u8[bb + 104u + (s & 3u)]), 0u);
+#elif WTYPE == WT_IQ4_NL
+    const uint bb = rb + (k >> 5) * 18u;
+    const uint j = k & 15u;
+    r[0] = uvec4(t8_w2(bb + 2u + j), t8_w2(bb + 6u + j), t8_h(bb), 0u);
+#elif WTYPE == WT_IQ4_XS
+    // d | scales_h | scales_l[4] in one 64-bit load (136-byte blocks, 8-aligned), the 8 qs
+    // bytes 16 s + (i & 8) of sub-block s = i / 32 in another (low or high nibbles by i & 16)
+    const uint db = (rb >> 3) + (k >> 8) * 17u;
+    const uint i = k & 255u;
+    r[0] = uvec4(w_u64[db + 1u + 2u * (i >> 5) + ((i & 8u) >> 3)], w_u64[db]);
 #endif
 }
+
+#if WTYPE == WT_IQ4_NL || WTYPE == WT_IQ4_XS
+// ggml's kvalues_iq4nl, and the levels of the four nibbles in the low 4 bits of q's bytes
+const float T8_KV_IQ4NL[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+                                        1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+vec4 t8_kv(uint q) {
+    return vec4(T8_KV_IQ4NL[q & 15u], T8_KV_IQ4NL[(q >> 8) & 15u], T8_KV_IQ4NL[(q >> 16) & 15u],
+                T8_KV_IQ4NL[(q >> 24) & 15u]);
+}
+#endif
 
 #if WTYPE == WT_Q4_K || WTYPE == WT_Q5_K
 uint t8_kbyte(uvec4 hd, uint j) { return (hd[1u + (j >> 2)] >> (8u * (j & 3u))) & 0xFFu; }
@@ -174,6 +211,36 @@ void t8_decode(uvec4 r[2], uint k, out vec4 a, out vec4 b) {
     const uint qb = ((r[0].y >> (4u * (c >> 1))) & 0x0F0F0F0Fu) | (((r[0].w >> (2u * c)) & 0x03030303u) << 4);
     a = (t8_u8x4(qa) - 32.0) * d;
     b = (t8_u8x4(qb) - 32.0) * d;
+#elif WTYPE == WT_Q2_K
+    const uint sh = 2u * ((k >> 5) & 3u);
+    const vec2 dm = unpackHalf2x16(r[0].z);
+    const float scale = dm.x * float(r[0].w & 15u);
+    const float off = dm.y * float(r[0].w >> 4);
+    a = t8_u8x4((r[0].x >> sh) & 0x03030303u) * scale - off;
+    b = t8_u8x4((r[0].y >> sh) & 0x03030303u) * scale - off;
+#elif WTYPE == WT_Q3_K
+    const uint i = k & 255u;
+    const uint j = (i >> 5) & 3u;
+    const uint hs = 4u * (i >> 7) + j;
+    const uint s = i >> 4;
+    const uint sc6 = ((r[1].y >> (4u * (s >> 3))) & 15u) | (((r[1].z >> (2u * (s >> 2))) & 3u) << 4);
+    const float d = t8_half(r[1].x) * float(int(sc6) - 32);
+    const uint qa = ((r[0].x >> (2u * j)) & 0x03030303u) | (((r[0].z >> hs) & 0x01010101u) << 2);
+    const uint qb = ((r[0].y >> (2u * j)) & 0x03030303u) | (((r[0].w >> hs) & 0x01010101u) << 2);
+    a = (t8_u8x4(qa) - 4.0) * d;
+    b = (t8_u8x4(qb) - 4.0) * d;
+#elif WTYPE == WT_IQ4_NL
+    const uint sh = (k & 16u) >> 2;
+    const float d = t8_half(r[0].z);
+    a = t8_kv((r[0].x >> sh) & 0x0F0F0F0Fu) * d;
+    b = t8_kv((r[0].y >> sh) & 0x0F0F0F0Fu) * d;
+#elif WTYPE == WT_IQ4_XS
+    const uint s = (k & 255u) >> 5;
+    const uint sh = (k & 16u) >> 2;
+    const uint ls = ((r[0].w >> (4u * s)) & 15u) | (((r[0].z >> (16u + 2u * s)) & 3u) << 4);
+    const float d = t8_half(r[0].z) * float(int(ls) - 32);
+    a = t8_kv((r[0].x >> sh) & 0x0F0F0F0Fu) * d;
+    b = t8_kv((r[0].y >> sh) & 0x0F0F0F0Fu) * d;
 #endif
 }
 

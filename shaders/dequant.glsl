@@ -6,7 +6,8 @@
 // Python side checks); a row starts at row * ROW_BYTES(K) bytes and is, in general, only
 // 2-byte aligned (Q4_0 is 18 bytes per block), so each type reads with the widest load its
 // layout allows (8/16-bit for 2-aligned blocks, 32-bit for 4-aligned, 128-bit for the
-// 16-aligned Q4_K/Q5_K).
+// 16-aligned Q4_K/Q5_K; Q3_K's 110-byte blocks are 2-aligned, Q2_K's 84 4-aligned, IQ4_XS's 136
+// 8-aligned).
 //
 // Two interfaces:
 //   vec4 dq4(rb, k)   elements k..k+3 (k % 4 == 0) of the row whose first byte is rb;
@@ -59,6 +60,25 @@ void scale_min_k4(uint scb, uint s, out float sc, out float mn) {
         mn = float((a >> 4) | ((ld8(scb + s) >> 6) << 4));
     }
 }
+#if WTYPE == WT_IQ4_NL || WTYPE == WT_IQ4_XS
+// ggml's kvalues_iq4nl: the 16 non-linear levels a 4-bit IQ4_NL / IQ4_XS code stands for
+const float KV_IQ4NL[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+                                     1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+// the levels of the four nibbles in the low 4 bits of each byte of q (q & 0xF0F0F0F0 == 0)
+vec4 kv_iq4(uint q) {
+    return vec4(KV_IQ4NL[q & 15u], KV_IQ4NL[(q >> 8) & 15u], KV_IQ4NL[(q >> 16) & 15u], KV_IQ4NL[q >> 24]);
+}
+#endif
+#if WTYPE == WT_Q3_K
+// Q3_K's 6-bit sub-block scale s (0..15) from the 12 scale bytes at scb, minus 32 (ggml's
+// dequantize_row_q3_K unpacking: low 4 bits are nibble s / 8 of byte s % 8, the high 2 bits
+// are bits 2 (s / 4) of byte 8 + s % 4)
+float q3k_scale(uint scb, uint s) {
+    const uint lo = (ld8(scb + (s & 7u)) >> (4u * (s >> 3))) & 15u;
+    const uint hi = (ld8(scb + 8u + (s & 3u)) >> (2u * (s >> 2))) & 3u;
+    return float(int(lo | (hi << 4)) - 32);
+}
+#endif
 
 #if WTYPE == WT_F32
 #define QK 1u
@@ -99,6 +119,18 @@ void scale_min_k4(uint scb, uint s, out float sc, out float mn) {
 #elif WTYPE == WT_Q6_K
 #define QK 256u
 #define QBYTES 210u
+#elif WTYPE == WT_Q2_K
+#define QK 256u
+#define QBYTES 84u
+#elif WTYPE == WT_Q3_K
+#define QK 256u
+#define QBYTES 110u
+#elif WTYPE == WT_IQ4_NL
+#define QK 32u
+#define QBYTES 18u
+#elif WTYPE == WT_IQ4_XS
+#define QK 256u
+#define QBYTES 136u
 #else
 #error "unknown WTYPE"
 #endif
@@ -199,6 +231,42 @@ vec4 dq4(uint rb, uint k) {
     uint qh = (ld16x2(bb + 128u + 32u * h + l) >> (2u * c)) & 0x03030303u;
     float sc = float(bitfieldExtract(int(ld8(bb + 192u + (i >> 4))), 0, 8));
     return (u8x4(ql | (qh << 4)) - 32.0) * (h2f(ld16(bb + 208u)) * sc);
+#elif WTYPE == WT_Q2_K
+    // scales[16] (low nibble scale, high nibble min) | qs[64] | d, dmin (f16); element
+    // i = 128h + 32j + l: bits 2j of qs[32h + l], scale byte i/16
+    uint bb = rb + (k >> 8) * 84u;
+    uint i = k & 255u;
+    uint q = (ld32(bb + 16u + 32u * (i >> 7) + (i & 31u)) >> (2u * ((i >> 5) & 3u))) & 0x03030303u;
+    uint sm = ld8(bb + (i >> 4));
+    vec2 dm = unpackHalf2x16(ld32(bb + 80u));
+    return u8x4(q) * (dm.x * float(sm & 15u)) - dm.y * float(sm >> 4);
+#elif WTYPE == WT_Q3_K
+    // hmask[32] | qs[64] | scales[12] | d (f16); element i = 128h + 32j + l: low 2 bits at
+    // bits 2j of qs[32h + l], third bit = bit 4h + j of hmask[l] (code - 4 where it is 0)
+    uint bb = rb + (k >> 8) * 110u;
+    uint i = k & 255u;
+    uint h = i >> 7;
+    uint j = (i >> 5) & 3u;
+    uint l = i & 31u;
+    uint q = (ld16x2(bb + 32u + 32u * h + l) >> (2u * j)) & 0x03030303u;
+    q |= ((ld16x2(bb + l) >> (4u * h + j)) & 0x01010101u) << 2;
+    return (u8x4(q) - 4.0) * (h2f(ld16(bb + 108u)) * q3k_scale(bb + 96u, i >> 4));
+#elif WTYPE == WT_IQ4_NL
+    // d (f16) | qs[16]: Q4_0's layout, the nibbles index kvalues_iq4nl
+    uint bb = rb + (k >> 5) * 18u;
+    uint i = k & 31u;
+    uint q = (ld16x2(bb + 2u + (i & 15u)) >> ((i & 16u) != 0u ? 4u : 0u)) & 0x0F0F0F0Fu;
+    return kv_iq4(q) * h2f(ld16(bb));
+#elif WTYPE == WT_IQ4_XS
+    // d (f16) | scales_h (u16) | scales_l[4] | qs[128]; sub-block s = i/32 has the 6-bit scale
+    // (nibble s%2 of scales_l[s/2]) | (bits 2s of scales_h) << 4, minus 32, and IQ4_NL's
+    // nibble layout in qs[16s .. 16s+15]
+    uint bb = rb + (k >> 8) * 136u;
+    uint i = k & 255u;
+    uint s = i >> 5;
+    uint q = (ld32(bb + 8u + 16u * s + (i & 15u)) >> ((i & 16u) != 0u ? 4u : 0u)) & 0x0F0F0F0Fu;
+    uint ls = ((ld8(bb + 4u + (s >> 1)) >> (4u * (s & 1u))) & 15u) | (((ld16(bb + 2u) >> (2u * s)) & 3u) << 4);
+    return kv_iq4(q) * (h2f(ld16(bb)) * float(int(ls) - 32));
 #endif
 }
 
@@ -240,8 +308,9 @@ void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float 
 #endif
 }
 
-#elif WTYPE == WT_Q4_0 || WTYPE == WT_Q4_1 || WTYPE == WT_Q5_0 || WTYPE == WT_Q5_1 || WTYPE == WT_Q8_0
-// legacy quants: 4 lanes per block, lane t = u % 4 of block b = u / 4. Q4/Q5: qs bytes
+#elif WTYPE == WT_Q4_0 || WTYPE == WT_Q4_1 || WTYPE == WT_Q5_0 || WTYPE == WT_Q5_1 || WTYPE == WT_Q8_0 \
+    || WTYPE == WT_IQ4_NL
+// legacy quants (and IQ4_NL, Q4_0's layout with table codes): 4 lanes per block, lane t = u % 4 of block b = u / 4. Q4/Q5: qs bytes
 // 4t..4t+3, i.e. elements 4t..4t+3 (low nibbles, run 0) and 16+4t..16+4t+3 (high nibbles,
 // run 1); Q8_0: elements 8t..8t+7. The 4 lanes of a block read x in 64-byte pieces.
 #define DQ_U 8u
@@ -268,7 +337,7 @@ void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float 
     c[0] = bytes_f((h16(o) | (h16(o + 1u) << 16)) ^ 0x80808080u, 128.0);
     c[1] = bytes_f((h16(o + 2u) | (h16(o + 3u) << 16)) ^ 0x80808080u, 128.0);
 #else
-#if WTYPE == WT_Q4_0
+#if WTYPE == WT_Q4_0 || WTYPE == WT_IQ4_NL
     const uint hb = (rb >> 1) + (u >> 2) * 9u;
     sc[0] = h2f(h16(hb));
     const uint q = h16(hb + 1u + 2u * t) | (h16(hb + 2u + 2u * t) << 16);
@@ -301,8 +370,13 @@ void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float 
     a |= q5_high(qh);
     b |= q5_high(qh >> 16);
 #endif
+#if WTYPE == WT_IQ4_NL
+    c[0] = kv_iq4(a);
+    c[1] = kv_iq4(b);
+#else
     c[0] = bytes_f(a, off);
     c[1] = bytes_f(b, off);
+#endif
 #endif
 }
 
@@ -388,6 +462,88 @@ void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float 
         const uvec2 q = ql | (((H >> (2u * g)) & 0x03030303u) << 4);
         c[2u * g] = bytes_f(q.x, 32.0);
         c[2u * g + 1u] = bytes_f(q.y, 32.0);
+    }
+}
+
+#elif WTYPE == WT_Q2_K || WTYPE == WT_Q3_K
+// Q6_K's unit: t = u % 8, half h = t/4, l0 = 8 * (t % 4); group g = 0..3 holds runs 2g, 2g+1:
+// elements 128h + 32g + l0 + 0..7 (bits 2g of qs bytes 32h + l0 .. +7), all with sub-block
+// scale (128h + 32g + l0) / 16 = 8h + 2g + l0/16. Q2_K: element = d sc q - dmin m (DQ_MIN);
+// Q3_K: d (sc - 32) (q + 4 hbit - 4), hbit = bit 4h + g of hmask bytes l0 .. +7.
+#define DQ_U 32u
+#define DQ_NV 8
+#define DQ_G 4
+#if WTYPE == WT_Q2_K
+#define DQ_MIN 1
+#else
+#define DQ_MIN 0
+#endif
+uint dq_run(uint u, uint j) {
+    uint t = u & 7u;
+    return 256u * (u >> 3) + 128u * (t >> 2) + 32u * (j >> 1) + 8u * (t & 3u) + 4u * (j & 1u);
+}
+uint h16(uint i) { return uint(w_u16[i]); }
+void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float mn[DQ_G]) {
+    const uint t = u & 7u;
+    const uint h = t >> 2;
+    const uint l0 = 8u * (t & 3u);
+    const uint s0 = 8u * h + (l0 >> 4);               // scale index of group 0
+#if WTYPE == WT_Q2_K
+    const uint wb = (rb >> 2) + (u >> 3) * 21u;       // 32-bit index of the block
+    const uvec2 Q = uvec2(w_u32[wb + 4u + 8u * h + (l0 >> 2)], w_u32[wb + 5u + 8u * h + (l0 >> 2)]);
+    const vec2 dm = unpackHalf2x16(w_u32[wb + 20u]);
+    [[unroll]] for (uint g = 0u; g < 4u; ++g) {
+        const uint sm = (w_u32[wb + ((s0 + 2u * g) >> 2)] >> (8u * ((s0 + 2u * g) & 3u))) & 0xFFu;
+        sc[g] = dm.x * float(sm & 15u);
+        mn[g] = -(dm.y * float(sm >> 4));
+        const uvec2 q = (Q >> (2u * g)) & 0x03030303u;
+        c[2u * g] = bytes_f(q.x, 0.0);
+        c[2u * g + 1u] = bytes_f(q.y, 0.0);
+    }
+#else
+    const uint hb = (rb >> 1) + (u >> 3) * 55u;       // 16-bit index of the block
+    const uint qa = hb + 16u + 16u * h + (l0 >> 1);   // qs bytes 32h + l0
+    const uint ma = hb + (l0 >> 1);                   // hmask bytes l0
+    const uvec2 Q = uvec2(h16(qa) | (h16(qa + 1u) << 16), h16(qa + 2u) | (h16(qa + 3u) << 16));
+    const uvec2 H = uvec2(h16(ma) | (h16(ma + 1u) << 16), h16(ma + 2u) | (h16(ma + 3u) << 16));
+    const float d = h2f(h16(hb + 54u));
+    [[unroll]] for (uint g = 0u; g < 4u; ++g) {
+        sc[g] = d * q3k_scale(2u * hb + 96u, s0 + 2u * g);
+        mn[g] = 0.0;
+        const uvec2 q = ((Q >> (2u * g)) & 0x03030303u) | (((H >> (4u * h + g)) & 0x01010101u) << 2);
+        c[2u * g] = bytes_f(q.x, 4.0);
+        c[2u * g + 1u] = bytes_f(q.y, 4.0);
+    }
+#endif
+}
+
+#elif WTYPE == WT_IQ4_XS
+// a unit is lane t = u % 8 of block b = u / 8: qs words t + 8p (p = 0..3) of the block, i.e.
+// bytes 16s + 4(t%4) .. +3 of sub-block s = 2p + t/4: run 2p (low nibbles) is elements
+// 32s + 4(t%4) + 0..3, run 2p+1 (high nibbles) the same + 16; group p has sub-block s's scale.
+// The 8 lanes of a block read 32 consecutive qs bytes per p. Codes are kvalues_iq4nl levels.
+#define DQ_U 32u
+#define DQ_NV 8
+#define DQ_G 4
+#define DQ_MIN 0
+uint dq_run(uint u, uint j) {
+    uint t = u & 7u;
+    return 256u * (u >> 3) + 32u * (2u * (j >> 1) + (t >> 2)) + 16u * (j & 1u) + 4u * (t & 3u);
+}
+void dq_codes(uint rb, uint u, out vec4 c[DQ_NV], out float sc[DQ_G], out float mn[DQ_G]) {
+    const uint t = u & 7u;
+    const uint db = (rb >> 3) + (u >> 3) * 17u;      // 64-bit index of the block
+    const uvec2 hd = w_u64[db];                       // d | scales_h, scales_l[4]
+    const float d = unpackHalf2x16(hd.x).x;
+    const uint sh = hd.x >> 16;
+    [[unroll]] for (uint p = 0u; p < 4u; ++p) {
+        const uint s = 2u * p + (t >> 2);
+        const uint q = w_u32[2u * db + 2u + t + 8u * p];
+        c[2u * p] = kv_iq4(q & 0x0F0F0F0Fu);
+        c[2u * p + 1u] = kv_iq4((q >> 4) & 0x0F0F0F0Fu);
+        const uint ls = ((hd.y >> (8u * p + 4u * (t >> 2))) & 15u) | (((sh >> (2u * s)) & 3u) << 4);
+        sc[p] = d * float(int(ls) - 32);
+        mn[p] = 0.0;
     }
 }
 #endif

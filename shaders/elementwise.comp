@@ -2,14 +2,15 @@
 // add_f32, mul_f32, scale_f32, silu_f32, gelu_f32, swiglu_f32: elementwise ops over the rows of
 // a 2-D f32 tensor. Every operand is (element offset, row stride in elements); the kernel
 // handles any row length. OP: 0 add, 1 mul, 2 scale, 3 silu, 4 gelu (tanh approximation, as
-// ggml), 5 swiglu (a = gate, b = up: silu(gate) * up). The binary ops read b's row
+// ggml), 5 swiglu (a = gate, b = up: silu(gate) * up), 6 geglu (gelu(gate) * up), 7 softcap
+// (scale * tanh(x / scale): a final-logit soft cap, scale = the cap). The binary ops read b's row
 // (row % b_rows): b_rows = 1 broadcasts one row vector over every row of a.
 // In-place use (d aliasing a or b, same offset and stride) is allowed: every element is read
 // before it is written by the same invocation, and no other invocation touches it.
 
 layout(local_size_x = 256) in;
 
-#define BINARY (OP == 0 || OP == 1 || OP == 5)
+#define BINARY (OP == 0 || OP == 1 || OP == 5 || OP == 6)
 
 layout(std430, binding = 0) readonly buffer A { float a[]; };
 #if BINARY
@@ -65,6 +66,11 @@ void main() {
             float y = gelu(x);
 #elif OP == 5
             float y = silu(x) * b[bb + c];
+#elif OP == 6
+            float y = gelu(x) * b[bb + c];
+#elif OP == 7
+            // tanh(v) = 1 - 2/(e^2v + 1): saturates for large |v| instead of giving inf/inf
+            float y = p.scale * (1.0 - 2.0 / (exp(2.0 * x / p.scale) + 1.0));
 #endif
             d[db + c] = y;
         }

@@ -4,7 +4,9 @@
 // outside [0, n_rows) yields a row of NaN instead of an out-of-bounds read.
 //
 // Push constants: n_ids, K, n_rows, ids_offset, out_offset, out_stride, flags (bit 1: float
-// W rows vec4-readable, K % 4 == 0). Workgroups: (ceil(K / (4 * 64)), min(n_ids, 65535));
+// W rows vec4-readable, K % 4 == 0; bit 2: W holds rows row0 .. row0 + n_rows - 1 of a larger
+// table, too large for one binding: an id in that range reads row id - row0, any other id is
+// skipped, its output row left to the dispatch of the part that holds it), row0. Workgroups: (ceil(K / (4 * 64)), min(n_ids, 65535));
 // y loops over the ids.
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_8bit_storage : require
@@ -20,6 +22,7 @@ layout(std430, binding = 2) writeonly buffer Out { float outv[]; };
 
 layout(push_constant) uniform Push {
     uint n_ids; uint K; uint n_rows; uint ids_offset; uint out_offset; uint out_stride; uint flags;
+    uint row0;
 } p;
 
 void main() {
@@ -29,7 +32,13 @@ void main() {
     }
     const uint row_bytes = ROW_BYTES(p.K);
     for (uint i = gl_WorkGroupID.y; i < p.n_ids; i += gl_NumWorkGroups.y) {
-        const int id = ids[p.ids_offset + i];
+        int id = ids[p.ids_offset + i];
+        if ((p.flags & 4u) != 0u) {
+            id -= int(p.row0);
+            if (id < 0 || uint(id) >= p.n_rows) {
+                continue;  // another part's row
+            }
+        }
         const uint ob = p.out_offset + i * p.out_stride + k;
         vec4 v;
         if (id < 0 || uint(id) >= p.n_rows) {

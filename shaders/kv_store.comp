@@ -8,6 +8,9 @@
 // same formula and operations as rope.comp (frequency factors included; rope then store, up to
 // FMA contraction): the RoPE of
 // K and the store are one dispatch and one barrier level.
+// YARN = 1 (kv_store_rope_yarn[_neox]_f32_f16): the RoPE of K with ggml's YaRN terms, the
+// same formula and operations as rope.comp's YARN = 1 (ramp between corr_lo and corr_hi mixing
+// the interpolated and extrapolated angles by ext_factor, cos/sin times mscale).
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int16 : require
 #include "common.glsl"
@@ -40,6 +43,12 @@ layout(push_constant) uniform Push {
     float theta_log2;  // -2 log2(freq_base) / n_dims
     float freq_scale;
     uint has_ff;
+#if YARN
+    float corr_lo;
+    float corr_hi;
+    float ext_factor;
+    float mscale;
+#endif
 #endif
 } p;
 
@@ -62,6 +71,23 @@ float roped_k(uint kb, uint c, int ps) {
     uint c0 = second ? c - 1u : c;
     uint c1 = c0 + 1u;
 #endif
+#if YARN
+    float fb = exp2(float(j) * p.theta_log2);
+    float freq = p.freq_scale * fb;
+    if (p.has_ff != 0u) {
+        freq /= ff[j];
+        fb /= ff[j];
+    }
+    float theta = float(ps) * freq;  // theta_interp
+    if (p.ext_factor != 0.0) {
+        float y = (float(j) - p.corr_lo) / max(0.001, p.corr_hi - p.corr_lo);
+        float mix = (1.0 - min(1.0, max(0.0, y))) * p.ext_factor;
+        theta = theta * (1.0 - mix) + (float(ps) * fb) * mix;
+    }
+    theta = reduce_2pi(theta);
+    float cs = cos(theta) * p.mscale;
+    float sn = sin(theta) * p.mscale;
+#else
     float freq = p.freq_scale * exp2(float(j) * p.theta_log2);
     if (p.has_ff != 0u) {
         freq /= ff[j];
@@ -69,6 +95,7 @@ float roped_k(uint kb, uint c, int ps) {
     float theta = reduce_2pi(float(ps) * freq);
     float cs = cos(theta);
     float sn = sin(theta);
+#endif
     float x0 = uintBitsToFloat(k[kb + c0]);
     float x1 = uintBitsToFloat(k[kb + c1]);
     return second ? x0 * sn + x1 * cs : x0 * cs - x1 * sn;

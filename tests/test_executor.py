@@ -12,6 +12,7 @@ import pytest
 from conftest import WAIT_S
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
+from test_cpu_ggml import ggml_bound
 
 from vkxsplit.attach import SharedArena, stats
 from vkxsplit.backend import create_backend
@@ -109,6 +110,8 @@ class Chain:
                 if p.participant == "npu-emu":
                     # bf16 inputs: |bf(a)bf(b) - ab| <= (2u + u^2)|ab| (u = 2^-8), f32 sum of K terms
                     bound = (2 * U + U * U + xin.shape[1] * 2.0**-24) * absprod
+                elif p.participant == "cpu":  # ggml rounds x to the weight's dot type (q8_0 for m1)
+                    bound = ggml_bound(xin, w[cols], "q8_0" if name == "m1" else "f32")
                 else:  # f32 products and sums (hub kernels, numpy): K terms of unit roundoff 2^-24
                     bound = 4 * xin.shape[1] * 2.0**-24 * absprod
                 if name == "m1":  # + the bias add's rounding (one f32 add)

@@ -3,8 +3,9 @@
 Every type from random valid blocks (random quant bytes, finite f16 scales; plain random
 floats for F32/F16/BF16), compared with ``gguf.quants.dequantize`` of the same bytes.
 Bound: types whose dequantization is one rounding, d * (q - offset) or d * sc * q with the
-same operation order as numpy (F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q6_K), must match exactly;
-types with an added min (Q4_1, Q5_1, Q4_K, Q5_K: d*q + m) may be fused into one rounding by
+same operation order as numpy (F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q6_K, Q3_K, and IQ4_NL / IQ4_XS:
+d * level or (d * sc) * level), must match exactly; types with an added min (Q4_1, Q5_1, Q2_K,
+Q4_K, Q5_K: d*q + m) may be fused into one rounding by
 the shader compiler, so they may differ by a couple of f32 ulps of the larger term, bounded
 here by 2^-20 * max|row| (the rows' terms are at most ~2x the row maximum for these scales).
 """
@@ -20,7 +21,7 @@ from vkxsplit.ops.get_rows import record_get_rows
 from vkxsplit.ops.quant import row_bytes
 from vkxsplit.vk.command import Sequence
 
-EXACT = {"f32", "f16", "bf16", "q4_0", "q5_0", "q8_0", "q6_k"}
+EXACT = {"f32", "f16", "bf16", "q4_0", "q5_0", "q8_0", "q6_k", "q3_k", "iq4_nl", "iq4_xs"}
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def test_get_rows(device, bufs, rng, t):
         assert (np.abs(out - ref) <= tol).all()
 
 
-@pytest.mark.parametrize("t", ["f16", "q4_k", "q5_0"])
+@pytest.mark.parametrize("t", ["f16", "q4_k", "q5_0", "q3_k", "iq4_nl"])
 def test_get_rows_strided_and_bad_ids(device, bufs, rng, t):
     """ids from an offset, output rows with a stride and an offset; ids outside the table give
     NaN rows; nothing between the output rows is written."""
@@ -99,8 +100,8 @@ def test_get_rows_errors(device, bufs, seq):
     wb = bufs(row_bytes("q4_k", K) * 4)
     ib = bufs(4 * 4)
     ob = bufs(4 * 4 * K)
-    with pytest.raises(KernelError, match="IQ4_NL"):
-        record_get_rows(seq, wb, "iq4_nl", ib, ob, 4, K)
+    with pytest.raises(KernelError, match="IQ2_XXS.*supported: .*IQ4_XS"):
+        record_get_rows(seq, wb, "iq2_xxs", ib, ob, 4, K)
     with pytest.raises(KernelError, match="block size"):
         record_get_rows(seq, wb, "q4_k", ib, ob, 4, 128)
     with pytest.raises(KernelError, match="ids"):

@@ -190,7 +190,7 @@ def write_tiny(
         if qt is None:
             w.add_tensor(name, (rng.standard_normal(shp) * scale).astype(np.float32))
         else:
-            block, size = _BLOCKS.get(int(qt), (256, 84))  # Q2_K: 256 elements in 84 bytes
+            block, size = _BLOCKS.get(int(qt), (256, 66))  # IQ2_XXS: 256 elements in 66 bytes
             raw = rng.integers(0, 256, size=(*shp[:-1], shp[-1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=qt)
     if rope_freqs is not None:
@@ -397,15 +397,16 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_weight_type(tmp_path: Path) -> None:
-    p = write_tiny(tmp_path / "m.gguf", n_embd=256, n_ff=256, raw_types={"blk.1.ffn_up.weight": Q.Q2_K})
+    p = write_tiny(tmp_path / "m.gguf", n_embd=256, n_ff=256, raw_types={"blk.1.ffn_up.weight": Q.IQ2_XXS})
     err = _model_error(p)
-    assert "Q2_K" in str(err) and "blk.1.ffn_up.weight" in str(err)
+    assert "IQ2_XXS" in str(err) and "blk.1.ffn_up.weight" in str(err)
     assert "Q4_K" in err.hint
 
 
 def test_supported_types_constant() -> None:
     assert {t.name for t in SUPPORTED_TYPES} == {
         "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+        "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS",
     }  # fmt: skip
 
 
@@ -438,7 +439,7 @@ def test_model_error_is_vkx_error_with_hint_line(tmp_path: Path) -> None:
 # ---- metadata and tensors the forward does not implement are refused, never ignored ----------
 
 
-@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])  # (yarn runs: tests/test_rope_yarn.py)
 def test_unimplemented_rope_scaling_is_refused(tmp_path: Path, kind: str) -> None:
     def kv(w: GGUFWriter) -> None:
         w.add_string("llama.rope.scaling.type", kind)
@@ -457,9 +458,14 @@ def test_linear_rope_scaling_is_freq_scale(tmp_path: Path) -> None:
         assert mf.hparams.rope_scaling_type == "linear" and mf.hparams.rope_freq_scale == 0.25
 
 
-def test_rope_attn_factor_is_refused(tmp_path: Path) -> None:
+def test_rope_attn_factor_is_read_and_checked(tmp_path: Path) -> None:
+    """llama.cpp multiplies RoPE's cos/sin by it (tests/test_rope_yarn.py runs it); corrupt
+    values are refused."""
+    with load_model(write_tiny(tmp_path / "ok.gguf",
+                               extra_kv=lambda w: w.add_float32("llama.rope.scaling.attn_factor", 1.25))) as mf:
+        assert mf.hparams.rope_attn_factor == 1.25 and mf.hparams.rope_ext_factor == 0.0
     err = _model_error(write_tiny(tmp_path / "m.gguf",
-                                  extra_kv=lambda w: w.add_float32("llama.rope.scaling.attn_factor", 1.2)))
+                                  extra_kv=lambda w: w.add_float32("llama.rope.scaling.attn_factor", -1.2)))
     assert "attn_factor" in str(err)
 
 

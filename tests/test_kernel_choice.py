@@ -7,7 +7,10 @@ subgroup size 32, VK_NV_cooperative_matrix2) under each kill switch, and for lav
 (type, M, N, K) of the grid below (the three benchmark models' shapes, smol135m / llama1b /
 llama8b, and the tests' shapes) must choose the same path, variant, split and dequantize-first
 as then. ``DIGESTS`` pins the whole grid (the sha256 of its sorted ``key=choice`` lines),
-``PINNED`` a readable part of it.
+``PINNED`` a readable part of it. The types added later (Q2_K, Q3_K, IQ4_NL, IQ4_XS) have their
+own digests (``NEW_DIGESTS``), so the old types' tables stay as they were; they choose as their
+nearest measured type does (``NEAREST``), but for what they lack (no q8_1-x decode kernel, no
+lane choice) and the dequantize-first model's pass bytes (their rows are smaller).
 """
 
 from __future__ import annotations
@@ -97,9 +100,9 @@ def choice(dev, t: str, M: int, N: int, K: int, addressable: bool = True) -> str
     return f"coopmat {v} {ks} {int(dq)}"
 
 
-def table(dev, shared: bool) -> dict[str, str]:
+def table(dev, shared: bool, types: list[str] = TYPES) -> dict[str, str]:
     out = {}
-    for t in TYPES:
+    for t in types:
         for M in MS:
             for N, K in NKS:
                 key = f"{t} {M} {N} {K}"
@@ -181,6 +184,17 @@ PINNED = {
         "f16 512 14336 4096": "tiled mul_mat_f16_f32",
     },
 }
+#: the weight types added after the tables above, and the measured type each was modelled on
+NEAREST = {"q2_k": "q6_k", "q3_k": "q6_k", "iq4_nl": "q4_0", "iq4_xs": "q4_k"}
+NEW_DIGESTS = {
+    "h200": "7825dfce99507b249aa56b4cef44476b",
+    "h200-coopmat": "a3ec3cbe1cbe259c962e3c84e0f31a5c",
+    "h200-coopmat2": "f24fc171a57c8340b2d8f2a9614c3a02",
+    "h200-dq16": "68dc0efab4da47d428a2fdff5d13276f",
+    "h200-intdot": "7825dfce99507b249aa56b4cef44476b",
+    "h200-splitk": "39c0052ce3ec95af146b8892f9e8b7ac",
+    "lavapipe": "e6be0a2cfc97dbb3206bebed32f3e9c2",
+}
 DIGESTS = {
     "h200": "1aa6bedccece5f0d52d8642dba637cf9",
     "h200-coopmat": "b46998cd699768ea94537eb1bd931b39",
@@ -202,6 +216,39 @@ def test_pinned_choices(config, monkeypatch):
     for key, want in PINNED.get(config, {}).items():
         assert tab[key] == want, (config, key)
     assert digest(tab) == DIGESTS[config]
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_new_types_choose_as_their_nearest_type(config, monkeypatch):
+    """Q2_K / Q3_K choose as Q6_K, IQ4_NL as Q4_0, IQ4_XS as Q4_K over the whole grid (pinned by
+    NEW_DIGESTS), but: decode reads f32 x (no q8_1-x variant) with the type's mat-vec shape
+    without a lane choice, and where the dequantize-first model's choice differs it is dq16 for
+    the type with the smaller rows (the pass reads fewer bytes)."""
+    from vkxsplit.ops.quant import row_bytes
+
+    monkeypatch.delenv("VKXSPLIT_DISABLE", raising=False)
+    dev = CONFIGS[config]()
+    shared = not config.startswith("lavapipe")
+    new = table(dev, shared, list(NEAREST))
+    assert digest(new) == NEW_DIGESTS[config]
+    old = table(dev, shared, sorted(set(NEAREST.values())))
+    dq16_differs = 0
+    for key, got in new.items():
+        t = key.split()[0]
+        n = NEAREST[t]
+        want = old[n + key[len(t):]].replace(f"_{n}_", f"_{t}_")
+        kind = got.split()[0]
+        assert kind == want.split()[0], (config, key)
+        if kind == "vec":
+            f32x, q8x = got.split()[1:]
+            assert q8x == "None" and f32x == want.split()[1].removesuffix("_l4").removesuffix("_l8"), (key, got)
+        elif got != want:  # coopmat: only the dq16 model's pick may differ
+            g, w = got.split(), want.split()
+            assert g[3] == "1" and w[3] == "0", (config, key, got, want)
+            K = int(key.split()[3])
+            assert row_bytes(t, K) < row_bytes(n, K)
+            dq16_differs += 1
+    assert dq16_differs <= len(new) // 50  # the borderline shapes only
 
 
 def test_this_device_chooses_as_its_pinned_kind(device):

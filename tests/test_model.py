@@ -185,9 +185,17 @@ def test_model_without_vocabulary_runs_ids_but_names_the_missing_tokenizer(devic
             m.tokenize("hello")
 
 
+#: SmolLM2 with matrix products on the cpu backend: ggml rounds x to 8 bits per block of 32
+#: (q8_0 / q8_1, up to 1/254 of the block's largest value) before each of them, as llama.cpp's
+#: CPU path does; over 30 layers that moves logits spanning ~35 by about 1 (0.93-1.08 measured
+#: with half or all of the products there), four times the hub's f32-x bound (MAX_ABS_ERR)
+CPU_Q8_MAX_ABS_ERR = 1.5
+
+
 @pytest.mark.parametrize("split", ["tensor:1,1", "layer:1,1", "mode:cpu>=4"])
 def test_smollm2_split_with_cpu_matches_reference(device, split):
-    """SmolLM2 under the split modes this machine has (hub + cpu, both f32): same bound."""
+    """SmolLM2 under the split modes this machine has (hub + cpu backend): the reference's top-1
+    at every position, and logits within the bound of ggml's 8-bit rounding of x."""
     from conftest import smol_path
 
     from vkxsplit.model import load_model
@@ -198,7 +206,7 @@ def test_smollm2_split_with_cpu_matches_reference(device, split):
         got = m.logits(ids)
         want = reference_logits(m.file, ids)
         assert (got.argmax(1) == want.argmax(1)).all()
-        assert np.abs(got - want).max() < MAX_ABS_ERR
+        assert np.abs(got - want).max() < CPU_Q8_MAX_ABS_ERR
         st = dict(m.stats)
     assert st["host_waits_in_step"] == 0 and st["backend_jobs"] > 0, st
 

@@ -1,12 +1,13 @@
 """mul_mat kernels (vkxsplit/ops/mul_mat.py) against a float64 numpy reference.
 
 Weights: ``gguf.quants.quantize`` for the types it implements (F16, BF16, Q4_0..Q8_0), random
-valid blocks (random bytes with finite f16 scales) for the K-quants; the reference multiplies
-by ``gguf.quants.dequantize`` of the same bytes, in float64.
+valid blocks (random bytes with finite f16 scales) for the K-quants and IQ4_NL / IQ4_XS (gguf
+cannot quantize them); the reference multiplies by ``gguf.quants.dequantize`` of the same
+bytes, in float64.
 
 Error bound (elementwise): |y - ref| <= (K + 4) * 2^-24 * (|x| @ A^T), where A = |W| for
 types whose weights are sc * code, and for the types with an additive min (Q4_1, Q5_1: d q + m;
-Q4_K, Q5_K: d sc q - dmin m) A = |d| q + |m| (resp. |d| sc q + |dmin| m), the sum of the
+Q2_K, Q4_K, Q5_K: d sc q - dmin m) A = |d| q + |m| (resp. |d| sc q + |dmin| m), the sum of the
 magnitudes of the two terms, computed by dequantizing the same blocks with the signs of the
 f16 scale fields adjusted. That is the worst-case first-order bound of an f32 dot product of
 K terms summed in any order (gamma_K = K u, u = 2^-24), which also covers the kernels'
@@ -50,6 +51,8 @@ _SCALES = {
     "q4_1": [(0, 0.05, 0.3), (2, 0.2, 2.0)], "q5_1": [(0, 0.03, 0.15), (2, 0.2, 2.0)],
     "q4_k": [(0, 0.001, 0.01), (2, 0.001, 0.01)], "q5_k": [(0, 0.0005, 0.005), (2, 0.001, 0.01)],
     "q6_k": [(208, 0.0002, 0.002)],
+    "q2_k": [(80, 0.002, 0.02), (82, 0.001, 0.01)], "q3_k": [(108, 0.0005, 0.005)],
+    "iq4_nl": [(0, 0.002, 0.02)], "iq4_xs": [(0, 0.0001, 0.001)],
 }
 
 
@@ -95,7 +98,8 @@ def make_weights(rng: np.random.Generator, t: str, rows: int, k: int,
 
 # byte offsets of the f16 (scale, min) fields of the types with an additive min, and whether
 # the min field is subtracted (K-quants: d sc q - dmin m)
-_MIN_FIELDS = {"q4_1": (0, 2, False), "q5_1": (0, 2, False), "q4_k": (0, 2, True), "q5_k": (0, 2, True)}
+_MIN_FIELDS = {"q4_1": (0, 2, False), "q5_1": (0, 2, False), "q4_k": (0, 2, True), "q5_k": (0, 2, True),
+               "q2_k": (80, 82, True)}
 
 
 def abs_terms(raw: np.ndarray, t: str, w: np.ndarray) -> np.ndarray:
@@ -291,6 +295,49 @@ def test_coopmat(device, bufs, rng, t):
         check(y.reshape(M, N), x @ W.T, (2.0 ** -10 + 2 * K * 2.0 ** -23) * (np.abs(x) @ abs_terms(raw, t, W).T))
 
 
+def _wrong_reference(raw: np.ndarray, t: str, rows: int, k: int) -> np.ndarray:
+    """A plausible wrong decoding of the same bytes: Q3_K without its hmask bit (every third
+    bit taken as set: no - 4), Q2_K without its min, IQ4_NL / IQ4_XS with kvalues_iq4nl read
+    as linear codes (IQ4_NL as Q4_0, d (q - 8); IQ4_XS with the same linear codes)."""
+    bad = raw.copy().reshape(rows, -1, GGML_QUANT_SIZES[gtype(t)][1])
+    g = gtype(t)
+    if t == "q3_k":
+        bad[:, :, 0:32] = 0xFF
+    elif t == "q2_k":
+        bad[:, :, 82:84] = 0  # dmin = +0
+    elif t == "iq4_nl":
+        g = GGMLQuantizationType.Q4_0  # the same 18-byte layout
+    else:  # iq4_xs: d (sc - 32) (q - 8)
+        from gguf import quants as gq
+
+        d = np.asarray(dequantize(bad.reshape(rows, -1), g), np.float64).reshape(rows, -1, 256)
+        q = bad[:, :, 8:].reshape(rows, -1, 8, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1) & 15
+        lv = np.array(gq.IQ4_NL.kvalues, np.float64)[q.reshape(rows, -1, 256)]
+        return (d / lv * (q.reshape(rows, -1, 256) - 8.0)).reshape(rows, k)
+    return np.asarray(dequantize(bad.reshape(rows, -1), g), np.float64).reshape(rows, k)
+
+
+@pytest.mark.parametrize("path", ["vec", "tiled"])
+def test_new_types_check_fails_for_a_wrong_decoding(device, bufs, rng, path):
+    """The check that passes the new types (against gguf's dequantize) fails against a wrong
+    decoding of the same bytes (:func:`_wrong_reference`): it can tell a missing hmask bit,
+    a missing min or linear codes for the IQ4 table apart from the right kernels."""
+    for t in ("q2_k", "q3_k", "iq4_nl", "iq4_xs"):
+        N, K = 9, test_k(t)
+        raw, W = make_weights(rng, t, N, K)
+        wb = bufs.new(raw.nbytes, raw)
+        M = 1 if path == "vec" else 9
+        x = rng.standard_normal((M, K))
+        y, took = run_mm(device, bufs, wb, t, x, M, N, K, M * N, path)
+        assert took == path
+        bound = bound_f32(x, abs_terms(raw, t, W))
+        check(y.reshape(M, N), x @ W.T, bound)
+        wrong = _wrong_reference(raw, t, N, K)
+        assert not np.allclose(wrong, W)
+        with pytest.raises(AssertionError, match="over the bound"):
+            check(y.reshape(M, N), x @ wrong.T, bound)
+
+
 def _fake_device(coop=True, shape=(16, 16, 16, 0, 0, 1, 1, 3), sg=(32, 32), ops=0x4, disabled=()):
     s = types.SimpleNamespace(m=shape[0], n=shape[1], k=shape[2], a_type=shape[3], b_type=shape[4],
                               c_type=shape[5], result_type=shape[6], scope=shape[7], saturating=False)
@@ -333,11 +380,13 @@ def test_quant_table():
         assert (wt.block_size, wt.block_bytes) == GGML_QUANT_SIZES[GGMLQuantizationType[t.upper()]]
         assert weight_type(t.upper()) is wt and weight_type(wt.ggml) is wt and weight_type(int(wt.ggml)) is wt
     assert row_bytes("q4_0", 64) == 36 and row_bytes("q6_k", 512) == 420 and row_bytes("bf16", 7) == 14
-    for bad in ("Q2_K", GGMLQuantizationType.IQ2_XXS, int(GGMLQuantizationType.Q3_K), "q4_2", 999):
+    for bad in ("IQ3_S", GGMLQuantizationType.IQ2_XXS, int(GGMLQuantizationType.IQ1_S), "q4_2", 999):
         with pytest.raises(KernelError, match="no vkxsplit kernel"):
             weight_type(bad)
-    with pytest.raises(KernelError, match="IQ2_XXS"):
+    with pytest.raises(KernelError, match="IQ2_XXS") as err:
         weight_type(GGMLQuantizationType.IQ2_XXS)
+    # the message lists the supported types, the new ones among them
+    assert all(t.upper() in str(err.value) for t in ("q2_k", "q3_k", "iq4_nl", "iq4_xs", "q4_0"))
     with pytest.raises(KernelError, match="block"):
         row_bytes("q4_k", 300)
 
@@ -353,8 +402,8 @@ def test_errors(device, bufs, seq):
         args.update(kw)
         return mm.record_mul_mat(seq, **args)
 
-    with pytest.raises(KernelError, match="Q3_K"):
-        rec(w_type="q3_k")
+    with pytest.raises(KernelError, match="IQ2_XXS"):
+        rec(w_type="iq2_xxs")
     with pytest.raises(KernelError, match="multiple of the Q8_0 block size"):
         rec(K=48)
     with pytest.raises(KernelError, match="weight binding"):
@@ -436,7 +485,7 @@ def test_coopmat_emu_tilings(device, bufs, rng, name, tool_kernels):
 
 
 @pytest.mark.parametrize("aligned", [False, True])
-@pytest.mark.parametrize("t", ["f32", "f16", "q4_0", "q5_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("t", ["f32", "f16", "q4_0", "q5_0", "q4_k", "q6_k", "q3_k", "iq4_nl"])
 def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned, tool_kernels):
     """Rows [r0, r0 + n) of W into y columns [c0, c0 + n), x with a row stride and offset, y
     with a wider stride and an offset; nothing outside the target region may be written.
@@ -468,7 +517,7 @@ def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned, tool_k
     check(got, x @ W[r0:r0 + n].T, coop_bound(x, abs_terms(raw, t, W)[r0:r0 + n]))
 
 
-@pytest.mark.parametrize("t", ["f16", "q4_0", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("t", ["f16", "q4_0", "q8_0", "q4_k", "q6_k", "q2_k", "iq4_xs"])
 def test_coopmat_emu_split_k(device, bufs, rng, t, tool_kernels):
     """Split K: each workgroup z sums one K range into its partial (the device's split-K
     scratch), reduce_splitk_f32 adds the partials into y's target columns. Ranges that are
@@ -735,7 +784,7 @@ def test_mat_vec_unaligned_rows_every_m(device, bufs, rng, t):
 
 
 @pytest.mark.parametrize("K_blocks", [1, 3, 9])
-@pytest.mark.parametrize("t", ["q4_0", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("t", ["q4_0", "q8_0", "q4_k", "q6_k", "q3_k", "iq4_nl", "iq4_xs"])
 def test_mat_vec_few_units(device, bufs, rng, t, K_blocks):
     """Rows with fewer units than threads (most threads idle) and a remainder loop."""
     K = K_blocks * block_size(t)

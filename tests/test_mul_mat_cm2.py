@@ -105,7 +105,8 @@ def test_cm2_default_path(device, bufs, rng, t, monkeypatch):  # noqa: F811
     check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
 
 
-@pytest.mark.parametrize("t", ["f32", "f16", "bf16", "q4_0", "q5_1", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("t", ["f32", "f16", "bf16", "q4_0", "q5_1", "q8_0", "q4_k", "q6_k",
+                               "q2_k", "q3_k", "iq4_nl", "iq4_xs"])
 def test_cm2_row_range_strides_and_split(device, bufs, rng, t):  # noqa: F811
     """Rows [r0, r0 + n) of W into y columns [c0, c0 + n); x with a row stride and offset
     (converted to compact f16 rows first); y with a wider stride and an offset; nothing
@@ -138,7 +139,7 @@ def test_cm2_row_range_strides_and_split(device, bufs, rng, t):  # noqa: F811
         check(target_cols(y, M, n, yo, ys, c0), ref, bound)
 
 
-@pytest.mark.parametrize("t", ["f16", "q4_0", "q8_0", "q6_k"])
+@pytest.mark.parametrize("t", ["f16", "q4_0", "q8_0", "q6_k", "q2_k", "q3_k", "iq4_nl", "iq4_xs"])
 def test_cm2_fast_path_and_fallback(device, bufs, rng, t):  # noqa: F811
     """Interior tiles with K = 1024: unsplit (the aligned fast path over four 256-element runs),
     split into 256-element ranges (fast path per range) and into 192-element ranges (not whole
@@ -291,7 +292,7 @@ def test_device_buffers_here_have_no_device_addresses(device):
         b.close()
 
 
-@pytest.mark.parametrize("t", ["q4_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("t", ["q4_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_nl", "iq4_xs"])
 def test_cm2_dq16(device, bufs, rng, t, monkeypatch):  # noqa: F811
     """The dequantize-first path (dq16=True): W's rows w_row0.. decoded to f16 rows, then
     mul_mat_cm2's F16 kernel, unsplit and split, into y columns at an offset, against float64;

@@ -260,6 +260,83 @@ def test_mode_picks_by_batch_size():
     assert none.schedule.jobs == [] and "no rule takes this batch size" in none.notes[0]
 
 
+class GlueFake(Fake):
+    """A backend that also runs the glue ops (NODE_OPS through ``run_op``), like cpu and cuda."""
+
+    @classmethod
+    def implements(cls, hook: str) -> bool:
+        return hook == "run_op"
+
+
+def decode_q8_graph(n_layer: int = 2) -> Graph:
+    """mini_graph(1) with the decode q8_1 x as archs.DecodeQ8 builds it: each norm / SwiGLU also
+    writes the q8_1 x of the mat-vecs after it (param ``xq``), attention's output gets a
+    ``quantize_q8_1`` node, and every mat-vec reads its x's q8_1 (``xq``, ``vecq``)."""
+    g = mini_graph(1, n_layer)
+    xq_of: dict[int, Tensor] = {}  # id(f32 x tensor) -> its current q8_1 x
+    nodes = list(g.nodes)
+    g.nodes.clear()
+    for n in nodes:
+        x = n.inputs[1] if n.op == "mul_mat" else None
+        if x is not None and id(x) not in xq_of:
+            q = Tensor(f"xq:{x.name}.{len(g.nodes)}", (1, 40), "q8_1")
+            g.add("quantize_q8_1", f"quantize.{len(g.nodes)}", [x], q)
+            xq_of[id(x)] = q
+        n.index = len(g.nodes)
+        g.nodes.append(n)
+        if n.op in ("rms_norm", "swiglu"):
+            n.params["xq"] = xq_of[id(n.output)] = Tensor(f"xq:{n.name}", (1, 40), "q8_1")
+        elif n.op == "mul_mat":
+            n.params.update(xq=xq_of[id(x)], vecq="q4_0")
+        else:
+            for t in n.writes():
+                xq_of.pop(id(t), None)
+    return g
+
+
+def test_decode_glue_and_q8_1_follow_the_mat_vecs():
+    """mode:cpu at T = 1 with a backend running the glue: when every mat-vec is on the cpu, the
+    norms / SwiGLU that also write q8_1 x go there too and the quantize_q8_1 nodes are not run
+    (one hub segment per layer: attention, RoPE and the KV store); the rule of before (those
+    glue nodes and quantizations pinned to the hub) costs ~3 more segments per layer. With one
+    mat-vec on the hub, the node writing its q8_1 x (and only that one) stays on the hub."""
+    from vkxsplit.plan import planner as P
+
+    cpu_ = GlueFake("cpu", **{**CPU_CAPS, "ops": {"mul_mat", "rms_norm", "add_rms_norm", "swiglu", "add"}})
+    g = decode_q8_graph()
+    writers = [n for n in g.nodes if "xq" in n.params and n.op != "mul_mat"]
+    quant = [n for n in g.nodes if n.op == "quantize_q8_1"]
+    assert len(writers) == 7 and len(quant) == 2  # per layer 2 norms + SwiGLU, output_norm; attn outputs
+    plan = planner(cpu_).plan(g, "mode:cpu")
+    assert all(plan.runs_on(n) == ["cpu"] for n in writers + g.mul_mats())
+    hub_ops = [it.node.op for it in plan.items if isinstance(it, HubOp)]
+    assert "quantize_q8_1" not in hub_ops and not {"rms_norm", "swiglu", "add"} & set(hub_ops)
+    assert plan.schedule.submits == g.n_layer + 2 and any("quantize_q8_1" in n for n in plan.notes)
+    # the old rule (every q8_1 x counted as read on the hub): many more crossings
+    old = P.hub_xq_reads
+    try:
+        P.hub_xq_reads = lambda g_, a_: {id(n.params["xq"]) for n in g_.nodes if "xq" in n.params}
+        before = planner(cpu_).plan(g, "mode:cpu")
+    finally:
+        P.hub_xq_reads = old
+    assert before.schedule.submits >= plan.schedule.submits + 2 * g.n_layer
+    assert all(before.runs_on(n) == ["hub"] for n in writers)
+    # one mat-vec on the hub: the norm writing its x stays, the others move
+    keep = g.node("blk.1.attn_k")
+    assign = {n.index: [Part("cpu", 0, n.inputs[0].shape[0])] for n in g.mul_mats() if n is not keep}
+    p = planner(cpu_)
+    p._add_glue(g, assign, "cpu")
+    assert P.hub_xq_reads(g, assign) == {id(keep.params["xq"])}
+    assert [n.name for n in writers if n.index not in assign] == ["blk.1.attn_norm"]
+    lowered = {it.node.name for it in p._lower(g, assign, Workspace()) if isinstance(it, HubOp)}
+    assert "blk.1.attn_norm" in lowered and not any(n.name in lowered for n in quant)
+    # a hub mat-vec reading the quantized attention output keeps its quantize node
+    keep2 = g.node("blk.0.attn_output")
+    assign = {n.index: [Part("cpu", 0, n.inputs[0].shape[0])] for n in g.mul_mats() if n is not keep2}
+    lowered = {it.node.name for it in p._lower(g, assign, Workspace()) if isinstance(it, HubOp)}
+    assert [n.name for n in quant if n.name in lowered] == [quant[0].name]
+
+
 def test_schedule_invariants():
     g = mini_graph(16)
     plan = planner(cpu(), npu()).plan(g, r"tensor:2,1,1@blk\.0\.(attn_q|ffn_up)")

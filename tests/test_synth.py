@@ -51,10 +51,11 @@ def test_tiny_smol_loads_and_dequantizes_sanely(tmp_path: Path, qtype: str) -> N
             assert qt == Q.F32 and np.all((values > 0.9) & (values < 1.1))
             continue
         # matrices: the requested type unless the row length cannot hold its blocks
-        if mf.tensors[name].cols % 256 == 0 or want not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        if mf.tensors[name].cols % 256 == 0 or want not in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS):
             assert qt == want, name
         else:
-            assert qt == {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}[want], name
+            assert qt == {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.IQ4_NL, Q.Q3_K: Q.IQ4_NL,
+                          Q.IQ4_XS: Q.IQ4_NL}[want], name
         std, mean = float(values.std()), float(values.mean())
         assert 0.7 * WEIGHT_STD < std < 1.3 * WEIGHT_STD, (name, std)
         assert abs(mean) < 0.25 * WEIGHT_STD, (name, mean)
@@ -134,6 +135,6 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown synthetic shape"):
         write_synthetic(tmp_path / "x.gguf", "gpt5", "q4_0")
     with pytest.raises(ValueError, match="unknown weight type"):
-        write_synthetic(tmp_path / "x.gguf", "smol135m", "q3_k")
+        write_synthetic(tmp_path / "x.gguf", "smol135m", "iq2_xxs")
     with pytest.raises(ValueError, match="n_vocab"):
         write_synthetic(tmp_path / "x.gguf", "smol135m", "q4_0", n_vocab=100, n_layer=1)

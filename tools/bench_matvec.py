@@ -81,7 +81,7 @@ def time_variant(dev: Device, t: str, v: str, m: int, n: int, k: int, ws: list, 
 
 def reference_weights(rng: np.random.Generator, t: str, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(raw ggml bytes, float64 dequantized reference): quantize() where gguf has it, else
-    random blocks with finite f16 scales (K-quants)."""
+    random blocks with finite f16 scales (K-quants, IQ4_NL, IQ4_XS)."""
     from gguf.quants import dequantize, quantize
 
     wt = weight_type(t)
@@ -94,7 +94,8 @@ def reference_weights(rng: np.random.Generator, t: str, rows: int, k: int) -> tu
     else:
         nb = k // wt.block_size
         raw = rng.integers(0, 256, size=(rows, nb, wt.block_bytes), dtype=np.uint8)
-        offs = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}[t]
+        offs = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q2_k": (80, 82), "q3_k": (108,), "iq4_nl": (0,),
+                "iq4_xs": (0,)}[t]
         for off in offs:
             d = (rng.uniform(0.001, 0.01, (rows, nb)) * rng.choice([-1.0, 1.0], (rows, nb))).astype(np.float16)
             raw[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, nb, 2)

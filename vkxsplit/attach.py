@@ -49,11 +49,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import BackendDied, EnvironmentProblem, VkxError, WaitTimeout
+from .errors import (
+    BackendDied,
+    BackendStalled,
+    Closable,
+    ClosedError,
+    EnvironmentProblem,
+    Stalled,
+    VkxError,
+    WaitTimeout,
+)
 from .vk.api import NULL, check, ffi, lib, new, vk
 from .vk.event import HANDLE_OPAQUE_FD as SEM_OPAQUE_FD
 from .vk.event import HANDLE_SYNC_FD as SEM_SYNC_FD
-from .vk.event import Timeline, default_timeout
+from .vk.event import POLL_S, Peer, StallClock, Timeline, default_timeout
 from .vk.kernel import View
 from .vk.memory import (
     HANDLE_DMA_BUF,
@@ -141,12 +150,18 @@ def mark_bridge_thread() -> None:
     _tls.bridge = True
 
 
-def host_wait(point: Point, timeout: float | None = None, counters: AttachStats | None = None) -> None:
-    """Block until ``point`` is reached (:class:`WaitTimeout` after ``timeout`` s), counted."""
+def host_wait(point: Point, timeout: float | None = None, counters: AttachStats | None = None,
+              peers: Iterable[Peer] = ()) -> None:
+    """Block until ``point`` is reached, counted: :class:`~vkxsplit.errors.Stalled` after
+    ``timeout`` s without progress, :class:`BackendDied` as soon as one of ``peers`` is gone
+    (:meth:`vkxsplit.vk.event.Timeline.wait`)."""
     c = counters or stats
     c.add("bridge_waits" if in_bridge_thread() else "host_waits")
     tl, value = point
-    tl.wait(value, timeout)
+    if peers:
+        tl.wait(value, timeout, peers=peers)
+    else:
+        tl.wait(value, timeout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,7 +560,8 @@ class SharedBuffer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise VkxError(f"shared buffer '{self.name}' is closed")
+            raise ClosedError(f"shared buffer '{self.name}' is closed: it cannot be used after close()",
+                              "keep the buffer open while you use it, or allocate a new one")
 
     @property
     def closed(self) -> bool:
@@ -573,14 +589,18 @@ class SharedBuffer:
         return f"SharedBuffer({self.name!r}, {self.kind}, {self.size} bytes, chunk {self.chunk.id})"
 
 
-class SharedArena:
+class SharedArena(Closable):
     """Allocates :class:`SharedBuffer`s reachable by the hub and every backend in ``backends``.
+    After ``close()`` its methods raise :class:`~vkxsplit.errors.ClosedError` (``live`` still
+    counts what is left).
 
     The memory handle is negotiated once (``self.choice``) from the backends' capabilities
     (``memory_handles``, or pass ``wants``: lists of kinds); ``force`` picks a kind (tests use
     ``force="staged"``). Small buffers are sub-allocated from chunks of ``chunk_size`` bytes;
     a chunk is freed (Vulkan memory, then the mapping, then the fd) with its last buffer.
     """
+
+    _closed_exempt = ("name", "live")
 
     def __init__(self, device: Device, backends: Iterable[Any] = (), *,
                  wants: Sequence[Sequence[str]] | None = None, force: str | None = None,
@@ -969,6 +989,19 @@ class _Item:
 _STOP = object()
 
 
+def cpu_ticks(pid: int, tid: int | None = None) -> int | None:
+    """CPU time (clock ticks, user + system) a process (or one of its threads) has used: the
+    heartbeat of a peer that computes (it rises while it works; a wedged or stopped peer's stays
+    flat). None where /proc is not there."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    try:
+        with open(path, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class HostBridge:
     """Joins a backend that cannot share semaphores with the hub (see the module docstring).
 
@@ -977,19 +1010,26 @@ class HostBridge:
     backend: the value is signalled when it returns) or calls the item's ``release()`` (a
     process/device backend: it reports completion later with :meth:`complete`). Values are
     signalled in order, each once. ``liveness()`` (optional) returns an error text when the
-    backend is gone; it and the in-flight watchdog are polled every ``poll_s``. ``spin_s``: how
-    long to poll the hub point's counter before blocking (0: block at once).
+    backend is gone (its process exited, its connection closed); ``heartbeat()`` (optional)
+    returns a value that changes while the backend works (a child process's CPU time; a ``run``
+    bridge uses its own thread's CPU time); both and the in-flight watchdog are polled every
+    ``poll_s``. ``spin_s``: how long to poll the hub point's counter before blocking (0: block
+    at once). ``timeout`` is a stall limit: seconds without progress, never a total.
 
-    Errors: a hub point not reached in time records :class:`WaitTimeout` (the job is skipped,
-    its value still signalled); a job that raises records that error; a backend that dies or
-    leaves a released job unanswered for ``timeout`` s records :class:`BackendDied` and every
+    Errors: a hub point that makes no progress for ``timeout`` s records
+    :class:`~vkxsplit.errors.Stalled` (the job is skipped, its value still signalled); a job that
+    raises records that error; a backend that dies records :class:`BackendDied` at the next poll,
+    and one that leaves a released job unanswered with no heartbeat for ``timeout`` s records
+    :class:`~vkxsplit.errors.BackendStalled` (slow or wedged, not dead); either way every
     pending and later value is signalled at once. :meth:`check` raises what was recorded.
+    :meth:`gone` and :meth:`progress` are what host waits watch (:class:`vkxsplit.vk.event.Peer`).
     """
 
     def __init__(self, device: Device, timeline: Timeline, *, name: str,
                  run: Callable[[Any], None] | None = None, timeout: float | None = None,
                  poll_s: float = 0.02, liveness: Callable[[], str | None] | None = None,
-                 counters: AttachStats | None = None, spin_s: float = 0.0) -> None:
+                 counters: AttachStats | None = None, spin_s: float = 0.0,
+                 heartbeat: Callable[[], Any] | None = None) -> None:
         self.device = device
         self.spin_s = spin_s  # spin on the hub point's counter this long before blocking waits
         self.timeline = timeline
@@ -998,6 +1038,11 @@ class HostBridge:
         self.timeout = default_timeout() if timeout is None else timeout
         self.poll_s = poll_s
         self.liveness = liveness
+        self.heartbeat = heartbeat
+        self._completions = 0  # jobs answered (progress)
+        self._beats = 0  # heartbeat messages the backend sent (beat())
+        self._beat: Any = None  # the last heartbeat seen, and when it last changed
+        self._beat_at = time.monotonic()
         self.stats = counters or stats
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -1006,7 +1051,7 @@ class HostBridge:
         self._in_flight: dict[int, float] = {}  # value -> release time
         self._signalled = timeline.value
         self._errors: list[BaseException] = []
-        self.dead: BackendDied | None = None
+        self.dead: BackendDied | None = None  # (a BackendStalled when given up on without dying)
         self._closing = False
         self._thread = threading.Thread(target=self._main, name=f"bridge-{name}", daemon=True)
         self._thread.start()
@@ -1051,6 +1096,7 @@ class HostBridge:
         with self._cond:
             if error is not None:
                 self._errors.append(error)
+            self._completions += 1
             self._in_flight.pop(value, None)
             if value in self._pending:
                 self._pending[value] = True
@@ -1086,6 +1132,43 @@ class HostBridge:
         with self._lock:
             return len(self._pending)
 
+    def gone(self) -> str | None:
+        """What is gone, for host waits (None while alive): a death recorded, the liveness probe,
+        the bridge thread ended. A stalled backend is not gone (its waits report no progress)."""
+        d = self.dead
+        if d is not None and not isinstance(d, Stalled):
+            return str(d).split("\n")[0]
+        if self._closing:
+            return None
+        if self.liveness is not None:
+            try:
+                why = self.liveness()
+            except Exception as exc:
+                why = f"liveness probe failed: {exc}"
+            if why:
+                return f"backend {self.name}'s {why}"
+        if not self._thread.is_alive():
+            return f"backend {self.name}'s bridge thread ended"
+        return None
+
+    def beat(self) -> None:
+        """The backend says it is working (a heartbeat message of a process peer; any thread)."""
+        self._beats += 1
+
+    def progress(self) -> Any:
+        """Changes whenever the backend answers a job or its heartbeat moves."""
+        return (self._signalled, self._completions, self._beats, self._heartbeat())
+
+    def _heartbeat(self) -> Any:
+        if self.heartbeat is not None:
+            try:
+                return self.heartbeat()
+            except Exception:
+                return None
+        if self.run is not None and self._thread.native_id is not None:  # the jobs run here
+            return cpu_ticks(os.getpid(), self._thread.native_id)
+        return None
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread; whatever is still pending is signalled (the hub never blocks on us)."""
         with self._cond:
@@ -1098,8 +1181,8 @@ class HostBridge:
             self._thread.join(timeout)
         with self._cond:
             # every value handed out (even one never enqueued) ends up signalled
-            if self.timeline.last > self._signalled:
-                self._pending[self.timeline.last] = True
+            if self.timeline._last > self._signalled:
+                self._pending[self.timeline._last] = True
             for v in self._pending:
                 self._pending[v] = True
             self._flush_locked(force=True)
@@ -1154,21 +1237,38 @@ class HostBridge:
                 why = self.liveness()
             except Exception as exc:  # a broken probe counts as dead
                 why = f"liveness probe failed: {exc}"
-        if why is None and self._in_flight:
-            oldest = min(self._in_flight.values())
-            if time.monotonic() - oldest > self.timeout:
-                why = f"a released job got no answer within {self.timeout:g} s"
+        err: BackendDied | None = None
         if why is not None:
+            err = BackendDied(f"backend {self.name} died: {why}",
+                              "the hub keeps running; recreate the backend or plan without it")
+        elif self._in_flight:
+            now = time.monotonic()
+            beat = (self._completions, self._beats, self._heartbeat())
+            if beat != self._beat:
+                self._beat, self._beat_at = beat, now
+            oldest = min(self._in_flight.values())
+            idle = now - max(oldest, self._beat_at)
+            if idle > self.timeout:
+                v = min(self._in_flight, key=self._in_flight.__getitem__)
+                alive = ("its process is alive" if self.liveness is not None else "no liveness probe")
+                err = BackendStalled(
+                    f"backend {self.name}: no progress for {idle:.1f} s: the job signalling "
+                    f"{self.timeline.name} = {v} got no answer within {self.timeout:g} s and no "
+                    f"heartbeat ({alive}: slow or wedged, not dead)",
+                    "the hub keeps running without it; if the backend is just slow (a loaded machine), "
+                    "raise VKXSPLIT_TIMEOUT_S (seconds without progress)")
+        if err is not None:
             self._cond.release()
             try:
-                self.fail(BackendDied(f"backend {self.name} died: {why}",
-                                      "the hub keeps running; recreate the backend or plan without it"))
+                self.fail(err)
             finally:
                 self._cond.acquire()
 
-    def _wait_hub(self, point: Point) -> bool:
+    def _wait_hub(self, point: Point) -> bool | Stalled:
+        """Wait for the hub point: True when reached; False when closing, dead or the hub is
+        gone (recorded); the :class:`Stalled` error when it made no progress for the limit."""
         tl, value = point
-        deadline = time.monotonic() + self.timeout
+        clock = StallClock(tl, value, self.timeout, what=f"the hub point {tl.name} >= {value}")
         self.stats.add("bridge_waits")
         if self.spin_s > 0:  # (a relay between GPUs: a blocking wait returns late on the H200)
             try:
@@ -1176,11 +1276,18 @@ class HostBridge:
             except VkxError:
                 pass  # (the blocking wait below reports it)
         while True:
-            left = deadline - time.monotonic()
             try:
-                tl.wait(value, max(0.0, min(self.poll_s * 5, left)))
+                left = clock.poll()
+            except Stalled as exc:
+                return exc
+            except VkxError as exc:  # the hub device or timeline is gone
+                with self._cond:
+                    self._errors.append(exc)
+                return False
+            try:
+                tl.wait(value, max(0.0, min(self.poll_s * 5, left, POLL_S)))
                 return True
-            except WaitTimeout:
+            except WaitTimeout:  # (this slice is over)
                 pass
             except VkxError as exc:  # the hub device or timeline is gone
                 with self._cond:
@@ -1192,20 +1299,18 @@ class HostBridge:
                 self._watch_locked()
                 if self.dead is not None:
                     return False
-            if left <= 0:
-                return False
 
     def _handle(self, item: _Item) -> None:
-        if item.wait is not None and not self._wait_hub(item.wait):
+        reached = True if item.wait is None else self._wait_hub(item.wait)
+        if reached is not True:
             with self._cond:
-                if self.dead is None and not self._closing:
-                    tl, v = item.wait
-                    self._errors.append(WaitTimeout(
-                        f"{self.name}: the hub point {tl.name} >= {v} was not reached within "
-                        f"{self.timeout:g} s (it is at {tl.value}); the job signalling "
+                if self.dead is None and not self._closing and isinstance(reached, Stalled):
+                    self._errors.append(Stalled(
+                        f"{self.name}: {str(reached).splitlines()[0]}; the job signalling "
                         f"{self.timeline.name} = {item.value} was skipped",
                         "an earlier part of the step is stuck, or the chain waits on a value that is "
-                        "never submitted; raise VKXSPLIT_TIMEOUT_S if the work is just slow"))
+                        "never submitted; if the work is just slow, raise VKXSPLIT_TIMEOUT_S "
+                        "(seconds without progress)"))
                 if item.value in self._pending:
                     self._pending[item.value] = True
                 self._flush_locked()

@@ -80,7 +80,7 @@ from .attach import (
     negotiate_events,
     stats,
 )
-from .errors import EnvironmentProblem, KernelError, VkxError
+from .errors import Closable, EnvironmentProblem, KernelError, VkxError
 from .ops.quant import ELEM_BYTES, row_bytes, type_info
 from .vk.api import next_serial
 from .vk.event import Timeline, default_timeout
@@ -96,7 +96,8 @@ ggml_type_info = type_info
 
 #: Op names a backend may list in ``Capabilities.ops`` (the hub's op vocabulary).
 KNOWN_OPS = frozenset({"mul_mat", "add", "mul", "scale", "rms_norm", "norm", "softmax", "rope", "silu",
-                       "gelu", "get_rows", "cpy", "flash_attn", "add_rms_norm", "swiglu"})
+                       "gelu", "get_rows", "cpy", "flash_attn", "add_rms_norm", "swiglu",
+                       "mul_mat_id"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,6 +251,95 @@ class MatMulJob:
         return (*weight_place(self.weight), self.weight.size // self.weight_row_bytes, self.w_type, self.K)
 
 
+@dataclass
+class MatMulIdJob:
+    """Routed expert product (ggml's ``mul_mat_id``) for ``mul_mat_id``:
+    ``y[t, s, n] = sum_k W[ids[t, s], n, k] * x[t, s if n_xb > 1 else 0, k]`` for tokens
+    ``t < M``, slots ``s < n_used`` and output features ``r0 <= n < r1``.
+
+    - ``weight``: the stored ``(n_expert, N, K)`` tensor, ggml rows of ``K`` elements of
+      ``w_type``, expert ``e`` row ``n`` at row ``e * N + n``; the view's first row is row
+      ``w_row0`` of expert 0 (a backend holding only rows from ``w_row0`` of each expert keeps the
+      stored layout: the view spans to row ``r1`` of the last expert)
+    - ``x``: ``(M, n_xb, K)`` rows of ``x_type``, row stride ``x_stride`` elements (rows
+      ``t * n_xb + s``); ``n_xb`` is 1 (every slot reads the token's one row: gate/up) or
+      ``n_used`` (each slot its own row: down)
+    - ``ids``: ``(M, n_used)`` contiguous int32 expert ids, each in ``[0, n_expert)``
+    - ``y``: ``(M, n_used, N)`` f32 rows, row stride ``y_stride`` elements (rows ``t * n_used + s``);
+      only columns ``[r0, r1)`` are written
+    """
+
+    weight: SharedView
+    w_type: str
+    x: SharedView
+    y: SharedView
+    M: int
+    N: int
+    K: int
+    x_type: str = "f32"
+    x_stride: int = 0
+    y_stride: int = 0
+    r0: int = 0
+    r1: int = -1
+    w_row0: int = 0
+    name: str = ""
+    weight_host: Any = None
+    ids: SharedView | None = None
+    n_expert: int = 0
+    n_used: int = 0
+    n_xb: int = 1
+
+    def __post_init__(self) -> None:
+        if self.x_stride <= 0:
+            self.x_stride = self.K
+        if self.y_stride <= 0:
+            self.y_stride = self.N
+        if self.r1 < 0:
+            self.r1 = self.N
+        what = (f"mul_mat_id {self.name or ''}({self.w_type} x {self.x_type}, M={self.M} N={self.N} K={self.K}, "
+                f"{self.n_used} of {self.n_expert} experts)")
+        if min(self.M, self.N, self.K) < 1:
+            raise KernelError(f"{what}: empty shape")
+        if not 1 <= self.n_used <= self.n_expert:
+            raise KernelError(f"{what}: n_used must be in [1, n_expert]")
+        if self.n_xb not in (1, self.n_used):
+            raise KernelError(f"{what}: n_xb must be 1 or n_used ({self.n_used}), got {self.n_xb}")
+        if not 0 <= self.r0 < self.r1 <= self.N:
+            raise KernelError(f"{what}: row range [{self.r0}, {self.r1}) outside [0, {self.N})")
+        if self.x_type not in ELEM_BYTES:
+            raise KernelError(f"{what}: x type must be one of {', '.join(ELEM_BYTES)}")
+        if self.x_stride < self.K or self.y_stride < self.N:
+            raise KernelError(f"{what}: strides ({self.x_stride}, {self.y_stride}) shorter than rows")
+        for v, n in ((self.weight, "weight"), (self.x, "x"), (self.y, "y"), (self.ids, "ids")):
+            if not isinstance(v, SharedView):
+                raise KernelError(f"{what}: {n} must be a SharedView (memory shared with the backend), "
+                                  f"got {type(v).__name__}")
+        assert self.ids is not None
+        rb = row_bytes(self.w_type, self.K)
+        need_w = ((self.n_expert - 1) * self.N + self.r1 - self.w_row0) * rb
+        if self.w_row0 > self.r0 or need_w > self.weight.size:
+            raise KernelError(f"{what}: the weight view ({self.weight.size} bytes from row {self.w_row0}) does "
+                              f"not hold rows [{self.r0}, {self.r1}) of each expert ({need_w} bytes of {rb}-byte rows)")
+        need_x = ((self.M * self.n_xb - 1) * self.x_stride + self.K) * ELEM_BYTES[self.x_type]
+        need_y = ((self.M * self.n_used - 1) * self.y_stride + self.r1) * 4
+        need_i = self.M * self.n_used * 4
+        if need_x > self.x.size or need_y > self.y.size or need_i > self.ids.size:
+            raise KernelError(f"{what}: x/y/ids views ({self.x.size}, {self.y.size}, {self.ids.size} bytes) are "
+                              f"smaller than the shape needs ({need_x}, {need_y}, {need_i})")
+
+    @property
+    def rows(self) -> int:
+        return self.r1 - self.r0
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.M * self.n_used * self.rows * self.K
+
+    @property
+    def weight_row_bytes(self) -> int:
+        return row_bytes(self.w_type, self.K)
+
+
 #: Ops besides ``mul_mat`` a backend may take (listing them in ``caps.ops`` and implementing
 #: ``run_op``): the small ones between a layer's matmuls, so that a backend taking a whole FFN
 #: block (norm, gate/up, SwiGLU, down, residual) crosses from and to the hub once, not per matmul.
@@ -325,6 +415,9 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
          "never block"),
     Hook("supports", False, "supports(op: str, w_type: str, M: int) -> bool",
          "whether the backend wants this op/type/batch (default: from `caps`)"),
+    Hook("mul_mat_id", False, "mul_mat_id(job: MatMulIdJob, wait: Point, signal: Point) -> None",
+         "enqueue the routed expert product (ggml_mul_mat_id) for the job's output rows; list "
+         "'mul_mat_id' in caps.ops (default: KernelError)"),
     Hook("run_op", False, "run_op(op: str, job: Any, wait: Point, signal: Point) -> None",
          "enqueue another op listed in caps.ops (default: KernelError)"),
     Hook("time_job", False, "time_job(job: MatMulJob, reps: int) -> float | None",
@@ -336,6 +429,12 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
          "drop a resident kernel / cached dequantized weight (default: nothing)"),
     Hook("check", False, "check() -> None",
          "raise the error recorded by asynchronous work (default: the host bridge's)"),
+    Hook("liveness", False, "liveness() -> str | None",
+         "None while alive, else what is gone (\"backend X's process 123 exited with code -9\"); "
+         "default: the host bridge's (its liveness probe, its thread); host waits poll it"),
+    Hook("progress", False, "progress() -> Any",
+         "a value that changes while the backend works (answers, a heartbeat); default: the "
+         "host bridge's; a wait fails as slow only after the stall limit without a change"),
     Hook("release", False, "release() -> None",
          "the backend's own teardown, called once by close(): drain, free imports, stop a process; "
          "values it handed out must end up signalled (default: nothing)"),
@@ -344,8 +443,10 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
 )}
 
 
-class Backend:
-    """Base class of every backend; see the module docstring and :data:`HOOKS`.
+class Backend(Closable):
+    """Base class of every backend; see the module docstring and :data:`HOOKS`. After
+    ``close()`` every public method raises :class:`~vkxsplit.errors.ClosedError` (subclasses
+    get that from :class:`~vkxsplit.errors.Closable` without code of their own).
 
     Construction negotiates the event handle (``self.events``) and creates the backend's stream
     timeline on the hub device (``self.timeline``, exportable when the backend imports timelines).
@@ -383,6 +484,11 @@ class Backend:
         return (op in c.ops and (op != "mul_mat" or w_type in c.weight_types)
                 and M >= c.min_batch and (c.max_batch is None or M <= c.max_batch))
 
+    def mul_mat_id(self, job: MatMulIdJob, wait: Point, signal: Point) -> None:
+        """OPTIONAL. Enqueue a routed expert product (:class:`MatMulIdJob`) like ``mul_mat``."""
+        raise KernelError(f"backend {self.name} does not implement mul_mat_id",
+                          "plan the expert products on the hub (or another backend)")
+
     def run_op(self, op: str, job: Any, wait: Point, signal: Point) -> None:
         """OPTIONAL. Enqueue another op (one listed in ``caps.ops``)."""
         raise KernelError(f"backend {self.name} does not implement op {op}",
@@ -407,6 +513,20 @@ class Backend:
         :class:`~vkxsplit.errors.KernelError`..."""
         if self.bridge is not None:
             self.bridge.check()
+
+    def liveness(self) -> str | None:
+        """OPTIONAL (has a default). None while the backend is alive; else what is gone. Host
+        waits that watch the backend poll it (cheap: once per poll slice) and raise
+        :class:`~vkxsplit.errors.BackendDied` with the text at once."""
+        return self.bridge.gone() if self.bridge is not None else None
+
+    def progress(self) -> Any:
+        """OPTIONAL (has a default). A value that changes whenever the backend makes progress
+        (see :class:`vkxsplit.vk.event.Peer`): the bridge's answers and heartbeat, and the
+        backend timeline's counter."""
+        tl = self.timeline
+        return (tl._value() if tl.handle is not None else None,
+                self.bridge.progress() if self.bridge is not None else None)
 
     def close(self) -> None:
         """OPTIONAL (has a default). Stop; every pending timeline value ends up signalled.
@@ -447,7 +567,7 @@ class Backend:
             point = self.timeline.last
         if isinstance(point, int):
             point = (self.timeline, point)
-        host_wait(point, self.timeout if timeout is None else timeout, self.stats)
+        host_wait(point, self.timeout if timeout is None else timeout, self.stats, peers=(self,))
         self.check()
 
     def check_job(self, job: MatMulJob, signal: Point | None = None) -> None:
@@ -604,6 +724,6 @@ def with_caps(backend_cls: type[Backend], **changes: Any) -> Capabilities:
     return replace(backend_cls.caps, **changes)
 
 
-__all__ = ["Availability", "Backend", "Capabilities", "HOOKS", "Hook", "MatMulJob", "NODE_OPS", "OpJob", "Point",
+__all__ = ["Availability", "Backend", "Capabilities", "HOOKS", "Hook", "MatMulIdJob", "MatMulJob", "NODE_OPS", "OpJob", "Point",
            "available_backends", "backend_availability", "create_backend", "ggml_type_info",
            "register_backend", "row_bytes", "with_caps"]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import attach as _attach
+from . import progress
 from .backend import MatMulJob, row_bytes
 from .errors import VkxError
 from .executor import Executor, record_graph
@@ -72,20 +73,31 @@ class MeasuringCostModel(CostModel):
         N, K, M) of full-row jobs), then save the profile."""
         if not self.can_measure:
             return
-        self._measure_hub_basics()
-        if graph is not None and self.hub_runner is not None:
-            if any(self.profile.get("hub", "node|" + n.signature()) is None for n in graph.nodes):
+        jobs = sorted(set(jobs))
+        hub_missing = graph is not None and self.hub_runner is not None and any(
+            self.profile.get("hub", "node|" + n.signature()) is None for n in graph.nodes)
+        lat_missing = sorted(name for name in {j[0] for j in jobs}
+                             if self.profile.get(self.scope(name), "latency") is None)
+        job_missing = [j for j in jobs if self.profile.get(self.scope(j[0]), self.job_key(*j[1:])) is None]
+        total = int(hub_missing) + len(lat_missing) + len(job_missing)
+        label = f"calibrating for T={graph.T}" if graph is not None else "calibrating"
+        with progress.task(label + " (once per device: kept in the device profile)", total or None,
+                           "measurements") as bar:
+            self._measure_hub_basics()
+            if hub_missing:
+                assert graph is not None and self.hub_runner is not None
                 times = self.hub_runner(graph)
                 for n in graph.nodes:
                     if n.index in times:
                         self.profile.put("hub", "node|" + n.signature(), times[n.index])
                 self.measured += 1
-        for name in {j[0] for j in jobs}:
-            if self.profile.get(self.scope(name), "latency") is None:
+                bar.update(1, "hub ops")
+            for name in lat_missing:
                 self._measure_latency(name)
-        for name, w_type, N, K, M in sorted(set(jobs)):
-            if self.profile.get(self.scope(name), self.job_key(w_type, N, K, M)) is None:
+                bar.update(1, f"{name} latency")
+            for name, w_type, N, K, M in job_missing:
                 self._measure_job(name, w_type, N, K, M)
+                bar.update(1, f"{name} {w_type} {N}x{K} M={M}")
         self.profile.save()
 
     def _measure_hub_basics(self) -> None:

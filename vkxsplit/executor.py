@@ -36,11 +36,11 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import attach as _attach
-from .backend import MatMulJob, OpJob
+from .backend import MatMulIdJob, MatMulJob, OpJob
 from .errors import KernelError, VkxError
 from .graph import Graph, Span, Tensor, any_overlap, span
 from .ops.nodes import record_node, record_tensor_convert, recorder, recorders
-from .plan.schedule import BackendNodeOp, BackendOp, HubOp
+from .plan.schedule import BackendIdOp, BackendNodeOp, BackendOp, HubOp
 from .vk.command import Sequence, Timestamps, hub_timeline
 from .vk.event import default_timeout
 
@@ -73,7 +73,7 @@ def _record(seq: Sequence, op: HubOp) -> None:
         record_node(seq, op.node)
     elif op.kind == "rows":
         assert op.node is not None
-        recorder("mul_mat")(seq, op.node, op.r0, op.r1, op.dst)
+        recorder(op.node.op)(seq, op.node, op.r0, op.r1, op.dst)
     elif op.kind == "convert":
         assert op.src is not None and op.dst is not None
         record_tensor_convert(seq, op.src, op.dst)
@@ -81,8 +81,13 @@ def _record(seq: Sequence, op: HubOp) -> None:
         raise VkxError(f"unknown hub item kind {op.kind!r}")
 
 
-def _job(op: BackendOp | BackendNodeOp) -> MatMulJob | OpJob:
+def _job(op: BackendOp | BackendIdOp | BackendNodeOp) -> MatMulJob | MatMulIdJob | OpJob:
     """The backend job of a backend item, built once per executor."""
+    if isinstance(op, BackendIdOp):  # a routed expert product: the backend's mul_mat_id hook
+        return MatMulIdJob(op.weight.buffer, op.weight.dtype, op.x.buffer, op.y.buffer,  # type: ignore[arg-type]
+                           op.M, op.N, op.K, x_type=op.x.dtype, r0=op.r0, r1=op.r1, name=op.name,
+                           ids=op.ids.buffer, n_expert=op.n_expert, n_used=op.n_used,  # type: ignore[arg-type]
+                           n_xb=op.n_xb)
     if isinstance(op, BackendNodeOp):
         n = op.node
         ins = n.inputs
@@ -177,6 +182,7 @@ class Executor:
             step.submits = len(vals)
             if self.steps == 0:
                 step.recordings = self.recordings
+                self._first_run(vals[-1] if vals else 0)
             self.steps += 1
             self._last = step
             return step
@@ -203,15 +209,40 @@ class Executor:
                 job = self._jobs[i]
                 if isinstance(jb.op, BackendNodeOp):
                     b.run_op(job.op, job, (tl, seg_vals[jb.wait]), p)
+                elif isinstance(jb.op, BackendIdOp):
+                    b.mul_mat_id(job, (tl, seg_vals[jb.wait]), p)
                 else:
                     b.mul_mat(job, (tl, seg_vals[jb.wait]), p)
         step.host_waits = stats.host_waits_in_step
         if self.steps == 0:
             step.recordings = self.recordings
+            self._first_run(max(seg_vals, default=0))
         self.steps += 1
         if self._ts is not None:
             step._start_watch()
         return step
+
+    def step_with(self, seqs: list[Sequence], waits: Iterable[Any] = ()) -> Step:
+        """Submit one step as :meth:`step` does, with ``seqs`` (other recordings of the same
+        segments, one per segment: the level profiler's, :mod:`vkxsplit.profile_step`) in
+        place of the executor's own; :meth:`step` itself never looks at them."""
+        if len(seqs) != len(self._seqs):
+            raise VkxError(f"step_with: {len(seqs)} sequences for {len(self._seqs)} segments")
+        own = self._seqs
+        self._seqs = seqs
+        try:
+            return self.step(waits)
+        finally:
+            self._seqs = own
+
+    def _first_run(self, value: int) -> None:
+        """The first step runs every recorded kernel for the first time, and drivers compile a
+        kernel at its first dispatch (lavapipe's llvmpipe does, inside the queue, with nothing
+        for the host to see): waits up to its last hub value get the longer stall limit."""
+        if value:
+            n = sum(len(s.ops) for s in self.schedule.segments)
+            self.timeline.expect_slow(value, f"the first run of {n} recorded hub ops (kernels compile "
+                                             "at their first dispatch)")
 
     def run(self, timeout: float | None = None) -> Step:
         """Submit one step and wait for all of it."""
@@ -311,8 +342,11 @@ class Step:
             return
         timeout = default_timeout() if timeout is None else timeout
         pts = self._final_points() if outputs is None else self._writer_points(outputs)
+        # the backends of the step are watched: one that dies fails the wait at once, and their
+        # progress (answers, heartbeats) counts as the step's (see vk.event: slow versus dead)
+        peers = tuple(self.executor.backends.values()) if self.job_points else ()
         for p in pts:
-            host_wait(p, timeout)
+            host_wait(p, timeout, peers=peers)
         if outputs is None:
             self.done = True
             if self.job_points:

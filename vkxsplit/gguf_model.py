@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +32,10 @@ from .gguf_header import CORRUPT_HINT, GGUF_MAGIC_BYTES, HEADER_BYTES, describe_
 from .ops.quant import TYPES, type_info
 
 __all__ = [
+    "ARCHS",
     "GGUF_MAGIC_BYTES",
     "SUPPORTED_ARCHS",
+    "ArchInfo",
     "SUPPORTED_TYPES",
     "HParams",
     "ModelFile",
@@ -46,13 +49,57 @@ Q = GGMLQuantizationType
 #: The weight types the kernel library has kernels for (the type table: vkxsplit.ops.quant).
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(t.ggml for t in TYPES.values())
 
-#: Architectures of the llama family this runtime runs, with their RoPE flavour.
-#: "norm" rotates adjacent pairs (2i, 2i+1) (GGUF llama Q/K weights are already permuted by
-#: the converter for this); "neox" rotates (i, i + n_rot/2).
-SUPPORTED_ARCHS: dict[str, str] = {"llama": "norm", "mistral": "norm", "qwen2": "neox"}
 
-#: ``{arch}.rope.scaling.type`` values the forward implements ("linear": freq_scale = 1/factor).
-SUPPORTED_ROPE_SCALING: tuple[str, ...] = ("none", "linear")
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """What an architecture's forward reads (llama.cpp's graph builder of the same name): the
+    loader checks a file's tensors against it, :mod:`vkxsplit.archs` builds the graph from it."""
+
+    #: "norm" rotates adjacent pairs (2i, 2i+1) (GGUF llama Q/K weights are already permuted by
+    #: the converter for this); "neox" rotates (i, i + n_rot/2)
+    rope: str
+    #: optional ``blk.N.attn_{q,k,v}.bias`` (qwen2)
+    qkv_bias: bool = False
+    #: ``blk.N.attn_{q,k}_norm.weight``: RMSNorm of each Q/K head before RoPE (qwen3, gemma3)
+    qk_norm: bool = False
+    #: ``blk.N.post_attention_norm`` / ``post_ffw_norm``: RMSNorm of the attention and FFN outputs
+    #: before their residual adds (gemma3)
+    post_norms: bool = False
+    #: ``blk.N.attn_qkv.weight`` (Q, K, V rows one after another) instead of attn_q/k/v (phi3)
+    fused_qkv: bool = False
+    #: ``blk.N.ffn_up.weight`` of 2 n_ff rows, gate first, then up, and no ffn_gate (phi3)
+    fused_gate_up: bool = False
+    #: FFN activation: "silu" (SwiGLU, silu(gate) * up) or "gelu" (gelu_tanh(gate) * up)
+    ffn_act: str = "silu"
+    #: token embeddings scaled by sqrt(n_embd) (gemma)
+    embd_scale: bool = False
+    #: the file may hold ``rope_freqs.weight`` (llama 3.x frequency factors)
+    rope_freqs: bool = True
+    #: the file may hold ``rope_factors_long/short.weight`` (phi3 LongRoPE factors)
+    rope_factors: bool = False
+
+
+#: The architectures this runtime runs (llama.cpp's ``LLM_ARCH_*`` of the same names).
+ARCHS: dict[str, ArchInfo] = {
+    "llama": ArchInfo("norm", qkv_bias=True),
+    "mistral": ArchInfo("norm", qkv_bias=True),
+    "qwen2": ArchInfo("neox", qkv_bias=True),
+    "qwen3": ArchInfo("neox", qk_norm=True, rope_freqs=False),
+    "gemma3": ArchInfo("neox", qk_norm=True, post_norms=True, ffn_act="gelu", embd_scale=True, rope_freqs=False),
+    # (llama.cpp's phi3 has no rope_freqs tensor: its long/short factors only)
+    "phi3": ArchInfo("neox", fused_qkv=True, fused_gate_up=True, rope_freqs=False, rope_factors=True),
+    # qwen3 attention + a mixture-of-experts FFN in every layer (vkxsplit/moe.py; llama files
+    # with blk.0.ffn_gate_inp.weight are Mixtral-style MoE too)
+    "qwen3moe": ArchInfo("neox", qk_norm=True, rope_freqs=False),
+}
+
+#: Architectures and their RoPE flavour (see :class:`ArchInfo`).
+SUPPORTED_ARCHS: dict[str, str] = {name: a.rope for name, a in ARCHS.items()}
+
+#: ``{arch}.rope.scaling.type`` values the forward implements ("linear": freq_scale = 1/factor;
+#: "yarn": ggml's YaRN ramp and magnitude terms on top; "none": freq_scale 1, as llama.cpp).
+SUPPORTED_ROPE_SCALING: tuple[str, ...] = ("none", "linear", "yarn")
 
 #: Per-layer tensors every supported architecture must have (``blk.{i}.{name}.weight``).
 LAYER_TENSORS: tuple[str, ...] = (
@@ -162,11 +209,53 @@ class HParams:
     rope_freq_base: float
     #: position multiplier (1 / scaling factor); 1.0 when the model is not scaled
     rope_freq_scale: float
-    #: "none" or "linear" (``{arch}.rope.scaling.type``; the loader refuses the others: yarn, ...)
+    #: "none", "linear" or "yarn" (``{arch}.rope.scaling.type``; the loader refuses the others)
     rope_scaling_type: str
     #: "norm" (pairs 2i, 2i+1: llama, mistral) or "neox" (pairs i, i + n_rot/2: qwen2)
     rope_type: str
     rms_norm_eps: float
+    #: ggml's RoPE parameters beyond freq_base/freq_scale, as llama.cpp fills them for this file
+    #: (llama-context.cpp): ``n_ctx_orig_yarn`` (``{arch}.rope.scaling.original_context_length``,
+    #: else n_ctx_train), ``yarn_ext_factor`` (1 for scaling type yarn, else 0),
+    #: ``yarn_attn_factor`` (for yarn: get_mscale(1/freq_scale) / (1 + 0.1 ln(1/freq_scale)),
+    #: which cancels the kernel's own magnitude correction; times ``rope.scaling.attn_factor``)
+    #: and ``yarn_beta_fast`` / ``yarn_beta_slow`` (llama.cpp's defaults for these architectures)
+    rope_n_ctx_orig: int = 0
+    rope_ext_factor: float = 0.0
+    rope_attn_factor: float = 1.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    #: ``general.architecture`` (a key of :data:`ARCHS`)
+    arch: str = "llama"
+    #: sliding-window size of the SWA layers (``{arch}.attention.sliding_window``; 0: none)
+    n_swa: int = 0
+    #: SWA layer pattern as llama.cpp's ``set_swa_pattern(n)`` (with ``n_swa`` > 0): layer il
+    #: uses the window iff ``n == 0`` or ``il % n < n - 1`` (gemma3: 6, every 6th layer global;
+    #: the file's ``attention.sliding_window_pattern`` when it has one)
+    swa_pattern: int = 0
+    #: RoPE base and scale of the SWA layers (llama.cpp's ``rope_freq_base/scale_train_swa``)
+    rope_freq_base_swa: float = 10000.0
+    rope_freq_scale_swa: float = 1.0
+    #: the attention's Q scale (None: 1/sqrt(head_dim))
+    attn_scale: float | None = None
+    #: multiplier of the token embeddings (gemma: sqrt(n_embd))
+    embd_scale: float = 1.0
+    #: final-logit soft cap, ``cap * tanh(logits / cap)`` (``{arch}.final_logit_softcapping``; 0: none)
+    final_logit_softcap: float = 0.0
+    #: the mixture-of-experts FFN (:class:`vkxsplit.moe.MoeParams`: expert counts, expert FFN
+    #: length, weight normalisation, gating) of a qwen3moe / Mixtral-style file; None: dense FFN
+    moe: Any = None
+
+    def is_swa(self, il: int) -> bool:
+        """Whether layer ``il`` attends through the sliding window (llama.cpp's ``is_swa``)."""
+        n = self.swa_pattern
+        return self.n_swa > 0 and (n == 0 or il % n < n - 1)
+
+    def rope_base_scale(self, il: int) -> tuple[float, float]:
+        """(freq_base, freq_scale) of layer ``il``'s RoPE (SWA layers have their own)."""
+        if self.is_swa(il):
+            return self.rope_freq_base_swa, self.rope_freq_scale_swa
+        return self.rope_freq_base, self.rope_freq_scale
 
     @property
     def n_gqa(self) -> int:
@@ -269,6 +358,30 @@ class ModelFile:
         return sum(t.nbytes for t in self.tensors.values())
 
     # ---- lifetime -------------------------------------------------------------------------
+    def release_pages(self, data: np.ndarray) -> bool:
+        """Drop the pages of the file mapping under ``data`` (a view of it, e.g. a tensor's
+        ``data`` once uploaded) from this process's resident memory: ``madvise(MADV_DONTNEED)``
+        on the read-only shared mapping, rounded out to whole pages. The bytes stay readable
+        (a later read faults them in again from the page cache or the file), so a neighbour
+        sharing a boundary page loses nothing. Without it a model loaded into memory of its
+        own (the hub's, the shared arena) keeps every weight twice, once as the file pages the
+        upload touched. Returns False (and does nothing) where ``data`` is not in the mapping
+        or the platform has no ``madvise``."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or data.nbytes == 0:
+            return False
+        base = self.reader.data.ctypes.data
+        start = data.ctypes.data - base
+        if start < 0 or start + data.nbytes > len(mm):
+            return False
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = min(len(mm), -(-(start + data.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):  # advice only: a kernel refusing it changes nothing
+            return False
+        return True
+
     def close(self) -> None:
         """Drop this object's references to the memory map.
 
@@ -525,20 +638,46 @@ def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, 
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
         )
     freq_scale = 1.0 if factor == 0.0 else 1.0 / factor
-    # Only what the forward does may run: RoPE with freq_scale (linear) and frequency factors
-    # (rope_freqs.weight), no YaRN / LongRoPE terms, no attention factor, one head size.
+    # Only what the forward does may run: RoPE with freq_scale (linear), YaRN, the attention
+    # factor and frequency factors (rope_freqs.weight); no LongRoPE, one head size.
     if scaling_type not in SUPPORTED_ROPE_SCALING:
         raise ModelError(
             f"{describe_path(path)} asks for RoPE scaling {scaling_type!r} (rope.scaling.type), which vkxsplit "
             f"does not implement (it does: {', '.join(SUPPORTED_ROPE_SCALING)}; llama 3.x frequency factors)",
             hint="use a build of the model without that context extension, or llama.cpp",
         )
+    if scaling_type == "none":
+        freq_scale = 1.0  # llama.cpp: "never scale if scaling type is none"
     attn_factor = _get_float(reader, p + "rope.scaling.attn_factor", 1.0)
-    if attn_factor != 1.0:
+    n_ctx_orig = _get_int(path, reader, p + "rope.scaling.original_context_length", 0)
+    if not (math.isfinite(attn_factor) and attn_factor > 0.0) or n_ctx_orig < 0:
         raise ModelError(
-            f"{describe_path(path)} has rope.scaling.attn_factor={attn_factor}, which vkxsplit does not apply",
-            hint="use a build of the model without that RoPE scaling, or llama.cpp",
+            f"{describe_path(path)} has rope.scaling.attn_factor={attn_factor}, "
+            f"rope.scaling.original_context_length={n_ctx_orig}",
+            hint="the file's metadata is corrupt; re-convert it with llama.cpp",
         )
+    # llama.cpp (llama-context.cpp): yarn_ext_factor 1 for yarn, else 0; for yarn the attention
+    # factor get_mscale(factor) is divided by the 1 + 0.1 ln(factor) the kernel multiplies in
+    # again; then times rope.scaling.attn_factor. In float32, as there.
+    f32 = np.float32
+    ext_factor, yarn_attn = (1.0 if scaling_type == "yarn" else 0.0), f32(1.0)
+    if ext_factor != 0.0:
+        fac = f32(1.0) / f32(freq_scale)
+        mscale = f32(1.0) if fac <= 1.0 else f32(f32(0.1) * np.log(fac) + f32(1.0))
+        yarn_attn = f32(mscale * (f32(1.0) / (f32(1.0) + f32(0.1) * np.log(fac))))
+    yarn_attn = f32(yarn_attn * f32(attn_factor))
+    # keys llama.cpp reads only for other architectures (DeepSeek-style, Grok): refused unless
+    # they hold what llama.cpp uses for this one (a negative yarn_ext_factor means "not set")
+    for key, used in (("yarn_log_multiplier", 0.0), ("yarn_ext_factor", ext_factor), ("yarn_attn_factor", 1.0),
+                      ("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0)):
+        v = _get_float(reader, p + "rope.scaling." + key, used)
+        if v != used and not (key == "yarn_ext_factor" and v < 0.0):
+            raise ModelError(
+                f"{describe_path(path)} has rope.scaling.{key}={v}, which llama.cpp does not read for "
+                f"architecture {arch!r} (it uses {used}); vkxsplit refuses it rather than guess",
+                hint="remove the key if the model does not need it (gguf-py's gguf_set_metadata / a re-convert), "
+                     "or use llama.cpp",
+            )
     if head_dim_v != head_dim:
         raise ModelError(
             f"{describe_path(path)} has V heads of {head_dim_v} (attention.value_length) and K heads of "
@@ -561,29 +700,117 @@ def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, 
         rope_scaling_type=scaling_type,
         rope_type=SUPPORTED_ARCHS[arch],
         rms_norm_eps=_get_float(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
+        rope_n_ctx_orig=n_ctx_orig or n_ctx,
+        rope_ext_factor=ext_factor,
+        rope_attn_factor=float(yarn_attn),
+        **_arch_hparams(path, reader, arch, n_embd, n_head, n_layer, head_dim),
+        moe=_moe_hparams(path, reader, arch, tensors, n_ff),
     )
 
 
-def _expected_shapes(hp: HParams, tied: bool) -> dict[str, tuple[int, ...]]:
-    """ggml-order shapes (ne0, ne1) of the tensors the llama graph uses."""
+def _moe_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, TensorInfo], n_ff: int) -> Any:
+    """The MoE FFN's hyperparameters (vkxsplit/moe.py) of a qwen3moe / Mixtral-style file, else None."""
+    from .moe import is_moe, read_moe_params  # (lazily: the graph layer is not needed to read a file)
+
+    if not is_moe(arch, tensors):
+        return None
+
+    def get(key: str) -> Any:
+        f = reader.fields.get(key)
+        return None if f is None else _field_value(f)
+
+    return read_moe_params(describe_path(path), arch, get, n_ff)
+
+
+def _arch_hparams(path: Path, reader: GGUFReader, arch: str, n_embd: int, n_head: int, n_layer: int,
+                  head_dim: int) -> dict[str, Any]:
+    """The per-architecture hyperparameters, as llama.cpp's ``load_hparams`` sets them."""
+    p = arch + "."
+    out: dict[str, Any] = {"arch": arch}
+    n_swa = _get_int(path, reader, p + "attention.sliding_window", 0)
+    if n_swa < 0:
+        raise ModelError(f"{describe_path(path)} has attention.sliding_window={n_swa}",
+                         hint="the file's metadata is corrupt; re-convert it with llama.cpp")
+    cap = _get_float(reader, p + "final_logit_softcapping", 0.0)
+    if not (math.isfinite(cap) and cap >= 0.0):
+        raise ModelError(f"{describe_path(path)} has final_logit_softcapping={cap}",
+                         hint="the file's metadata is corrupt; re-convert it with llama.cpp")
+    if arch == "gemma3":
+        # llama.cpp: with a sliding window, SWA_TYPE_STANDARD, pattern
+        # attention.sliding_window_pattern (default 6: layers 5, 11, ... global), SWA layers
+        # with RoPE base rope.freq_base_swa (default 10000) and scale 1; without one, no SWA
+        # layers. Q scaled by 1/sqrt(head_dim) (27B, 62 layers: 1/sqrt(n_embd / n_head), an
+        # integer division there); embeddings by sqrt(n_embd)
+        pattern, base_swa = 6, 10000.0
+        if n_swa > 0:
+            f = reader.fields.get(p + "attention.sliding_window_pattern")
+            if f is not None and isinstance(_field_value(f), list):
+                raise ModelError(
+                    f"{describe_path(path)} has a per-layer attention.sliding_window_pattern array; vkxsplit (as "
+                    "llama.cpp for gemma3) reads only a period (every n-th layer global)",
+                    hint="run the model with llama.cpp, or re-convert it with a period")
+            pattern = _get_int(path, reader, p + "attention.sliding_window_pattern", 6)
+            base_swa = _get_float(reader, p + "rope.freq_base_swa", 10000.0)
+            if pattern < 0 or not (math.isfinite(base_swa) and base_swa > 0.0):
+                raise ModelError(f"{describe_path(path)} has attention.sliding_window_pattern={pattern}, "
+                                 f"rope.freq_base_swa={base_swa}",
+                                 hint="the file's metadata is corrupt; re-convert it with llama.cpp")
+            # llama.cpp's gemma3 graph for files with a window (llm_build_gemma3<iswa = true>)
+            # has no final-logit soft cap; HF's Gemma 3 applies a configured one: which one the
+            # file means cannot be told, so it is refused rather than guessed
+            if cap:
+                raise ModelError(
+                    f"{describe_path(path)} is a gemma3 model with a sliding window ({n_swa}) and "
+                    f"final_logit_softcapping={cap}: llama.cpp's gemma3 graph ignores the cap for such files, "
+                    "HF applies it; vkxsplit does not guess which",
+                    hint="remove the key (gguf-py's gguf_set_metadata / a re-convert) to run it as llama.cpp does")
+        out.update(n_swa=n_swa, swa_pattern=pattern if n_swa > 0 else 0, rope_freq_base_swa=base_swa,
+                   rope_freq_scale_swa=1.0, embd_scale=math.sqrt(n_embd),
+                   attn_scale=1.0 / math.sqrt(n_embd // n_head if n_layer == 62 else head_dim))
+    # phi3: llama.cpp reads attention.sliding_window and turns SWA off (its PR 13676: the
+    # converters do not give the layer pattern), so the window is not applied here either
+    if cap and arch != "gemma3":
+        raise ModelError(f"{describe_path(path)} asks for final_logit_softcapping={cap}, which vkxsplit applies "
+                         "to gemma3 only", hint="run the model with llama.cpp")
+    # gemma3 without a window (llm_build_gemma3<iswa = false>): the file's cap
+    out["final_logit_softcap"] = cap
+    if _get_float(reader, p + "attn_logit_softcapping", 0.0):
+        raise ModelError(f"{describe_path(path)} asks for attn_logit_softcapping, which vkxsplit's attention "
+                         "does not apply", hint="run the model with llama.cpp")
+    return out
+
+
+def _expected_shapes(hp: HParams, tied: bool, fused_qkv: bool = False) -> dict[str, tuple[int, ...]]:
+    """ggml-order shapes (ne0, ne1) of the tensors the architecture's graph uses."""
     e = hp.n_embd
+    arch = ARCHS[hp.arch]
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (e, hp.n_vocab),
         "output_norm.weight": (e,),
     }
     if not tied:
         shapes["output.weight"] = (e, hp.n_vocab)
-    per_layer = {
-        "attn_norm.weight": (e,),
-        "attn_q.weight": (e, hp.n_embd_q),
-        "attn_k.weight": (e, hp.n_embd_k_gqa),
-        "attn_v.weight": (e, hp.n_embd_v_gqa),
-        "attn_output.weight": (hp.n_head * hp.head_dim_v, e),
-        "ffn_norm.weight": (e,),
-        "ffn_gate.weight": (e, hp.n_ff),
-        "ffn_up.weight": (e, hp.n_ff),
-        "ffn_down.weight": (hp.n_ff, e),
-    }
+    per_layer: dict[str, tuple[int, ...]] = {"attn_norm.weight": (e,)}
+    if fused_qkv:
+        per_layer["attn_qkv.weight"] = (e, hp.n_embd_q + hp.n_embd_k_gqa + hp.n_embd_v_gqa)
+    else:
+        per_layer.update({"attn_q.weight": (e, hp.n_embd_q), "attn_k.weight": (e, hp.n_embd_k_gqa),
+                          "attn_v.weight": (e, hp.n_embd_v_gqa)})
+    if arch.qk_norm:
+        per_layer.update({"attn_q_norm.weight": (hp.head_dim,), "attn_k_norm.weight": (hp.head_dim,)})
+    per_layer.update({"attn_output.weight": (hp.n_head * hp.head_dim_v, e), "ffn_norm.weight": (e,)})
+    if arch.post_norms:
+        per_layer.update({"post_attention_norm.weight": (e,), "post_ffw_norm.weight": (e,)})
+    if hp.moe is not None:  # the experts and their router instead of ffn_gate/up/down
+        from .moe import expected_moe_shapes
+
+        per_layer.update(expected_moe_shapes(hp.moe, e))
+    elif arch.fused_gate_up:
+        per_layer["ffn_up.weight"] = (e, 2 * hp.n_ff)
+    else:
+        per_layer.update({"ffn_gate.weight": (e, hp.n_ff), "ffn_up.weight": (e, hp.n_ff)})
+    if hp.moe is None:
+        per_layer["ffn_down.weight"] = (hp.n_ff, e)
     for i in range(hp.n_layer):
         for k, v in per_layer.items():
             shapes[f"blk.{i}.{k}"] = v
@@ -591,13 +818,20 @@ def _expected_shapes(hp: HParams, tied: bool) -> dict[str, tuple[int, ...]]:
 
 
 def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied: bool) -> None:
-    expected = _expected_shapes(hp, tied)
+    arch = ARCHS[hp.arch]
+    if hp.moe is not None:  # the experts first, with a message naming the expert counts
+        from .moe import check_moe_tensors
+
+        check_moe_tensors(describe_path(path), hp.moe, hp.n_embd, hp.n_layer,
+                          {n: (t.ne, t.ggml_type) for n, t in tensors.items()})
+    # phi3: a fused attn_qkv, or (as llama.cpp's create_tensor_qkv falls back) attn_q/k/v
+    expected = _expected_shapes(hp, tied, fused_qkv=arch.fused_qkv and "blk.0.attn_qkv.weight" in tensors)
     missing = [n for n in expected if n not in tensors]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise ModelError(
             f"{describe_path(path)} lacks required tensors: {shown}",
-            hint="the file is incomplete or not a llama-family model; re-convert it with llama.cpp",
+            hint=f"the file is incomplete or not a {hp.arch} model; re-convert it with llama.cpp",
         )
     for name, want in expected.items():
         t = tensors[name]
@@ -608,7 +842,7 @@ def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied
                 f"need {list(want)}",
                 hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
             )
-    for i in range(hp.n_layer):
+    for i in range(hp.n_layer if arch.qkv_bias else 0):
         for b, width in zip(LAYER_BIASES, (hp.n_embd_q, hp.n_embd_k_gqa, hp.n_embd_v_gqa)):
             t = tensors.get(f"blk.{i}.{b}.bias")
             if t is not None and t.n_elements != width:
@@ -616,26 +850,34 @@ def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied
                     f"{describe_path(path)}: bias {t.name!r} has {t.n_elements} elements, expected {width}",
                     hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
                 )
-    rf = tensors.get("rope_freqs.weight")
-    if rf is not None and rf.n_elements != hp.n_rot // 2:
+    factor_names = (["rope_freqs.weight"] if arch.rope_freqs else []) + (
+        ["rope_factors_long.weight", "rope_factors_short.weight"] if arch.rope_factors else [])
+    for name in factor_names:
+        rf = tensors.get(name)
+        if rf is not None and rf.n_elements != hp.n_rot // 2:
+            raise ModelError(
+                f"{describe_path(path)}: {name} has {rf.n_elements} elements, expected {hp.n_rot // 2}",
+                hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
+            )
+        if rf is not None and rf.ggml_type != Q.F32:
+            raise ModelError(
+                f"{describe_path(path)}: {name} is {rf.ggml_type.name}, not F32 (RoPE reads f32 factors)",
+                hint="re-convert the model with llama.cpp (its converter writes the factors as F32)",
+            )
+    if arch.rope_factors and ("rope_factors_long.weight" in tensors) != ("rope_factors_short.weight" in tensors):
         raise ModelError(
-            f"{describe_path(path)}: rope_freqs.weight has {rf.n_elements} elements, expected {hp.n_rot // 2}",
-            hint="the file's metadata and tensors disagree; re-convert it with llama.cpp",
-        )
-    if rf is not None and rf.ggml_type != Q.F32:
-        raise ModelError(
-            f"{describe_path(path)}: rope_freqs.weight is {rf.ggml_type.name}, not F32 (RoPE reads f32 factors)",
-            hint="re-convert the model with llama.cpp (its converter writes the factors as F32)",
+            f"{describe_path(path)} has only one of rope_factors_long.weight / rope_factors_short.weight",
+            hint="the file is incomplete; re-convert it with llama.cpp",
         )
     # every tensor must be one the forward reads: one it would skip (an output-projection or FFN
     # bias, Q/K norms, ...) would make the model run silently wrong
-    used = set(expected) | {"rope_freqs.weight"} | {
-        f"blk.{i}.{b}.bias" for i in range(hp.n_layer) for b in LAYER_BIASES}
+    used = set(expected) | set(factor_names) | {
+        f"blk.{i}.{b}.bias" for i in range(hp.n_layer if arch.qkv_bias else 0) for b in LAYER_BIASES}
     unused = sorted(n for n in tensors if n not in used)
     if unused:
         shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
         raise ModelError(
-            f"{describe_path(path)} has tensors the llama forward of vkxsplit does not use: {shown}",
+            f"{describe_path(path)} has tensors the {hp.arch} forward of vkxsplit does not use: {shown}",
             hint="the model needs something vkxsplit does not implement; run it with llama.cpp",
         )
 
@@ -677,11 +919,11 @@ def load_model(path: str | Path) -> ModelFile:
             hint="the file is not a model (or was written by a very old converter); re-convert it",
         )
     arch = str(_field_value(f_arch))
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in ARCHS:
         raise ModelError(
             f"{describe_path(path)} has architecture {arch!r}, which vkxsplit does not run "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})",
-            hint="use a llama-family model (llama, mistral, qwen2) in GGUF form",
+            f"(supported: {', '.join(ARCHS)})",
+            hint=f"use a model of one of those architectures ({', '.join(ARCHS)}) in GGUF form, or llama.cpp",
         )
     tensors = _build_tensors(path, reader, size)
     hp = _read_hparams(path, reader, arch, tensors)

@@ -238,10 +238,31 @@ def _probe_npus(dev_root: str = "/dev", sys_root: str = "/sys") -> list[dict[str
     return out
 
 
+def _probe_cpu() -> dict[str, Any]:
+    """The cpu backend: ggml's CPU kernels from libggml-python (its version, and the CPU features
+    ggml detected: what its quantized dot products use)."""
+    from .backends import ggml_cpu
+
+    out: dict[str, Any] = {"name": "cpu", "kind": "cpu", "available": False}
+    try:
+        g = ggml_cpu.load()
+    except Exception as exc:  # a missing package is a reason to report
+        out["detail"] = f"{exc}" + (f" ({exc.hint})" if getattr(exc, "hint", "") else "")
+        return out
+    cores = ggml_cpu.physical_cores()
+    feats = g.features()
+    out.update(available=True, ggml={"version": g.version, "commit": g.commit, "package": ggml_cpu.PACKAGE,
+                                     "package_version": g.package_version, "features": feats,
+                                     "physical_cores": cores},
+               detail=f"ggml {g.version} ({ggml_cpu.PACKAGE} {g.package_version}), {cores} physical cores "
+                      f"({os.cpu_count() or 1} logical); ggml CPU features: "
+                      + (" ".join(f for f, on in feats.items() if on) or "none"))
+    return out
+
+
 def probe_backends(dev_root: str = "/dev", sys_root: str = "/sys") -> list[dict[str, Any]]:
     """Every backend kind, found or not (``available``), without eager heavy imports."""
-    cpu = {"name": "cpu", "kind": "cpu", "available": True,
-           "detail": f"{os.cpu_count() or 1} logical CPUs"}
+    cpu = _probe_cpu()
     emu = {"name": "npu-emu", "kind": "npu-emu", "available": True,
            "detail": "vkxsplit's NPU emulator process backend (always available)"}
     peer = {"name": "vulkan-peer", "kind": "vulkan-peer", "available": True,

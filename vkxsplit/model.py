@@ -1,12 +1,13 @@
-"""A llama-family model on the hub: from a GGUF file to logits.
+"""A model on the hub (llama, mistral, qwen2, qwen3, gemma3, phi3): from a GGUF file to logits.
 
 Reading order for one step (``Model._run``):
 
 1. the token ids and positions are written into small host-visible buffers;
-2. the step's graph (built once per token count ``T`` by :meth:`Model._build_graph`:
-   embedding lookup, then per layer RMSNorm -> Q/K/V -> RoPE -> KV-cache store ->
-   attention -> output projection -> residual -> RMSNorm -> SwiGLU FFN -> residual, then the
-   final norm and the output projection) was recorded into a command sequence once;
+2. the step's graph (built once per token count ``T`` by :meth:`Model._build_graph`, the
+   architecture's forward from :mod:`vkxsplit.archs`: embedding lookup, then per layer RMSNorm
+   -> Q/K/V -> RoPE -> KV-cache store -> attention -> output projection -> residual -> RMSNorm
+   -> FFN -> residual, then the final norm and the output projection) was recorded into a
+   command sequence once;
 3. the split planner (:mod:`vkxsplit.plan`) decided once per ``T`` which participant runs
    each op (everything on the hub for split ``none``), and the executor
    (:mod:`vkxsplit.executor`) recorded the hub's share into command sequences once; every step
@@ -34,13 +35,14 @@ from typing import Any
 
 import numpy as np
 
+from .archs import DecodeQ8, build_graph, weight_tensors  # noqa: F401 (DecodeQ8: its old home, re-exported)
 from .calibrate import MeasuringCostModel, hub_node_times
-from .errors import ModelError, VkxError
+from .defaults import N_PREDICT, SAMPLING, chat_default, split_for_machine
+from .errors import Closable, ModelError, VkxError
 from .executor import Executor, Step
-from .features import is_disabled
 from .gguf_model import ModelFile, default_model_path
 from .gguf_model import load_model as load_gguf
-from .graph import Graph, Tensor, overlap, span
+from .graph import Graph, Tensor
 from .plan.cost import CostModel, simulate
 from .plan.planner import Plan, Planner
 from .plan.profile import Profile
@@ -57,61 +59,6 @@ def _type_name(t: Any) -> str:
     return t.name.lower()
 
 
-class DecodeQ8:
-    """Where a decode graph quantizes x for the integer-dot-product mat-vecs (ggml's MMVQ).
-
-    ``mul_mat(name, w, x, out)`` adds a ``mul_mat`` node; when ``w``'s type has a variant in
-    ``variants`` (from :meth:`~vkxsplit.ops.choose.DeviceKernels.vecq_decode`), the node reads x as q8_1
-    (params ``xq``, ``vecq``). x is quantized once, before its first such reader, and shared
-    by the rest (q/k/v, gate/up) until something rewrites x: by the node that made x where
-    it can write q8_1 too (a norm with a weight, add_rms_norm, swiglu: no extra dispatch or
-    barrier level; not with ``fuse`` off), else by a ``quantize_q8_1`` node. All q8_1 data
-    lives in one scratch (``scratch(nbytes)`` gives the binding): a producer after which
-    readers of the previous x's q8_1 still come cannot write the new one at its place.
-    """
-
-    FUSABLE = ("rms_norm", "add_rms_norm", "swiglu")
-
-    def __init__(self, g: Graph, variants: dict[str, str], scratch: Any, fuse: bool = True) -> None:
-        self.g, self.variants, self.scratch, self.fuse = g, variants, scratch, fuse
-        self._cur: tuple[Tensor, int, Tensor] | None = None  # (x, index of its quantizer, xq)
-
-    def _stale(self, x: Tensor) -> bool:
-        if self._cur is None or self._cur[0] is not x:
-            return True
-        xs = span(x)
-        return any(overlap(xs, span(t)) for n in self.g.nodes[self._cur[1] + 1:] for t in n.writes())
-
-    def mul_mat(self, name: str, w: Tensor, x: Tensor, out: Tensor) -> Tensor:
-        from .ops.choose import vecq_for_shape
-        from .ops.mul_mat import vecq_scratch_bytes
-
-        g = self.g
-        v = self.variants.get(w.dtype)
-        if v is None or x.cols % 32:
-            return g.add("mul_mat", name, [w, x], out)
-        v = vecq_for_shape(v, w.dtype, w.rows, w.cols)  # tall products: their own shape
-        if self._stale(x):
-            nbytes = vecq_scratch_bytes(x.rows, x.cols)
-            xq = Tensor(f"xq:{x.name}", (1, nbytes // 4), "q8_1", self.scratch(nbytes))
-            xs = span(x)
-            prod = next((i for i in range(len(g.nodes) - 1, -1, -1)
-                         if any(overlap(xs, span(t)) for t in g.nodes[i].writes())), None)
-            pn = g.nodes[prod] if prod is not None else None
-            busy = pn is not None and self._cur is not None and any(
-                n.params.get("xq") is self._cur[2] for n in g.nodes[prod + 1:])
-            if (self.fuse and pn is not None and not busy and pn.output is x and "xq" not in pn.params
-                    and pn.op in self.FUSABLE and (pn.op == "swiglu" or pn.weight is not None)):
-                pn.params.update(xq=xq, q8=1)  # rms_norm.comp with Q8 / swiglu_q8_1
-                self._cur = (x, prod, xq)
-            else:
-                k = sum(n.op == "quantize_q8_1" for n in g.nodes)  # unique names: blk.N.quantize.K
-                g.add("quantize_q8_1", (name.rsplit(".", 1)[0] + "." if "." in name else "") + f"quantize.{k}",
-                      [x], xq)
-                self._cur = (x, len(g.nodes) - 1, xq)
-        return g.add("mul_mat", name, [w, x], out, xq=self._cur[2], vecq=v)
-
-
 def slot_rows(ubatch: int, slots: int) -> int:
     """Rows per slot: ``ubatch`` rounded up to 64 rows when there are several slots, so every
     slot's offset into an i32 or f32 buffer is a multiple of 256 bytes (the largest
@@ -119,7 +66,10 @@ def slot_rows(ubatch: int, slots: int) -> int:
     return ubatch if slots <= 1 else -(-ubatch // 64) * 64
 
 
-class LanguageModel:
+#: bytes of a weight copied to the hub at a time (the file pages behind each chunk are released)
+_UPLOAD_CHUNK = 16 << 20
+
+class LanguageModel(Closable):
     """Tokens and text in, logits and tokens out: the API a user calls, the same for a model on
     one GPU (:class:`Model`) and one split over several GPUs
     (:class:`vkxsplit.pipeline.PipelineModel`). Subclasses set ``hp``, ``n_ctx``, ``ubatch``,
@@ -133,6 +83,9 @@ class LanguageModel:
     n_past: int
     _tokenizer: Tokenizer | None
     _tokenizer_error: ModelError | None
+    # after close() every public method (and a step a generator resumes) raises ClosedError
+    _closed_guards = ("_run",)
+    _closed_what = "model"
 
     def _run(self, ids: list[int], all_logits: bool) -> Any:
         raise NotImplementedError
@@ -143,7 +96,7 @@ class LanguageModel:
             raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
         if self.n_past + T > self.n_ctx:
             raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
-                           "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
+                           "use a shorter prompt or fewer tokens, or a larger context: n_ctx= (load_model), -c (command line)")
 
     def _load_tokenizer(self, file: ModelFile) -> None:
         """The file's tokenizer, or the reason it has none (logits() still works on token ids;
@@ -221,7 +174,7 @@ class LanguageModel:
             raise VkxError("the prompt is empty")
         if len(ids) >= self.n_ctx:
             raise VkxError(f"the prompt has {len(ids)} tokens; the context holds {self.n_ctx}",
-                           "shorten the prompt or raise n_ctx")
+                           "shorten the prompt or raise the context: n_ctx= (load_model), -c (command line)")
         self.reset()
         for s in range(0, len(ids), self.ubatch):
             self._run(ids[s:s + self.ubatch], all_logits=False)
@@ -237,42 +190,94 @@ class LanguageModel:
             raise _nonfinite_logits(self)
         return tok
 
-    def generate_ids(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
-                     top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                     stop_ids: set[int] | None = None) -> Iterator[int]:
-        """Yield generated token ids (stops at an end-of-turn token or after max_tokens)."""
-        sampler = Sampler(temperature, top_k, top_p, seed)
+    def _prepare_steps(self, n_prompt: int) -> None:
+        """Plan and record the steps a generation from an ``n_prompt``-token prompt runs (with
+        ``--split auto``, the planner's first-run measurements), so that no reported rate counts them."""
+        executor = getattr(self, "_executor", None)
+        if executor is None or n_prompt < 1:
+            return
+        Ts = {min(self.ubatch, n_prompt), 1} | ({n_prompt % self.ubatch} - {0})
+        for T in sorted(Ts):
+            executor(T, False)
+
+    def generate_ids(self, prompt_ids: list[int], max_tokens: int = N_PREDICT,
+                     temperature: float = SAMPLING.temperature, top_k: int = SAMPLING.top_k,
+                     top_p: float = SAMPLING.top_p, seed: int | None = None,
+                     stop_ids: set[int] | None = None, min_p: float = SAMPLING.min_p,
+                     repeat_penalty: float = SAMPLING.repeat_penalty,
+                     repeat_last_n: int = SAMPLING.repeat_last_n) -> Iterator[int]:
+        """Yield generated token ids: until an end-of-turn token, ``max_tokens`` tokens, or a full
+        context (``max_tokens=-1``: no limit but the context). ``timings`` then holds the
+        counts, the seconds (planning and first-run measurements apart, in ``setup_s``) and
+        ``stop``: ``"eos"``, ``"length"`` or ``"context"``. Defaults: :mod:`vkxsplit.defaults`."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < -1:
+            raise VkxError(f"max_tokens must be a whole number >= -1, got {max_tokens!r}",
+                           "-1 generates until the end of generation or a full context")
+        sampler = Sampler(temperature, top_k, top_p, seed, min_p=min_p, repeat_penalty=repeat_penalty,
+                          repeat_last_n=repeat_last_n)
         stop = self.tokenizer.eot_ids if stop_ids is None else stop_ids
-        self.timings = {"prompt_tokens": len(prompt_ids), "gen_tokens": 0}
+        history = list(prompt_ids)
+        self.timings = {"prompt_tokens": len(prompt_ids), "gen_tokens": 0, "stop": "length"}
+        ts = time.perf_counter()
+        if 0 < len(prompt_ids) < self.n_ctx:
+            self._prepare_steps(len(prompt_ids))
+        self.timings["setup_s"] = time.perf_counter() - ts
         t0 = time.perf_counter()
         self.prefill(list(prompt_ids))
         self.timings["prompt_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
-        for i in range(max_tokens):
-            if sampler.greedy:
+        i = 0
+        while max_tokens < 0 or i < max_tokens:
+            if not sampler.needs_logits:
                 tok = self.last_argmax()
             else:
                 logits = self.last_logits()
                 if not np.isfinite(logits).all() and (np.isnan(logits).any() or np.isposinf(logits).any()):
                     raise _nonfinite_logits(self)
-                tok = sampler.sample(logits)
+                tok = sampler.sample(logits, history)
             if tok in stop:
+                self.timings["stop"] = "eos"
                 break
-            self.timings["gen_tokens"] = i + 1
+            i += 1
+            self.timings["gen_tokens"] = i
+            history.append(tok)
             yield tok
-            if i + 1 == max_tokens or self.n_past + 1 >= self.n_ctx:
+            if i == max_tokens:
+                break
+            if self.n_past + 1 >= self.n_ctx:
+                self.timings["stop"] = "context"
                 break
             self._run([tok], all_logits=False)
         self.timings["gen_s"] = time.perf_counter() - t1
 
-    def generate(self, prompt: str, max_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
-                 chat: bool = False, top_k: int = 0, top_p: float = 1.0) -> Iterator[str]:
-        """Yield text pieces of the continuation of ``prompt`` (a chat turn when ``chat``)."""
-        if chat:
-            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        else:
-            ids = self.tokenize(prompt)
-        yield from self.tokenizer.decode_stream(self.generate_ids(ids, max_tokens, temperature, top_k, top_p, seed))
+    def chat_ids(self, prompt: str | list[dict[str, str]], chat: bool | None = None,
+                 system: str | None = None) -> list[int]:
+        """The prompt's token ids: ``prompt`` (text, or chat messages ``[{"role", "content"}]``)
+        through the file's chat template when ``chat`` (default: exactly when the file has a
+        template; messages always are), with ``system`` as a first system message."""
+        if chat is None:
+            chat = not isinstance(prompt, str) or chat_default(self.tokenizer)
+        if not chat:
+            if not isinstance(prompt, str):
+                raise VkxError("chat messages need the chat template: chat=False takes text only")
+            return self.tokenize(((system + "\n\n") if system else "") + prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system:
+            messages = [{"role": "system", "content": system}] + messages
+        return self.tokenizer.encode_chat(messages)
+
+    def generate(self, prompt: str | list[dict[str, str]], max_tokens: int = N_PREDICT,
+                 temperature: float = SAMPLING.temperature, seed: int | None = None, chat: bool | None = None,
+                 top_k: int = SAMPLING.top_k, top_p: float = SAMPLING.top_p, min_p: float = SAMPLING.min_p,
+                 repeat_penalty: float = SAMPLING.repeat_penalty, repeat_last_n: int = SAMPLING.repeat_last_n,
+                 system: str | None = None) -> Iterator[str]:
+        """Yield text pieces of the continuation of ``prompt`` (text, or chat messages); a chat
+        turn when ``chat`` (default: exactly when the file has a chat template). Other defaults:
+        :mod:`vkxsplit.defaults`, the same as the command line's."""
+        ids = self.chat_ids(prompt, chat, system)
+        yield from self.tokenizer.decode_stream(self.generate_ids(
+            ids, max_tokens, temperature, top_k, top_p, seed, min_p=min_p, repeat_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n))
 
     def close(self) -> None:
         raise NotImplementedError
@@ -401,7 +406,8 @@ class Model(LanguageModel):
 
     def _upload_weights(self, progress: Any) -> None:
         self.weights: dict[str, Tensor] = {}
-        items = sorted(self.file.tensors.items())
+        # (phi3's fused attn_qkv / gate-up ffn_up come as their row ranges: archs.weight_tensors)
+        items = sorted(weight_tensors(self.file).items())
         total = sum(t.nbytes for _, t in items)
         done = 0
         from .attach import SharedBuffer
@@ -418,7 +424,16 @@ class Model(LanguageModel):
         for name, ti in items:
             shape, data = self._weight_data(name, ti)
             buf = self._alloc(data.nbytes, "device", name, shared=shared)
-            (buf.buffer if isinstance(buf, SharedBuffer) else buf).write(data)  # staged when device-only
+            dst = buf.buffer if isinstance(buf, SharedBuffer) else buf
+            src = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+            # The hub's copy (or the arena's) is the one kept: copy in chunks and let go of the
+            # file pages each chunk touched, or every weight is resident twice (and a large one
+            # briefly three times through a staging buffer as large as it). A backend loading
+            # its own rows from Tensor.host later faults in only those.
+            for o in range(0, src.nbytes, _UPLOAD_CHUNK):
+                dst.write(src[o:o + _UPLOAD_CHUNK], o)  # staged when device-only
+                self.file.release_pages(src[o:o + _UPLOAD_CHUNK])
+            self.file.release_pages(ti.data)  # (a slice copied from it: the file's pages too)
             # (host: where a backend loading its own copy reads the rows from; only with backends,
             # so that a slice copied at load, a tensor-split shard's columns, is not kept)
             self.weights[name] = Tensor(name, shape, _type_name(ti.ggml_type), self._view(buf), weight=True,
@@ -474,6 +489,10 @@ class Model(LanguageModel):
         E, F = hp.n_embd, hp.n_ff
         sizes = {"x": E, "h": E, "q": hp.n_embd_q, "k": hp.n_embd_k_gqa, "v": hp.n_embd_v_gqa,
                  "attn": hp.n_head * hp.head_dim_v, "o": E, "gate": F, "up": F}
+        if hp.moe is not None:  # the MoE FFN's router, grouping and expert activations (vkxsplit/moe.py)
+            from .moe import moe_act_cols
+
+            sizes.update(moe_act_cols(hp.moe, E, T))
         # (not when every backend stages activations, i.e. a vulkan peer on another GPU: then
         # they stay in device memory and the plan copies x/y through arena shadows at each job)
         act_shared = any(not getattr(b, "stages_activations", False) for b in self.backends.values())
@@ -500,111 +519,9 @@ class Model(LanguageModel):
 
     def _build_graph(self, T: int, all_logits: bool, slot: int = 0) -> Graph:
         """The forward pass for ``T`` tokens as a graph over this model's buffers (a pipeline
-        stage's: its layers, reading or writing the hidden state through its links)."""
-        hp, W, A = self.hp, self.weights, self.act
-        g = Graph(f"{self.file.name}:T{T}" + (f":s{slot}" if slot else ""), T=T)
-        row0 = slot * self.slot_rows  # this slot's rows of ids, positions, links, logits
-        f32 = 4
-        V = self._view
-        # VKXSPLIT_DISABLE=fusion builds the unfused graph (separate residual adds, norms and
-        # RoPE of K), for bisecting a suspected fused kernel
-        fuse = not is_disabled(self.device, "fusion")
-
-        def act(name: str, cols: int) -> Tensor:
-            return Tensor(name, (T, cols), "f32", V(A[name], 0, T * cols * f32))
-
-        ids = Tensor("ids", (T,), "i32", V(self.ids_buf, row0 * 4, T * 4))
-        pos = Tensor("positions", (T,), "i32", V(self.pos_buf, row0 * 4, T * 4))
-        split_kv: dict[str, Any] = {}
-        if T == 1:
-            split_kv = {"n_splits": self.decode_splits,
-                        "scratch": Tensor("attn_scratch", (1,), "f32", self.attn_scratch)}
-        # decode: the mat-vecs of the types the device's kernel choice names a q8_1-x kernel for
-        # (Q4_0/Q4_1/Q8_0/Q4_K; Q6_K on CPU devices) read x as q8_1 (DecodeQ8)
-        from .ops.choose import kernels_for
-
-        q8 = DecodeQ8(g, kernels_for(self.device).vecq_decode() if T == 1 else {},
-                      lambda nbytes: V(self.xq_buf, 0, nbytes), fuse=fuse)
-        mul_mat = q8.mul_mat
-
-        x = act("x", hp.n_embd)
-        link_bytes = T * hp.n_embd * f32
-        if self.first:
-            g.add("get_rows", "embd", [W["token_embd.weight"], ids], x)
-        else:  # the previous GPU's hidden state, from the host pages both GPUs map
-            src = Tensor("link_in", (T, hp.n_embd), "f32", V(self.link_in, row0 * hp.n_embd * f32, link_bytes))
-            g.add("cpy", "link_in", [src], x)
-        for il in self.layers:
-            p = f"blk.{il}."
-            if il == self.layers.start or not fuse:
-                h = g.add("rms_norm", p + "attn_norm", [x, W[p + "attn_norm.weight"]], act("h", hp.n_embd),
-                          eps=hp.rms_norm_eps)
-            # (later layers: h came from the previous layer's fused residual add + norm)
-            q = mul_mat(p + "attn_q", W[p + "attn_q.weight"], h, act("q", hp.n_embd_q))
-            k = mul_mat(p + "attn_k", W[p + "attn_k.weight"], h, act("k", hp.n_embd_k_gqa))
-            v = mul_mat(p + "attn_v", W[p + "attn_v.weight"], h, act("v", hp.n_embd_v_gqa))
-            for t, nm in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")):
-                bias = W.get(p + nm + ".bias")
-                if bias is not None:
-                    g.add("add", p + nm + "_bias", [t, bias], t)
-            rope = {"n_dims": hp.n_rot, "freq_base": hp.rope_freq_base, "freq_scale": hp.rope_freq_scale,
-                    "mode": hp.rope_type, "head_dim": hp.head_dim}
-            # llama 3.x: per-pair frequency factors (each pair's angle divided by its factor),
-            # an extra input of every RoPE node, fused or not
-            ff = [W["rope_freqs.weight"]] if "rope_freqs.weight" in W else []
-            g.add("rope", p + "rope_q", [q, pos, *ff], q, n_heads=hp.n_head, **rope)
-            if not fuse:
-                g.add("rope", p + "rope_k", [k, pos, *ff], k, n_heads=hp.n_head_kv, **rope)
-            ck, cv = self.kv[il]
-            cache_k = Tensor(f"cache_k.{il}", (self.n_ctx, hp.n_embd_k_gqa), "f16", ck)
-            cache_v = Tensor(f"cache_v.{il}", (self.n_ctx, hp.n_embd_v_gqa), "f16", cv)
-            # K is roped on its way into the cache (one dispatch: RoPE of K + KV store)
-            g.add("kv_store", p + "kv_store", [k, v, pos, *(ff if fuse else [])], cache_k, cache_v=cache_v,
-                  n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, rope_k=rope if fuse else None)
-            a = g.add("attention", p + "attn", [q, cache_k, cache_v, pos], act("attn", hp.n_head * hp.head_dim_v),
-                      n_heads=hp.n_head, n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, n_ctx=self.n_ctx,
-                      **split_kv)
-            o = mul_mat(p + "attn_output", W[p + "attn_output.weight"], a, act("o", hp.n_embd))
-            o = self._reduce(g, p + "attn_output", o)
-            # residual add fused with the next norm: x += o; h = rms_norm(x) * w (x_out: x is
-            # written in place, which the executor's hazard analysis must see)
-            if fuse:
-                h = g.add("add_rms_norm", p + "ffn_norm", [x, o, W[p + "ffn_norm.weight"]], act("h", hp.n_embd),
-                          eps=hp.rms_norm_eps, x_out=x)
-            else:
-                g.add("add", p + "attn_residual", [x, o], x)
-                h = g.add("rms_norm", p + "ffn_norm", [x, W[p + "ffn_norm.weight"]], act("h", hp.n_embd),
-                          eps=hp.rms_norm_eps)
-            gate = mul_mat(p + "ffn_gate", W[p + "ffn_gate.weight"], h, act("gate", hp.n_ff))
-            up = mul_mat(p + "ffn_up", W[p + "ffn_up.weight"], h, act("up", hp.n_ff))
-            g.add("swiglu", p + "ffn_swiglu", [gate, up], gate)
-            o = mul_mat(p + "ffn_down", W[p + "ffn_down.weight"], gate, act("o", hp.n_embd))
-            o = self._reduce(g, p + "ffn_down", o)
-            if il + 1 < self.layers.stop and fuse:
-                nxt = f"blk.{il + 1}."
-                h = g.add("add_rms_norm", nxt + "attn_norm", [x, o, W[nxt + "attn_norm.weight"]],
-                          act("h", hp.n_embd), eps=hp.rms_norm_eps, x_out=x)
-            else:  # unfused, or the last residual (the output norm may take only the last row)
-                g.add("add", p + "ffn_residual", [x, o], x)
-        if not self.last:  # the hidden state goes on to the next GPU
-            dst = Tensor("link_out", (T, hp.n_embd), "f32", V(self.link_out, row0 * hp.n_embd * f32, link_bytes))
-            g.add("cpy", "link_out", [x], dst)
-            return g
-        if not self.makes_logits:
-            return g
-        rows = T if all_logits else 1
-        out0 = row0 if all_logits else 0  # one row: slot 0's, the last writer wins (steps run in order)
-        # Only the rows whose logits are wanted go through the final norm and projection.
-        xl = Tensor("x_out", (rows, hp.n_embd), "f32", V(A["x"], (T - rows) * hp.n_embd * f32,
-                                                              rows * hp.n_embd * f32))
-        hl = Tensor("h_out", (rows, hp.n_embd), "f32", V(A["h"], 0, rows * hp.n_embd * f32))
-        g.add("rms_norm", "output_norm", [xl, W["output_norm.weight"]], hl, eps=hp.rms_norm_eps)
-        out_w = W["output.weight"] if "output.weight" in W else W["token_embd.weight"]
-        logits = Tensor("logits", (rows, hp.n_vocab), "f32",
-                        V(self.logits_buf, out0 * hp.n_vocab * f32, rows * hp.n_vocab * f32))
-        mul_mat("output", out_w, hl, logits)
-        g.add("argmax", "argmax", [logits], Tensor("argmax", (rows,), "i32", V(self.argmax_buf, out0 * 4, rows * 4)))
-        return g
+        stage's: its layers, reading or writing the hidden state through its links): the
+        architecture's graph from :mod:`vkxsplit.archs`."""
+        return build_graph(self, T, all_logits, slot)
 
     # -- plans and steps ----------------------------------------------------------------------
 
@@ -710,7 +627,7 @@ class Model(LanguageModel):
         T = len(ids)
         if self.n_past + T > self.n_ctx:
             raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
-                           "use a shorter prompt or fewer tokens, or pass a larger n_ctx")
+                           "use a shorter prompt or fewer tokens, or a larger context: n_ctx= (load_model), -c (command line)")
         step = self._submit(ids, self.n_past, all_logits)
         step.wait()
         self.n_past += T
@@ -753,7 +670,7 @@ class Model(LanguageModel):
         self._io_views = None  # views of buffers freed below
         self._drop_executors()
         for be in self.backends.values():  # copies a backend made of weights the hub keeps private
-            if getattr(be, "private_weights", False) and be not in self._owned_backends:
+            if getattr(be, "private_weights", False) and be not in self._owned_backends and not be.closed:
                 for t in getattr(self, "weights", {}).values():
                     if not t.shared:
                         be.unload(t.buffer)
@@ -774,6 +691,8 @@ class Model(LanguageModel):
             self.device = None  # type: ignore[assignment]
         if getattr(self, "file", None) is not None:
             self.file.close()
+        if getattr(self, "_tokenizer", None) is not None:
+            self._tokenizer.close()  # (taken from the model: unusable with it, ClosedError)
 
 def _nonfinite_logits(model: LanguageModel) -> ModelError:
     where = getattr(model, "path", None)
@@ -783,28 +702,59 @@ def _nonfinite_logits(model: LanguageModel) -> ModelError:
 
 
 class Sampler:
-    """Greedy, temperature, top-k and top-p sampling on the host (numpy)."""
+    """Greedy, temperature, top-k, top-p, min-p sampling and the repeat penalty on the host (numpy).
 
-    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
+    Defaults: :mod:`vkxsplit.defaults` (shared with the command line). The repeat penalty is
+    llama.cpp's: each distinct token among the last ``repeat_last_n`` of ``history`` has its
+    logit divided by ``repeat_penalty`` where positive, multiplied where negative (also when
+    greedy). min-p keeps the tokens whose probability is at least ``min_p`` times the largest."""
+
+    def __init__(self, temperature: float = SAMPLING.temperature, top_k: int = SAMPLING.top_k,
+                 top_p: float = SAMPLING.top_p, seed: int | None = None, min_p: float = SAMPLING.min_p,
+                 repeat_penalty: float = SAMPLING.repeat_penalty, repeat_last_n: int = SAMPLING.repeat_last_n):
         def number(v: Any, integer: bool = False) -> bool:
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
                 return False
             return float(v) == int(v) if integer and math.isfinite(v) else math.isfinite(v)
 
         if not (number(temperature) and temperature >= 0 and number(top_p) and 0 < top_p <= 1
-                and number(top_k, integer=True) and top_k >= 0):
-            raise VkxError(f"bad sampling parameters: temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}",
+                and number(top_k, integer=True) and top_k >= 0 and number(min_p) and 0 <= min_p <= 1
+                and number(repeat_penalty) and repeat_penalty > 0
+                and number(repeat_last_n, integer=True) and repeat_last_n >= -1):
+            raise VkxError(f"bad sampling parameters: temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}, "
+                           f"min_p={min_p!r}, repeat_penalty={repeat_penalty!r}, repeat_last_n={repeat_last_n!r}",
                            "temperature: a finite number >= 0 (0 = greedy); top_k: a whole number >= 0 "
-                           "(0 = off); top_p: a number in (0, 1]")
+                           "(0 = off); top_p: a number in (0, 1]; min_p: a number in [0, 1] (0 = off); "
+                           "repeat_penalty: a number > 0 (1 = off); repeat_last_n: a whole number >= -1 "
+                           "(-1 = the whole history)")
         temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.min_p, self.repeat_penalty, self.repeat_last_n = float(min_p), float(repeat_penalty), int(repeat_last_n)
         self.rng = np.random.default_rng(seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def sample(self, logits: np.ndarray) -> int:
+    @property
+    def needs_logits(self) -> bool:
+        """False when the GPU argmax gives the token (greedy without a repeat penalty)."""
+        return not self.greedy or self.repeat_penalty != 1.0
+
+    def penalize(self, logits: np.ndarray, history: list[int] | None) -> np.ndarray:
+        """``logits`` with the repeat penalty applied over the recent ``history`` (a copy)."""
+        if self.repeat_penalty == 1.0 or not history or self.repeat_last_n == 0:
+            return logits
+        recent = history if self.repeat_last_n < 0 else history[-self.repeat_last_n:]
+        ids = np.unique(np.asarray(recent, np.int64))
+        ids = ids[(ids >= 0) & (ids < len(logits))]
+        out = logits.astype(np.float64)
+        v = out[ids]
+        out[ids] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
+        return out
+
+    def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+        logits = self.penalize(logits, history)
         if self.greedy:
             return int(np.argmax(logits))
         z = logits.astype(np.float64) / self.temperature
@@ -816,12 +766,38 @@ class Sampler:
         if self.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
             idx, p = idx[:keep], p[:keep] / p[:keep].sum()
+        if self.min_p > 0.0:
+            keep = max(1, int(np.count_nonzero(p >= self.min_p * p[0])))
+            idx, p = idx[:keep], p[:keep] / p[:keep].sum()
         return int(idx[self.rng.choice(len(idx), p=p)])
 
 
-def load_model(path: str | Path | None = None, split: Any = None, backends: Any = None, **kw: Any) -> Model:
-    """Load a GGUF model (default: SmolLM2-135M-Instruct Q4_1) onto the hub."""
+def load_model(path: str | Path | None = None, split: Any = None, backends: Any = None,
+               device: Device | None = None, **kw: Any) -> Model:
+    """Load a GGUF model (default: SmolLM2-135M-Instruct Q4_1) onto the hub.
+
+    Without ``split``, the split is :func:`vkxsplit.defaults.split_for_machine`'s, the same as the
+    command line's: ``auto`` over the given ``backends``; with neither, on a CPU hub (no GPU) the
+    cpu backend with ``mode:cpu`` when the hub is opened here (no ``device`` given), else ``none``."""
+    own = device is None and split is None and not backends
     try:
-        return Model(path, split=split, backends=backends, **kw)
+        if own:
+            device = Device.open()
+            choice = split_for_machine(None, None, device.is_cpu, path, device.name)
+            if choice.note:
+                log.info("%s", choice.note)
+            split, backends = choice.split, choice.backends
+        elif split is None and backends:
+            split = split_for_machine(None, backends, False).split
+        m = Model(path, split=split, backends=backends, device=device, **kw)
     except FileNotFoundError as exc:
+        if own and device is not None:
+            device.close()
         raise ModelError(f"model file not found: {path}") from exc
+    except BaseException:
+        if own and device is not None:
+            device.close()
+        raise
+    if own:
+        m.owns_device = True
+    return m

@@ -285,6 +285,9 @@ class PipelineModel(LanguageModel):
         return self._summed_stats(self.stages)
 
     def close(self) -> None:
+        # (idempotent, and every public method raises ClosedError afterwards: errors.Closable)
+        if getattr(self, "_tokenizer", None) is not None:
+            self._tokenizer.close()
         for r in self.relays:  # signals whatever is pending: no stage stays blocked on a link
             r.close()
         self.relays.clear()

@@ -1,168 +1,489 @@
-"""``vkxsplit run``, ``vkxsplit bench`` and ``vkxsplit plan``: the main jobs a user runs on a GGUF model."""
+"""``vkxsplit run``, ``vkxsplit bench`` and ``vkxsplit plan``: the main jobs a user runs on a GGUF model.
+
+The options follow llama.cpp's names (``common/arg.cpp``; ``llama-bench`` for ``bench``), with
+no prefix abbreviations (``-ngl`` is one option, never ``-n gl``). Every numeric option is
+checked when parsed, so a bad value is refused naming its flag. Defaults come from
+:mod:`vkxsplit.defaults`, shared with the Python API.
+"""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import inspect
+import io
 import json
+import logging
+import math
+import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from . import defaults, progress
+from .defaults import CPU_HUB_SPLIT  # noqa: F401  (re-exported names)
 from .errors import VkxError
 
+log = logging.getLogger("vkxsplit.runner")
 
-class Progress:
-    """A one-line progress bar on a terminal (silent when stderr is not a tty)."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.tty = sys.stderr.isatty()
-        self._last = 0.0
-
-    def __call__(self, done: float, total: float) -> None:
-        if not self.tty:
-            return
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac * 100:5.1f}%")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+# -- argument types: a bad value is argparse's "argument -c/--ctx-size: ..." naming the flag --
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def int_at_least(lo: int, what: str = "") -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} is below {lo}{what}")
+        return v
+
+    return parse
+
+
+def float_in(lo: float, hi: float = math.inf, lo_open: bool = False, what: str = "") -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
+            lo_s = f"({lo:g}" if lo_open else f"[{lo:g}"
+            hi_s = "inf)" if hi == math.inf else f"{hi:g}]"
+            raise argparse.ArgumentTypeError(f"{text} is not in {lo_s}, {hi_s}{what}")
+        return v
+
+    return parse
+
+
+def ratios(text: str) -> list[float]:
+    """llama.cpp's ``-ts 3,1`` (or ``3/1``): non-negative proportions, at least one positive."""
+    parts = [p.strip() for p in text.replace("/", ",").split(",")]
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of proportions like 3,1") from None
+    if any(not math.isfinite(v) or v < 0 for v in vals) or not any(vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: proportions are numbers >= 0, at least one above 0")
+    return vals
+
+
+def override(text: str) -> list[tuple[str, str]]:
+    """llama.cpp's ``-ot PATTERN=BACKEND[,PATTERN=BACKEND...]``."""
+    out = []
+    for item in (s.strip() for s in text.split(",")):
+        pat, eq, name = item.rpartition("=")
+        if not eq or not pat.strip() or not name.strip():
+            raise argparse.ArgumentTypeError(f"{item!r} is not PATTERN=BACKEND (e.g. 'ffn_.*=cpu')")
+        out.append((pat.strip(), name.strip().lower()))
+    return out
+
+
+def gpu_layers(text: str) -> int:
+    if text in ("all", "auto"):
+        return 1 << 30
+    return int_at_least(-1)(text)
+
+
+# -- the split from llama.cpp's -sm / -ts / -ot ---------------------------------------------
+
+
+def split_from_args(args: argparse.Namespace) -> str | None:
+    """``--split``, or the split spec llama.cpp's ``-sm/-ts/-ot`` describe (None: neither):
+    ``-ot PATTERN=BACKEND`` -> ``layer:PATTERN=BACKEND``; ``-ts R,R`` -> ``layer:R,R`` (``-sm
+    layer``, llama.cpp's default) or ``tensor:R,R`` (``-sm row``); ``-sm none`` -> ``none``.
+    Ratios: the hub first, then the backends in --backends order."""
+    ts = getattr(args, "tensor_split", None)
+    ot = [x for group in (getattr(args, "override_tensor", None) or []) for x in group]
+    sm = getattr(args, "split_mode", None)
+    if getattr(args, "devices", None):
+        return args.split
+    if args.split is not None and (ts or ot or sm):
+        raise VkxError("--split and -sm/-ts/-ot both describe the split", "give one of them")
+    if args.split is not None:
+        return str(args.split)
+    if sm == "none":
+        if ts or ot:
+            raise VkxError("-sm none keeps everything on the hub: it takes no -ts or -ot")
+        return "none"
+    if sm == "row":
+        if ot:
+            raise VkxError("-ot goes with -sm layer (whole tensors to a backend), not -sm row")
+        if not ts:
+            raise VkxError("-sm row without --devices splits matrix rows over the hub and the backends by -ts",
+                           "e.g. -sm row -ts 3,1 --backends cpu (or --devices 0,1 -sm row for two GPUs)")
+        return "tensor:" + ",".join(f"{r:g}" for r in ts)
+    items = [f"{pat}={name}" for pat, name in ot] + [f"{r:g}" for r in (ts or [])]
+    return "layer:" + ",".join(items) if items else None
+
+
+def backends_from_args(args: argparse.Namespace) -> str | None:
+    """``--backends``; without it, the backends ``-ot`` names (other than the hub)."""
+    if args.backends is not None:
+        return str(args.backends)
+    from .plan.spec import HUB_ALIASES
+
+    names: list[str] = []
+    for group in getattr(args, "override_tensor", None) or []:
+        for _, name in group:
+            if name not in HUB_ALIASES and name not in names:
+                names.append(name)
+    return ",".join(names) or None
+
+
+def _with_threads(backends: str | None, threads: int | None) -> Any:
+    """``--backends`` with ``-t N`` passed to each backend that takes a thread count."""
+    if threads is None or not backends:
+        return backends
+    from .backend import _REGISTRY, _resolve
+    from .plan.spec import parse_backends
+
+    out = []
+    for name, opts in parse_backends(backends):
+        e = _REGISTRY.get(name)
+        cls = None
+        if e is not None:
+            try:
+                cls = _resolve(e.target) if isinstance(e.target, str) else e.target
+            except Exception:  # noqa: BLE001  (an unavailable backend says so when created)
+                cls = None
+        params = inspect.signature(cls.__init__).parameters if cls is not None else {}
+        key = next((k for k in ("threads", "n_threads") if k in params), None)
+        if key and key not in opts:
+            opts = {**opts, key: threads}
+        elif name == "cpu" and key is None:
+            log.info("-t %d: the cpu backend here takes no thread count (numpy uses its own)", threads)
+        out.append((name, opts))
+    return out
+
+
+# -- options shared by run, bench and serve ---------------------------------------------------
+
+
+def add_model_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
+    from .plan.spec import SPLIT_HELP
+
     p.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: min(train, 4096))")
-    p.add_argument("-ub", "--ubatch", type=int, default=512, help="tokens per prefill step")
+    p.add_argument("-c", "--ctx-size", type=int_at_least(0), default=None,
+                   help="context size in tokens (default and 0: the model's, at most 4096)")
+    p.add_argument("-ub", "--ubatch-size", "--ubatch", dest="ubatch", type=int_at_least(1), default=defaults.UBATCH,
+                   help=f"tokens per prompt step (default {defaults.UBATCH})")
+    p.add_argument("-t", "--threads", type=int_at_least(1), default=None,
+                   help="threads of the cpu backend, where it takes a count")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=gpu_layers, default=None,
+                   metavar="N", help="accepted for llama.cpp's habits: the Vulkan hub always holds every layer "
+                   "(as llama.cpp's -ngl 99); work moves to the CPU or other backends with --backends "
+                   "and --split/-ot/-ts")
     p.add_argument("--device", default=None, help="hub device index or name part (VKXSPLIT_DEVICE)")
     p.add_argument("--devices", default=None,
                    help="split the layers over several GPUs, one hub each: comma-separated device indices "
                         "or name parts (e.g. 0,1); a pipeline, like llama.cpp's --split-mode layer")
-    p.add_argument("-sm", "--split-mode", default="layer", choices=("layer", "row"),
-                   help="with --devices: layer = a pipeline of whole layers per GPU; row = every matrix "
-                        "split by rows over two GPUs, an all-reduce after each attention and FFN "
-                        "(llama.cpp's --split-mode)")
+    p.add_argument("-sm", "--split-mode", default=None, choices=("none", "layer", "row"),
+                   help="llama.cpp's split mode: with --devices, layer = a pipeline of whole layers per GPU, "
+                        "row = every matrix split by rows over two GPUs; on one hub, with -ts: layer -> "
+                        "--split layer:R,.. and row -> --split tensor:R,..; none = everything on the hub")
+    p.add_argument("-ts", "--tensor-split", type=ratios, default=None, metavar="R,R,...",
+                   help="proportions of the work (llama.cpp's -ts): the hub first, then --backends in order; "
+                        "with --devices, the layers per device")
+    p.add_argument("-ot", "--override-tensor", type=override, action="append", default=None,
+                   metavar="PATTERN=BACKEND", help="tensors (node or weight names matching the regex) to a "
+                   "backend, first match wins (llama.cpp's -ot; = --split layer:PATTERN=BACKEND); repeatable")
     p.add_argument("--layer-split", default=None,
-                   help="with --devices: share of the layers per device (e.g. 3,1; default equal)")
-    p.add_argument("--micro-batches", type=int, default=None,
+                   help="with --devices: share of the layers per device (e.g. 3,1; default equal); = -ts")
+    p.add_argument("--micro-batches", type=int_at_least(1), default=None,
                    help="with --devices: pieces of a prompt step in flight on different GPUs at once "
                         "(default twice the devices, pieces of at least 32 tokens)")
-    from .plan.spec import SPLIT_HELP
-
-    p.add_argument("--split", default=None, help=SPLIT_HELP + "; `vkxsplit bench` sweeps several "
-                   "separated by ';' (e.g. 'none;tensor:1,1;mode:cpu>=8')")
+    p.add_argument("--split", default=None,
+                   help=SPLIT_HELP + ("; several separated by ';' are swept (e.g. 'none;tensor:1,1;mode:cpu>=8')"
+                                      if bench else "") + "; default: see the README's defaults table")
     p.add_argument("--backends", default=None,
                    help="comma-separated backends to attach, with options: cpu,npu-emu:min_batch=1 "
-                        "(`vkxsplit info` lists what this machine can run)")
+                        "(`vkxsplit info` lists what this machine can run); without --split the planner "
+                        "chooses over them (--split auto)")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="write the last step's Chrome trace-event JSON (open in https://ui.perfetto.dev)")
 
 
-#: the split `run` / `bench` take on a CPU hub when given neither --split nor --backends
-CPU_HUB_SPLIT = "mode:cpu"
-#: ... when the cpu backend's f32 weights take at most this share of the available memory
-CPU_HUB_MEMORY_SHARE = 0.5
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    s = defaults.SAMPLING
+    p.add_argument("--temp", type=float_in(0), default=s.temperature,
+                   help=f"temperature (default {s.temperature:g}: greedy)")
+    p.add_argument("--top-k", type=int_at_least(0), default=s.top_k, help=f"top-k (0 = off; default {s.top_k})")
+    p.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=s.top_p,
+                   help=f"top-p (1 = off; default {s.top_p:g})")
+    p.add_argument("--min-p", type=float_in(0, 1), default=s.min_p, help=f"min-p (0 = off; default {s.min_p:g})")
+    p.add_argument("--repeat-penalty", type=float_in(0, lo_open=True), default=s.repeat_penalty,
+                   help=f"penalty of repeated tokens (1 = off; default {s.repeat_penalty:g})")
+    p.add_argument("--repeat-last-n", type=int_at_least(-1), default=s.repeat_last_n,
+                   help=f"recent tokens the penalty looks at (-1 = all; default {s.repeat_last_n})")
+    p.add_argument("-s", "--seed", type=int_at_least(0), default=None, help="sampling seed (default: random)")
 
 
-def _cpu_backend_bytes(model: Any) -> int:
-    """Bytes of the f32 copies the cpu backend makes of the model's matrices (4 per element)."""
-    from .gguf_model import default_model_path
-    from .gguf_model import load_model as load_gguf
-
-    with load_gguf(model or default_model_path()) as mf:
-        return 4 * sum(t.n_elements for t in mf.tensors.values() if t.n_dims >= 2)
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
 
 
-def _available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+# -- loading --------------------------------------------------------------------------------
 
 
-def _load(args: argparse.Namespace) -> Any:
+def _note(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+#: loading prints its first progress line where stderr is not a terminal only after this long
+#: (a model usually loads well within it: `tools/run.sh | cat` shows only the answer and its timing)
+LOAD_DELAY_S = 60.0
+
+
+def load_from_args(args: argparse.Namespace) -> Any:
+    """The model as the options describe it; the split chosen by
+    :func:`vkxsplit.defaults.split_for_machine` where none is given (``args.split_used`` and
+    ``args.backends_used`` say what was taken)."""
     from .model import load_model
     from .vk.device import Device
 
-    if getattr(args, "devices", None):
-        if args.device is not None or args.backends or args.split not in (None, "none"):
-            raise VkxError("--devices puts one hub on each device: it does not take --device, --backends "
+    progress.enable()
+    devices = getattr(args, "devices", None)
+    if devices:
+        if args.device is not None or args.backends or args.split not in (None, "none") or \
+                getattr(args, "override_tensor", None):
+            raise VkxError("--devices puts one hub on each device: it does not take --device, --backends, -ot "
                            "or a --split other than none")
-        if getattr(args, "split_mode", "layer") == "row":
-            if args.layer_split is not None or args.micro_batches is not None:
-                raise VkxError("--layer-split and --micro-batches go with --split-mode layer")
-            from .tensor_split import TensorSplitModel
+        layer_split = args.layer_split
+        if args.tensor_split is not None:
+            if layer_split is not None:
+                raise VkxError("-ts and --layer-split both give the layers per device", "give one of them")
+            layer_split = ",".join(f"{r:g}" for r in args.tensor_split)
+        args.split_used, args.backends_used = None, None
+        with progress.task("loading", unit="B", delay=LOAD_DELAY_S) as bar:
+            if args.split_mode == "row":
+                if layer_split is not None or args.micro_batches is not None:
+                    raise VkxError("--layer-split/-ts and --micro-batches go with --split-mode layer")
+                from .tensor_split import TensorSplitModel
 
-            return TensorSplitModel(args.model, devices=args.devices, n_ctx=args.ctx_size, ubatch=args.ubatch,
-                                    progress=Progress("loading"))
-        from .pipeline import PipelineModel
+                return TensorSplitModel(args.model, devices=devices, n_ctx=args.ctx_size or None,
+                                        ubatch=args.ubatch, progress=bar.callback())
+            from .pipeline import PipelineModel
 
-        return PipelineModel(args.model, devices=args.devices, layer_split=args.layer_split, n_ctx=args.ctx_size,
-                             ubatch=args.ubatch, micro_batches=args.micro_batches, progress=Progress("loading"))
-    if getattr(args, "layer_split", None) is not None or getattr(args, "micro_batches", None) is not None:
+            return PipelineModel(args.model, devices=devices, layer_split=layer_split, n_ctx=args.ctx_size or None,
+                                 ubatch=args.ubatch, micro_batches=args.micro_batches, progress=bar.callback())
+    if args.layer_split is not None or args.micro_batches is not None:
         raise VkxError("--layer-split and --micro-batches go with --devices (a model split over several GPUs)")
-    if getattr(args, "split_mode", "layer") != "layer":
-        raise VkxError("--split-mode row goes with --devices (a model split over two GPUs)")
+    split = split_from_args(args)
+    backends = backends_from_args(args)
     dev = Device.open(args.device)
-    split, backends = args.split, args.backends
     try:
-        if split is None and backends is None and dev.is_cpu:
-            # No GPU: the hub is a CPU Vulkan driver (lavapipe), whose shaders run the matrix
-            # products far slower than the cpu backend's; what the planner picks there (`auto`:
-            # mode:cpu at T = 1 and 40 for SmolLM2, prompt 7.8 -> 245-260 tok/s, generation
-            # 11.4 -> 22.7-25.3 on 2 cores), without its first-run measurement. The cpu backend
-            # keeps an f32 copy of every matrix it multiplies: only where that fits in memory.
-            need, have = _cpu_backend_bytes(args.model), _available_memory()
-            if have is None or need <= CPU_HUB_MEMORY_SHARE * have:
-                split, backends = CPU_HUB_SPLIT, "cpu"
-                args.split, args.backends = split, backends  # (what `bench` reports)
-                print(f"vkxsplit: '{dev.name}' is a CPU device: the cpu backend takes the matrix products "
-                      f"(--split {CPU_HUB_SPLIT} --backends cpu; --split none keeps them on the hub)",
-                      file=sys.stderr)
-            else:
-                print(f"vkxsplit: '{dev.name}' is a CPU device, but the cpu backend's f32 copy of the weights "
-                      f"({need / 2**30:.1f} GiB) does not fit the available memory ({have / 2**30:.1f} GiB): "
-                      "the hub runs everything (give --split/--backends to choose)", file=sys.stderr)
-        model = load_model(args.model, split=split, backends=backends, device=dev, n_ctx=args.ctx_size,
-                           ubatch=args.ubatch, progress=Progress("loading"))
+        choice = defaults.split_for_machine(split, backends, dev.is_cpu, args.model, dev.name)
+        if choice.note and choice.warn:
+            _note(choice.note)
+        elif choice.note:
+            log.info("%s", choice.note)
+        args.split_used, args.backends_used = choice.split or "none", choice.backends
+        with progress.task("loading", unit="B", delay=LOAD_DELAY_S) as bar:
+            model = load_model(args.model, split=choice.split, backends=_with_threads(choice.backends, args.threads),
+                               device=dev, n_ctx=args.ctx_size or None, ubatch=args.ubatch,
+                               progress=bar.callback())
     except BaseException:
         dev.close()
         raise
     model.owns_device = True
+    ngl = getattr(args, "n_gpu_layers", None)
+    if ngl is not None and ngl < model.hp.n_layer:
+        _note(f"vkxsplit: -ngl {ngl}: the Vulkan hub holds all {model.hp.n_layer} layers whatever -ngl says; "
+              "to move work to the CPU give --backends cpu with --split, -ot or -ts")
     return model
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    model = _load(args)
+def _start_trace(model: Any, path: str | None) -> None:
+    if path and not hasattr(model, "set_trace"):
+        raise VkxError("--trace records one hub's steps: it does not go with --devices")
+    if path:
+        model.set_trace(True)
+
+
+def _write_trace(model: Any, path: str | None) -> None:
+    if not path:
+        return
+    if model.last_trace is None:
+        raise VkxError("--trace: no step ran, so there is nothing to write")
+    Path(path).write_text(json.dumps(model.last_trace))
+    _note(f"vkxsplit: trace of the last step written to {path} (open in https://ui.perfetto.dev)")
+
+
+# -- run ------------------------------------------------------------------------------------
+
+
+def _prompt_text(args: argparse.Namespace) -> str | None:
+    if args.file is not None:
+        if args.prompt is not None:
+            raise VkxError("-p and -f both give the prompt", "give one of them")
+        try:
+            return Path(args.file).read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise VkxError(f"-f {args.file}: cannot read it ({exc.strerror or exc})") from None
+    return args.prompt
+
+
+def timing_line(model: Any, split: str | None) -> str:
+    t = model.timings
+    pp = t["prompt_tokens"] / t["prompt_s"] if t.get("prompt_s") else 0.0
+    tg = t["gen_tokens"] / t["gen_s"] if t.get("gen_s") else 0.0
+    devs = ", ".join(d.name for d in getattr(model, "devices", [model.device]))
+    line = (f"prompt: {t['prompt_tokens']} tokens, {pp:.1f} tok/s | generation: {t['gen_tokens']} tokens, "
+            f"{tg:.1f} tok/s | device: {devs}")
+    if split:
+        line += f" | split: {split}"
+    if t.get("setup_s", 0.0) >= 0.5:
+        line += f" | planning: {t['setup_s']:.1f} s (not in the rates)"
+    return line
+
+
+def _end_message(model: Any, args: argparse.Namespace, chat: bool) -> str | None:
+    """Why generation stopped, where the user would otherwise be left guessing."""
+    t = model.timings
+    if t.get("stop") == "context":
+        return (f"vkxsplit: the context is full ({model.n_ctx} tokens): generation stopped; "
+                "a larger -c gives longer answers")
+    if t.get("stop") == "eos" and t.get("gen_tokens") == 0:
+        hint = (" (--no-chat sends the text as it is: an instruct model often ends at once; without "
+                "--no-chat it gets the chat template)" if not chat else "")
+        return f"vkxsplit: the model ended its answer at once (its end-of-generation token came first){hint}"
+    return None
+
+
+class _Interrupt:
+    """Ctrl-C while an answer is generated: stop that answer (not the program)."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._old: Any = None
+
+    def __enter__(self) -> _Interrupt:
+        self.hit = False
+        self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.hit = True
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._old)
+
+
+def _stream_answer(model: Any, ids: list[int], args: argparse.Namespace, out: Any,
+                   stop_on: _Interrupt | None = None) -> str:
+    """Generate from ``ids``, writing the pieces to ``out``; the whole text."""
+    parts = []
+    gen = model.tokenizer.decode_stream(model.generate_ids(ids, args.n_predict, **{
+        k: v for k, v in sampling_kwargs(args).items()}))
     try:
-        out = sys.stdout
-        if not args.chat:
-            out.write(args.prompt)
-        out.flush()
-        for piece in model.generate(args.prompt, args.n_predict, temperature=args.temp, seed=args.seed,
-                                    chat=args.chat, top_k=args.top_k, top_p=args.top_p):
+        for piece in gen:
             out.write(piece)
             out.flush()
+            parts.append(piece)
+            if stop_on is not None and stop_on.hit:
+                break
+    finally:
+        gen.close()
+    return "".join(parts)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    prompt = _prompt_text(args)
+    model = load_from_args(args)
+    try:
+        chat = defaults.chat_default(model.tokenizer) if args.chat is None else args.chat
+        _start_trace(model, args.trace)
+        if args.conversation:
+            return _conversation(model, args, prompt)
+        if prompt is None:
+            prompt = DEFAULT_PROMPT
+        ids = model.chat_ids(prompt, chat, args.system_prompt)
+        out = sys.stdout
+        if not chat:
+            out.write(((args.system_prompt + "\n\n") if args.system_prompt else "") + prompt)
+            out.flush()
+        _stream_answer(model, ids, args, out)
         out.write("\n")
-        t = model.timings
-        pp = t["prompt_tokens"] / t["prompt_s"] if t.get("prompt_s") else 0.0
-        tg = t["gen_tokens"] / t["gen_s"] if t.get("gen_s") else 0.0
-        devs = ", ".join(d.name for d in getattr(model, "devices", [model.device]))
-        print(f"\nprompt: {t['prompt_tokens']} tokens, {pp:.1f} tok/s | generation: {t['gen_tokens']} "
-              f"tokens, {tg:.1f} tok/s | device: {devs}", file=sys.stderr)
+        out.flush()
+        msg = _end_message(model, args, chat)
+        if msg:
+            _note(msg)
+        print("\n" + timing_line(model, args.split_used), file=sys.stderr)
+        _write_trace(model, args.trace)
     finally:
         model.close()
     return 0
+
+
+def _conversation(model: Any, args: argparse.Namespace, first: str | None) -> int:
+    """llama.cpp's -cnv: read a line, answer it with the whole history through the chat
+    template; /exit or end of input ends, /clear forgets the history, Ctrl-C stops the current
+    answer (and, at the prompt, ends)."""
+    tty = sys.stdin.isatty()
+    history: list[dict[str, str]] = []
+    if args.system_prompt:
+        history.append({"role": "system", "content": args.system_prompt})
+    base = len(history)
+    if tty:
+        _note("vkxsplit: chat with the model; /exit or Ctrl-D ends, /clear forgets the history, "
+              "Ctrl-C stops an answer")
+    pending = first
+    stop = _Interrupt()
+    while True:
+        if pending is None:
+            try:
+                line = input("> " if tty else "")
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                print(file=sys.stderr)
+                break
+        else:
+            line, pending = pending, None
+            if tty:
+                print(f"> {line}")
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/clear":
+            del history[base:]
+            continue
+        history.append({"role": "user", "content": text})
+        ids = model.tokenizer.encode_chat(history)
+        if len(ids) >= model.n_ctx:
+            history.pop()
+            _note(f"vkxsplit: the conversation ({len(ids)} tokens) no longer fits the context of {model.n_ctx} "
+                  "tokens: /clear forgets it, a larger -c holds more")
+            continue
+        with stop:
+            answer = _stream_answer(model, ids, args, sys.stdout, stop)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": answer})
+        if stop.hit:
+            _note("vkxsplit: answer interrupted")
+        msg = _end_message(model, args, True)
+        if msg:
+            _note(msg)
+        if args.verbose_timings:
+            _note(timing_line(model, args.split_used))
+    return 0
+
+
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+# -- bench (llama-bench) ----------------------------------------------------------------------
 
 
 #: seconds of warm-up runs before timing on a GPU: a short step (a 1B model's 512-token prefill
@@ -181,20 +502,25 @@ def _warm(model: Any, run: Any) -> None:
         run()
 
 
-def bench_model(model: Any, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> list[dict[str, Any]]:
-    """pp (prefill of n_prompt random ids) and tg (n_gen decode steps) tok/s over ``reps`` runs,
-    each after warm-up runs (at least one; on a GPU for WARMUP_S)."""
+def bench_model(model: Any, n_prompt: int, n_gen: int, reps: int, seed: int = 0,
+                bar: progress.Task | None = None) -> list[dict[str, Any]]:
+    """pp (prefill of n_prompt random ids) and tg (n_gen decode steps): seconds (``seconds``)
+    and tokens per second (``tps``) of each of ``reps`` runs, each after warm-up runs (at least one; on a GPU for WARMUP_S), which also
+    make the plans (and, with ``auto``, the first-run measurements) outside the timed runs."""
     rng = np.random.default_rng(seed)
     results = []
     if n_prompt:
         ids = rng.integers(0, model.hp.n_vocab, n_prompt).tolist()
         _warm(model, lambda: model.prefill(ids))
-        ts = []
+        secs = []
         for _ in range(reps):
             t0 = time.perf_counter()
             model.prefill(ids)
-            ts.append(n_prompt / (time.perf_counter() - t0))
-        results.append({"test": f"pp{n_prompt}", "tps": ts})
+            secs.append(time.perf_counter() - t0)
+            if bar is not None:
+                bar.update(1, f"pp{n_prompt}")
+        results.append({"test": f"pp{n_prompt}", "n_prompt": n_prompt, "n_gen": 0, "seconds": secs,
+                        "tps": [n_prompt / s for s in secs]})
     if n_gen:
         def gen() -> float:
             model.prefill([int(rng.integers(0, model.hp.n_vocab))])
@@ -203,84 +529,228 @@ def bench_model(model: Any, n_prompt: int, n_gen: int, reps: int, seed: int = 0)
             for _ in range(n_gen):
                 model.run_step([tok])
                 tok = model.last_argmax()
-            return n_gen / (time.perf_counter() - t0)
+            return time.perf_counter() - t0
 
         _warm(model, gen)
-        results.append({"test": f"tg{n_gen}", "tps": [gen() for _ in range(reps)]})
+        secs = []
+        for _ in range(reps):
+            secs.append(gen())
+            if bar is not None:
+                bar.update(1, f"tg{n_gen}")
+        results.append({"test": f"tg{n_gen}", "n_prompt": 0, "n_gen": n_gen, "seconds": secs,
+                        "tps": [n_gen / s for s in secs]})
     return results
+
+
+def _fmt_count(n: float) -> str:
+    """llama-bench's params column: 134.52 M, 1.24 B."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def _fmt_size(b: float) -> str:
+    """llama-bench's size column: MiB below a GiB, else GiB."""
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+
+def size_label(n_params: int) -> str:
+    """A parameter count as a model size label (135M, 1.2B, 8B), as ``general.size_label`` has it."""
+    if n_params >= 1e9:
+        v = n_params / 1e9
+        return f"{v:.1f}B".replace(".0B", "B") if v < 10 else f"{v:.0f}B"
+    return f"{n_params / 1e6:.0f}M"
+
+
+def model_desc(mf: Any) -> dict[str, Any]:
+    """llama-bench's model description of a file: ``arch size-label type`` (``llama 135M Q4_1``),
+    its parameter count and its weight bytes."""
+    from gguf.constants import GGMLQuantizationType, LlamaFileType
+
+    n_params = sum(t.n_elements for t in mf.tensors.values())
+    size = sum(t.nbytes for t in mf.tensors.values())
+    label = mf.metadata.get("general.size_label") or size_label(n_params)
+    ftype = mf.metadata.get("general.file_type")
+    try:
+        type_name = LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_") if ftype is not None else None
+    except (ValueError, TypeError):
+        type_name = None
+    if not type_name or type_name == "GUESSED":
+        mats = [t for t in mf.tensors.values() if t.n_dims >= 2]
+        counts: dict[str, int] = {}
+        for t in mats:
+            counts[GGMLQuantizationType(t.ggml_type).name] = counts.get(GGMLQuantizationType(t.ggml_type).name, 0) \
+                + t.n_elements
+        type_name = max(counts, key=lambda k: counts[k]) if counts else "?"
+    return {"model_type": f"{mf.architecture} {label} {type_name}", "model_n_params": n_params,
+            "model_size": size}
+
+
+BENCH_FIELDS = ("model", "size", "params", "backend", "split", "test", "t/s")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .plan.spec import parse_spec
 
-    splits = [s.strip() for s in (args.split or "none").split(";")]
-    for s in splits:
-        parse_spec(s)  # a typo in the third config fails before the first one runs
-    rows = []
+    out_fmt = "json" if args.json else args.output
     a = argparse.Namespace(**vars(args))
-    default = args.split is None and args.backends is None
-    a.split = None if default else splits[0]  # None: run's default (on a CPU hub: mode:cpu)
-    model = _load(a)  # loaded once: every split config runs over the same weights and backends
-    if default:
-        splits = [a.split or "none"]
-        args.backends = a.backends
+    given = split_from_args(a)
+    splits = [s.strip() for s in given.split(";")] if given and ";" in given else [given]
+    for s in splits:
+        if s is not None:
+            parse_spec(s)  # a typo in the third config fails before the first one runs
+    if args.profile is not None and args.devices:
+        raise VkxError("--profile profiles one hub's steps: it does not go with --devices",
+                       "profile one GPU's model (drop --devices)")
+    if not args.devices:  # the options are in the spec now
+        a.backends = backends_from_args(args)
+        a.split, a.tensor_split, a.override_tensor, a.split_mode = splits[0], None, None, None
+    model = load_from_args(a)  # loaded once: every split config runs over the same weights and backends
+    splits = [a.split_used if s is None else s for s in splits]
     multi = bool(getattr(args, "devices", None))
+    desc = model_desc(model.file)
+    backend = (f"vulkan x{len(model.devices)}" if multi else
+               "vulkan" + (f",{_backend_names(a.backends_used)}" if a.backends_used else ""))
+    rows = []
     try:
-        for split in splits:
-            model.set_split(split)
-            # one test at a time, so a pipeline's bytes crossed between GPUs per step are the test's own
-            tests = [(args.n_prompt, 0), (0, args.n_gen)] if multi else [(args.n_prompt, args.n_gen)]
-            for n_p, n_g in tests:
-                t0 = dict(getattr(model, "traffic", {}))
-                for r in bench_model(model, n_p, n_g, args.repetitions):
-                    tps = r["tps"]
-                    row = {
-                        "model": model.file.name, "size_gib": model.weight_bytes / 2**30,
-                        "backends": f"vulkan x{len(model.devices)}" if multi else
-                                    "vulkan" + (f",{args.backends}" if args.backends else ""),
-                        "split": model.split if multi else split, "test": r["test"],
-                        "tps_mean": statistics.fmean(tps), "tps_std": statistics.stdev(tps) if len(tps) > 1 else 0.0,
-                        "device": ", ".join(d.name for d in getattr(model, "devices", [model.device])),
-                    }
-                    if multi:
-                        t1 = model.traffic
-                        steps = t1["steps"] - t0.get("steps", 0)
-                        row["crossed_bytes_per_step"] = (t1["crossed_bytes"] - t0.get("crossed_bytes", 0)) / max(steps, 1)
-                    rows.append(row)
+        _start_trace(model, args.trace)
+        tests = [(args.n_prompt, 0), (0, args.n_gen)] if multi else [(args.n_prompt, args.n_gen)]
+        total = len(splits) * args.repetitions * sum((n_p > 0) + (n_g > 0) for n_p, n_g in tests)
+        with progress.task("bench", total, "runs") as bar:
+            for split in splits:
+                if not multi:
+                    model.set_split(split)
+                # one test at a time, so a pipeline's bytes crossed between GPUs per step are the test's own
+                for n_p, n_g in tests:
+                    t0 = dict(getattr(model, "traffic", {}))
+                    for r in bench_model(model, n_p, n_g, args.repetitions, bar=bar):
+                        tps = r["tps"]
+                        row = {
+                            "model": desc["model_type"], "model_filename": str(model.path if hasattr(model, "path")
+                                                                               else args.model),
+                            "model_type": desc["model_type"], "model_size": desc["model_size"],
+                            "model_n_params": desc["model_n_params"], "size_gib": desc["model_size"] / 2**30,
+                            "backends": backend, "split": model.split if multi else split, "test": r["test"],
+                            "n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "n_ubatch": args.ubatch,
+                            "avg_ns": int(statistics.fmean(r["seconds"]) * 1e9),
+                            "stddev_ns": int(statistics.stdev(r["seconds"]) * 1e9) if len(tps) > 1 else 0,
+                            "avg_ts": statistics.fmean(tps), "stddev_ts": statistics.stdev(tps) if len(tps) > 1 else 0.0,
+                            "samples_ns": [int(s * 1e9) for s in r["seconds"]], "samples_ts": tps,
+                            "device": ", ".join(d.name for d in getattr(model, "devices", [model.device])),
+                        }
+                        row["tps_mean"], row["tps_std"] = row["avg_ts"], row["stddev_ts"]
+                        if multi:
+                            t1 = model.traffic
+                            steps = t1["steps"] - t0.get("steps", 0)
+                            row["crossed_bytes_per_step"] = \
+                                (t1["crossed_bytes"] - t0.get("crossed_bytes", 0)) / max(steps, 1)
+                        rows.append(row)
+        _write_trace(model, args.trace)
+        prof_text = _bench_profile(model, args, rows) if args.profile is not None else None
     finally:
         model.close()
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    xcol = multi
-    print("| model | size | backends | split | test | t/s |" + (" between GPUs per step |" if xcol else ""))
-    print("| --- | ---: | --- | --- | ---: | ---: |" + (" ---: |" if xcol else ""))
-    for r in rows:
-        extra = f" {r['crossed_bytes_per_step'] / 1024:.1f} KiB |" if xcol else ""
-        print(f"| {r['model']} | {r['size_gib']:.2f} GiB | {r['backends']} | {r['split']} | {r['test']} | "
-              f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f} |" + extra)
+    print_bench(rows, out_fmt, multi)
+    if prof_text:
+        print(prof_text, file=sys.stdout if out_fmt == "md" else sys.stderr)
     return 0
+
+
+def _bench_profile(model: Any, args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    """``bench --profile``: after the measurement, ``--profile-steps`` profiled decode steps and
+    one profiled prefill step (:mod:`vkxsplit.profile_step`): per-op tables, the trace file."""
+    from . import profile_step
+
+    if hasattr(model, "set_trace"):
+        model.set_trace(False)  # the profile's own recordings; the --trace file is written
+    decode, prefill = profile_step.profile_model(model, args.profile_steps if args.n_gen else 0, args.n_prompt)
+    parts = []
+    if decode:
+        parts.append(profile_step.format_table("decode", decode, roles=True))
+        tg = [r for r in rows if r["n_gen"]]
+        if tg:
+            parts.append(f"unprofiled tg (bench above): {tg[-1]['avg_ns'] / 1000 / tg[-1]['n_gen']:.1f} us per token")
+    if prefill is not None:
+        parts.append(profile_step.format_table("prefill", [prefill]))
+    doc = profile_step.trace_json(decode, prefill)
+    doc["otherData"]["tables"] = {k: profile_step.op_table(v) for k, v in
+                                  (("decode", decode), ("prefill", [prefill] if prefill else [])) if v}
+    if decode:
+        doc["otherData"]["tables"]["decode_by_level"] = profile_step.op_table(decode, "role")
+    Path(args.profile).write_text(json.dumps(doc))
+    parts.append(f"vkxsplit: per-level trace written to {args.profile} (open in https://ui.perfetto.dev)")
+    return "\n\n".join(parts)
+
+
+def _backend_names(backends: Any) -> str:
+    from .plan.spec import parse_backends
+
+    return ",".join(b[0] if isinstance(b, tuple) else getattr(b, "name", str(b)) for b in parse_backends(backends))
+
+
+def bench_cells(r: dict[str, Any]) -> list[str]:
+    return [r["model"], _fmt_size(r["model_size"]), _fmt_count(r["model_n_params"]), r["backends"], str(r["split"]),
+            r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"]
+
+
+def print_bench(rows: list[dict[str, Any]], fmt: str, multi: bool = False, out: Any = None) -> None:
+    """llama-bench's outputs: md (a table), json (one array), jsonl (a row a line), csv."""
+    out = out or sys.stdout
+    if fmt == "json":
+        print(json.dumps(rows, indent=1), file=out)
+        return
+    if fmt == "jsonl":
+        for r in rows:
+            print(json.dumps(r), file=out)
+        return
+    if fmt == "csv":
+        keys = [k for k in rows[0] if not isinstance(rows[0][k], list)] + ["samples_ns", "samples_ts"] if rows else []
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: " ".join(map(str, r[k])) if isinstance(r.get(k), list) else r.get(k) for k in keys})
+        out.write(buf.getvalue())
+        return
+    head = list(BENCH_FIELDS) + (["between GPUs per step"] if multi else [])
+    right = {"size", "params", "test", "t/s", "between GPUs per step"}
+    cells = [bench_cells(r) + ([f"{r['crossed_bytes_per_step'] / 1024:.1f} KiB"] if multi else []) for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(head)]
+
+    def line(vals: list[str]) -> str:
+        return "| " + " | ".join(v.rjust(w) if h in right else v.ljust(w)
+                                 for v, w, h in zip(vals, widths, head)) + " |"
+
+    print(line(head), file=out)
+    print("| " + " | ".join(("-" * (w - 1) + ":") if h in right else "-" * w
+                            for w, h in zip(widths, head)) + " |", file=out)
+    for c in cells:
+        print(line(c), file=out)
+
+
+# -- plan -----------------------------------------------------------------------------------
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``vkxsplit plan``: the plan of each ``-t`` batch size (who runs which ops and rows, the
     conversions, the timeline) with its predicted step time, measuring what the device
-    profile lacks; ``--trace FILE``: one traced step of the largest."""
+    profile lacks; ``--trace FILE``: one traced step of the largest. ``-ts``/``-ot``/``-sm`` are
+    shown as the split spec they map to."""
     from .model import load_model
     from .vk.device import Device
 
+    progress.enable()
     try:
         Ts = sorted({int(t) for t in str(args.tokens).split(",") if t.strip()})
     except ValueError:
-        raise VkxError(f"-t wants token counts like 1 or 1,512, got {args.tokens!r}") from None
+        raise VkxError(f"--tokens wants token counts like 1 or 1,512, got {args.tokens!r}") from None
     if not Ts or min(Ts) < 1:
-        raise VkxError("-t wants positive token counts")
+        raise VkxError("--tokens wants positive token counts")
+    backends = backends_from_args(args)
+    # as run's: --backends without a split lets the planner choose over them
+    split = split_from_args(args) or defaults.split_for_machine(None, backends, False).split or "none"
     dev = Device.open(args.device) if args.device is not None else None
     ub = max(Ts)
     n_ctx = args.ctx_size or max(ub + 1, 256)
     try:
-        model = load_model(args.model, split=args.split, backends=args.backends, device=dev, n_ctx=n_ctx,
-                           ubatch=ub)
+        model = load_model(args.model, split=split, backends=backends, device=dev, n_ctx=n_ctx, ubatch=ub)
     except BaseException:
         if dev is not None:
             dev.close()
@@ -298,10 +768,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"trace of one step (T={Ts[-1]}) written to {args.trace} (open in https://ui.perfetto.dev)",
                   file=sys.stderr)
         if args.json:
-            print(json.dumps({"model": model.file.name, "device": model.device.name,
+            print(json.dumps({"model": model.file.name, "device": model.device.name, "split": str(model.split),
                               "backends": list(model.backends), "profile": str(model.cost.profile.path),
                               "plans": [p.to_dict() for p in plans]}, indent=1))
         else:
+            print(f"split: {model.split}")
             for p in plans:
                 print(p.describe(points=args.verbose_points))
                 print()
@@ -314,46 +785,66 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _register_plan(sub: Any) -> None:
     from .plan.spec import SPLIT_HELP
 
-    p = sub.add_parser("plan", help="show which backend runs which ops (and rows) and the predicted time")
+    p = sub.add_parser("plan", allow_abbrev=False,
+                       help="show which backend runs which ops (and rows) and the predicted time")
     p.add_argument("-m", "--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--split", default="none", help=SPLIT_HELP)
+    p.add_argument("--split", default=None, help=SPLIT_HELP + " (default: none; auto with --backends)")
+    p.add_argument("-sm", "--split-mode", default=None, choices=("none", "layer", "row"),
+                   help="with -ts: layer -> --split layer:R,.., row -> --split tensor:R,..")
+    p.add_argument("-ts", "--tensor-split", type=ratios, default=None, metavar="R,R,...",
+                   help="proportions: the hub first, then --backends in order (llama.cpp's -ts)")
+    p.add_argument("-ot", "--override-tensor", type=override, action="append", default=None,
+                   metavar="PATTERN=BACKEND", help="tensors matching the regex to a backend (llama.cpp's -ot)")
     p.add_argument("--backends", default=None,
                    help="comma-separated backends to attach, with options: cpu,npu-emu:min_batch=1")
-    p.add_argument("-t", "--tokens", default="1", help="batch size(s) T to plan for, e.g. 1,512 (default 1)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default: max(T + 1, 256))")
+    p.add_argument("-t", "-T", "--tokens", dest="tokens", default="1", help="batch size(s) T to plan for, e.g. 1,512 (default 1)")
+    p.add_argument("-c", "--ctx-size", type=int_at_least(0), default=None,
+                   help="context size (default: max(T + 1, 256))")
     p.add_argument("--device", default=None, help="hub device index or name part (VKXSPLIT_DEVICE)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--points", dest="verbose_points", action="store_true",
                    help="list every timeline point (hub segments and backend jobs)")
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="also run one step of the largest T and write its Chrome trace-event JSON")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, devices=None, split_used=None)
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("run", help="generate text with a GGUF model (default: SmolLM2-135M-Instruct)")
-    _add_model_args(p)
-    p.add_argument("-p", "--prompt", default="Explain in two sentences why the sky is blue.",
-                   help="prompt text")
-    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
-    p.add_argument("--top-k", type=int, default=40, help="top-k (0 = off)")
-    p.add_argument("--top-p", type=float, default=0.95, help="top-p")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p = sub.add_parser("run", allow_abbrev=False,
+                       help="generate text with a GGUF model (default: SmolLM2-135M-Instruct)")
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("-f", "--file", default=None, help="read the prompt from this file")
+    p.add_argument("-sys", "--system-prompt", default=None, help="a system message before the prompt")
+    p.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int_at_least(-1),
+                   default=defaults.N_PREDICT,
+                   help=f"tokens to generate (default {defaults.N_PREDICT}: until the end of generation or "
+                        "a full context)")
+    add_sampling_args(p)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                   help="wrap the prompt in the model's chat template (default: on when the model has one)")
-    p.set_defaults(func=_run_entry)
-    b = sub.add_parser("bench", help="llama-bench-style prompt (pp) and generation (tg) throughput")
-    _add_model_args(b)
-    b.add_argument("-p", "--n-prompt", type=int, default=512)
-    b.add_argument("-n", "--n-gen", type=int, default=128)
-    b.add_argument("-r", "--repetitions", type=int, default=3)
-    b.add_argument("--json", action="store_true")
+                   help="wrap the prompt in the model's chat template (default: on exactly when the file has one)")
+    p.add_argument("-cnv", "--conversation", action="store_true", default=False,
+                   help="chat interactively: a line in, an answer out, with the history; /exit or end of "
+                        "input ends, Ctrl-C stops the current answer")
+    p.add_argument("-no-cnv", "--no-conversation", dest="conversation", action="store_false",
+                   help="one prompt, one answer (the default)")
+    p.add_argument("--timings", dest="verbose_timings", action="store_true",
+                   help="with -cnv: print each answer's timing line")
+    p.set_defaults(func=cmd_run)
+    b = sub.add_parser("bench", allow_abbrev=False,
+                       help="prompt (pp) and generation (tg) throughput, as llama-bench")
+    add_model_args(b, bench=True)
+    b.add_argument("-p", "--n-prompt", type=int_at_least(0), default=512, help="prompt tokens (default 512)")
+    b.add_argument("-n", "--n-gen", type=int_at_least(0), default=128, help="generated tokens (default 128)")
+    b.add_argument("-r", "--repetitions", type=int_at_least(1), default=3, help="runs of each test (default 3)")
+    b.add_argument("-o", "--output", choices=("md", "json", "jsonl", "csv"), default="md",
+                   help="output format (default md)")
+    b.add_argument("--json", action="store_true", help="= -o json")
+    b.add_argument("--profile", metavar="FILE.json", nargs="?", const="vkxsplit-profile.json", default=None,
+                   help="after the measurement, profile decode and prefill steps per dispatch level (GPU "
+                        "timestamps): print a table by op and write a Perfetto trace (default "
+                        "vkxsplit-profile.json)")
+    b.add_argument("--profile-steps", type=int_at_least(1), default=16,
+                   help="profiled decode steps with --profile (default 16)")
     b.set_defaults(func=cmd_bench)
     _register_plan(sub)
-
-
-def _run_entry(args: argparse.Namespace) -> int:
-    if args.chat is None:
-        args.chat = True  # the default model is an instruct model; --no-chat for raw completion
-    return cmd_run(args)

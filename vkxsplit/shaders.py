@@ -262,8 +262,12 @@ def _build_locked(variants: dict[str, Variant], out_dir: Path, src_dir: Path, on
 
     if todo:
         log(f"building {len(todo)} of {len(variants)} shader variants into {out_dir}")
-        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as ex:
-            list(ex.map(work, todo))
+        from . import progress
+
+        with progress.task("building shaders", len(todo), "variants") as bar, \
+                ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as ex:
+            for _ in ex.map(work, todo):
+                bar.update(1)
         for v in todo:
             entries[v.name]["spv_sha256"] = hashlib.sha256((out_dir / f"{v.name}.spv").read_bytes()).hexdigest()
     for name in entries:

@@ -11,7 +11,8 @@ tokens and synthetic merges up to ``n_vocab``) and a ChatML chat template, so it
 :mod:`vkxsplit.gguf_model` and :mod:`vkxsplit.tokenizer` like a real model.
 
 Row lengths that are not a multiple of 256 cannot hold K-quant blocks; like llama.cpp's
-quantizer, such tensors fall back to Q5_0 (for Q4_K), Q5_1 (for Q5_K) or Q8_0 (for Q6_K).
+quantizer, such tensors fall back to Q5_0 (for Q4_K), Q5_1 (for Q5_K), Q8_0 (for Q6_K) or
+IQ4_NL (for Q2_K, Q3_K and IQ4_XS).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 
 from .tokenizer import CHATML_TEMPLATE, TOKEN_CONTROL, TOKEN_NORMAL, bytes_to_unicode
 
-__all__ = ["QTYPES", "SHAPES", "WEIGHT_STD", "SynthShape", "llama3_rope_freqs", "synthetic_tensor_types",
+__all__ = ["MIXES", "QTYPES", "SHAPES", "WEIGHT_STD", "SynthShape", "llama3_rope_freqs", "synthetic_tensor_types",
            "write_synthetic"]
 
 Q = GGMLQuantizationType
@@ -51,6 +52,20 @@ class SynthShape:
     n_ctx: int = 4096
     rope_freq_base: float = 10000.0
     rms_norm_eps: float = 1e-5
+    #: general.architecture: "llama", or "qwen3moe" (per-head Q/K norms, experts in every layer)
+    arch: str = "llama"
+    #: per-head size (0: n_embd // n_head)
+    head_dim: int = 0
+    #: mixture of experts (vkxsplit/moe.py): experts, experts per token, each one's FFN width
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    #: sliding window of the SWA layers (gemma3: every 6th layer global)
+    n_swa: int = 0
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
 
 SHAPES: dict[str, SynthShape] = {
@@ -59,6 +74,27 @@ SHAPES: dict[str, SynthShape] = {
     "llama8b": SynthShape(4096, 32, 32, 8, 14336, 32000, tied=False, n_ctx=8192, rope_freq_base=500000.0),
     # small, with heads and FFN width that split over two GPUs (tests of the tensor split)
     "tiny": SynthShape(256, 4, 4, 2, 1024, 512, tied=False),
+    # Qwen3-30B-A3B's shape (128 experts, 8 per token), and a tiny one for tests
+    "qwen3moe30b": SynthShape(2048, 48, 32, 4, 6144, 151936, tied=False, n_ctx=40960, rope_freq_base=1000000.0,
+                              rms_norm_eps=1e-6, arch="qwen3moe", head_dim=128, n_expert=128, n_expert_used=8,
+                              n_ff_exp=768),
+    "qwen3moe_tiny": SynthShape(256, 2, 4, 2, 512, 512, tied=False, rms_norm_eps=1e-6, arch="qwen3moe",
+                                head_dim=64, n_expert=8, n_expert_used=2, n_ff_exp=256),
+    # dense shapes of the other architectures (vkxsplit.archs): Qwen3-8B (per-head Q/K norms,
+    # n_head * head_dim = n_embd here), Gemma 3 1B (head_dim 256, one KV head, post-norms, GeGLU,
+    # a 512-token window on 5 layers of 6, tied output)
+    "qwen3_8b": SynthShape(4096, 36, 32, 8, 12288, 151936, tied=False, n_ctx=40960, rope_freq_base=1000000.0,
+                           rms_norm_eps=1e-6, arch="qwen3", head_dim=128),
+    "gemma3_1b": SynthShape(1152, 26, 4, 1, 6912, 262144, tied=True, n_ctx=32768, rope_freq_base=1000000.0,
+                            rms_norm_eps=1e-6, arch="gemma3", head_dim=256, n_swa=512),
+}
+
+#: Weight-type mixes (``--type``): a base type and the types of some tensors (by the name after
+#: ``blk.N.``, or ``output``). ``q4_k_m`` approximates llama.cpp's Q4_K_M: Q4_K everywhere, Q6_K
+#: for attn_v, ffn_down and the output projection (token_embd when the output is tied; llama.cpp
+#: gives attn_v / ffn_down Q6_K only in some layers).
+MIXES: dict[str, tuple[str, dict[str, str]]] = {
+    "q4_k_m": ("q4_k", {"attn_v": "q6_k", "ffn_down": "q6_k", "output": "q6_k"}),
 }
 
 QTYPES: dict[str, GGMLQuantizationType] = {
@@ -73,6 +109,10 @@ QTYPES: dict[str, GGMLQuantizationType] = {
     "q4_k": Q.Q4_K,
     "q5_k": Q.Q5_K,
     "q6_k": Q.Q6_K,
+    "q2_k": Q.Q2_K,
+    "q3_k": Q.Q3_K,
+    "iq4_nl": Q.IQ4_NL,
+    "iq4_xs": Q.IQ4_XS,
 }
 
 _FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
@@ -87,10 +127,15 @@ _FILE_TYPES: dict[GGMLQuantizationType, LlamaFileType] = {
     Q.Q4_K: LlamaFileType.MOSTLY_Q4_K_M,
     Q.Q5_K: LlamaFileType.MOSTLY_Q5_K_M,
     Q.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    Q.Q2_K: LlamaFileType.MOSTLY_Q2_K,
+    Q.Q3_K: LlamaFileType.MOSTLY_Q3_K_M,
+    Q.IQ4_NL: LlamaFileType.MOSTLY_IQ4_NL,
+    Q.IQ4_XS: LlamaFileType.MOSTLY_IQ4_XS,
 }
 
 #: what a K-quant becomes for rows that are not a multiple of 256 (llama.cpp's fallback)
-_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.IQ4_NL, Q.Q3_K: Q.IQ4_NL,
+               Q.IQ4_XS: Q.IQ4_NL}
 
 
 def _matrix_type(qtype: GGMLQuantizationType, ne0: int) -> GGMLQuantizationType:
@@ -213,6 +258,52 @@ def _blocks_q6_k(rnd: _Rand, n: int) -> np.ndarray:
     return b
 
 
+def _blocks_q2_k(rnd: _Rand, n: int) -> np.ndarray:
+    # scales[16] (scale | min << 4) qs[64] d dmin; value = d * sc * q - dmin * m, q in 0..3
+    # (mean 1.5); m ~ sc * 1.5 * d / dmin centres it
+    b = rnd.bytes(n * 84).reshape(n, 84)
+    d = rnd.scales(n, WEIGHT_STD / (_SC_RMS * _uniform_std(4)))
+    _put_f16(b, 80, d)
+    _put_f16(b, 82, 2.0 * d.astype(np.float32))
+    sc = rnd.ints(_SC_LO, _SC_HI, (n, 16))
+    b[:, 0:16] = sc | (np.clip(np.rint(sc * 0.75), 0, 15).astype(np.uint8) << 4)
+    return b
+
+
+def _blocks_q3_k(rnd: _Rand, n: int) -> np.ndarray:
+    # hmask[32] qs[64] scales[12] d; value = d * (s - 32) * (q - 4), q in 0..7; the 6-bit
+    # scales s = 32 + sc packed as ggml does (low nibbles in bytes 0-7, high 2 bits in 8-11)
+    b = rnd.bytes(n * 110).reshape(n, 110)
+    s = rnd.ints(_SC_LO, _SC_HI, (n, 16)) + np.uint8(32)
+    lo, hi = s & 15, s >> 4
+    b[:, 96:104] = lo[:, 0:8] | (lo[:, 8:16] << 4)
+    b[:, 104:108] = hi[:, 0:4] | (hi[:, 4:8] << 2) | (hi[:, 8:12] << 4) | (hi[:, 12:16] << 6)
+    _put_f16(b, 108, rnd.scales(n, WEIGHT_STD / (_SC_RMS * _uniform_std(8))))
+    return b
+
+
+# kvalues_iq4nl, the levels IQ4_NL / IQ4_XS codes stand for, and their root mean square
+_IQ4_RMS = float(np.sqrt(np.mean(np.array([-127, -104, -83, -65, -49, -35, -22, -10,
+                                           1, 13, 25, 38, 53, 69, 89, 113], np.float64) ** 2)))
+
+
+def _blocks_iq4_nl(rnd: _Rand, n: int) -> np.ndarray:
+    b = rnd.bytes(n * 18).reshape(n, 18)
+    _put_f16(b, 0, rnd.scales(n, WEIGHT_STD / _IQ4_RMS))
+    return b
+
+
+def _blocks_iq4_xs(rnd: _Rand, n: int) -> np.ndarray:
+    # d scales_h scales_l[4] qs[128]; value = d * (ls - 32) * level with ls = 32 + sc: the high
+    # 2 bits of every ls are 0b10 (sc < 16), the low nibbles sc
+    b = rnd.bytes(n * 136).reshape(n, 136)
+    _put_f16(b, 0, rnd.scales(n, WEIGHT_STD / (_SC_RMS * _IQ4_RMS)))
+    b[:, 2:4] = 0xAA
+    sc = rnd.ints(_SC_LO, _SC_HI, (n, 8))
+    b[:, 4:8] = sc[:, 0::2] | (sc[:, 1::2] << 4)
+    return b
+
+
 def _uniform_floats(rnd: _Rand, n: int) -> np.ndarray:
     """``n`` float32 uniform in +-sqrt(3)*WEIGHT_STD (std WEIGHT_STD), from random int16s."""
     ints = rnd.bytes(2 * n).view(np.int16)
@@ -244,6 +335,10 @@ _BLOCKS: dict[GGMLQuantizationType, Callable[[_Rand, int], np.ndarray]] = {
     Q.Q4_K: _blocks_q4_k,
     Q.Q5_K: _blocks_q5_k,
     Q.Q6_K: _blocks_q6_k,
+    Q.Q2_K: _blocks_q2_k,
+    Q.Q3_K: _blocks_q3_k,
+    Q.IQ4_NL: _blocks_iq4_nl,
+    Q.IQ4_XS: _blocks_iq4_xs,
 }
 
 
@@ -292,7 +387,7 @@ def synthetic_tensor_types(
     shape: str, qtype: str, n_layer: int | None = None
 ) -> dict[str, GGMLQuantizationType]:
     """The tensor names and ggml types :func:`write_synthetic` writes (after K-quant fallback)."""
-    return {name: t for name, t, _ in _plan(_shape(shape, None, n_layer), _qtype(qtype))}
+    return {name: t for name, t, _ in _plan(_shape(shape, None, n_layer), _qtype(qtype), _mix(qtype))}
 
 
 def _shape(shape: str, n_vocab: int | None, n_layer: int | None) -> SynthShape:
@@ -309,20 +404,34 @@ def _shape(shape: str, n_vocab: int | None, n_layer: int | None) -> SynthShape:
     return s
 
 
+def _mix(qtype: str) -> dict[str, GGMLQuantizationType]:
+    """The per-tensor types of a mix (:data:`MIXES`), {} for a plain type."""
+    mix = MIXES.get(qtype.lower())
+    return {} if mix is None else {k: QTYPES[v] for k, v in mix[1].items()}
+
+
 def _qtype(qtype: str) -> GGMLQuantizationType:
+    """The base type of ``qtype`` (a type of :data:`QTYPES` or a mix of :data:`MIXES`)."""
+    qtype = MIXES[qtype.lower()][0] if qtype.lower() in MIXES else qtype
     try:
         return QTYPES[qtype.lower()]
     except KeyError:
         raise ValueError(f"unknown weight type {qtype!r} (choose from {', '.join(QTYPES)})") from None
 
 
-def _plan(s: SynthShape, qt: GGMLQuantizationType) -> list[tuple[str, GGMLQuantizationType, tuple[int, ...]]]:
-    """(name, type, ggml ne) of every tensor in file order."""
-    e, hd = s.n_embd, s.n_embd // s.n_head
+def _plan(s: SynthShape, qt: GGMLQuantizationType, mix: dict[str, GGMLQuantizationType] | None = None,
+          ) -> list[tuple[str, GGMLQuantizationType, tuple[int, ...]]]:
+    """(name, type, ggml ne) of every tensor in file order (``mix``: types by short name)."""
+    e, hd = s.n_embd, s.hd
     kv = s.n_head_kv * hd
+    q = s.n_head * hd
+    mix = mix or {}
 
-    def mat(name: str, ne0: int, ne1: int) -> tuple[str, GGMLQuantizationType, tuple[int, ...]]:
-        return (name, _matrix_type(qt, ne0), (ne0, ne1))
+    def mat(name: str, ne0: int, ne1: int, *more: int) -> tuple[str, GGMLQuantizationType, tuple[int, ...]]:
+        short = name.split(".")[-2]
+        if name == "token_embd.weight" and s.tied:
+            short = "output"  # (the tied embedding is the output projection too)
+        return (name, _matrix_type(mix.get(short, qt), ne0), (ne0, ne1, *more))
 
     plan = [mat("token_embd.weight", e, s.n_vocab), ("output_norm.weight", Q.F32, (e,))]
     if not s.tied:
@@ -331,15 +440,23 @@ def _plan(s: SynthShape, qt: GGMLQuantizationType) -> list[tuple[str, GGMLQuanti
         p = f"blk.{i}."
         plan += [
             (p + "attn_norm.weight", Q.F32, (e,)),
-            mat(p + "attn_q.weight", e, e),
+            mat(p + "attn_q.weight", e, q),
             mat(p + "attn_k.weight", e, kv),
             mat(p + "attn_v.weight", e, kv),
-            mat(p + "attn_output.weight", e, e),
-            (p + "ffn_norm.weight", Q.F32, (e,)),
-            mat(p + "ffn_gate.weight", e, s.n_ff),
-            mat(p + "ffn_up.weight", e, s.n_ff),
-            mat(p + "ffn_down.weight", s.n_ff, e),
+            mat(p + "attn_output.weight", q, e),
         ]
+        if s.arch in ("qwen3moe", "qwen3", "gemma3"):
+            plan += [(p + "attn_q_norm.weight", Q.F32, (hd,)), (p + "attn_k_norm.weight", Q.F32, (hd,))]
+        plan.append((p + "ffn_norm.weight", Q.F32, (e,)))
+        if s.arch == "gemma3":
+            plan += [(p + "post_attention_norm.weight", Q.F32, (e,)), (p + "post_ffw_norm.weight", Q.F32, (e,))]
+        if s.n_expert:  # the router (F32, as llama.cpp's converter keeps it) and the 3-D experts
+            E, F = s.n_expert, s.n_ff_exp
+            plan += [(p + "ffn_gate_inp.weight", Q.F32, (e, E)), mat(p + "ffn_gate_exps.weight", e, F, E),
+                     mat(p + "ffn_up_exps.weight", e, F, E), mat(p + "ffn_down_exps.weight", F, e, E)]
+        else:
+            plan += [mat(p + "ffn_gate.weight", e, s.n_ff), mat(p + "ffn_up.weight", e, s.n_ff),
+                     mat(p + "ffn_down.weight", s.n_ff, e)]
     return plan
 
 
@@ -379,8 +496,8 @@ def write_synthetic(
     s = _shape(shape, n_vocab, n_layer)
     qt = _qtype(qtype)
     path = Path(path)
-    plan = _plan(s, qt)
-    hd = s.n_embd // s.n_head
+    plan = _plan(s, qt, _mix(qtype))
+    hd = s.hd
     ff: np.ndarray | None = None
     if rope_freqs is True:
         ff = llama3_rope_freqs(hd, s.rope_freq_base)
@@ -392,7 +509,7 @@ def write_synthetic(
         plan.insert(0, ("rope_freqs.weight", Q.F32, (hd // 2,)))
     tokens, types, merges = _synthetic_vocab(s.n_vocab, seed)
 
-    w = GGUFWriter(path, "llama")
+    w = GGUFWriter(path, s.arch)
     w.add_name(f"vkxsplit synthetic {shape} {qtype.lower()}")
     w.add_string("general.type", "model")
     w.add_bool("vkxsplit.synthetic", True)
@@ -406,9 +523,18 @@ def write_synthetic(
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
     w.add_head_count_kv(s.n_head_kv)
-    w.add_rope_dimension_count(s.n_embd // s.n_head)
+    w.add_rope_dimension_count(hd)
+    if s.head_dim:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    if s.n_expert:
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        w.add_expert_feed_forward_length(s.n_ff_exp)
     w.add_rope_freq_base(s.rope_freq_base)
     w.add_layer_norm_rms_eps(s.rms_norm_eps)
+    if s.n_swa:
+        w.add_sliding_window(s.n_swa)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")  # the name llama.cpp knows for plain GPT-2 splitting
     w.add_token_list(tokens)
@@ -481,7 +607,9 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("synth", help="write a llama-shaped GGUF with random weights (for benchmarks)")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))
-    p.add_argument("--type", default="q4_0", help="weight type (q4_0, q4_1, q8_0, q4_k, q6_k, f16, bf16, ...)")
+    p.add_argument("--type", default="q4_0",
+                   help="weight type of the matrices (q4_0, q4_1, q8_0, q4_k, q6_k, f16, bf16, ...), or q4_k_m: "
+                        "Q4_K with Q6_K for attn_v, ffn_down and the output (about llama.cpp's Q4_K_M mix)")
     p.add_argument("--n-layer", type=int, default=None, help="override the layer count")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rope-freqs", action="store_true",

@@ -176,26 +176,31 @@ class Relay:
 
     def _wait_all(self, v: int, timeout: float) -> bool:
         """Every ``done`` at ``v`` (False: closed meanwhile): spinning (:meth:`Timeline.spin`),
-        then blocking waits in slices so that :meth:`close` is heard."""
-        from .errors import WaitTimeout
+        then blocking waits in slices so that :meth:`close` is heard. ``timeout`` is a stall
+        limit (:class:`~vkxsplit.vk.event.StallClock`): a GPU whose counter still advances, or
+        whose first run compiles its kernels, is waited for; one with no progress for that
+        long raises :class:`~vkxsplit.errors.Stalled`."""
+        from .errors import Stalled, WaitTimeout
+        from .vk.event import StallClock
 
-        start = time.monotonic()
-        deadline = start + timeout
         for tl in self.done:
-            if tl.spin(v, max(0.0, min(self.spin_s, deadline - time.monotonic())), lambda: self._closed):
+            if tl.spin(v, max(0.0, min(self.spin_s, timeout)), lambda: self._closed):
                 continue
+            clock = StallClock(tl, v, timeout, what=f"{tl.name} to reach {v}")
+            left = timeout
             while True:
-                left = deadline - time.monotonic()
                 try:
                     tl.wait(v, max(0.0, min(self.slice_s, left)))
                     break
                 except WaitTimeout:
                     if self._closed:
                         return False
-                    if left <= 0:
-                        raise WaitTimeout(f"tensor split: {tl.name} did not reach {v} within {timeout:g} s "
-                                          f"(it is at {tl.value}): a GPU's step is stuck or slow",
-                                          "raise VKXSPLIT_TIMEOUT_S if the work is just slow") from None
+                    try:
+                        left = clock.poll()  # raises Stalled after the limit without progress
+                    except Stalled as exc:
+                        raise Stalled(f"tensor split: {tl.name} did not reach {v}: "
+                                      f"{str(exc).splitlines()[0]}; a GPU's segment before an "
+                                      "all-reduce is stuck or slow", exc.hint) from None
         return not self._closed
 
     def check(self) -> None:
@@ -414,12 +419,16 @@ class TensorSplitModel(LanguageModel):
         T = len(ids)
         self._check_step(T)
         self._drain()
+        first = any((T, all_logits) not in s._steps for s in self.shards)
         segs = [s.segments(T, all_logits) for s in self.shards]
         n = len(segs[0])
         if any(len(q) != n for q in segs):
             raise VkxError(f"the shards' steps have {[len(q) for q in segs]} segments")
         base = self._base
         self._base += n
+        if first:  # kernels compile at their first dispatch: the longer stall limit (vk.event)
+            for s in self.shards:
+                s.done.expect_slow(base + n, f"the first run of a step of {T} tokens")
         relay = self.relays[0]
         t0 = time.perf_counter()
 
@@ -461,7 +470,7 @@ class TensorSplitModel(LanguageModel):
         """Wait for shard ``s``'s last segment: raises the relay's error as soon as it has one,
         and times out only after ``timeout`` without progress (a step is many crossings)."""
         from .errors import WaitTimeout
-        from .vk.event import default_timeout
+        from .vk.event import COLD_FACTOR, default_timeout
 
         timeout = self.timeout if self.timeout is not None else default_timeout()
         while True:
@@ -471,7 +480,11 @@ class TensorSplitModel(LanguageModel):
                 s.done.wait(value, 0.05)
                 return
             except WaitTimeout:
-                if time.monotonic() - relay.progress > timeout:
+                # the relay's own stall limit (longer while a shard's first run compiles its
+                # kernels), and a little more: its error, naming the shard that is stuck, wins
+                cold = any(sh.done._value() < sh.done._slow_until for sh in self.shards)
+                limit = timeout * (COLD_FACTOR if cold else 1.0) + 4 * relay.slice_s
+                if time.monotonic() - relay.progress > limit:
                     raise WaitTimeout(f"tensor split: {s.done.name} did not reach {value} within {timeout:g} s "
                                       f"of the last crossing (it is at {s.done.value}): a GPU's step is stuck",
                                       "raise VKXSPLIT_TIMEOUT_S if the work is just slow") from None
@@ -504,6 +517,9 @@ class TensorSplitModel(LanguageModel):
         return self._summed_stats(self.shards)
 
     def close(self) -> None:
+        # (idempotent, and every public method raises ClosedError afterwards: errors.Closable)
+        if getattr(self, "_tokenizer", None) is not None:
+            self._tokenizer.close()
         for rl in self.relays:  # drops what is queued: no later segment is submitted
             rl.close()
         self.relays.clear()

@@ -16,6 +16,11 @@ CONTROL tokens (token type 3) are special added tokens: they are recognised in t
 Decoding is done here (not by HuggingFace) on raw bytes, so that :meth:`Tokenizer.decode` and the
 streaming :class:`StreamDecoder` agree exactly, including across multi-byte UTF-8 characters
 split over several tokens.
+
+Chat: the file's ``tokenizer.chat_template``; a file without one gets Gemma's turn format
+(:data:`GEMMA_TEMPLATE`) when its vocabulary has Gemma's ``<start_of_turn>``/``<end_of_turn>``
+control tokens (Gemma 3 GGUFs repackaged without their template: ChatML's markers are not
+tokens there and would reach the model as plain text), else ChatML.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from .chat_template import (
     compile_template,
     render_template,
 )
-from .errors import ModelError
+from .errors import Closable, ModelError
 
 if TYPE_CHECKING:
     import tokenizers as hf
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHATML_TEMPLATE",
+    "GEMMA_TEMPLATE",
     "TEMPLATE_MAX_CHARS",
     "TEMPLATE_MAX_STEPS",
     "TEMPLATE_TIME_LIMIT_S",
@@ -65,6 +71,22 @@ TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
 SPM_SPACE = "\u2581"  # ▁
+
+#: Gemma's chat format (google/gemma-3 tokenizer_config's template, text content only): an
+#: optional system message folded into the first user turn, roles user/model.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') "
+    "+ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 _UNK_PIECE = "\u2585".encode()  # what llama.cpp prints for an UNKNOWN token
 
 # Pre-tokenizer regexes, as llama.cpp applies them for each tokenizer.ggml.pre value.
@@ -171,8 +193,13 @@ def _spm_merges(
     return [(a, b) for _, _, _, a, b in found]
 
 
-class Tokenizer:
-    """Encode/decode text for one GGUF model. Build it with :meth:`from_model_file`."""
+class Tokenizer(Closable):
+    """Encode/decode text for one GGUF model. Build it with :meth:`from_model_file`.
+    ``close()`` (the model's close calls it) makes every method raise ClosedError."""
+
+    def close(self) -> None:
+        """Mark the tokenizer closed (it holds no device resources; use after close is refused
+        the same as for the model it came from)."""
 
     def __init__(
         self,
@@ -461,14 +488,21 @@ class Tokenizer:
 
     def _compiled_template(self) -> Any:
         if self._template is None:
-            self._template = compile_template(self.chat_template or CHATML_TEMPLATE, self.source)
+            self._template = compile_template(self.chat_template or self._fallback_template(), self.source)
         return self._template
+
+    def _fallback_template(self) -> str:
+        """The template of a file without one: Gemma's turns where the vocabulary has their
+        control tokens, else ChatML."""
+        turns = {"<start_of_turn>", "<end_of_turn>"}
+        found = {t for t, ty in zip(self.tokens, self.token_types) if ty == TOKEN_CONTROL and t in turns}
+        return GEMMA_TEMPLATE if found == turns else CHATML_TEMPLATE
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the model's chat template
-        (ChatML when the file has none), in the bounded sandbox of :mod:`vkxsplit.chat_template`:
+        (Gemma's or ChatML when the file has none), in the bounded sandbox of :mod:`vkxsplit.chat_template`:
         a template past its time, size or recursion limits, or failing in any other way, raises
         :class:`ModelError`."""
         tmpl = self._compiled_template()

@@ -1,103 +1,166 @@
-"""The cpu backend: numpy on the hub's shared memory, in a worker thread.
+"""The cpu backend: ggml's CPU kernels (the ``libggml-python`` wheel) on the hub's shared memory.
 
-Zero-copy: x, y and the weight are numpy views of the memory the hub binds (host-allocation or
-dma-buf mappings, see :mod:`vkxsplit.attach`). Quantized weights are dequantized once with
-``gguf.quants.dequantize`` and cached per weight buffer (dropped when the buffer closes or on
-:meth:`CpuBackend.unload`); f32 weights are used in place. Joins the hub through the host bridge:
-:meth:`CpuBackend.mul_mat` returns at once, the bridge thread waits for the hub point, computes,
-and signals the backend's timeline.
+Each job becomes a small ggml graph the first time it is seen (:mod:`.ggml_cpu`), cached under
+the job's memory and shape, and replayed at every later step: the graph's tensors point into the
+shared mappings in place (weights byte for byte as the hub stores them, never dequantized; x and
+y with the job's strides and row range), so no byte is copied and no step allocates. For a
+quantized weight ggml converts x to its 8-bit dot-product type itself (q8_0/q8_1/q8_K). The
+graphs run on one persistent ggml thread pool (``threads``, :func:`default_threads`) with one
+work buffer, sized by ``ggml_graph_plan`` for the largest graph.
+
+Joins the hub through the host bridge: :meth:`CpuBackend.mul_mat` validates the job (a shape
+ggml would abort on is a :class:`~vkxsplit.errors.KernelError` here) and returns at once; the
+bridge thread waits for the hub point, computes, and signals the backend's timeline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
-from functools import lru_cache
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..attach import AttachStats, HostBridge, Point, SharedBuffer, SharedView
-from ..backend import NODE_OPS, Availability, Backend, Capabilities, MatMulJob, OpJob
+from ..backend import NODE_OPS, Availability, Backend, Capabilities, MatMulIdJob, MatMulJob, OpJob
 from ..errors import KernelError, VkxError
+from ..ops.quant import TYPES, row_bytes, weight_type
+from . import ggml_cpu
 
 if TYPE_CHECKING:
     from ..vk.device import Device
 
+F32 = 0  # GGML_TYPE_F32
+I32 = 26  # GGML_TYPE_I32
+
+#: jobs of fewer flops run on the calling (bridge) thread alone: waking the pool's sleeping
+#: workers and meeting them at ggml's barriers costs more than such a job gains from them (a
+#: decode mat-vec of a small model); the crossover measured on the 2-core machine is in
+#: docs/PERFORMANCE.md (the cpu backend's thread table)
+SMALL_JOB_FLOPS = 4_000_000
+
+#: graphs kept (least recently built first out): a graph is ~7 KB of ggml headers, and a model
+#: keeps a few plans of some hundred jobs each (one per token count it ran)
+MAX_GRAPHS = 4096
+
 
 def available() -> Availability:
     try:
-        import gguf.quants  # noqa: F401
-    except ImportError as exc:
-        return Availability(False, f"the gguf package is missing ({exc})")
+        ggml_cpu.load()
+    except VkxError as exc:
+        return Availability(False, f"{exc} ({exc.hint})" if getattr(exc, "hint", "") else str(exc))
     return Availability(True)
 
 
-@lru_cache(maxsize=1)
-def dequantizable_types() -> frozenset[str]:
-    """ggml types ``gguf.quants.dequantize`` decodes (probed once on one zero block)."""
-    from gguf import quants
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    out = set()
-    for t in GGMLQuantizationType:
-        if t.name in ("I8", "I16", "I32", "I64", "F64"):
-            continue
-        try:
-            quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[t][1]), np.uint8), t)
-        except Exception:  # NotImplementedError and friends: not a type we read
-            continue
-        out.add(t.name.lower())
-    return frozenset(out)
+def default_threads(hub: Device | None = None) -> int:
+    """ggml threads when ``threads`` is not given: the physical cores, less one where the hub is
+    itself a CPU device (lavapipe: its threads and everything else on the machine share the
+    cores). ggml's threads meet at spinning barriers inside each graph: when one of them loses
+    its core, the others spin until it is back, so a pool as wide as the machine is fast only on
+    an otherwise idle machine and several times slower as soon as anything else runs
+    (docs/PERFORMANCE.md: the cpu backend's thread table, 1 vs 2 threads on the 2-core machine).
+    ``threads=N`` (``--backends cpu:threads=N``, ``-t N``) overrides it."""
+    cores = ggml_cpu.physical_cores()
+    cpu_hub = hub is not None and bool(getattr(hub, "is_cpu", False))
+    return max(1, cores - 1) if cpu_hub else cores
 
 
-def to_f32(a: np.ndarray, dtype: str) -> np.ndarray:
-    """f32 copy/view of an f32/f16/bf16 (raw uint16) array."""
-    if dtype == "f32":
-        return a
-    if dtype == "f16":
-        return a.view(np.float16).astype(np.float32)
-    return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+class _Cached:
+    """One job's ggml graph and what it needs at run time."""
+
+    __slots__ = ("graph", "buffers", "ids")
+
+    def __init__(self, graph: ggml_cpu.Graph, buffers: tuple[SharedBuffer, ...], ids: Any = None) -> None:
+        self.graph = graph
+        self.buffers = buffers
+        self.ids = ids  # (numpy view of the ids, n_expert) for mul_mat_id: checked before each run
 
 
-_NP = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16}
+def _addr(v: SharedView, nbytes: int) -> int:
+    """Address of the backend's mapping of ``v`` (checked to hold ``nbytes``)."""
+    return int(v.backend_array(np.uint8, nbytes).ctypes.data)
+
+
+def _job_key(job: MatMulJob | MatMulIdJob | OpJob) -> tuple[Any, ...]:
+    """Identifies a job's graph: its memory (chunk, offset) and every shape parameter."""
+    if isinstance(job, OpJob):
+        return ("op", job.op, tuple((v.chunk.id, v.chunk_offset, v.size) for v in (*job.inputs, *job.outputs)),
+                job.rows, job.cols, job.eps, job.b_rows)
+    views = (job.weight, job.x, job.y) + ((job.ids,) if isinstance(job, MatMulIdJob) else ())
+    extra = (job.n_expert, job.n_used, job.n_xb) if isinstance(job, MatMulIdJob) else ()
+    return (type(job).__name__, tuple((v.chunk.id, v.chunk_offset, v.size) for v in views), job.w_type,  # type: ignore[union-attr]
+            job.x_type, job.M, job.N, job.K, job.x_stride, job.y_stride, job.r0, job.r1, job.w_row0, *extra)
 
 
 class CpuBackend(Backend):
     name = "cpu"
-    caps = Capabilities(ops={"mul_mat", *NODE_OPS}, weight_types=dequantizable_types(),
-                        compute_dtypes={"f32", "bf16", "f16"},
-                        memory_handles=("dma_buf", "host_allocation"), event_handles=("host",))
+    caps = Capabilities(ops={"mul_mat", "mul_mat_id", *NODE_OPS}, weight_types=frozenset(TYPES),
+                        compute_dtypes={"f32"}, memory_handles=("dma_buf", "host_allocation"),
+                        event_handles=("host",))
 
-    def __init__(self, hub: Device, *, timeout: float | None = None, counters: AttachStats | None = None,
-                 caps: Capabilities | None = None) -> None:
+    def __init__(self, hub: Device, *, threads: int | None = None, poll: int = 0, timeout: float | None = None,
+                 counters: AttachStats | None = None, caps: Capabilities | None = None) -> None:
+        if threads is None:
+            threads = default_threads(hub)
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 512:
+            raise VkxError(f"cpu backend: threads must be an integer in [1, 512], got {threads!r}",
+                           "e.g. --backends cpu:threads=2")
+        if isinstance(poll, bool) or not isinstance(poll, int) or not 0 <= poll <= 100:
+            raise VkxError(f"cpu backend: poll must be an integer in [0, 100], got {poll!r}",
+                           "ggml's polling level: 0 lets idle workers sleep (the default), e.g. cpu:poll=1")
+        self.ggml = ggml_cpu.load()
         super().__init__(hub, timeout=timeout, counters=counters, caps=caps)
+        self.threads = threads
+        self.pool = ggml_cpu.ThreadPool(self.ggml, threads, poll)
+        self.pool1 = ggml_cpu.ThreadPool(self.ggml, 1) if threads > 1 else self.pool
+        self.graphs: OrderedDict[tuple[Any, ...], _Cached] = OrderedDict()
+        # job objects seen (the executor builds its jobs once and replays them): id -> (the job,
+        # its graph, whether a run needs dma-buf brackets or staging); the job is held, so its
+        # id stays its own
+        self._fast: OrderedDict[int, tuple[Any, _Cached, bool]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._hooked: set[int] = set()
+        self._work = np.zeros(0, np.uint8)
+        self._work_ptr: Any = self.ggml.ffi.NULL
+        self.graphs_built = 0
+        self.jobs_done = 0
+        self.busy_s = 0.0  # seconds in ggml_graph_compute (the bridge thread's own work)
         self.bridge = HostBridge(hub, self.timeline, name=self.name, run=self._run, timeout=self.timeout,
                                  counters=self.stats)
-        self._cache: dict[tuple[Any, ...], np.ndarray] = {}
-        self._cache_lock = threading.Lock()
-        self._hooked: set[int] = set()
-        self.cache_hits = 0
-        self.cache_misses = 0
-        self.jobs_done = 0
 
     # -- hooks ----------------------------------------------------------------------------
 
     def mul_mat(self, job: MatMulJob, wait: Point, signal: Point) -> None:
         try:
+            if not isinstance(job, MatMulJob):
+                raise KernelError(f"backend {self.name}: mul_mat takes a MatMulJob, got {type(job).__name__}")
             self.check_job(job, signal)
+            self._check_ggml(job)
+        except Exception as exc:
+            raise self.refuse(signal, exc) from None
+        self.bridge.enqueue(wait, signal[1], job)  # type: ignore[union-attr]
+
+    def mul_mat_id(self, job: MatMulIdJob, wait: Point, signal: Point) -> None:
+        try:
+            if not isinstance(job, MatMulIdJob):
+                raise KernelError(f"backend {self.name}: mul_mat_id takes a MatMulIdJob, got {type(job).__name__}")
+            self.check_job(job, signal)  # type: ignore[arg-type]
+            self._check_ggml(job)
         except Exception as exc:
             raise self.refuse(signal, exc) from None
         self.bridge.enqueue(wait, signal[1], job)  # type: ignore[union-attr]
 
     def run_op(self, op: str, job: OpJob, wait: Point, signal: Point) -> None:
-        """The NODE_OPS in numpy on the shared buffers, on the bridge thread like mul_mat."""
+        """The NODE_OPS as ggml graphs on the shared buffers, on the bridge thread like mul_mat."""
         try:
-            if op not in self.caps.ops or not isinstance(job, OpJob) or job.op != op:
+            if op not in self.caps.ops or op not in NODE_OPS or not isinstance(job, OpJob) or job.op != op:
                 raise KernelError(f"backend {self.name} does not run op {op!r} ({type(job).__name__})")
             if signal[0] is not self.timeline:
                 raise VkxError(f"backend {self.name} signals its own timeline, not {signal[0].name}")
+            self._check_op(job)
         except Exception as exc:
             raise self.refuse(signal, exc) from None
         self.bridge.enqueue(wait, signal[1], job)  # type: ignore[union-attr]
@@ -106,103 +169,231 @@ class CpuBackend(Backend):
         self._forget(weight.shared)
 
     def calibrate(self) -> dict[str, float]:
-        a = np.ones((128, 512), np.float32)
-        b = np.ones((512, 512), np.float32)
-        t = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        dt = max(time.perf_counter() - t, 1e-9)
-        return {"mul_mat_gflops": 4 * 2 * 128 * 512 * 512 / dt / 1e9}
+        """f32 GFLOP/s of ggml on this machine's threads (a 128x512x512 product)."""
+        M, N, K = 128, 512, 512
+        w = np.ones((N, K), np.float32)
+        x = np.ones((M, K), np.float32)
+        y = np.zeros((M, N), np.float32)
+        with self._lock:  # the lock the bridge thread computes under: one graph at a time on the pool
+            g = ggml_cpu.Graph(self.ggml)
+            try:
+                lib = self.ggml.base
+                W = g.strided(F32, w.ctypes.data, K, N, K * 4)
+                X = g.strided(F32, x.ctypes.data, K, M, K * 4)
+                g.finish(g.place(lib.ggml_mul_mat(g.ctx, W, X), y.ctypes.data, N * 4), self.pool)
+                work = np.zeros(max(g.work_size, 1), np.uint8)
+                ptr = self.ggml.ffi.cast("uint8_t *", work.ctypes.data)
+                g.compute(ptr)
+                t = time.perf_counter()
+                for _ in range(4):
+                    g.compute(ptr)
+                dt = max(time.perf_counter() - t, 1e-9)
+            finally:
+                g.close()
+        return {"mul_mat_gflops": 4 * 2 * M * N * K / dt / 1e9}
 
-    # -- work (bridge thread) ---------------------------------------------------------------
+    def release(self) -> None:
+        with self._lock:
+            for c in self.graphs.values():
+                c.graph.close()
+            self.graphs.clear()
+            self._fast.clear()
+            self._work = np.zeros(0, np.uint8)
+            self._work_ptr = self.ggml.ffi.NULL
+        if self.pool1 is not self.pool:
+            self.pool1.close()
+        self.pool.close()
+
+    # -- validation (caller thread: what ggml would abort on) -------------------------------
+
+    def _check_ggml(self, job: MatMulJob | MatMulIdJob) -> None:
+        what = f"backend {self.name}: {job.name or 'mul_mat'} ({job.w_type}, M={job.M} N={job.N} K={job.K})"
+        if job.w_type not in TYPES:
+            raise KernelError(f"{what}: no ggml type for weight type {job.w_type}")
+        bs = weight_type(job.w_type).block_size
+        if job.K % bs:
+            raise KernelError(f"{what}: K={job.K} is not a whole number of {bs}-element {job.w_type} blocks")
+        if job.x_type != "f32":
+            raise KernelError(f"{what}: x must be f32 (ggml converts it to the weight's dot type), not {job.x_type}",
+                              "hand the cpu backend f32 activations")
+        if not isinstance(job.weight, SharedView):
+            raise KernelError(f"{what}: the weight must be in memory shared with the backend (a SharedView)",
+                              "allocate it from the SharedArena")
+
+    def _check_op(self, job: OpJob) -> None:
+        what = f"backend {self.name}: {job.op} {job.name}".rstrip()
+        n = job.rows * job.cols * 4
+        if job.op in ("rms_norm", "add_rms_norm") and not (math.isfinite(job.eps) and job.eps >= 0):
+            raise KernelError(f"{what}: eps must be finite and >= 0, got {job.eps}")
+        if job.op == "add" and job.b_rows not in (1, job.rows):
+            raise KernelError(f"{what}: b has {job.b_rows} rows; it must have 1 (broadcast) or {job.rows}")
+        sizes = {"rms_norm": (n, job.cols * 4, n), "add_rms_norm": (n, n, job.cols * 4, n, n),
+                 "swiglu": (n, n, n), "add": (n, job.b_rows * job.cols * 4, n)}[job.op]
+        for v, need in zip((*job.inputs, *job.outputs), sizes):
+            if v.size < need:
+                raise KernelError(f"{what}: a {v.size}-byte view is smaller than the {need} bytes "
+                                  f"{job.rows} x {job.cols} f32 needs")
+
+    # -- graphs (bridge thread) ---------------------------------------------------------------
 
     def _forget(self, sb: SharedBuffer) -> None:
-        with self._cache_lock:
-            for k in [k for k in self._cache if k[0] == id(sb)]:
-                del self._cache[k]
+        """Drop the graphs that point into ``sb`` (it is closing, or its weight is unloaded)."""
+        with self._lock:
+            for k in [k for k, c in self.graphs.items() if any(b is sb for b in c.buffers)]:
+                self.graphs.pop(k).graph.close()
+            for k in [k for k, f in self._fast.items() if any(b is sb for b in f[1].buffers)]:
+                del self._fast[k]
             self._hooked.discard(id(sb))
 
-    def _weight(self, job: MatMulJob) -> np.ndarray:
-        """All rows the weight view holds, as (rows, K) f32 (a view for f32 weights)."""
-        rb = job.weight_row_bytes
-        held = job.weight.size // rb
-        if job.w_type == "f32":
-            job.weight.shared.stage_in(job.weight.offset, held * rb)
-            return job.weight.backend_array(np.float32, held * job.K).reshape(held, job.K)
-        sb = job.weight.shared
-        key = (id(sb), job.weight.offset, held, job.w_type, job.K)
-        with self._cache_lock:
-            w = self._cache.get(key)
-        if w is not None:
-            self.cache_hits += 1
-            return w
-        from gguf import quants
-        from gguf.constants import GGMLQuantizationType
-
-        sb.stage_in(job.weight.offset, held * rb)
-        raw = job.weight.backend_array(np.uint8, held * rb).reshape(held, rb)
-        w = np.ascontiguousarray(quants.dequantize(raw, GGMLQuantizationType[job.w_type.upper()]),
-                                 dtype=np.float32).reshape(held, job.K)
-        with self._cache_lock:
-            self._cache[key] = w
+    def _hook(self, buffers: tuple[SharedBuffer, ...]) -> None:
+        for sb in buffers:
             if id(sb) not in self._hooked:
                 self._hooked.add(id(sb))
                 sb.on_close.append(self._forget)
-        self.cache_misses += 1
-        return w
 
-    def _run_op(self, job: OpJob) -> None:
-        rows, cols = job.rows, job.cols
-        views = (*job.inputs, *job.outputs)
-        chunks = {v.chunk.id: v.chunk for v in views}
-        written = {v.chunk.id for v in job.outputs}
-        with contextlib.ExitStack() as stack:
-            for cid, ch in chunks.items():
-                stack.enter_context(ch.cpu_access(write=cid in written))
+    def _pool_for(self, flops: int) -> ggml_cpu.ThreadPool:
+        return self.pool if flops >= SMALL_JOB_FLOPS else self.pool1
 
-            def arr(v: SharedView, n_rows: int) -> np.ndarray:
-                v.shared.stage_in(v.offset, n_rows * cols * 4)
-                return v.backend_array(np.float32, n_rows * cols).reshape(n_rows, cols)
+    def _build_mul_mat(self, job: MatMulJob) -> _Cached:
+        g = ggml_cpu.Graph(self.ggml)
+        lib = self.ggml.base
+        tid = weight_type(job.w_type).id
+        rb = row_bytes(job.w_type, job.K)
+        held = job.weight.size // rb
+        W = g.strided(tid, _addr(job.weight, held * rb) + (job.r0 - job.w_row0) * rb, job.K, job.rows, rb)
+        nx = (job.M - 1) * job.x_stride + job.K
+        X = g.strided(F32, _addr(job.x, nx * 4), job.K, job.M, job.x_stride * 4)
+        ny = (job.M - 1) * job.y_stride + job.r1
+        y = lib.ggml_mul_mat(g.ctx, W, X)  # (rows, M) f32, written into y's columns [r0, r1)
+        g.place(y, _addr(job.y, ny * 4) + job.r0 * 4, job.y_stride * 4)
+        g.finish(y, self._pool_for(job.flops))
+        return _Cached(g, (job.weight.shared, job.x.shared, job.y.shared))
 
-            if job.op in ("rms_norm", "add_rms_norm"):
-                w = arr(job.inputs[-1], 1)[0]
-                x = arr(job.inputs[0], rows)
-                if job.op == "add_rms_norm":
-                    x += arr(job.inputs[1], rows)
-                ms = np.mean(np.square(x, dtype=np.float32), axis=1, dtype=np.float32, keepdims=True)
-                arr(job.outputs[0], rows)[:] = x / np.sqrt(ms + np.float32(job.eps)) * w
-            elif job.op == "swiglu":
-                g, u = arr(job.inputs[0], rows), arr(job.inputs[1], rows)
-                g *= u / (np.float32(1) + np.exp(-g))  # g = silu(g) * u = g / (1 + e^-g) * u
-            else:  # add
-                x = arr(job.inputs[0], rows)
-                x += arr(job.inputs[1], job.b_rows)
-            for v in job.outputs:
-                if v.shared.kind == "staged":
-                    v.shared.stage_out(v.offset, rows * cols * 4)
-        self.jobs_done += 1
+    def _build_mul_mat_id(self, job: MatMulIdJob) -> _Cached:
+        assert job.ids is not None
+        g = ggml_cpu.Graph(self.ggml)
+        lib = self.ggml.base
+        tid = weight_type(job.w_type).id
+        rb = row_bytes(job.w_type, job.K)
+        held = job.weight.size // rb
+        W = g.strided(tid, _addr(job.weight, held * rb) + (job.r0 - job.w_row0) * rb, job.K, job.rows, rb,
+                      job.n_expert, job.N * rb)
+        T, nu, nxb = job.M, job.n_used, job.n_xb
+        nx = (T * nxb - 1) * job.x_stride + job.K
+        X = g.strided(F32, _addr(job.x, nx * 4), job.K, nxb, job.x_stride * 4, T, nxb * job.x_stride * 4)
+        ids = g.strided(I32, _addr(job.ids, T * nu * 4), nu, T, nu * 4)
+        ny = (T * nu - 1) * job.y_stride + job.r1
+        y = lib.ggml_mul_mat_id(g.ctx, W, X, ids)  # (rows, n_used, T)
+        g.place(y, _addr(job.y, ny * 4) + job.r0 * 4, job.y_stride * 4, nu * job.y_stride * 4)
+        g.finish(y, self._pool_for(job.flops))
+        return _Cached(g, (job.weight.shared, job.x.shared, job.y.shared, job.ids.shared),
+                       (job.ids.backend_array(np.int32, T * nu), job.n_expert))
 
-    def _run(self, job: MatMulJob | OpJob) -> None:
+    def _build_op(self, job: OpJob) -> _Cached:
+        g = ggml_cpu.Graph(self.ggml)
+        lib = self.ggml.base
+        R, C = job.rows, job.cols
+
+        def t(v: SharedView, rows: int) -> Any:
+            return g.strided(F32, _addr(v, rows * C * 4), C, rows, C * 4)
+
+        if job.op in ("rms_norm", "add_rms_norm"):
+            x = t(job.inputs[0], R)
+            if job.op == "add_rms_norm":  # x += res in place, then the norm of the sum
+                x = lib.ggml_add_inplace(g.ctx, x, t(job.inputs[1], R))
+            n = g.place(lib.ggml_rms_norm(g.ctx, x, job.eps), _addr(job.outputs[0], R * C * 4), C * 4)
+            out = lib.ggml_mul_inplace(g.ctx, n, t(job.inputs[-1], 1))  # (C, 1) broadcast over rows
+        elif job.op == "swiglu":  # silu(g) * u, written over g (element by element: in place is safe)
+            out = lib.ggml_swiglu_split(g.ctx, t(job.inputs[0], R), t(job.inputs[1], R))
+            g.place(out, _addr(job.outputs[0], R * C * 4), C * 4)
+        else:  # add: x += b (b one row broadcast, or R rows)
+            out = lib.ggml_add_inplace(g.ctx, t(job.inputs[0], R), t(job.inputs[1], job.b_rows))
+        g.finish(out, self._pool_for(8 * R * C))  # a few flops per element
+        return _Cached(g, tuple(v.shared for v in (*job.inputs, *job.outputs)))
+
+    def _graph(self, job: MatMulJob | MatMulIdJob | OpJob) -> _Cached:
+        key = _job_key(job)
+        c = self.graphs.get(key)
+        if c is not None:
+            self.graphs.move_to_end(key)
+            return c
+        while len(self.graphs) >= MAX_GRAPHS:
+            _k, old = self.graphs.popitem(last=False)
+            for k in [k for k, f in self._fast.items() if f[1] is old]:
+                del self._fast[k]
+            old.graph.close()
         if isinstance(job, OpJob):
-            self._run_op(job)
-            return
-        M, K, xs, ys, r0, r1 = job.M, job.K, job.x_stride, job.y_stride, job.r0, job.r1
-        chunks = {v.chunk.id: v.chunk for v in (job.weight, job.x, job.y)}
-        with contextlib.ExitStack() as stack:
-            for ch in chunks.values():
-                stack.enter_context(ch.cpu_access(write=ch is job.y.chunk))
-            xe = np.dtype(_NP[job.x_type]).itemsize
-            nx = (M - 1) * xs + K
-            job.x.shared.stage_in(job.x.offset, nx * xe)
-            xa = job.x.backend_array(_NP[job.x_type], nx)
-            X = np.lib.stride_tricks.as_strided(xa, (M, K), (xs * xe, xe), writeable=False)
-            X = to_f32(X, job.x_type)
-            W = self._weight(job)[r0 - job.w_row0:r1 - job.w_row0]
-            ny = (M - 1) * ys + r1
-            ya = job.y.backend_array(np.float32, ny)[r0:]
-            Y = np.lib.stride_tricks.as_strided(ya, (M, r1 - r0), (ys * 4, 4))
-            np.matmul(X, W.T, out=Y)
-            if job.y.shared.kind == "staged":
-                for m in range(M):  # only this backend's columns: others may write the rest
-                    job.y.shared.stage_out(job.y.offset + (m * ys + r0) * 4, (r1 - r0) * 4)
+            c = self._build_op(job)
+        elif isinstance(job, MatMulIdJob):
+            c = self._build_mul_mat_id(job)
+        else:
+            c = self._build_mul_mat(job)
+        self.graphs[key] = c
+        self.graphs_built += 1
+        self._hook(c.buffers)
+        if c.graph.work_size > self._work.size:
+            self._work = np.zeros(c.graph.work_size, np.uint8)
+            self._work_ptr = self.ggml.ffi.cast("uint8_t *", self._work.ctypes.data)
+        return c
+
+    # -- work (bridge thread) -------------------------------------------------------------
+
+    def _run(self, job: MatMulJob | MatMulIdJob | OpJob) -> None:
+        with self._lock:
+            f = self._fast.get(id(job))
+            if f is None or f[0] is not job:  # first sight of this job object: find or build its graph
+                f = self._fast[id(job)] = (job, self._graph(job), self._needs_sync(job))
+                if len(self._fast) > 2 * MAX_GRAPHS:
+                    self._fast.popitem(last=False)
+            _job, c, sync = f
+            if sync or c.ids is not None:
+                self._run_synced(job, c)
+            else:  # host memory, nothing to bracket or stage: the replay is the ggml call alone
+                t0 = time.perf_counter()
+                c.graph.compute(self._work_ptr)
+                self.busy_s += time.perf_counter() - t0
         self.jobs_done += 1
+
+    @staticmethod
+    def _views(job: MatMulJob | MatMulIdJob | OpJob) -> tuple[tuple[SharedView, ...], tuple[SharedView, ...]]:
+        """(views read, views written)."""
+        if isinstance(job, OpJob):
+            outs = job.outputs
+            if job.op in ("add_rms_norm", "add"):
+                outs = (*outs, job.inputs[0])  # x is written in place
+            return job.inputs, outs
+        ins = (job.weight, job.x) + ((job.ids,) if isinstance(job, MatMulIdJob) else ())
+        return ins, (job.y,)  # type: ignore[return-value]
+
+    def _needs_sync(self, job: MatMulJob | MatMulIdJob | OpJob) -> bool:
+        ins, outs = self._views(job)
+        return any(v.chunk.kind == "dma_buf" or v.shared.kind == "staged" for v in (*ins, *outs))
+
+    def _run_synced(self, job: MatMulJob | MatMulIdJob | OpJob, c: _Cached) -> None:
+        """A run that brackets dma-buf access, stages copies, or checks expert ids first."""
+        ins, outs = self._views(job)
+        written = {v.chunk.id for v in outs}
+        with contextlib.ExitStack() as stack:
+            for cid, ch in {v.chunk.id: v.chunk for v in (*ins, *outs)}.items():
+                stack.enter_context(ch.cpu_access(write=cid in written))
+            for v in ins:
+                if v.shared.kind == "staged":
+                    v.shared.stage_in(v.offset, v.size)
+            if c.ids is not None:
+                ids, n_expert = c.ids
+                if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+                    bad = int(ids[(ids < 0) | (ids >= n_expert)][0])
+                    raise KernelError(f"backend {self.name}: {job.name or 'mul_mat_id'}: expert id {bad} "
+                                      f"outside [0, {n_expert})", "the router's top-k produced a bad id")
+            t0 = time.perf_counter()
+            c.graph.compute(self._work_ptr)
+            self.busy_s += time.perf_counter() - t0
+            for v in outs:
+                if v.shared.kind != "staged":
+                    continue
+                if isinstance(job, OpJob):
+                    v.shared.stage_out(v.offset, job.rows * job.cols * 4)
+                else:  # only this job's columns: other backends may write the rest of y
+                    n_rows = job.M * (job.n_used if isinstance(job, MatMulIdJob) else 1)
+                    for m in range(n_rows):
+                        v.shared.stage_out(v.offset + (m * job.y_stride + job.r0) * 4, job.rows * 4)

@@ -32,7 +32,7 @@ import threading
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from ..attach import AttachStats, Chunk, HostBridge, Point, SharedView, mark_bridge_thread
+from ..attach import AttachStats, Chunk, HostBridge, Point, SharedView, cpu_ticks, mark_bridge_thread
 from ..backend import Availability, Backend, Capabilities, MatMulJob, with_caps
 from ..errors import BackendDied, EnvironmentProblem, KernelError, VkxError
 
@@ -97,8 +97,12 @@ class NpuEmuBackend(Backend):
                 raise
             raise BackendDied(f"npu-emu process did not answer at start: {exc}") from exc
         self.pid = int(hello["pid"])
+        # liveness: the process (poll) and the socket (the reader sees EOF); progress: answers and
+        # the process's CPU time, a heartbeat the server need not send (a slow job keeps it
+        # rising; a wedged or stopped process's stays flat)
         self.bridge = HostBridge(hub, self.timeline, name=self.name, timeout=self.timeout,
-                                 liveness=self._liveness, counters=self.stats)
+                                 liveness=self._liveness, counters=self.stats,
+                                 heartbeat=partial(cpu_ticks, self.proc.pid))
         self._reader = threading.Thread(target=self._read_loop, name="npu-emu-reader", daemon=True)
         self._reader.start()
 
@@ -245,7 +249,7 @@ class NpuEmuBackend(Backend):
         if self._closing:
             return None
         rc = self.proc.poll()
-        return None if rc is None else f"process {self.pid} exited with status {rc}"
+        return None if rc is None else f"process {self.pid} exited with code {rc}"
 
     def _read_loop(self) -> None:
         mark_bridge_thread()
@@ -263,7 +267,9 @@ class NpuEmuBackend(Backend):
                     except subprocess.TimeoutExpired:
                         rc = None
                     bridge.fail(BackendDied(
-                        f"npu-emu process {self.pid} died (exit status {rc}) with work in flight",
+                        f"backend {self.name}'s process {self.pid} exited with code {rc} (its connection "
+                        "closed)" if rc is not None else
+                        f"backend {self.name}'s connection to process {self.pid} closed",
                         "the hub keeps running; recreate the backend or plan without it"))
                 return
             try:
@@ -273,6 +279,9 @@ class NpuEmuBackend(Backend):
             try:
                 seq = int(msg.get("seq", 0))
             except (AttributeError, TypeError, ValueError):
+                continue
+            if msg.get("op") == "beat":  # the server is working on a long job (progress, not an answer)
+                bridge.beat()
                 continue
             if msg.get("op") == "done":
                 job = self._post.pop(seq, None)

@@ -67,6 +67,10 @@ FDS = {"map": 1}  # fds each op carries (others: none)
 #: longest error text in a reply (characters)
 MAX_ERROR_TEXT = 1024
 
+#: seconds between the heartbeats of a long job (well under any stall limit a client uses)
+BEAT_S = 0.25
+
+
 class BadRequest(Exception):
     """A request that does not pass validation: answered with an error reply."""
 
@@ -253,9 +257,13 @@ class Npu:
                     stack.enter_context(DmaBufCpuAccess(m[1], read=True, write=ref == msg["y"][0]))
             self._compute(msg, M, N, K, xs, ys, r0, r1, w_row0, held)
         budget = 2.0 * M * (r1 - r0) * K / (self.gflops * 1e9)
-        left = budget - (time.perf_counter() - t0)
-        if left > 0:
-            time.sleep(left)
+        # the emulated NPU's remaining time, slept in slices with a heartbeat between them: a
+        # sleeping process uses no CPU time, so a job longer than the client's stall limit would
+        # otherwise look wedged (a real plugin sends beats while its device works the same way)
+        while (left := budget - (time.perf_counter() - t0)) > 0:
+            time.sleep(min(left, BEAT_S))
+            if budget - (time.perf_counter() - t0) > 0:
+                self.send({"op": "beat", "seq": msg.get("seq", 0)})
 
     def _array(self, ref: list[int], dtype: Any, count: int) -> np.ndarray:
         chunk, off, _size = ref

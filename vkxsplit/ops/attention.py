@@ -21,7 +21,12 @@ For decode (one token, long cache) split the KV length over ``n_splits`` workgro
 Kernels: head_dim 64 and 128 with cache offsets that are multiples of 4 elements take the
 tiled ``attn_f16_f32_d64``/``_d128`` (compile-time head_dim, vec4 tiles, register-blocked
 scores and outputs, cache reads issued one block ahead); any other head_dim <= 128 takes the
-generic ``attn_f16_f32``. Both give the same results to f32 rounding.
+generic ``attn_f16_f32``, and head_dim 129..256 (Gemma 3: 256) its ``attn_f16_f32_h256`` form
+(8 query rows and 16 cache positions a block, so its tiles fit the same shared memory). All
+give the same results to f32 rounding.
+
+``window`` > 0 is a sliding window (llama.cpp's ``LLAMA_SWA_TYPE_STANDARD``): the query at
+position i sees the cache positions j with ``j <= i`` and ``i - j < window``.
 """
 
 from __future__ import annotations
@@ -35,23 +40,31 @@ from ..vk.command import Sequence
 from ..vk.kernel import Bindable, Kernel
 from .choose import kernels_for
 from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
+from .rope import YARN_DEFAULTS, yarn_push
 
-MAX_HEAD_DIM = 128
-BR = 16  # query rows per attention workgroup (attention.comp)
+MAX_HEAD_DIM = 256
+BR = 16  # query rows per attention workgroup (attention.comp; 8 in attn_f16_f32_h256)
+BR_H256 = 8
+GENERIC_MAX_HEAD_DIM = 128  # the largest head_dim of attn_f16_f32; above it attn_f16_f32_h256
 COMBINE_WG = 128
 TILED_HEAD_DIMS = (64, 128)  # head dims with a compile-time tiled kernel (attn_f16_f32_d<hd>)
 
 VARIANTS = [
     Variant(name="kv_store_f32_f16", source="kv_store.comp", defines={"ROPE": "0", "NEOX": "0"}, bindings=5,
             writes=(3, 4), push="IIIIIIIIIIIIff", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",)),
-    *[Variant(name=f"kv_store_rope{'_neox' if neox else ''}_f32_f16", source="kv_store.comp",
-              defines={"ROPE": "1", "NEOX": "1" if neox else "0"}, bindings=6, writes=(3, 4),
-              push="IIIIIIIIIIIIffI", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",))
-      for neox in (False, True)],
+    # the RoPE of K fused in: plain, and with ggml's YaRN terms (ops.rope's rope_yarn kernels)
+    *[Variant(name=f"kv_store_rope{'_yarn' if yarn else ''}{'_neox' if neox else ''}_f32_f16",
+              source="kv_store.comp", defines={"ROPE": "1", "NEOX": "1" if neox else "0", "YARN": "1" if yarn else "0"},
+              bindings=6, writes=(3, 4), push="IIIIIIIIIIIIffI" + ("ffff" if yarn else ""), local_size=(256, 1, 1),
+              requires=("storageBuffer16BitAccess",))
+      for yarn in (False, True) for neox in (False, True)],
     Variant(name="attn_f16_f32", source="attention.comp", bindings=6, writes=(4, 5),
-            push="IIIIIIIIIIIIIf", local_size=(128, 1, 1), requires=("storageBuffer16BitAccess",)),
+            push="IIIIIIIIIIIIIfI", local_size=(128, 1, 1), requires=("storageBuffer16BitAccess",)),
+    Variant(name="attn_f16_f32_h256", source="attention.comp", defines={"D256": "1"}, bindings=6,
+            writes=(4, 5), push="IIIIIIIIIIIIIfI", local_size=(128, 1, 1),
+            requires=("storageBuffer16BitAccess",)),
     *[Variant(name=f"attn_f16_f32_d{hd}", source="attention.comp", defines={"HD": str(hd)}, bindings=6,
-               writes=(4, 5), push="IIIIIIIIIIIIIf", local_size=(128, 1, 1),
+               writes=(4, 5), push="IIIIIIIIIIIIIfI", local_size=(128, 1, 1),
                requires=("storageBuffer16BitAccess",)) for hd in TILED_HEAD_DIMS],
     Variant(name="attn_combine_f32", source="attn_combine.comp", bindings=2, writes=(1,),
             push="IIIIII", local_size=(COMBINE_WG, 1, 1)),
@@ -70,9 +83,11 @@ def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_ca
     Rounding to f16 is round-to-nearest-even. Offsets in elements of each buffer's type.
 
     ``rope`` (optional: ``n_dims``, ``mode`` "normal"/"neox", ``freq_base``, ``freq_scale``,
-    ``freq_factors``: an f32 buffer of ``n_dims / 2`` factors or None, as
-    :func:`~vkxsplit.ops.rope.record_rope` takes them) rotates K by its position on the way
-    into the cache: the RoPE of K and the store in one dispatch."""
+    ``freq_factors``: an f32 buffer of ``n_dims / 2`` factors or None, and ggml's YaRN
+    parameters ``n_ctx_orig``, ``ext_factor``, ``attn_factor``, ``beta_fast``, ``beta_slow``
+    (defaults: :data:`~vkxsplit.ops.rope.YARN_DEFAULTS`), as
+    :func:`~vkxsplit.ops.rope.record_rope` takes them; ``yarn_kernel``: as there) rotates K by
+    its position on the way into the cache: the RoPE of K and the store in one dispatch."""
     op = "kv_store"
     shape = (n_tokens, n_kv_heads, head_dim)
     check_dtype(op, dtype, shape)
@@ -114,6 +129,11 @@ def record_kv_store(seq: Sequence, k: Bindable, v: Bindable, pos: Bindable, k_ca
             raise KernelError(f"kv_store_rope: freq_base = {base!r}, freq_scale = {fscale!r} (shape {list(shape)})")
         name = "kv_store_rope_neox_f32_f16" if mode == "neox" else "kv_store_rope_f32_f16"
         rp = (head_dim, n_dims, -2.0 * math.log2(base) / n_dims, fscale, int(ff is not None))
+        yp = yarn_push("kv_store_rope", shape, n_dims, base, fscale,
+                       **{k: rope.get(k, d) for k, d in YARN_DEFAULTS.items()})
+        if yp is not None or rope.get("yarn_kernel"):
+            name = name.replace("kv_store_rope", "kv_store_rope_yarn")
+            rp += yp or (0.0, 0.0, 0.0, 1.0)
         binds.append(pos if ff is None else ff)  # (without factors: any buffer, never read)
     kern = Kernel.get(seq.device, name)
     seq.dispatch(kern, binds,
@@ -153,7 +173,7 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
                      q_stride: int | None = None, dst_offset: int = 0, dst_stride: int | None = None,
                      k_cache_offset: int = 0, v_cache_offset: int = 0, pos_offset: int = 0,
                      n_splits: int = 1, scratch: Bindable | None = None, dtype: str = "f32",
-                     cache_dtype: str = "f16") -> None:
+                     cache_dtype: str = "f16", window: int = 0) -> None:
     """``dst[t, h] = softmax(scale * q[t, h] . K[0..p, g]) V[0..p, g]`` with ``p = pos0 + t``,
     ``pos0 = pos[pos_offset]`` (int32, read on the device) and ``g = h // (n_heads //
     n_kv_heads)``.
@@ -162,13 +182,14 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     contiguous); K/V caches: f16 [n_ctx, n_kv_heads, head_dim]. ``scale`` defaults to
     ``1/sqrt(head_dim)``. ``n_splits`` > 1 splits the KV length over that many workgroups per
     (row block, kv head) and needs ``scratch`` (:func:`attention_scratch_bytes`). The caller
-    keeps ``pos0 + n_tokens <= n_ctx`` (positions past the cache are not read)."""
+    keeps ``pos0 + n_tokens <= n_ctx`` (positions past the cache are not read). ``window`` > 0:
+    a sliding window, position ``p`` sees only ``p - window < j <= p`` (0: none)."""
     op = "attn"
     shape = (n_tokens, n_heads, head_dim)
     check_dtype(op, dtype, shape)
     check_dtype(op, cache_dtype, (n_ctx, n_kv_heads, head_dim), supported=("f16",))
     check_dims(op, dtype, shape, n_tokens=n_tokens, n_heads=n_heads, n_kv_heads=n_kv_heads,
-               head_dim=head_dim, n_ctx=n_ctx, n_splits=n_splits)
+               head_dim=head_dim, n_ctx=n_ctx, n_splits=n_splits, window=window)
     if not 0 < head_dim <= MAX_HEAD_DIM:
         raise KernelError(f"attn_f16_f32: head_dim {head_dim} is not supported (1..{MAX_HEAD_DIM}; "
                           f"shape {list(shape)})")
@@ -182,6 +203,8 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
         raise KernelError(f"attn_f16_f32: n_splits {n_splits} is outside 1..{MAX_GROUPS} "
                           f"(shape {list(shape)})")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise KernelError(f"attn_f16_f32: scale = {scale!r} must be a finite number > 0 (shape {list(shape)})")
     row = n_heads * head_dim
     kv_row = n_kv_heads * head_dim
     oq = Operand("q", q, q_offset, row if q_stride is None else q_stride, n_tokens, row)
@@ -217,16 +240,19 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     if n_tokens == 0 or n_heads == 0:
         return
     grp = n_heads // n_kv_heads
-    row_blocks = -(-(n_tokens * grp) // BR)
-    if row_blocks > MAX_GROUPS or n_kv_heads > MAX_GROUPS:
-        raise KernelError(f"attn_f16_f32: too many rows for one dispatch (shape {list(shape)})")
-    name = "attn_f16_f32"
+    name, br = "attn_f16_f32", BR
     if head_dim in TILED_HEAD_DIMS and k_cache_offset % 4 == 0 and v_cache_offset % 4 == 0:
         name = f"attn_f16_f32_d{head_dim}"
+    elif head_dim > GENERIC_MAX_HEAD_DIM:
+        name, br = "attn_f16_f32_h256", BR_H256
+    row_blocks = -(-(n_tokens * grp) // br)
+    if row_blocks > MAX_GROUPS or n_kv_heads > MAX_GROUPS:
+        raise KernelError(f"attn_f16_f32: too many rows for one dispatch (shape {list(shape)})")
     kern = Kernel.get(seq.device, name)
     seq.dispatch(kern, [q, k_cache, v_cache, pos, dst, part],
                  (n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, q_offset, oq.stride,
-                  k_cache_offset, v_cache_offset, pos_offset, dst_offset, od.stride, n_splits, scale),
+                  k_cache_offset, v_cache_offset, pos_offset, dst_offset, od.stride, n_splits, scale,
+                  window),
                  (n_splits, row_blocks, n_kv_heads))
     if n_splits > 1:
         comb = Kernel.get(seq.device, "attn_combine_f32")

@@ -109,6 +109,11 @@ CM2_TILE_EFF: dict[str, dict[str, float]] = {
     "q4_k": {"w64x256_k64_n256": 1.24},
     "q5_k": {"w64x256_k64_n256": 1.3},
     "q6_k": {"w128x256_k64_n256": 1.25, "w64x256_k64_n256": 1.2},
+    # not yet measured: the nearest measured type's (as CM2_CHOICES)
+    "q2_k": {"w128x256_k64_n256": 1.25, "w64x256_k64_n256": 1.2},
+    "q3_k": {"w128x256_k64_n256": 1.25, "w64x256_k64_n256": 1.2},
+    "iq4_nl": {"w64x128_k64_n128": 0.51, "w64x256_k64_n256": 1.05},
+    "iq4_xs": {"w64x256_k64_n256": 1.24},
 }
 #: Dequantize-first (dq16): on a coopmat2 device a product of quantized weights may decode its
 #: N x K weights once into f16 rows (dequant_rows_<type>_f16, a scratch of N K 2 bytes) and run
@@ -121,7 +126,9 @@ CM2_TILE_EFF: dict[str, dict[str, float]] = {
 #: FFN's shape (14336x4096, M = 512) is the measured one, each type's fastest tiling against
 #: dq16 (measured: docs/PERFORMANCE.md, "Prefill kernels"; tools/bench_coopmat.py --cm2).
 DQ16_DIRECT_COST: dict[str, float] = {"q4_0": 1.32, "q4_1": 1.4, "q5_0": 1.65, "q5_1": 1.47, "q8_0": 1.67,
-                                      "q4_k": 1.6, "q5_k": 1.8, "q6_k": 1.66}
+                                      "q4_k": 1.6, "q5_k": 1.8, "q6_k": 1.66,
+                                      # not yet measured: the nearest measured type's
+                                      "q2_k": 1.66, "q3_k": 1.66, "iq4_nl": 1.32, "iq4_xs": 1.6}
 #: fewest rows of x the model takes the path for: more than one 128-row tile of x (at M <= 128
 #: the tile loader decodes every weight once too, and the pass is pure overhead)
 DQ16_MIN_M = 129

@@ -2,7 +2,9 @@
 
 ``add``/``mul`` (``b`` broadcast by rows: row ``r`` of ``a`` meets row ``r % b_rows`` of ``b``, so
 a one-row ``b`` is a row vector applied to every row), ``scale`` (by a float), ``silu``,
-``gelu`` (tanh approximation, as ggml) and fused ``swiglu`` ``silu(gate) * up``.
+``gelu`` (tanh approximation, as ggml), fused ``swiglu`` ``silu(gate) * up`` and ``geglu``
+``gelu(gate) * up`` (Gemma's FFN), and ``softcap`` ``cap * tanh(x / cap)`` (a final-logit
+soft cap).
 
 Every operand is a buffer (or :class:`~vkxsplit.vk.kernel.View`) plus an element offset and a
 row stride in elements (default: rows are contiguous), so non-contiguous rows (views of a
@@ -24,8 +26,8 @@ WG = 256
 MAX_GROUPS = 65535
 U32 = 1 << 32
 
-OPS = {"add": 0, "mul": 1, "scale": 2, "silu": 3, "gelu": 4, "swiglu": 5}
-BINARY_OPS = ("add", "mul", "swiglu")
+OPS = {"add": 0, "mul": 1, "scale": 2, "silu": 3, "gelu": 4, "swiglu": 5, "geglu": 6, "softcap": 7}
+BINARY_OPS = ("add", "mul", "swiglu", "geglu")
 PUSH = "IIIIIIIIIf"
 
 VARIANTS = [
@@ -215,3 +217,24 @@ def record_gelu(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: in
     """``dst = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (ggml's GELU) over ``rows x cols``."""
     _unary(seq, "gelu", src, dst, rows, cols, 1.0, src_offset, src_stride, dst_offset,
            dst_stride, dtype)
+
+
+def record_geglu(seq: Sequence, gate: Bindable, up: Bindable, dst: Bindable, rows: int, cols: int, *,
+                 gate_offset: int = 0, gate_stride: int | None = None, up_offset: int = 0,
+                 up_stride: int | None = None, dst_offset: int = 0, dst_stride: int | None = None,
+                 dtype: str = "f32") -> None:
+    """``dst[r, :] = gelu(gate[r, :]) * up[r, :]`` over ``rows x cols`` (GELU as :func:`record_gelu`;
+    llama.cpp's ``LLM_FFN_GELU`` + ``LLM_FFN_PAR``)."""
+    _binary(seq, "geglu", gate, up, dst, rows, cols, gate_offset, gate_stride, up_offset, up_stride, rows,
+            dst_offset, dst_stride, dtype, names=("gate", "up"))
+
+
+def record_softcap(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: int, cap: float, *,
+                   src_offset: int = 0, src_stride: int | None = None, dst_offset: int = 0,
+                   dst_stride: int | None = None, dtype: str = "f32") -> None:
+    """``dst = cap * tanh(src / cap)`` over ``rows x cols`` (``cap`` > 0; ggml's scale, tanh, scale)."""
+    import math
+
+    if not (math.isfinite(cap) and cap > 0):
+        raise KernelError(f"softcap_{dtype}: cap = {cap!r} must be a finite number > 0 (shape {[rows, cols]})")
+    _unary(seq, "softcap", src, dst, rows, cols, cap, src_offset, src_stride, dst_offset, dst_stride, dtype)

@@ -24,7 +24,7 @@ DQ_ROW_GROUPS = 4096  # dequant_rows: workgroups across the rows (each loops ove
 
 VARIANTS = [
     Variant(name=f"get_rows_{t}_f32", source="get_rows.comp", defines={"WTYPE": str(wt.id)},
-            bindings=3, writes=(2,), push="I" * 7, local_size=(WG, 1, 1),
+            bindings=3, writes=(2,), push="I" * 8, local_size=(WG, 1, 1),
             requires=("storageBuffer16BitAccess", "storageBuffer8BitAccess"))
     for t, wt in TYPES.items()
 ] + [
@@ -38,10 +38,14 @@ VARIANTS = [
 
 def record_get_rows(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, ids: Bindable, out: Bindable,
                     n_ids: int, K: int, ids_offset: int = 0, out_offset: int = 0,
-                    out_stride: int | None = None, n_rows: int | None = None) -> None:
+                    out_stride: int | None = None, n_rows: int | None = None, row0: int | None = None) -> None:
     """Record ``out[out_offset + i*out_stride + k] = W[ids[ids_offset + i], k]`` for i < n_ids,
     k < K (offsets/strides in elements; ``out_stride`` defaults to K; ``n_rows``, the rows of
-    W that ids may name, defaults to all rows that fit the binding)."""
+    W that ids may name, defaults to all rows that fit the binding).
+
+    ``row0`` (a table too large for one binding, looked up part by part): ``w`` holds rows
+    ``row0 .. row0 + n_rows - 1``; ids in that range are looked up, the others skipped (their
+    output rows untouched)."""
     wt = weight_type(w_type)
     name = f"get_rows[{wt.name.upper()}, n_ids={n_ids}, K={K}]"
     out_stride = K if out_stride is None else out_stride
@@ -81,9 +85,11 @@ def record_get_rows(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, i
         raise KernelError(f"{name}: rows of {K} elements are too long for one dispatch")
     if n_ids == 0:
         return
-    flags = 2 if (wt.quantized or K % 4 == 0) else 0
+    flags = (2 if (wt.quantized or K % 4 == 0) else 0) | (4 if row0 is not None else 0)
+    if row0 is not None and not 0 <= row0 < 1 << 31:
+        raise KernelError(f"{name}: row0 = {row0!r} is not a row index")
     kernel = Kernel.get(seq.device, f"get_rows_{wt.name}_f32")
-    seq.dispatch(kernel, [w, ids, out], (n_ids, K, n_rows, ids_offset, out_offset, out_stride, flags),
+    seq.dispatch(kernel, [w, ids, out], (n_ids, K, n_rows, ids_offset, out_offset, out_stride, flags, row0 or 0),
                  (gx, min(n_ids, MAX_GROUPS), 1))
 
 

@@ -83,6 +83,11 @@ VEC_CONFIG: dict[str, VecConfig] = {
     "q4_1": VecConfig(128, 8, 1, 2),
     **{t: VecConfig(128, 2, 1, 4) for t in ("q4_k", "q5_k")},
     "q6_k": VecConfig(128, 2, 2),
+    # not yet measured: the shapes of the nearest measured type (Q2_K / Q3_K share Q6_K's unit,
+    # IQ4_NL Q4_0's block, IQ4_XS Q4_K's super-block), without a lane choice (DQX_L): they
+    # read dq_codes()'s units
+    **{t: VecConfig(128, 2, 2) for t in ("q2_k", "q3_k")},
+    "iq4_nl": VecConfig(128, 4, 4), "iq4_xs": VecConfig(128, 2, 1),
 }
 # mat-vec variants by the most columns of x they handle (fewer columns, fewer registers);
 # the 8-column one is mul_mat_vec_<type>_f32, the others carry an _m<n> suffix
@@ -94,6 +99,8 @@ VEC_MAXM = (1, 2, 4, 8)
 VEC_CPU_M1: dict[str, VecConfig] = {
     **{t: VecConfig(32, 4, 1, 4) for t in ("q4_0", "q4_1", "q8_0")},
     "q4_k": VecConfig(32, 2, 1, 8), "q6_k": VecConfig(32, 2, 1), "f16": VecConfig(128, 8, 1),
+    # the nearest measured type's shape (as VEC_CONFIG)
+    **{t: VecConfig(32, 2, 1) for t in ("q2_k", "q3_k", "iq4_xs")}, "iq4_nl": VecConfig(32, 4, 1),
 }
 
 
@@ -430,6 +437,10 @@ CM2_CHOICES: dict[str, tuple[str, ...]] = {
     **{t: _CM2_QUANT32 for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
     "q6_k": ("w128x128_k64_n256", "w128x256_k64_n256", "w64x256_k64_n256"),
     "q4_k": (CM2_DEFAULT, "w64x256_k64_n256"), "q5_k": (CM2_DEFAULT, "w64x256_k64_n256"),
+    # not yet measured: the nearest measured type's tilings (Q6_K's super-block of 16-element
+    # scales, Q4_0's 32-element block, Q4_K's super-block of 32-element scales)
+    **{t: ("w128x128_k64_n256", "w128x256_k64_n256", "w64x256_k64_n256") for t in ("q2_k", "q3_k")},
+    "iq4_nl": _CM2_QUANT32, "iq4_xs": (CM2_DEFAULT, "w64x256_k64_n256"),
 }
 
 _CM2_REQUIRES = ("cooperativeMatrix", "cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",

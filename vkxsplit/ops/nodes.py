@@ -24,16 +24,18 @@ from .argmax import record_argmax
 from .attention import record_attention, record_kv_store
 from .convert import record_convert
 from .copy import record_copy
-from .elementwise import record_add, record_swiglu
+from .elementwise import record_add, record_geglu, record_scale, record_softcap, record_swiglu
 from .get_rows import record_get_rows
 from .link import record_link_sum
+from .moe import NODE_RECORDERS as MOE_RECORDERS
 from .mul_mat import record_mul_mat, record_mul_mat_vecq, record_quantize_q8_1, record_swiglu_q8_1
 from .norm import record_add_rms_norm, record_rms_norm
-from .rope import record_rope
+from .rope import YARN_DEFAULTS, record_rope
 
 if TYPE_CHECKING:
     from ..graph import Node, Tensor
     from ..vk.command import Sequence
+    from ..vk.kernel import Bindable
 
 #: a hub recorder: ``fn(seq, node)`` (``mul_mat``'s also takes ``r0, r1, y``)
 Recorder = Callable[..., None]
@@ -81,6 +83,31 @@ def record_tensor_convert(seq: Sequence, src: Tensor, dst: Tensor) -> None:
     record_convert(seq, src.buffer, dst.buffer, src.rows * src.cols, src.dtype, dst.dtype)
 
 
+def weight_parts(seq: Sequence, w: Tensor, r0: int, r1: int) -> list[tuple[Bindable, int, int, int]]:
+    """Rows ``[r0, r1)`` of weight ``w`` as ``(binding, base, a, b)``: rows ``[a, b)`` of the
+    binding, whose byte 0 is row ``base``. One part, the weight's own binding (base 0), when it
+    fits the device's ``maxStorageBufferRange``; else views of at most that many bytes, each
+    starting at a row that is a multiple of 256 (offsets aligned for any
+    ``minStorageBufferOffsetAlignment``)."""
+    from ..vk.kernel import View, as_range
+    from .quant import row_bytes
+
+    maxr = int(seq.device.physical.limits["maxStorageBufferRange"])
+    _h, _off, size, _ = as_range(w.buffer)
+    if size <= maxr:
+        return [(w.buffer, 0, r0, r1)]
+    rb = row_bytes(w.dtype, w.shape[-1])
+    step = maxr // rb // 256 * 256
+    if step < 1:
+        raise KernelError(f"weight {w.name}: a row of 256 x {rb} bytes exceeds maxStorageBufferRange ({maxr})")
+    base, off0 = (w.buffer.buffer, w.buffer.offset) if isinstance(w.buffer, View) else (w.buffer, 0)
+    out: list[tuple[Bindable, int, int, int]] = []
+    for a in range(r0 - r0 % step, r1, step):
+        lo, hi = max(a, r0), min(a + step, r1)
+        out.append((View(base, off0 + a * rb, (hi - a) * rb), a, lo, hi))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # the recorders
 
@@ -97,13 +124,14 @@ def _mul_mat(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None, y: Tens
     N = w.shape[0]
     r1 = N if r1 is None else r1
     xq = n.params.get("xq")
-    if xq is not None:
-        record_mul_mat_vecq(seq, w.buffer, w.dtype, x.buffer, xq.buffer, y.buffer, M=x.rows, N=r1 - r0,
-                            K=w.shape[-1], w_row_offset=r0, y_col_offset=r0, y_stride=N,
-                            variant=n.params["vecq"], quantize=False)
-    else:
-        record_mul_mat(seq, w.buffer, w.dtype, x.buffer, y.buffer, M=x.rows, N=r1 - r0, K=w.shape[-1],
-                       w_row_offset=r0, y_col_offset=r0, y_stride=N)
+    for wb, base, a, b in weight_parts(seq, w, r0, r1):  # (one part unless W exceeds a binding)
+        if xq is not None:
+            record_mul_mat_vecq(seq, wb, w.dtype, x.buffer, xq.buffer, y.buffer, M=x.rows, N=b - a,
+                                K=w.shape[-1], w_row_offset=a - base, y_col_offset=a, y_stride=N,
+                                variant=n.params["vecq"], quantize=False)
+        else:
+            record_mul_mat(seq, wb, w.dtype, x.buffer, y.buffer, M=x.rows, N=b - a, K=w.shape[-1],
+                           w_row_offset=a - base, y_col_offset=a, y_stride=N)
 
 
 @register("quantize_q8_1")
@@ -116,7 +144,13 @@ def _quantize_q8_1(seq: Sequence, n: Node) -> None:
 @register("get_rows")
 def _get_rows(seq: Sequence, n: Node) -> None:
     w, ids = n.inputs
-    record_get_rows(seq, w.buffer, w.dtype, ids.buffer, n.output.buffer, ids.shape[0], w.shape[-1])
+    parts = weight_parts(seq, w, 0, w.rows)
+    if len(parts) == 1:
+        record_get_rows(seq, w.buffer, w.dtype, ids.buffer, n.output.buffer, ids.shape[0], w.shape[-1])
+        return
+    for wb, _base, a, b in parts:  # a table larger than a binding (Gemma 3's 262144 x 640 Q8_0 on lavapipe)
+        record_get_rows(seq, wb, w.dtype, ids.buffer, n.output.buffer, ids.shape[0], w.shape[-1],
+                        n_rows=b - a, row0=a)
 
 
 @register("rms_norm")
@@ -151,6 +185,27 @@ def _swiglu(seq: Sequence, n: Node) -> None:
     record_swiglu(seq, g.buffer, u.buffer, n.output.buffer, g.rows, g.cols)
 
 
+@register("geglu")
+def _geglu(seq: Sequence, n: Node) -> None:
+    """``out = gelu(gate) * up`` (Gemma's FFN; out may be gate, in place)."""
+    g, u = n.inputs
+    record_geglu(seq, g.buffer, u.buffer, n.output.buffer, g.rows, g.cols)
+
+
+@register("scale")
+def _scale(seq: Sequence, n: Node) -> None:
+    """``out = x * params["scale"]`` (Gemma's embedding scale sqrt(n_embd); in place allowed)."""
+    (x,) = n.inputs
+    record_scale(seq, x.buffer, n.output.buffer, x.rows, x.cols, n.params["scale"])
+
+
+@register("softcap")
+def _softcap(seq: Sequence, n: Node) -> None:
+    """``out = cap * tanh(x / cap)`` (a final-logit soft cap, ``params["cap"]``)."""
+    (x,) = n.inputs
+    record_softcap(seq, x.buffer, n.output.buffer, x.rows, x.cols, n.params["cap"])
+
+
 @register("rope")
 def _rope(seq: Sequence, n: Node) -> None:
     x, pos, *ff = n.inputs  # (a third input: the frequency factors, rope_freqs.weight)
@@ -158,7 +213,8 @@ def _rope(seq: Sequence, n: Node) -> None:
     record_rope(seq, x.buffer, pos.buffer, n.output.buffer, x.rows, p["n_heads"], p["head_dim"],
                 n_dims=p["n_dims"], mode="neox" if p["mode"] == "neox" else "normal",
                 freq_base=p["freq_base"], freq_scale=p["freq_scale"],
-                freq_factors=ff[0].buffer if ff else None)
+                freq_factors=ff[0].buffer if ff else None,
+                **{k: p[k] for k in YARN_DEFAULTS if k in p})  # (YaRN / attn_factor, when the model has them)
 
 
 @register("kv_store")
@@ -180,7 +236,8 @@ def _attention(seq: Sequence, n: Node) -> None:
     scratch = p.get("scratch")
     record_attention(seq, q.buffer, ck.buffer, cv.buffer, pos.buffer, n.output.buffer, q.rows, p["n_heads"],
                      p["n_kv_heads"], p["head_dim"], p["n_ctx"], n_splits=p.get("n_splits", 1),
-                     scratch=scratch.buffer if scratch is not None else None)
+                     scratch=scratch.buffer if scratch is not None else None, scale=p.get("scale"),
+                     window=p.get("window", 0))
 
 
 @register("cpy")
@@ -220,6 +277,12 @@ def _convert(seq: Sequence, n: Node) -> None:
 def _argmax(seq: Sequence, n: Node) -> None:
     (x,) = n.inputs
     record_argmax(seq, x.buffer, n.output.buffer, x.rows, x.cols)
+
+
+# the mixture-of-experts ops: mul_mat_id (its recorder also takes r0, r1, y), moe_topk,
+# moe_group, moe_combine (vkxsplit/ops/moe.py)
+for _op, _fn in MOE_RECORDERS.items():
+    register(_op)(_fn)
 
 
 __all__ = ["Recorder", "record_node", "record_tensor_convert", "recorder", "recorders", "register"]

@@ -43,7 +43,8 @@ class WeightType:
         return row_bytes(self, k)
 
 
-_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+          "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 
 
 def _make(name: str) -> WeightType:

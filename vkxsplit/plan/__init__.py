@@ -21,7 +21,17 @@ from __future__ import annotations
 from .cost import DEFAULTS, CostModel, Prediction, simulate
 from .planner import F32_ONLY_OPS, GRANULE, OFFLOADABLE_OPS, Part, Plan, Planner
 from .profile import PROFILE_VERSION, Profile
-from .schedule import BackendNodeOp, BackendOp, HubOp, Item, Job, Schedule, Segment, build_schedule
+from .schedule import (
+           BackendIdOp,
+           BackendNodeOp,
+           BackendOp,
+           HubOp,
+           Item,
+           Job,
+           Schedule,
+           Segment,
+           build_schedule,
+)
 from .spec import (
            HUB,
            HUB_ALIASES,
@@ -37,7 +47,7 @@ from .spec import (
 from .workspace import ELEM_BYTES, FLOAT_TYPES, ArenaWorkspace, Workspace
 
 __all__ = ["DEFAULTS", "ELEM_BYTES", "F32_ONLY_OPS", "FLOAT_TYPES", "GRANULE", "HUB", "HUB_ALIASES", "KERNEL_SWITCHES",
-           "KINDS", "OFFLOADABLE_OPS", "PROFILE_VERSION", "SPLIT_HELP", "ArenaWorkspace", "BackendNodeOp", "BackendOp",
-           "CostModel", "HubOp", "Item", "Job", "Override", "Part", "Plan", "Planner", "Prediction", "Profile", "Rule",
+           "KINDS", "OFFLOADABLE_OPS", "PROFILE_VERSION", "SPLIT_HELP", "ArenaWorkspace", "BackendIdOp", "BackendNodeOp",
+           "BackendOp", "CostModel", "HubOp", "Item", "Job", "Override", "Part", "Plan", "Planner", "Prediction", "Profile", "Rule",
            "Schedule", "Segment", "SplitSpec", "Workspace", "build_schedule", "parse_backends",
            "parse_spec", "parse_specs", "simulate"]

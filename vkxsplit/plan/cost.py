@@ -21,7 +21,7 @@ from ..graph import Graph, Node
 from ..ops.quant import ELEM_BYTES as _ELEM
 from ..ops.quant import row_bytes
 from .profile import Profile
-from .schedule import BackendNodeOp, BackendOp, HubOp, Schedule
+from .schedule import BackendIdOp, BackendNodeOp, BackendOp, HubOp, Schedule
 from .spec import HUB
 
 if TYPE_CHECKING:
@@ -116,6 +116,13 @@ class CostModel:
             nbytes += w.shape[0] * row_bytes(w.dtype, w.shape[-1]) if w.dtype not in _ELEM else 0
             return 2.0 * x.rows * w.shape[0] * w.shape[-1] / (DEFAULTS["hub_gflops"] * 1e9) + \
                 nbytes / (DEFAULTS["hub_gbs"] * 1e9)
+        if node.op == "mul_mat_id":  # the experts the tokens can touch, each read once
+            w, ids = node.inputs[0], node.inputs[2]
+            E, N, K = w.shape
+            P = ids.rows * ids.cols
+            if w.dtype not in _ELEM:
+                nbytes += min(E, P) * N * row_bytes(w.dtype, K)
+            return 2.0 * P * N * K / (DEFAULTS["hub_gflops"] * 1e9) + nbytes / (DEFAULTS["hub_gbs"] * 1e9)
         return nbytes / (DEFAULTS["hub_gbs"] * 1e9)
 
     def hub_item(self, it: HubOp) -> float:
@@ -124,8 +131,8 @@ class CostModel:
             return self.convert(it.src.rows * it.src.cols)
         assert it.node is not None
         t = self.hub_node(it.node)
-        if it.kind == "rows":
-            return t * (it.r1 - it.r0) / it.node.inputs[0].shape[0]
+        if it.kind == "rows":  # (of a routed product: rows of every expert)
+            return t * (it.r1 - it.r0) / it.node.inputs[0].shape[-2 if it.node.op == "mul_mat_id" else 0]
         return t
 
     def _rate(self, name: str) -> float:
@@ -165,9 +172,12 @@ class CostModel:
             return DEFAULTS["enqueue_s"]
         return float(v)
 
-    def backend_item(self, op: BackendOp | BackendNodeOp) -> float:
+    def backend_item(self, op: BackendOp | BackendIdOp | BackendNodeOp) -> float:
         if isinstance(op, BackendNodeOp):
             return self.node_on(op.backend, op.node)
+        if isinstance(op, BackendIdOp):  # as the mul_mat of the same weight bytes and flops
+            N, K, M = op.mul_mat_shape()
+            return self.job(op.backend, op.weight.dtype, N, K, M) * (op.r1 - op.r0) / op.N
         return self.job(op.backend, op.weight.dtype, op.N, op.K, op.M) * (op.r1 - op.r0) / op.N
 
     def node_on(self, backend: str, node: Node) -> float:

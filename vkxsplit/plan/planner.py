@@ -25,17 +25,43 @@ from ..backend import NODE_OPS
 from ..errors import PlanError
 from ..graph import Graph, Node, Span, Tensor, any_overlap, span
 from .cost import CostModel, Prediction, simulate
-from .schedule import BackendNodeOp, BackendOp, HubOp, Item, Schedule, build_schedule
+from .schedule import BackendIdOp, BackendNodeOp, BackendOp, HubOp, Item, Schedule, build_schedule
 from .spec import HUB, HUB_ALIASES, Rule, SplitSpec, parse_spec
 from .workspace import Workspace
 
-#: Ops the planner may hand a backend; every other op of the graph stays on the hub.
-OFFLOADABLE_OPS = frozenset({"mul_mat"})
+#: Ops the planner may hand a backend; every other op of the graph stays on the hub. The
+#: routed expert product ``mul_mat_id`` (a MoE FFN's gate/up/down experts) is placed like
+#: ``mul_mat`` (layer overrides such as ``layer:blk\..*\.ffn_.*_exps=cpu``, tensor split over
+#: the rows of every expert, mode rules) on backends that implement the ``mul_mat_id`` hook.
+OFFLOADABLE_OPS = frozenset({"mul_mat", "mul_mat_id"})
+ROUTED_OPS = frozenset({"mul_mat_id"})
 #: Ops whose inputs and outputs are f32 state (residual stream, norms, attention, positions):
 #: they have no bf16 form, so a backend that computes only in bf16 can never take them.
 F32_ONLY_OPS = frozenset({"get_rows", "rms_norm", "add_rms_norm", "add", "swiglu", "rope", "kv_store", "attention", "argmax",
                           "softmax", "norm", "mul", "scale", "silu", "gelu", "cpy"})
 GRANULE = 16  # tensor-split row boundaries are multiples of this (except the last)
+
+
+def out_rows(n: Node) -> int:
+    """Output features of a matrix node: the weight's rows (``mul_mat``), the rows of each
+    expert's matrix (``mul_mat_id``: weight (n_expert, N, K)); 0 for other ops."""
+    if n.op == "mul_mat":
+        return n.inputs[0].shape[0]
+    if n.op in ROUTED_OPS:
+        return n.inputs[0].shape[-2]
+    return 0
+
+
+def _has_hook(b: Any, hook: str) -> bool:
+    """Whether backend ``b`` overrides optional hook ``hook`` (stand-ins without the Backend
+    class's ``implements``, in dry planning: whether their caps say so is all there is)."""
+    impl = getattr(type(b), "implements", None)
+    return True if impl is None else bool(impl(hook))
+
+
+def matrices(graph: Graph) -> list[Node]:
+    """The nodes a backend may take as matrix products (:data:`OFFLOADABLE_OPS`)."""
+    return [n for n in graph.nodes if n.op in OFFLOADABLE_OPS]
 
 
 @dataclass(frozen=True)
@@ -79,8 +105,7 @@ class Plan:
         got = self.assign.get(n.index)
         if got:
             return got
-        N = n.inputs[0].shape[0] if n.op == "mul_mat" else 0
-        return [Part(HUB, 0, N)]
+        return [Part(HUB, 0, out_rows(n))]
 
     def runs_on(self, node: Node | str) -> list[str]:
         return sorted({p.participant for p in self.parts(node)})
@@ -95,11 +120,14 @@ class Plan:
 
     def by_participant(self) -> dict[str, dict[str, list[str]]]:
         out: dict[str, dict[str, list[str]]] = {p: {"ops": [], "mul_mat": []} for p in self.participants}
+        lowered = {id(it.node) for it in self.items if it.node is not None}
         for n in self.graph.nodes:
+            if id(n) not in lowered:  # a q8_1 quantization nobody reads: not run
+                continue
             for part in self.parts(n):
                 d = out.setdefault(part.participant, {"ops": [], "mul_mat": []})
-                if n.op == "mul_mat":
-                    N = n.inputs[0].shape[0]
+                if n.op in OFFLOADABLE_OPS:
+                    N = out_rows(n)
                     rows = "" if (part.r0, part.r1) == (0, N) else f" rows {part.r0}:{part.r1}/{N}"
                     d["mul_mat"].append(f"{n.name}{rows}")
                 else:
@@ -309,13 +337,17 @@ class Planner:
             return None, False, f"the hub cannot dequantize {w.dtype} weights for {b.name}"
         return targets[0], True, ""
 
-    def why_not(self, b: Any, node: Node, *, soft: bool = True) -> tuple[str, str] | None:
+    def why_not(self, b: Any, node: Node, *, soft: bool = True,
+                hub_xq: set[int] | None = None) -> tuple[str, str] | None:
         """Why ``node`` cannot run on ``b``: ``("hard", reason)`` (never), ``("soft", reason)``
-        (not at this batch size / memory), or None when it can."""
+        (not at this batch size / memory), or None when it can. ``hub_xq``: the ids of the q8_1
+        x tensors hub-run mat-vecs read under the assignment being made (:func:`hub_xq_reads`);
+        None: every one is read."""
         if node.op in NODE_OPS:
             if node.op not in b.caps.ops or not type(b).implements("run_op"):
                 return "hard", f"{node.op} runs on the hub only ({b.name} does not take it)"
-            if "xq" in node.params:  # its q8_1 output feeds the hub's integer-dot-product mat-vecs
+            xq = node.params.get("xq")  # its q8_1 output feeds the hub's integer-dot-product mat-vecs
+            if xq is not None and (hub_xq is None or id(xq) in hub_xq):
                 return "hard", f"{node.name} also writes the q8_1 x of the hub's mat-vecs (hub only)"
             if "f32" not in b.caps.compute_dtypes:
                 return "hard", f"{node.op} computes in f32, {b.name} does not"
@@ -326,12 +358,19 @@ class Planner:
             return None
         if node.op not in OFFLOADABLE_OPS:
             return "hard", f"{node.op} runs on the hub only"
-        w, x = node.inputs
+        w, x = node.inputs[:2]
+        routed = node.op in ROUTED_OPS
+        if routed and ("mul_mat_id" not in b.caps.ops or not _has_hook(b, "mul_mat_id")):
+            return "hard", (f"{b.name} has no routed expert product (mul_mat_id) for the MoE experts "
+                            f"{w.name}; they run on the hub or on a backend that has it")
         wt, conv, why = self.route(b, w)
         if wt is None:
             return "hard", why
+        if routed and conv:
+            return "hard", (f"{b.name} does not read {w.dtype} and the hub converts no expert tensors "
+                            f"({w.name}); give the experts to a backend that reads {w.dtype}")
         caps = b.caps
-        M = x.rows
+        M = node.inputs[2].shape[0] if routed else x.rows  # tokens
         if caps.max_batch is not None and M > caps.max_batch:
             return "soft", f"M={M} is over {b.name}'s max_batch {caps.max_batch}"
         if soft and M < caps.min_batch:
@@ -340,16 +379,24 @@ class Planner:
             own_copy = getattr(b, "private_weights", False) and w.host is not None  # loads its own rows
             stage = getattr(b, "stages_activations", False)  # x and y go through shadows the hub copies
             need = ([] if stage else [node.output]) + ([] if conv or own_copy else [w]) + (
-                [x] if caps.x_dtype == "f32" and not stage else [])
+                [x] if caps.x_dtype == "f32" and not stage else []) + ([node.inputs[2]] if routed else [])
             unshared = [t.name for t in need if not t.shared]
             if unshared:
                 return "soft", f"{', '.join(unshared)} not in memory shared with backends"
         return None
 
     def _kernel_key(self, b: Any, node: Node, part: Part) -> tuple[Any, ...]:
+        """The resident kernel of a ``mul_mat`` part on ``b`` (auto's cap fitting)."""
+        return self._kernel_keys_of(b, node, part)[0]
+
+    def _kernel_keys_of(self, b: Any, node: Node, part: Part) -> list[tuple[Any, ...]]:
+        """The resident kernels a part of a matrix node needs on ``b``: one per weight matrix
+        (per converted row range), and for a routed product one per expert."""
         w = node.inputs[0]
+        if node.op in ROUTED_OPS:
+            return [(w.name, e) for e in range(w.shape[0])]
         _wt, conv, _ = self.route(b, w)
-        return (w.name, part.r0, part.r1) if conv else (w.name,)
+        return [(w.name, part.r0, part.r1) if conv else (w.name,)]
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -373,6 +420,11 @@ class Planner:
             assign, family, candidates = self._auto(graph, T, notes)
         self._check_caps(graph, assign, s)
         items = self._lower(graph, assign, self.workspace)
+        dropped = sum(n.op == "quantize_q8_1" for n in graph.nodes) - sum(
+            isinstance(it, HubOp) and it.node is not None and it.node.op == "quantize_q8_1" for it in items)
+        if dropped:
+            notes.append(f"{dropped} quantize_q8_1 node(s) not run: every mat-vec reading that q8_1 x runs "
+                         "on a backend, which reads x in f32")
         sch = build_schedule(items)
         participants = [p for p in self.names if p == HUB or any(j.op.backend == p for j in sch.jobs)]
         plan = Plan(graph, s, family, assign, items, sch, participants, _dedupe(notes), candidates=candidates)
@@ -386,7 +438,7 @@ class Planner:
 
     def _place(self, assign: dict[int, list[Part]], node: Node, p: str, notes: list[str], *, why: str,
                soft: bool = True) -> None:
-        N = node.output.rows if node.op in NODE_OPS else node.inputs[0].shape[0]
+        N = node.output.rows if node.op in NODE_OPS else out_rows(node)
         if p == HUB:
             assign.pop(node.index, None)
             return
@@ -407,7 +459,7 @@ class Planner:
             p = self._name(ov.backend, spec)
             matched = graph.find(ov.pattern)
             if not matched:
-                sample = ", ".join(n.name for n in graph.mul_mats()[:3])
+                sample = ", ".join(n.name for n in matrices(graph)[:3])
                 raise PlanError(f"split '{spec}': override '{ov.pattern}={ov.backend}' matches no node or tensor "
                                 f"of {graph.name}", f"names look like {sample} (regexes use re.search)")
             mms = [n for n in matched if n.op in OFFLOADABLE_OPS]
@@ -444,7 +496,7 @@ class Planner:
                 r = ratios.get(p, 0.0)
                 bounds.append((p, acc / total * n_layer, (acc + r) / total * n_layer))
                 acc += r
-            for n in graph.mul_mats():
+            for n in matrices(graph):
                 if n.index in taken or n.layer is None:
                     continue
                 mid = n.layer + 0.5
@@ -454,7 +506,7 @@ class Planner:
 
     def _filtered(self, graph: Graph, spec: SplitSpec, pattern: str | None) -> list[Node]:
         if pattern is None:
-            return graph.mul_mats()
+            return matrices(graph)
         matched = graph.find(pattern)
         if not matched:
             raise PlanError(f"split '{spec}': regex '{pattern}' matches no node or tensor of {graph.name}")
@@ -486,7 +538,7 @@ class Planner:
         assign: dict[int, list[Part]] = {}
         shares = [ratios.get(p, 0.0) for p in self.names]
         for n in self._filtered(graph, spec, spec.filter):
-            N = n.inputs[0].shape[0]
+            N = out_rows(n)  # (a routed product: the rows of every expert)
             parts: list[Part] = []
             for p, (r0, r1) in zip(self.names, self.bounds(N, shares)):
                 if r1 <= r0:
@@ -529,8 +581,11 @@ class Planner:
         times."""
         b = self.backends.get(name)
         if b is not None and b.caps.ops & NODE_OPS and type(b).implements("run_op"):
+            # a norm / SwiGLU that also writes the q8_1 x of decode mat-vecs (DecodeQ8) may go
+            # too when none of those mat-vecs runs on the hub: the backend reads f32 x
+            hub_xq = hub_xq_reads(graph, assign)
             for n in graph.nodes:
-                if n.op in NODE_OPS and self.why_not(b, n) is None:
+                if n.op in NODE_OPS and self.why_not(b, n, hub_xq=hub_xq) is None:
                     assign[n.index] = [Part(b.name, 0, n.output.rows)]
         return assign
 
@@ -545,7 +600,7 @@ class Planner:
                     continue
                 b = self.backends[part.participant]
                 if b.caps.max_kernels is not None:
-                    out.setdefault(b.name, set()).add(self._kernel_key(b, n, part))
+                    out.setdefault(b.name, set()).update(self._kernel_keys_of(b, n, part))
         return out
 
     def _check_caps(self, graph: Graph, assign: dict[int, list[Part]], spec: SplitSpec) -> None:
@@ -571,8 +626,11 @@ class Planner:
             for k in [k for k, (src, _t) in fresh.items() if any_overlap([src], ws_)]:
                 del fresh[k]
 
+        hub_xq = hub_xq_reads(graph, assign)
         for n in graph.nodes:
             parts = assign.get(n.index)
+            if n.op == "quantize_q8_1" and not parts and id(n.output) not in hub_xq:
+                continue  # x as q8_1 for decode mat-vecs that all run on backends: nobody reads it
             if not parts:
                 items.append(HubOp("node", n.name, n.reads(), n.writes(), node=n))
                 invalidate(n.writes())
@@ -581,9 +639,10 @@ class Planner:
                 items.append(BackendNodeOp(parts[0].participant, n.name, n))
                 invalidate(n.writes())
                 continue
-            w, x = n.inputs
+            w, x = n.inputs[:2]
             y = n.output
-            N = w.shape[0]
+            N = out_rows(n)
+            routed = n.op in ROUTED_OPS
             group = n.index if len(parts) > 1 else None
             # A backend that stages activations (a vulkan peer on another GPU: it reaches only
             # host pages) gets x and y through shadows in the arena while the hub keeps its
@@ -609,6 +668,13 @@ class Planner:
                 wt, conv, why = self.route(b, w)
                 if wt is None:
                     raise PlanError(f"{n.name} on {b.name}: {why}")
+                name = n.name if group is None else f"{n.name}[{part.r0}:{part.r1}]"
+                if routed:
+                    if conv:
+                        raise PlanError(f"{n.name} on {b.name}: the hub converts no expert tensors ({w.name} "
+                                        f"is {w.dtype}, {b.name} reads {', '.join(sorted(b.caps.weight_types))})")
+                    items.append(BackendIdOp(b.name, name, n, w, xt, yt, part.r0, part.r1, group))
+                    continue
                 if conv:
                     wtensor, w_row0 = ws.converted_weight(w, part.r0, part.r1, wt), part.r0
                 else:
@@ -621,7 +687,7 @@ class Planner:
                 if (part.r0, part.r1) == (0, N):
                     items.append(HubOp("node", n.name, n.reads(), n.writes(), node=n))
                 else:
-                    items.append(HubOp("rows", f"{n.name}[{part.r0}:{part.r1}]", [w, x], [yt], node=n,
+                    items.append(HubOp("rows", f"{n.name}[{part.r0}:{part.r1}]", list(n.inputs), [yt], node=n,
                                        r0=part.r0, r1=part.r1, group=group, dst=yt if stage else None))
             if stage:
                 items.append(HubOp("convert", f"{y.name}<-{yt.name}", [yt], [y], src=yt, dst=y))
@@ -629,8 +695,9 @@ class Planner:
         return items
 
     def _job_needs(self, sch: Schedule) -> set[tuple[str, str, int, int, int]]:
-        return {(j.op.backend, j.op.weight.dtype, j.op.N, j.op.K, j.op.M) for j in sch.jobs
-                if isinstance(j.op, BackendOp)}
+        return {(j.op.backend, j.op.weight.dtype, *j.op.mul_mat_shape()) if isinstance(j.op, BackendIdOp)
+                else (j.op.backend, j.op.weight.dtype, j.op.N, j.op.K, j.op.M) for j in sch.jobs
+                if isinstance(j.op, (BackendOp, BackendIdOp))}
 
     # -- auto ---------------------------------------------------------------------------------
 
@@ -744,6 +811,22 @@ class Planner:
                     alts = {p: v for p, v in costs[i].items() if p != name}
                     choice[i] = min(alts, key=alts.get)  # type: ignore[arg-type]
         return {i: [Part(p, 0, graph.nodes[i].inputs[0].shape[0])] for i, p in choice.items() if p != HUB}
+
+
+def hub_xq_reads(graph: Graph, assign: dict[int, list[Part]]) -> set[int]:
+    """The ids of the q8_1 x tensors (``xq`` params, :class:`vkxsplit.archs.DecodeQ8`) that a
+    matrix node read by the hub under ``assign`` reads (wholly on the hub, or a hub row
+    range). Backends read x in f32, so a q8_1 x outside this set has no reader: its
+    ``quantize_q8_1`` node is not lowered and the glue writing it may leave the hub."""
+    out: set[int] = set()
+    for n in graph.nodes:
+        xq = n.params.get("xq")
+        if xq is None or n.op in NODE_OPS:  # NODE_OPS carrying xq write it
+            continue
+        parts = assign.get(n.index)
+        if not parts or any(p.participant == HUB for p in parts):
+            out.add(id(xq))
+    return out
 
 
 def _water_fill(lat: dict[str, float], full: dict[str, float]) -> tuple[dict[str, float], float]:

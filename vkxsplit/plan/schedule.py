@@ -1,9 +1,11 @@
 """A plan lowered: the items of one step in execution order, and the schedule cut from them.
 
 A plan (:mod:`vkxsplit.plan.planner`) lowers its graph to a list of *items*:
-:class:`HubOp` (a graph node on the hub, the hub's rows of a split ``mul_mat``, or an inserted
-f32 -> bf16 conversion), :class:`BackendOp` (a ``mul_mat`` or a row range of one, for an
-attached backend) and :class:`BackendNodeOp` (a small op on a backend's ``run_op``).
+:class:`HubOp` (a graph node on the hub, the hub's rows of a split ``mul_mat`` /
+``mul_mat_id``, or an inserted f32 -> bf16 conversion), :class:`BackendOp` (a ``mul_mat`` or a
+row range of one, for an attached backend), :class:`BackendIdOp` (the same for a routed expert
+product ``mul_mat_id``: the backend's ``mul_mat_id`` hook) and :class:`BackendNodeOp` (a small
+op on a backend's ``run_op``).
 
 :func:`build_schedule` (pure: no Vulkan) cuts the hub items into *segments* at backend
 boundaries, from the bytes each item reads and writes (:func:`vkxsplit.graph.span`): a backend
@@ -102,6 +104,83 @@ class BackendOp:
 
 
 @dataclass(eq=False)
+class BackendIdOp:
+    """A routed expert product ``mul_mat_id`` (output rows ``[r0, r1)`` of every expert) for
+    the attached backend ``backend``, whose ``mul_mat_id`` hook runs it as a
+    :class:`vkxsplit.backend.MatMulIdJob` built from these fields: ``weight`` the stored
+    ``(n_expert, N, K)`` tensor (read in place: the hub converts no expert tensors), ``x`` the
+    ``(M, n_xb, K)`` activation (or its bf16/f16 shadow), ``ids`` the ``(M, n_used)`` int32
+    expert ids, ``y`` the ``(M, n_used, N)`` output. Not a :class:`BackendOp`, and without its
+    ``w_row0``: code that builds a ``mul_mat`` job from it fails instead of computing something
+    else."""
+
+    backend: str
+    name: str
+    node: Node
+    weight: Tensor
+    x: Tensor
+    y: Tensor
+    r0: int
+    r1: int
+    group: int | None = None
+
+    participant_kind = "backend"
+
+    @property
+    def participant(self) -> str:
+        return self.backend
+
+    @property
+    def ids(self) -> Tensor:
+        return self.node.inputs[2]
+
+    @property
+    def reads(self) -> list[Tensor]:
+        return [self.weight, self.x, self.ids]
+
+    @property
+    def writes(self) -> list[Tensor]:
+        return [self.y]
+
+    @property
+    def n_expert(self) -> int:
+        return self.node.inputs[0].shape[0]
+
+    @property
+    def N(self) -> int:
+        """Rows of each expert's matrix."""
+        return self.node.inputs[0].shape[-2]
+
+    @property
+    def K(self) -> int:
+        return self.node.inputs[0].shape[-1]
+
+    @property
+    def M(self) -> int:
+        """Tokens."""
+        return self.ids.shape[0]
+
+    @property
+    def n_used(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def n_xb(self) -> int:
+        return self.node.inputs[1].shape[1]
+
+    def mul_mat_shape(self) -> tuple[int, int, int]:
+        """``(N, K, M)`` of the ``mul_mat`` whose cost stands for this product's (the cost model,
+        calibration): the rows of the experts it can touch (at most min(n_expert, M n_used),
+        each read once) and the tokens per touched expert, so that both the weight bytes and
+        the flops (2 M n_used N K) come out right."""
+        touched = max(1, min(self.n_expert, self.M * self.n_used))
+        return self.N * touched, self.K, max(1, -(-self.M * self.n_used // touched))
+
+    def __repr__(self) -> str:
+        return f"BackendIdOp({self.backend} {self.name} rows {self.r0}:{self.r1})"
+
+
+@dataclass(eq=False)
 class BackendNodeOp:
     """One of the small ops (:data:`vkxsplit.backend.NODE_OPS`: norms, SwiGLU, residual add)
     on the attached backend ``backend`` (its ``run_op``), so that a backend taking a layer's
@@ -121,7 +200,10 @@ class BackendNodeOp:
 
     @property
     def reads(self) -> list[Tensor]:
-        return self.node.reads()
+        # not the q8_1 x a hub norm / SwiGLU would also write (``xq``): the backend never
+        # touches it (the planner moves such a node only when no hub mat-vec reads that x)
+        xq = self.node.params.get("xq")
+        return [t for t in self.node.reads() if t is not xq]
 
     @property
     def writes(self) -> list[Tensor]:
@@ -139,7 +221,7 @@ class BackendNodeOp:
         return f"BackendNodeOp({self.backend} {self.name} {self.node.op})"
 
 
-Item = HubOp | BackendOp | BackendNodeOp
+Item = HubOp | BackendOp | BackendIdOp | BackendNodeOp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +243,7 @@ class Job:
     """A backend op; starts after hub segment ``wait`` and signals its backend's timeline."""
 
     index: int
-    op: BackendOp | BackendNodeOp
+    op: BackendOp | BackendIdOp | BackendNodeOp
     wait: int
 
 
@@ -295,4 +377,4 @@ def build_schedule(items: list[Item]) -> Schedule:
     return Schedule(segments, jobs, order, list(pending))
 
 
-__all__ = ["BackendNodeOp", "BackendOp", "HubOp", "Item", "Job", "Schedule", "Segment", "build_schedule"]
+__all__ = ["BackendIdOp", "BackendNodeOp", "BackendOp", "HubOp", "Item", "Job", "Schedule", "Segment", "build_schedule"]

@@ -233,11 +233,19 @@ class Sequence:
         """Still recording (``end()`` not called yet)."""
         return self._recording
 
-    def write_timestamp(self, ts: Timestamps, index: int) -> None:
-        """Reset and write GPU timestamp ``index`` of ``ts`` (after earlier commands finish)."""
+    def write_timestamp(self, ts: Timestamps, index: int, reset: bool = True) -> None:
+        """Reset and write GPU timestamp ``index`` of ``ts`` (after earlier commands finish).
+        ``reset=False``: the query was reset earlier in this recording (:meth:`reset_timestamps`),
+        so no reset command sits between the commands being timed."""
         self._require_recording()
-        lib.vkCmdResetQueryPool(self.cb, ts.handle, index, 1)
+        if reset:
+            lib.vkCmdResetQueryPool(self.cb, ts.handle, index, 1)
         lib.vkCmdWriteTimestamp(self.cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, ts.handle, index)
+
+    def reset_timestamps(self, ts: Timestamps) -> None:
+        """Reset every query of ``ts`` with one command (before writing them with ``reset=False``)."""
+        self._require_recording()
+        lib.vkCmdResetQueryPool(self.cb, ts.handle, 0, ts.count)
 
     def _require_recording(self) -> None:
         if not self._recording:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cachefile import atomic_write
-from ..errors import EnvironmentProblem, VkxError
+from ..errors import Closable, EnvironmentProblem, VkxError
 from ..features import disabled_from_env
 from .api import API_1_3, NULL, check, cstr, ffi, lib, new, next_serial, vk
 from .instance import (
@@ -82,8 +82,15 @@ def coopmat2_enablable(physical: Any) -> bool:
     return (physical.has("VK_NV_cooperative_matrix2") and bool(feats.get("cooperativeMatrix"))
             and all(feats.get(f) for f in COOPMAT2_NEEDS))
 
-class Device:
-    """The hub's logical device. Use :meth:`open` or ``Device(instance, physical)``."""
+class Device(Closable):
+    """The hub's logical device. Use :meth:`open` or ``Device(instance, physical)``.
+
+    After :meth:`close` every method raises :class:`~vkxsplit.errors.ClosedError`; a numpy
+    view of one of its buffers still alive then defers the VkDevice's destruction (and the
+    instance's, when the device owns it) until the last such view is gone (``vk.memory._Pin``)."""
+
+    # (children that close after the device call disown(); error messages and reports read these)
+    _closed_exempt = ("name", "disown", "is_cpu")
 
     def __init__(self, instance: Instance, physical: PhysicalDeviceInfo) -> None:
         self.instance = instance
@@ -98,6 +105,10 @@ class Device:
         # the kernel features switched off (VKXSPLIT_DISABLE, read once here; every kernel
         # choice on this device reads this set: vkxsplit.features)
         self.disabled: frozenset[str] = disabled_from_env()
+        # synchronization validation on (VK_LAYER_ENABLES, read by the layer when the instance
+        # was made, just before): host semaphore calls are serialized (vk.event._HOST_SYNC_LOCK)
+        self.serialize_semaphores = bool(getattr(instance, "validation", False)) and \
+            "SYNCHRONIZATION_VALIDATION" in os.environ.get("VK_LAYER_ENABLES", "")
 
         missing = [(f, why) for f, why in REQUIRED_FEATURES if not physical.features.get(f)]
         if missing:
@@ -323,14 +334,19 @@ class Device:
                 child.close()
             except Exception as exc:  # keep tearing down
                 log.warning("closing %r: %s", child, exc)
-        self.memory.close()
         self._save_pipeline_cache()
         lib.vkDestroyPipelineCache(self.handle, self.pipeline_cache, NULL)
         lib.vkDestroyCommandPool(self.handle, self.command_pool, NULL)
-        lib.vkDestroyDevice(self.handle, NULL)
-        self.handle = None
-        if self._owns_instance:
-            self.instance.close()
+        handle, self.handle = self.handle, None
+        instance = self.instance if self._owns_instance else None
+
+        def destroy() -> None:  # once no block is left (now, or after the last numpy view)
+            lib.vkDestroyDevice(handle, NULL)
+            if instance is not None:
+                instance.close()
+
+        if not self.memory.close(on_drained=destroy):
+            destroy()
 
     def __enter__(self) -> Device:
         return self

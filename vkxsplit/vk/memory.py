@@ -11,7 +11,11 @@ is (block, offset, size), bound to descriptors by offset. Pools:
 - ``export``: device-local and exportable (opaque fd, or dma-buf where offered): memory that
   attached backends import; the fd names the whole block, a buffer is (fd, offset, size)
 
-A buffer's numpy view (:meth:`Buffer.numpy`) aliases the mapped memory: no copy.
+A buffer's numpy view (:meth:`Buffer.numpy`) aliases the mapped memory: no copy. A view may
+outlive ``close()`` of its buffer, allocator or device: the memory under it then stays mapped
+(and, on the device's close, the VkDeviceMemory and the VkDevice stay alive) until the last view
+is gone (see :class:`_Pin`); every method of a closed object raises
+:class:`~vkxsplit.errors.ClosedError`.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import OutOfDeviceMemory, VkxError
+from ..errors import Closable, OutOfDeviceMemory, VkxError
 from .api import NULL, check, ffi, lib, new, next_serial, vk
 
 if TYPE_CHECKING:
@@ -85,6 +90,9 @@ class Block:
         self.buffer: Any = None
         self.ptr: Any = None
         self.allocation_size = 0  # VkMemoryAllocateInfo.allocationSize (what importers must name)
+        self.pins = 0  # live numpy views of this block's mapping (see _Pin)
+        self.doomed = False  # its allocator closed while views were alive: freed with the last one
+        self._dev_handle = dev.handle  # (the device's handle outlives its public close while pinned)
         # Called (no arguments) once the VkDeviceMemory is freed: owners of imported payloads
         # (a host mapping, a memfd) release them here, after Vulkan stopped using them.
         self.on_close: list[Callable[[], None]] = []
@@ -200,15 +208,15 @@ class Block:
         return fd[0]
 
     def close(self) -> None:
-        dev = self.alloc.device
+        handle = self._dev_handle
         if self.memory is not None:
             if self.ptr is not None:
-                lib.vkUnmapMemory(dev.handle, self.memory)
+                lib.vkUnmapMemory(handle, self.memory)
                 self.ptr = None
-            lib.vkFreeMemory(dev.handle, self.memory, NULL)
+            lib.vkFreeMemory(handle, self.memory, NULL)
             self.memory = None
         if self.buffer is not None:
-            lib.vkDestroyBuffer(dev.handle, self.buffer, NULL)
+            lib.vkDestroyBuffer(handle, self.buffer, NULL)
             self.buffer = None
         hooks, self.on_close = self.on_close, []
         for hook in hooks:
@@ -218,9 +226,26 @@ class Block:
                 log.warning("closing block of pool %s: %s", self.pool, exc)
 
 
-class Buffer:
+class _Pin:
+    """The base object of every numpy view a :class:`Buffer` hands out: numpy keeps the base of
+    an array (and of every view, slice or reshape made from it) alive, and this object keeps the
+    buffer's range pinned while it lives. Freeing mapped memory under a live array would make a
+    later read of it touch unmapped pages (a segfault, or silently another allocation's bytes
+    once the range is reused); an array cannot be made unusable, so instead the unmap and free
+    are deferred: ``Buffer.close()`` returns the range, the allocator frees the block and the
+    device destroys itself only once the last view is gone (a ``weakref.finalize`` on this
+    object). The closed objects raise :class:`~vkxsplit.errors.ClosedError` meanwhile."""
+
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1",
+                                    "version": 3}
+
+
+class Buffer(Closable):
     """A sub-allocated range of a :class:`Block`. Owned by whoever allocated it; ``close()``
-    returns the range (idempotent)."""
+    returns the range (idempotent; deferred while a numpy view of it lives: :class:`_Pin`)."""
 
     def __init__(self, block: Block, offset: int, size: int, name: str = "") -> None:
         self.block = block
@@ -228,6 +253,7 @@ class Buffer:
         self.size = size
         self.name = name
         self._closed = False
+        self._views = 0  # live numpy views (pins) of this buffer
         self._serial = next_serial()
 
     @property
@@ -243,7 +269,20 @@ class Buffer:
         return self.block.alloc.device
 
     def numpy(self, dtype: Any = np.uint8, shape: Any = None, offset: int = 0) -> np.ndarray:
-        """A numpy array aliasing this buffer's mapped memory (no copy)."""
+        """A numpy array aliasing this buffer's mapped memory (no copy). It stays valid after
+        ``close()``: the memory is freed once the last such view is gone (:class:`_Pin`)."""
+        arr = self._view(dtype, shape, offset)
+        pin = _Pin(arr.ctypes.data, arr.nbytes)
+        with self.block.alloc._lock:
+            self._views += 1
+            self.block.pins += 1
+        fin = weakref.finalize(pin, self.block.alloc._unpin, self)
+        fin.atexit = False  # at exit the process's memory goes with it
+        out = np.asarray(pin).view(arr.dtype)
+        return out.reshape(arr.shape)
+
+    def _view(self, dtype: Any = np.uint8, shape: Any = None, offset: int = 0) -> np.ndarray:
+        """An unpinned view, for use within one call (read/write): no finalizer to pay for."""
         if not self.block.host_visible:
             raise VkxError(f"buffer '{self.name}' lives in device-only memory and has no host view",
                            "allocate it from the 'host' or 'upload' pool, or use read()/write()")
@@ -263,7 +302,7 @@ class Buffer:
             raise VkxError(f"write of {src.nbytes} bytes at {offset} overflows buffer '{self.name}' "
                            f"({self.size} bytes)")
         if self.block.host_visible:
-            self.numpy(np.uint8, (src.nbytes,), offset)[:] = src
+            self._view(np.uint8, (src.nbytes,), offset)[:] = src
         else:
             from .command import staged_upload
 
@@ -274,7 +313,7 @@ class Buffer:
         dt = np.dtype(dtype)
         count = (self.size - offset) // dt.itemsize if shape is None else int(np.prod(shape))
         if self.block.host_visible:
-            return self.numpy(dt, (count,), offset).copy().reshape(shape if shape is not None else (count,))
+            return self._view(dt, (count,), offset).copy().reshape(shape if shape is not None else (count,))
         from .command import staged_download
 
         raw = staged_download(self, offset, count * dt.itemsize)
@@ -288,6 +327,9 @@ class Buffer:
         if self._closed:
             return
         self._closed = True
+        with self.block.alloc._lock:
+            if self._views:
+                return  # the last view's finalizer returns the range (Allocator._unpin)
         self.block.alloc._release(self)
 
     def __enter__(self) -> Buffer:
@@ -300,7 +342,7 @@ class Buffer:
         return f"Buffer({self.name!r}, pool={self.block.pool}, offset={self.offset}, size={self.size})"
 
 
-class Allocator:
+class Allocator(Closable):
     """Pools of blocks on one device; see the module docstring."""
 
     def __init__(self, device: Device) -> None:
@@ -310,7 +352,10 @@ class Allocator:
         self.alignment = max(256, int(lim["minStorageBufferOffsetAlignment"]),
                              int(lim["nonCoherentAtomSize"]))
         self.blocks: dict[str, list[Block]] = {}
-        self._lock = threading.Lock()
+        # reentrant: a view's finalizer (_unpin) may run wherever the last reference drops
+        self._lock = threading.RLock()
+        self._doomed: list[Block] = []  # blocks kept past close() for live views
+        self._on_drained: Callable[[], None] | None = None  # the device's deferred destroy
         self.allocated_bytes = 0
         self.live_buffers = 0
         self.type_for_pool = {p: self._choose_type(p) for p in POOLS}
@@ -399,7 +444,7 @@ class Allocator:
     def _release(self, buf: Buffer) -> None:
         with self._lock:
             b = buf.block
-            if b.memory is None:
+            if b.memory is None or b.doomed:  # (a doomed block is freed as a whole: _unpin)
                 return
             b.release(buf.offset, _align(buf.size, self.alignment))
             self.live_buffers -= 1
@@ -410,10 +455,38 @@ class Allocator:
                 self.allocated_bytes -= b.size
                 b.close()
 
-    def close(self) -> None:
+    def _unpin(self, buf: Buffer) -> None:
+        """A numpy view of ``buf`` is gone (its _Pin's finalizer)."""
+        drained = None
+        with self._lock:
+            buf._views -= 1
+            b = buf.block
+            b.pins -= 1
+            if b.doomed:
+                if b.pins == 0:
+                    b.close()
+                    self._doomed.remove(b)
+                    if not self._doomed:
+                        drained, self._on_drained = self._on_drained, None
+            elif buf._views == 0 and buf._closed:
+                self._release(buf)
+        if drained is not None:
+            drained()
+
+    def close(self, on_drained: Callable[[], None] | None = None) -> bool:
+        """Free every block; a block that a numpy view still maps is kept until its last view is
+        gone (then ``on_drained()`` runs once all such blocks are freed). Whether any was kept."""
         with self._lock:
             for blocks in self.blocks.values():
                 for b in blocks:
-                    b.close()
+                    if b.pins:
+                        b.doomed = True
+                        self._doomed.append(b)
+                    else:
+                        b.close()
             self.blocks.clear()
             self.allocated_bytes = 0
+            if self._doomed:
+                self._on_drained = on_drained
+                return True
+            return False

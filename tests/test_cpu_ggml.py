@@ -1,0 +1,392 @@
+"""The cpu backend on ggml's CPU kernels (libggml-python): every hub weight type, decode and
+prefill shapes, row ranges and strides against float64 numpy; the routed expert product
+(mul_mat_id); zero staged bytes and graphs built once; bad shapes refused before ggml sees them.
+
+The reference dequantizes the weight with gguf-py (independent of ggml's code) and multiplies
+in float64. ggml rounds x to the weight's dot-product type first (q8_0 / q8_1 for 32-element
+blocks, q8_K for K-quants and iq4_xs, f16 / bf16 for those weights, f32 as is): the bound
+:func:`ggml_bound` states that rounding's error and the f32 accumulation's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import WAIT_S
+from gguf import quants
+from gguf.constants import GGMLQuantizationType
+
+from vkxsplit.attach import SharedArena, stats
+from vkxsplit.backend import MatMulIdJob, MatMulJob, create_backend
+from vkxsplit.backends import ggml_cpu
+from vkxsplit.errors import KernelError
+from vkxsplit.ops.quant import TYPES
+
+#: the type ggml converts x to for each weight type (ggml-cpu's ``vec_dot_type``)
+DOT_TYPE = {"f32": "f32", "f16": "f16", "bf16": "bf16", "q4_0": "q8_0", "q5_0": "q8_0", "q8_0": "q8_0",
+            "iq4_nl": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1", "q2_k": "q8_k", "q3_k": "q8_k", "q4_k": "q8_k",
+            "q5_k": "q8_k", "q6_k": "q8_k", "iq4_xs": "q8_k"}
+
+#: byte offsets of the f16 scale fields in one block (gguf-py / ggml-common.h layouts), for
+#: random valid blocks of the types gguf-py cannot quantize
+F16_FIELDS = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+              "iq4_nl": (0,), "iq4_xs": (0,)}
+
+
+def x_error(x: np.ndarray, wtype: str) -> np.ndarray:
+    """Per-element bound on |x - x as ggml rounds it| for ``wtype``'s dot type.
+
+    q8_0/q8_1: per 32-block d = amax/127 stored as f16, q = round(x/d): |err| <= d/2 + 127 d 2^-11;
+    q8_K: per 256-block, d a float: d/2 (+ float rounding); f16 / bf16: half an ulp."""
+    dot = DOT_TYPE[wtype]
+    ax = np.abs(x.astype(np.float64))
+    if dot == "f32":
+        return np.zeros_like(ax)
+    if dot == "f16":
+        return ax * 2.0**-11 + 2.0**-25
+    if dot == "bf16":
+        return ax * 2.0**-8
+    bs = 256 if dot == "q8_k" else 32
+    M, K = x.shape
+    amax = ax.reshape(M, K // bs, bs).max(axis=2, keepdims=True)
+    d = amax / 127
+    e = d / 2 + 127 * d * 2.0**-10 + amax * 2.0**-20
+    return np.broadcast_to(e, (M, K // bs, bs)).reshape(M, K)
+
+
+def ggml_x(x: np.ndarray, wtype: str) -> np.ndarray:
+    """x (float64, rows of K) as ggml rounds it for a product with a ``wtype`` weight, written
+    from the block formats (ggml-common.h), not from ggml's code: q8_0 / q8_1 (32-element
+    blocks, d = amax/127 stored as f16, q = round(x / d)), q8_K (256-element blocks, d a
+    float), f16 / bf16 casts, f32 as is."""
+    import ml_dtypes
+
+    dot = DOT_TYPE[wtype]
+    x = np.asarray(x, np.float64)
+    if dot == "f32":
+        return x
+    if dot == "f16":
+        return x.astype(np.float32).astype(np.float16).astype(np.float64)
+    if dot == "bf16":
+        return x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    bs = 256 if dot == "q8_k" else 32
+    M, K = x.shape
+    xb = x.astype(np.float32).astype(np.float64).reshape(M, K // bs, bs)
+    d = np.abs(xb).max(axis=2, keepdims=True) / 127
+    q = np.clip(np.round(np.divide(xb, d, out=np.zeros_like(xb), where=d > 0)), -127, 127)
+    ds = d.astype(np.float16).astype(np.float64) if dot != "q8_k" else d.astype(np.float32).astype(np.float64)
+    return (q * ds).reshape(M, K)
+
+
+def ggml_bound(x: np.ndarray, wd: np.ndarray, wtype: str) -> np.ndarray:
+    """|y - x @ wd.T| allowed for ggml's product: the x rounding (times |w|), the f16-stored
+    sums of q8_1 (times the weight's block scale, covered by 2^-9 of sum |w| |x|), and the f32
+    accumulation of K terms."""
+    X, W = np.abs(x.astype(np.float64)), np.abs(wd)
+    acc = np.abs(x).astype(np.float64) @ W.T
+    return x_error(x, wtype) @ W.T + (2.0**-9 if DOT_TYPE[wtype] == "q8_1" else 0) * acc \
+        + 4 * x.shape[1] * 2.0**-24 * (X @ W.T) + 1e-6
+
+
+def make_weight(rng: np.random.Generator, wtype: str, rows: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """(stored bytes or floats as the hub keeps them, float64 dequantized by gguf-py)."""
+    t = GGMLQuantizationType[wtype.upper()]
+    w = rng.standard_normal((rows, K)).astype(np.float32)
+    if wtype in F16_FIELDS:
+        bs, bb = TYPES[wtype].block_size, TYPES[wtype].block_bytes
+        wq = rng.integers(0, 256, (rows, K // bs, bb), dtype=np.uint8)
+        for off in F16_FIELDS[wtype]:
+            wq[:, :, off:off + 2].view(np.float16)[:] = rng.uniform(0.001, 0.02, (rows, K // bs, 1))
+        wq = wq.reshape(rows, K // bs * bb)
+    else:
+        wq = quants.quantize(w, t)
+    return wq, quants.dequantize(wq, t).astype(np.float64).reshape(rows, K)
+
+
+@pytest.fixture(scope="module")
+def cpu(device):
+    b = create_backend("cpu", device, timeout=WAIT_S)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def arena(device, cpu):
+    a = SharedArena(device, [cpu], name="ggml-test")
+    yield a
+    a.close()
+
+
+def put(arena, a):
+    a = np.ascontiguousarray(a)
+    sb = arena.alloc(a.nbytes)
+    sb.numpy(np.uint8)[:] = a.view(np.uint8).ravel()
+    return sb
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wtype", list(TYPES))
+@pytest.mark.parametrize("M", [1, 7])
+def test_mul_mat_every_type(cpu, arena, rng, wtype, M):
+    """Decode (M=1) and prefill (M=7) with strided x and y and a row range of a weight slice
+    (the view starts at global row w_row0): y columns [r0, r1) only, against float64."""
+    N, K = 24, 512
+    w_row0, r0, r1 = 4, 6, 21
+    xs, ys = K + 32, N + 3
+    wq, wd = make_weight(rng, wtype, N, K)
+    x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 3, (M, 1))).astype(np.float32)
+    xb = put(arena, np.pad(x, ((0, 0), (0, xs - K)), constant_values=np.nan))  # padding never read
+    wb = put(arena, wq[w_row0:])
+    y = arena.alloc(M * ys * 4)
+    y.numpy(np.float32)[:] = np.nan
+    staged0, built0 = stats.staged_bytes, cpu.graphs_built
+    job = MatMulJob(wb.view(), wtype, xb.view(), y.view(), M, N, K, x_stride=xs, y_stride=ys,
+                    r0=r0, r1=r1, w_row0=w_row0)
+    p = cpu.next_point()
+    cpu.mul_mat(job, wait=None, signal=p)
+    cpu.wait(p)
+    got = y.numpy(np.float32).reshape(M, ys)
+    ref = x.astype(np.float64) @ wd[r0:r1].T
+    bound = ggml_bound(x, wd[r0:r1], wtype)
+    err = np.abs(got[:, r0:r1] - ref)
+    assert np.all(err <= bound), f"max excess {np.max(err - bound)}"
+    mask = np.ones(ys, bool)
+    mask[r0:r1] = False
+    assert np.isnan(got[:, mask]).all()  # nothing outside the job's columns
+    # a wrong variant (the rows shifted by one) fails the same check
+    assert not np.all(np.abs(got[:, r0:r1] - x.astype(np.float64) @ wd[r0 + 1:r1 + 1].T)
+                      <= ggml_bound(x, wd[r0 + 1:r1 + 1], wtype))
+    assert stats.staged_bytes == staged0 == 0
+    assert cpu.graphs_built == built0 + 1
+    wb.close()
+    xb.close()
+    y.close()
+
+
+def test_graph_built_once_and_replayed(device, cpu, arena, rng, seqs, caller_waits):
+    """Three steps of hub -> cpu -> hub: one graph, the same object replayed, no staged bytes,
+    no host wait in the caller's thread; y follows x as the hub rewrites it."""
+    from vkxsplit.ops.convert import record_convert
+
+    M, N, K = 2, 32, 256
+    wq, wd = make_weight(rng, "q4_0", N, K)
+    wb = put(arena, wq)
+    x_in, xb, y, out = (arena.alloc(n) for n in (M * K * 4, M * K * 4, M * N * 4, M * N * 4))
+    s1, s2 = seqs("in"), seqs("out")
+    record_convert(s1, x_in.view(), xb.view(), M * K, "f32", "f32")
+    record_convert(s2, y.view(), out.view(), M * N, "f32", "f32")
+    job = MatMulJob(wb.view(), "q4_0", xb.view(), y.view(), M, N, K)
+    stats.reset()
+    built0 = cpu.graphs_built
+    graphs = set()
+    for step in range(3):
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        x_in.numpy(np.float32)[:] = x.ravel()
+        caller_waits.clear()
+        stats.begin_step()
+        v1 = s1.submit()
+        p = cpu.next_point()
+        cpu.mul_mat(job if step < 2 else MatMulJob(wb.view(), "q4_0", xb.view(), y.view(), M, N, K),
+                    (s1.timeline, v1), p)
+        v2 = s2.submit(waits=[p])
+        assert stats.host_waits_in_step == 0 and caller_waits == []
+        s2.wait(WAIT_S)
+        cpu.check()
+        assert s2.timeline.value >= v2
+        got = out.numpy(np.float32).reshape(M, N)
+        assert np.all(np.abs(got - x.astype(np.float64) @ wd.T) <= ggml_bound(x, wd, "q4_0"))
+        graphs |= {id(c.graph) for c in cpu.graphs.values()}
+    assert cpu.graphs_built == built0 + 1  # an equal job (step 3) finds the same graph
+    assert stats.staged_bytes == 0
+    c = cpu.graphs[next(k for k in cpu.graphs if k[0] == "MatMulJob" and k[1][0][0] == wb.chunk.id)]
+    assert c.graph.computes == 3
+    assert c.graph.n_nodes == 1  # the product alone: operands are leaves (no view nodes, no barriers)
+    wb.close()
+    assert not any(wb is b for c in cpu.graphs.values() for b in c.buffers)  # closing drops its graphs
+
+
+@pytest.mark.parametrize("wtype", ["f32", "q4_0", "q4_k"])
+@pytest.mark.parametrize("n_xb", [1, 3])
+def test_mul_mat_id(cpu, arena, rng, wtype, n_xb):
+    """ggml_mul_mat_id: y[t, s] = W[ids[t, s]] @ x[t, s if n_xb > 1 else 0], strided y, a row
+    range of every expert, against float64."""
+    T, n_expert, n_used, N, K = 4, 5, 3, 20, 256
+    r0, r1, ys, xs = 3, 17, N + 2, K + 32
+    parts = [make_weight(rng, wtype, N, K) for _ in range(n_expert)]
+    wq = np.concatenate([p[0] for p in parts])
+    wd = np.stack([p[1] for p in parts])  # (n_expert, N, K)
+    ids = np.stack([rng.permutation(n_expert)[:n_used] for _ in range(T)]).astype(np.int32)
+    x = rng.standard_normal((T, n_xb, K)).astype(np.float32)
+    xb = put(arena, np.pad(x.reshape(T * n_xb, K), ((0, 0), (0, xs - K))))
+    wb, ib = put(arena, wq), put(arena, ids)
+    y = arena.alloc(T * n_used * ys * 4)
+    y.numpy(np.float32)[:] = np.nan
+    job = MatMulIdJob(wb.view(), wtype, xb.view(), y.view(), T, N, K, x_stride=xs, y_stride=ys, r0=r0, r1=r1,
+                      ids=ib.view(), n_expert=n_expert, n_used=n_used, n_xb=n_xb)
+    p = cpu.next_point()
+    cpu.mul_mat_id(job, None, p)
+    cpu.wait(p)
+    got = y.numpy(np.float32).reshape(T, n_used, ys)
+    for t in range(T):
+        for s in range(n_used):
+            xr = x[t, s if n_xb > 1 else 0][None]
+            w = wd[ids[t, s], r0:r1]
+            assert np.all(np.abs(got[t, s, r0:r1] - (xr.astype(np.float64) @ w.T)[0])
+                          <= ggml_bound(xr, w, wtype)[0])
+            # the wrong expert fails the same check
+            wrong = wd[(ids[t, s] + 1) % n_expert, r0:r1]
+            assert not np.all(np.abs(got[t, s, r0:r1] - (xr.astype(np.float64) @ wrong.T)[0])
+                              <= ggml_bound(xr, wrong, wtype)[0])
+    assert np.isnan(got[:, :, :r0]).all() and np.isnan(got[:, :, r1:]).all()
+    # an expert id out of range is a KernelError from check(), not an abort in ggml
+    ib.numpy(np.int32)[1] = n_expert
+    p = cpu.next_point()
+    cpu.mul_mat_id(job, None, p)
+    with pytest.raises(KernelError, match=f"expert id {n_expert} outside"):
+        cpu.wait(p)
+    for b in (wb, ib, xb, y):
+        b.close()
+
+
+def test_bad_shapes_refused_before_ggml(cpu, arena, rng):
+    wb, xb, y, ib = arena.alloc(64 * 1024), arena.alloc(4096), arena.alloc(4096), arena.alloc(64)
+    try:
+        with pytest.raises(KernelError, match="not a whole number of 32-element"):
+            MatMulJob(wb.view(), "q4_0", xb.view(), y.view(), 1, 8, 48)
+        with pytest.raises(KernelError, match="x must be f32|computes in f32"):
+            cpu.mul_mat(MatMulJob(wb.view(), "f16", xb.view(), y.view(), 1, 8, 64, x_type="bf16"), None,
+                        cpu.next_point())
+        with pytest.raises(KernelError, match="n_xb must be 1 or n_used"):
+            MatMulIdJob(wb.view(), "f32", xb.view(), y.view(), 1, 8, 64, ids=ib.view(), n_expert=4, n_used=2, n_xb=3)
+        with pytest.raises(KernelError, match="n_used must be in"):
+            MatMulIdJob(wb.view(), "f32", xb.view(), y.view(), 1, 8, 64, ids=ib.view(), n_expert=2, n_used=3)
+        with pytest.raises(KernelError, match="does not hold rows"):
+            MatMulIdJob(wb.view(0, 1024), "f32", xb.view(), y.view(), 1, 8, 64, ids=ib.view(), n_expert=4,
+                        n_used=2)
+        with pytest.raises(KernelError, match="1 \\(broadcast\\) or"):
+            from vkxsplit.backend import OpJob
+
+            v = xb.view()
+            cpu.run_op("add", OpJob("add", (v, v), (v,), 4, 16, b_rows=2), None, cpu.next_point())
+        with pytest.raises(KernelError, match="takes a MatMulIdJob"):
+            cpu.mul_mat_id(MatMulJob(wb.view(), "f32", xb.view(), y.view(), 1, 8, 64), None, cpu.next_point())
+        cpu.check()  # refusals still signalled their points: nothing recorded
+    finally:
+        for b in (wb, xb, y, ib):
+            b.close()
+
+
+@pytest.mark.parametrize("wtype", ["f32", "q4_1", "q6_k"])
+def test_large_job_on_the_thread_pool(device, rng, wtype):
+    """A job over SMALL_JOB_FLOPS runs on the pool of ``threads`` (here 2), a small one on the
+    bridge thread alone; both right."""
+    from vkxsplit.backends.cpu import SMALL_JOB_FLOPS
+
+    b = create_backend("cpu", device, threads=2, timeout=WAIT_S)
+    arena = SharedArena(device, [b])
+    try:
+        for M, N, K in ((16, 520, 512), (1, 64, 512)):
+            wq, wd = make_weight(rng, wtype, N, K)
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            xb, wb, y = put(arena, x), put(arena, wq), arena.alloc(M * N * 4)
+            p = b.next_point()
+            b.mul_mat(MatMulJob(wb.view(), wtype, xb.view(), y.view(), M, N, K), None, p)
+            b.wait(p)
+            got = y.numpy(np.float32).reshape(M, N)
+            assert np.all(np.abs(got - x.astype(np.float64) @ wd.T) <= ggml_bound(x, wd, wtype))
+            (c,) = [c for c in b.graphs.values() if wb is c.buffers[0]]
+            assert c.graph.cplan.n_threads == (2 if 2 * M * N * K >= SMALL_JOB_FLOPS else 1)
+    finally:
+        b.close()
+        arena.close()
+
+
+def test_threads_option(device):
+    b = create_backend("cpu", device, threads=1)
+    try:
+        assert b.threads == 1 and b.pool.n_threads == 1
+        assert b.calibrate()["mul_mat_gflops"] > 0  # the planner's rate, measured with ggml
+    finally:
+        b.close()
+    from vkxsplit.errors import VkxError
+
+    with pytest.raises(VkxError, match="threads must be an integer"):
+        create_backend("cpu", device, threads=0)
+    with pytest.raises(VkxError, match="poll must be an integer"):
+        create_backend("cpu", device, poll=101)
+    assert ggml_cpu.physical_cores() >= 1
+    from vkxsplit.backends.cpu import default_threads
+
+    # a CPU hub (lavapipe) leaves a core to the hub and the rest of the machine
+    want = max(1, ggml_cpu.physical_cores() - 1) if device.is_cpu else ggml_cpu.physical_cores()
+    assert default_threads(device) == want
+
+
+def test_binding_reports_version_and_features():
+    g = ggml_cpu.load()
+    assert g.version.count(".") >= 1
+    f = g.features()
+    assert set(f) == set(ggml_cpu.FEATURES) and all(isinstance(v, bool) for v in f.values())
+
+
+
+@pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q4_k", "f16", "bf16"])
+def test_x_rounding_model(rng, wtype):
+    """ggml_x (the rounding the model tests emulate) stays inside x_error (the bound above)."""
+    x = rng.standard_normal((3, 512)) * 3
+    assert np.all(np.abs(ggml_x(x, wtype) - x) <= x_error(x.astype(np.float32), wtype) + 1e-12)
+
+
+def test_missing_package_is_a_clear_reason(monkeypatch):
+    """Without libggml-python the cpu backend is unavailable with a reason naming the package
+    (and `vkxsplit info` says so), never an ImportError traceback."""
+    import sys
+
+    from vkxsplit.backends import cpu as cpu_mod
+    from vkxsplit.info import probe_backends
+
+    monkeypatch.setitem(sys.modules, "libggml", None)  # import libggml -> ImportError
+    ggml_cpu._load.cache_clear()
+    try:
+        a = cpu_mod.available()
+        assert not a and "libggml-python" in a.reason and "pip install" in a.reason
+        row = probe_backends()[0]
+        assert row["name"] == "cpu" and not row["available"] and "libggml-python" in row["detail"]
+    finally:
+        monkeypatch.undo()
+        ggml_cpu._load.cache_clear()
+    assert cpu_mod.available()
+    row = probe_backends()[0]
+    assert row["available"] and row["ggml"]["version"] == ggml_cpu.load().version
+    assert "avx2" in row["ggml"]["features"]
+
+
+def test_graph_cache_is_bounded(device, rng, monkeypatch):
+    """At most MAX_GRAPHS graphs are kept (the least recently built go first); a job whose
+    graph went is rebuilt and still right."""
+    from vkxsplit.backends import cpu as cpu_mod
+
+    monkeypatch.setattr(cpu_mod, "MAX_GRAPHS", 2)
+    b = create_backend("cpu", device, threads=1, timeout=WAIT_S)
+    arena = SharedArena(device, [b])
+    try:
+        K = 64
+        wq, wd = make_weight(rng, "q8_0", 8, K)
+        wb = put(arena, wq)
+        jobs = []
+        for M in (1, 2, 3):
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            xb, y = put(arena, x), arena.alloc(M * 8 * 4)
+            jobs.append((MatMulJob(wb.view(), "q8_0", xb.view(), y.view(), M, 8, K), x, y))
+        for job, x, y in [*jobs, jobs[0]]:
+            p = b.next_point()
+            b.mul_mat(job, None, p)
+            b.wait(p)
+            assert len(b.graphs) <= 2
+            got = y.numpy(np.float32).reshape(job.M, 8)
+            assert np.all(np.abs(got - x.astype(np.float64) @ wd.T) <= ggml_bound(x, wd, "q8_0"))
+        assert b.graphs_built == 4  # the first job's graph was dropped for the third, then rebuilt
+    finally:
+        b.close()
+        arena.close()

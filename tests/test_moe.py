@@ -1,0 +1,308 @@
+"""Mixture-of-experts ops (vkxsplit/ops/moe.py): the routed product mul_mat_id, the router
+moe_topk, moe_combine, and the whole MoE FFN chain, against the float64 references of
+tests/reference.py (weights dequantized by ``gguf.quants.dequantize``).
+
+Bounds: mul_mat_id as test_mul_mat's f32 products, ``(K + 4) u (|x| @ |W|^T)`` per element
+(u = 2^-24, |W| the magnitudes of the dequantization terms); the router's ids exactly (the
+logits are drawn far from ties, or tied exactly), its weights to 1e-5 relative. The chain
+test also shows that a wrong reference (top-1 routing, or unnormalised weights) fails the
+check the right one passes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from reference import moe_ffn, moe_route, mul_mat_id
+from test_mul_mat import ALL, U, abs_terms, make_weights, test_k
+
+from vkxsplit.errors import KernelError
+from vkxsplit.ops import moe
+from vkxsplit.ops.elementwise import record_swiglu
+from vkxsplit.ops.mul_mat import record_mul_mat
+from vkxsplit.vk.command import Sequence
+
+E = 8  # experts
+
+
+@pytest.fixture
+def bufs(device):
+    made = []
+
+    def new(nbytes: int, fill: np.ndarray | None = None, nan: bool = False):
+        b = device.memory.alloc(max(nbytes, 16), "host", name="test")
+        made.append(b)
+        if fill is not None:
+            b.numpy(np.uint8, (fill.nbytes,))[:] = np.ascontiguousarray(fill).view(np.uint8).ravel()
+        elif nan:
+            b.numpy(np.float32, (max(nbytes, 16) // 4,))[:] = np.nan
+        return b
+
+    yield new
+    for b in made:
+        b.close()
+
+
+def run(device, fn) -> None:
+    seq = Sequence(device, "moe")
+    try:
+        fn(seq)
+        seq.run()
+    finally:
+        seq.close()
+
+
+def routed_ids(rng, T: int, n_used: int, n_expert: int = E) -> np.ndarray:
+    """Distinct experts per token, as a router chooses."""
+    return np.stack([rng.permutation(n_expert)[:n_used] for _ in range(T)]).astype(np.int32)
+
+
+def check(got: np.ndarray, ref: np.ndarray, bound: np.ndarray) -> None:
+    assert not np.isnan(got).any(), "NaN in the output: some element was not written"
+    err = np.abs(got.astype(np.float64) - ref)
+    bad = err > bound
+    assert not bad.any(), (f"{bad.sum()} of {bad.size} elements over the bound; worst err {err.max():.3g}, "
+                           f"ratio {np.max(err / np.maximum(bound, 1e-300)):.3g}")
+
+
+def mm_id(device, bufs, wb, t, x, ids, N, K, path=None, w_rows=None, w_row0=0, y_stride=None):
+    T, n_used = ids.shape
+    n_xb = x.shape[1]
+    xb = bufs(x.nbytes, x.astype(np.float32))
+    ib = bufs(ids.nbytes, ids)
+    ys = (w_rows or N) if y_stride is None else y_stride
+    yb = bufs(4 * T * n_used * ys, nan=True)
+    gb = bufs(moe.group_bytes(T, n_used, E))
+    run(device, lambda s: moe.record_mul_mat_id(s, wb, t, xb, ib, yb, n_expert=E, N=N, K=K, T=T, n_used=n_used,
+                                                 n_xb=n_xb, groups=gb, path=path, w_rows=w_rows, w_row0=w_row0,
+                                                 y_stride=y_stride))
+    return yb.numpy(np.float32, (T, n_used, ys)).copy()
+
+
+def expert_weights(rng, t: str, N: int, K: int):
+    raw, W = make_weights(rng, t, E * N, K)
+    return raw, W.reshape(E, N, K), abs_terms(raw, t, W).reshape(E, N, K)
+
+
+def id_bound(x: np.ndarray, A: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    return (x.shape[-1] + 4) * U * mul_mat_id(A, np.abs(x), ids)
+
+
+@pytest.mark.parametrize("t", ALL)
+@pytest.mark.parametrize("T", [1, 5, 37])
+def test_mul_mat_id(device, bufs, rng, t, T):
+    """Every hub weight type, decode (the mat-vec path) and prefill (grouped by expert), with
+    n_used 1, 2 and all experts, x shared by the slots (gate/up) or one row per slot (down)."""
+    N, K = 37, test_k(t)
+    raw, W, A = expert_weights(rng, t, N, K)
+    wb = bufs(raw.nbytes, raw)
+    for n_used in (1, 2, E):
+        ids = routed_ids(rng, T, n_used)
+        for n_xb in (1, n_used):
+            x = rng.standard_normal((T, n_xb, K))
+            y = mm_id(device, bufs, wb, t, x, ids, N, K)
+            check(y, mul_mat_id(W, x, ids), id_bound(x, A, ids))
+
+
+@pytest.mark.parametrize("path", ["vec", "grouped"])
+def test_mul_mat_id_paths_agree_and_skew(device, bufs, rng, path):
+    """Either path at any T; every token routed to the same two experts (tiles of 32 pairs:
+    an expert with 37 pairs needs two), and an expert nobody chose."""
+    t, N, K, T = "q4_k", 70, 256, 37
+    raw, W, A = expert_weights(rng, t, N, K)
+    wb = bufs(raw.nbytes, raw)
+    ids = np.tile(np.array([[5, 2]], np.int32), (T, 1))
+    x = rng.standard_normal((T, 1, K))
+    check(mm_id(device, bufs, wb, t, x, ids, N, K, path=path), mul_mat_id(W, x, ids), id_bound(x, A, ids))
+    ids1 = routed_ids(rng, 1, 3)
+    x1 = rng.standard_normal((1, 3, K))
+    check(mm_id(device, bufs, wb, t, x1, ids1, N, K, path=path), mul_mat_id(W, x1, ids1), id_bound(x1, A, ids1))
+
+
+@pytest.mark.parametrize("path", ["vec", "grouped"])
+def test_mul_mat_id_row_range(device, bufs, rng, path):
+    """A tensor split's share: rows [r0, r0 + N) of every expert into y's columns r0.., the
+    other columns untouched."""
+    t, rows, K, T = "q8_0", 40, 64, 6
+    raw, W, A = expert_weights(rng, t, rows, K)
+    wb = bufs(raw.nbytes, raw)
+    ids = routed_ids(rng, T, 2)
+    x = rng.standard_normal((T, 2, K))
+    y = mm_id(device, bufs, wb, t, x, ids, 13, K, path=path, w_rows=rows, w_row0=9)
+    assert np.isnan(y[:, :, :9]).all() and np.isnan(y[:, :, 22:]).all()
+    check(y[:, :, 9:22], mul_mat_id(W, x, ids)[:, :, 9:22], id_bound(x, A, ids)[:, :, 9:22])
+
+
+@pytest.mark.parametrize("path", ["vec", "grouped"])
+def test_mul_mat_id_bad_id_gives_nan(device, bufs, rng, path):
+    """An id outside [0, n_expert) (a corrupt buffer) gives NaN rows, never a wrong expert."""
+    t, N, K = "f16", 16, 64
+    raw, W, A = expert_weights(rng, t, N, K)
+    wb = bufs(raw.nbytes, raw)
+    ids = np.array([[1, 8], [-1, 3]], np.int32)
+    x = rng.standard_normal((2, 1, K))
+    y = mm_id(device, bufs, wb, t, x, ids, N, K, path=path)
+    assert np.isnan(y[0, 1]).all() and np.isnan(y[1, 0]).all()
+    good = np.array([[1, 1], [3, 3]], np.int32)
+    ref = mul_mat_id(W, x, good)
+    check(y[0, 0], ref[0, 0], id_bound(x, A, good)[0, 0])
+    check(y[1, 1], ref[1, 1], id_bound(x, A, good)[1, 1])
+
+
+def topk(device, bufs, logits, n_used, **kw):
+    T, n_expert = logits.shape
+    lb = bufs(logits.nbytes, logits.astype(np.float32))
+    ib = bufs(4 * T * n_used)
+    wb = bufs(4 * T * n_used, nan=True)
+    run(device, lambda s: moe.record_moe_topk(s, lb, ib, wb, T=T, n_expert=n_expert, n_used=n_used, **kw))
+    return ib.numpy(np.int32, (T, n_used)).copy(), wb.numpy(np.float32, (T, n_used)).copy()
+
+
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_topk(device, bufs, rng, gating, norm):
+    T = 37
+    # distinct logits at least 1e-3 apart: no near-ties that f32 rounding could reorder
+    logits = np.stack([rng.permutation(E) for _ in range(T)]) * 0.25 + rng.uniform(0, 1e-3, (T, 1)) - 1.0
+    for n_used in (1, 2, E):
+        scale = 2.5 if n_used == 2 else 1.0
+        ids, w = topk(device, bufs, logits, n_used, gating=gating, norm=norm, scale=scale)
+        rids, rw = moe_route(logits.astype(np.float32), n_used, gating=gating, norm=norm, scale=scale)
+        np.testing.assert_array_equal(ids, rids)
+        np.testing.assert_allclose(w, rw, rtol=1e-5, atol=0)
+
+
+def test_moe_topk_ties(device, bufs):
+    """Equal logits: the lower expert index first (a stable descending sort)."""
+    logits = np.array([[1, 3, 3, 0, 3, -1, 2, 2],
+                       [0, 0, 0, 0, 0, 0, 0, 0],
+                       [5, 4, 4, 5, 1, 1, 1, 5]], np.float32)
+    ids, w = topk(device, bufs, logits, 4, norm=True)
+    np.testing.assert_array_equal(ids, [[1, 2, 4, 6], [0, 1, 2, 3], [0, 3, 7, 1]])
+    rids, rw = moe_route(logits, 4)
+    np.testing.assert_array_equal(ids, rids)
+    np.testing.assert_allclose(w, rw, rtol=1e-5)
+    assert np.allclose(w[1], 0.25)
+
+
+def test_moe_topk_nan_row(device, bufs):
+    """A token whose logits are all NaN gets id -1 (which mul_mat_id turns into NaN rows)."""
+    logits = np.full((2, E), np.nan, np.float32)
+    logits[1] = np.arange(E)
+    ids, _ = topk(device, bufs, logits, 2)
+    assert (ids[0] == -1).all() and list(ids[1]) == [7, 6]
+
+
+def test_moe_combine(device, bufs, rng):
+    T, n_used, N = 5, 3, 300
+    e = rng.standard_normal((T, n_used, N)).astype(np.float32)
+    w = rng.uniform(0, 1, (T, n_used)).astype(np.float32)
+    eb, wb = bufs(e.nbytes, e), bufs(w.nbytes, w)
+    yb = bufs(4 * T * N, nan=True)
+    run(device, lambda s: moe.record_moe_combine(s, eb, wb, yb, T=T, n_used=n_used, N=N))
+    ref = np.einsum("ts,tsn->tn", w.astype(np.float64), e.astype(np.float64))
+    check(yb.numpy(np.float32, (T, N)), ref, (n_used + 2) * U * np.einsum("ts,tsn->tn", w, np.abs(e)) + 1e-30)
+
+
+def separated_inputs(rng, R: np.ndarray, T: int, n_used: int, margin: float = 0.05) -> np.ndarray:
+    """T rows of h whose router logits h @ R^T separate the chosen n_used experts from the
+    rest by at least ``margin``: on GPUs the hub's router product of T > 8 rows runs in f16
+    (coopmat), which must not flip a near-tie the float64 reference decides otherwise."""
+    out = np.empty((T, R.shape[1]), np.float32)
+    for t in range(T):
+        while True:
+            h = rng.standard_normal(R.shape[1]).astype(np.float32)
+            lg = np.sort(R.astype(np.float64) @ h)[::-1]
+            if n_used == len(lg) or lg[n_used - 1] - lg[n_used] >= margin:
+                out[t] = h
+                break
+    return out
+
+
+def _chain(device, bufs, rng, T, n_used, t, norm):
+    n_embd, n_ff = 64, 96
+    R = rng.standard_normal((E, n_embd)).astype(np.float32)
+    rawg, G, _ = expert_weights(rng, t, n_ff, n_embd)
+    rawu, Uw, _ = expert_weights(rng, t, n_ff, n_embd)
+    rawd, D, _ = expert_weights(rng, t, n_embd, n_ff)
+    h = separated_inputs(rng, R, T, n_used)
+    rb, gb, ub, db = (bufs(a.nbytes, a) for a in (R, rawg, rawu, rawd))
+    hb = bufs(h.nbytes, h)
+    lb = bufs(4 * T * E)
+    ib, wb = bufs(4 * T * n_used), bufs(4 * T * n_used)
+    grp = bufs(moe.group_bytes(T, n_used, E))
+    ga, ua = bufs(4 * T * n_used * n_ff), bufs(4 * T * n_used * n_ff)
+    eo = bufs(4 * T * n_used * n_embd)
+    yb = bufs(4 * T * n_embd, nan=True)
+    kw = dict(n_expert=E, T=T, n_used=n_used, groups=grp)
+
+    def rec(s):
+        record_mul_mat(s, rb, "f32", hb, lb, T, E, n_embd)
+        moe.record_moe_topk(s, lb, ib, wb, T=T, n_expert=E, n_used=n_used, norm=norm)
+        if T > 1:
+            moe.record_moe_group(s, ib, grp, T, n_used, E)
+        moe.record_mul_mat_id(s, gb, t, hb, ib, ga, N=n_ff, K=n_embd, n_xb=1, grouped=True, **kw)
+        moe.record_mul_mat_id(s, ub, t, hb, ib, ua, N=n_ff, K=n_embd, n_xb=1, grouped=True, **kw)
+        record_swiglu(s, ga, ua, ga, T * n_used, n_ff)
+        moe.record_mul_mat_id(s, db, t, ga, ib, eo, N=n_embd, K=n_ff, n_xb=n_used, grouped=True, **kw)
+        moe.record_moe_combine(s, eo, wb, yb, T=T, n_used=n_used, N=n_embd)
+
+    run(device, rec)
+    got = yb.numpy(np.float32, (T, n_embd)).copy()
+    return got, (h.astype(np.float64), R.astype(np.float64), G, Uw, D)
+
+
+@pytest.mark.parametrize("T", [1, 5, 37])
+def test_moe_ffn_chain(device, bufs, rng, T):
+    """router mul_mat -> moe_topk -> gate/up mul_mat_id -> swiglu -> down mul_mat_id ->
+    combine against reference.moe_ffn, within 2e-3 of max|y| (the router's f16 coopmat on GPUs
+    moves the weights by ~1e-4; lavapipe's f32 path stays under 1e-5); the same check fails
+    for top-1 routing and for unnormalised weights."""
+    n_used = 2
+    got, (h, R, G, Uw, D) = _chain(device, bufs, rng, T, n_used, "q8_0", norm=True)
+    ref = moe_ffn(h, R, G, Uw, D, n_used)
+    scale = np.abs(ref).max()
+    bound = 2e-3 * scale
+    assert np.abs(got - ref).max() <= bound
+    wrong_top1 = moe_ffn(h, R, G, Uw, D, 1)
+    wrong_nonorm = moe_ffn(h, R, G, Uw, D, n_used, norm=False)
+    assert np.abs(got - wrong_top1).max() > bound
+    assert np.abs(got - wrong_nonorm).max() > bound
+
+
+def test_errors(device, bufs):
+    w = bufs(E * 16 * 64 * 4)
+    x, ids, y, g = bufs(4 * 64 * 2), bufs(8), bufs(4 * 2 * 16), bufs(moe.group_bytes(1, 2, E))
+    seq = Sequence(device, "moe-errors")
+    try:
+        kw = dict(n_expert=E, N=16, K=64, T=1, n_used=2)
+        with pytest.raises(KernelError, match="1 .shared by every slot. or n_used"):
+            moe.record_mul_mat_id(seq, w, "f32", x, ids, y, n_xb=3, **kw)
+        with pytest.raises(KernelError, match="n_used = 9 must be in 1..n_expert"):
+            moe.record_mul_mat_id(seq, w, "f32", x, ids, y, n_xb=1, **{**kw, "n_used": 9})
+        with pytest.raises(KernelError, match="block size 32"):
+            moe.record_mul_mat_id(seq, w, "q8_0", x, ids, y, n_xb=1, **{**kw, "K": 48})
+        with pytest.raises(KernelError, match="do not fit the weight binding"):
+            moe.record_mul_mat_id(seq, w, "f32", x, ids, y, n_xb=1, **{**kw, "N": 17})
+        with pytest.raises(KernelError, match="needs a groups buffer"):
+            moe.record_mul_mat_id(seq, w, "f32", x, ids, y, n_xb=1, path="grouped", **kw)
+        with pytest.raises(KernelError, match="y overlaps x"):
+            moe.record_mul_mat_id(seq, w, "f32", x, ids, x, n_xb=1, **{**kw, "N": 1})
+        with pytest.raises(KernelError, match="gating function 'relu'"):
+            moe.record_moe_topk(seq, x, ids, y, T=1, n_expert=E, n_used=2, gating="relu")
+        with pytest.raises(KernelError, match="handle 1..512 experts"):
+            moe.record_moe_group(seq, ids, g, 1, 2, 513)
+        with pytest.raises(KernelError, match="IQ1_S has no vkxsplit kernel"):
+            moe.check_mul_mat_id("iq1_s", E, 16, 256, 2, 1, 1)
+    finally:
+        seq.close()
+
+
+def test_moe_topk_many_experts(device, bufs, rng):
+    """More experts than the router's 256 invocations per token (each takes several)."""
+    T, n_expert, n_used = 3, 300, 8
+    logits = np.stack([rng.permutation(n_expert) for _ in range(T)]) * 0.01 - 1.0
+    ids, w = topk(device, bufs, logits, n_used, gating="softmax", norm=True)
+    rids, rw = moe_route(logits.astype(np.float32), n_used)
+    np.testing.assert_array_equal(ids, rids)
+    np.testing.assert_allclose(w, rw, rtol=1e-5)

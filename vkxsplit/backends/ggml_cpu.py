@@ -1,0 +1,377 @@
+"""A cffi binding (ABI mode) of ggml's CPU backend as shipped by the ``libggml-python`` wheel.
+
+Only the declarations the cpu backend needs are declared, copied from the wheel's own headers
+(``libggml/include/ggml.h``, ``ggml-cpu.h``; the version is :func:`version`). The one struct whose
+fields are written, ``struct ggml_tensor`` (``data`` and ``nb`` of a result that lands in a
+strided row range of shared memory), is checked against the library when it is loaded: its size
+against ``ggml_tensor_overhead()``, and ``ne``/``nb``/``data``/``name`` of a tensor made by the API
+against what the API itself reports (:func:`_check_layout`). Every other tensor is made through
+the API: ``ggml_new_tensor_*`` in a ``no_alloc`` context, its ``data`` set once, then
+``ggml_view_*`` for row ranges and strides (a view takes its address from its source).
+
+ggml ends the process on a failed ``GGML_ASSERT``: callers validate shapes before building a
+graph (the cpu backend raises :class:`~vkxsplit.errors.KernelError` first).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from functools import lru_cache
+from typing import Any
+
+from ..errors import EnvironmentProblem, KernelError
+
+PACKAGE = "libggml-python"
+INSTALL_HINT = f"pip install {PACKAGE} (the wheel ships ggml's CPU backend; `bash tools/setup.sh` installs it)"
+
+# Declarations copied from the shipped ggml.h / ggml-cpu.h (libggml-python 0.20.2). Enums whose
+# values are not used here are declared as the int they are (``enum ggml_op`` in the tensor).
+_CDEF = """
+enum ggml_type {
+    GGML_TYPE_F32 = 0, GGML_TYPE_F16 = 1, GGML_TYPE_Q4_0 = 2, GGML_TYPE_Q4_1 = 3,
+    GGML_TYPE_Q5_0 = 6, GGML_TYPE_Q5_1 = 7, GGML_TYPE_Q8_0 = 8, GGML_TYPE_Q8_1 = 9,
+    GGML_TYPE_Q2_K = 10, GGML_TYPE_Q3_K = 11, GGML_TYPE_Q4_K = 12, GGML_TYPE_Q5_K = 13,
+    GGML_TYPE_Q6_K = 14, GGML_TYPE_Q8_K = 15, GGML_TYPE_IQ4_NL = 20, GGML_TYPE_IQ4_XS = 23,
+    GGML_TYPE_I32 = 26, GGML_TYPE_BF16 = 30, GGML_TYPE_COUNT = 43
+};
+enum ggml_status {
+    GGML_STATUS_ALLOC_FAILED = -2, GGML_STATUS_FAILED = -1, GGML_STATUS_SUCCESS = 0, GGML_STATUS_ABORTED = 1
+};
+enum ggml_sched_priority {
+    GGML_SCHED_PRIO_LOW = -1, GGML_SCHED_PRIO_NORMAL, GGML_SCHED_PRIO_MEDIUM, GGML_SCHED_PRIO_HIGH,
+    GGML_SCHED_PRIO_REALTIME
+};
+
+struct ggml_context;
+struct ggml_cgraph;
+struct ggml_threadpool;
+struct ggml_backend_buffer;
+
+struct ggml_init_params {
+    size_t mem_size;
+    void * mem_buffer;
+    bool   no_alloc;
+};
+
+struct ggml_tensor {
+    enum ggml_type type;
+    struct ggml_backend_buffer * buffer;
+    int64_t ne[4];
+    size_t  nb[4];
+    int op;
+    int32_t op_params[16];
+    int32_t flags;
+    struct ggml_tensor * src[10];
+    struct ggml_tensor * view_src;
+    size_t               view_offs;
+    void * data;
+    char name[64];
+    void * extra;
+    char padding[8];
+};
+
+typedef bool (*ggml_abort_callback)(void * data);
+
+struct ggml_cplan {
+    size_t    work_size;
+    uint8_t * work_data;
+    int n_threads;
+    struct ggml_threadpool * threadpool;
+    ggml_abort_callback abort_callback;
+    void *              abort_callback_data;
+    bool use_ref;
+};
+
+struct ggml_threadpool_params {
+    bool                cpumask[512];
+    int                 n_threads;
+    enum ggml_sched_priority prio;
+    uint32_t            poll;
+    bool                strict_cpu;
+    bool                paused;
+};
+
+const char * ggml_version(void);
+const char * ggml_commit(void);
+size_t  ggml_nbytes    (const struct ggml_tensor * tensor);
+int64_t ggml_blck_size(enum ggml_type type);
+size_t  ggml_type_size(enum ggml_type type);
+size_t  ggml_row_size (enum ggml_type type, int64_t ne);
+const char * ggml_type_name(enum ggml_type type);
+size_t ggml_tensor_overhead(void);
+struct ggml_context * ggml_init (struct ggml_init_params params);
+void                  ggml_free (struct ggml_context * ctx);
+struct ggml_tensor * ggml_new_tensor_1d(struct ggml_context * ctx, enum ggml_type type, int64_t ne0);
+struct ggml_tensor * ggml_new_tensor_2d(struct ggml_context * ctx, enum ggml_type type, int64_t ne0, int64_t ne1);
+struct ggml_tensor * ggml_new_tensor_3d(struct ggml_context * ctx, enum ggml_type type, int64_t ne0, int64_t ne1,
+                                        int64_t ne2);
+void *  ggml_get_data    (const struct ggml_tensor * tensor);
+const char *         ggml_get_name   (const struct ggml_tensor * tensor);
+struct ggml_tensor * ggml_set_name   (struct ggml_tensor * tensor, const char * name);
+struct ggml_tensor * ggml_add_inplace(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_mul_inplace(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_swiglu_split(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_rms_norm(struct ggml_context * ctx, struct ggml_tensor * a, float eps);
+struct ggml_tensor * ggml_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_mul_mat_id(struct ggml_context * ctx, struct ggml_tensor * as, struct ggml_tensor * b,
+                                     struct ggml_tensor * ids);
+struct ggml_tensor * ggml_view_2d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
+                                  size_t nb1, size_t offset);
+struct ggml_tensor * ggml_view_3d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
+                                  int64_t ne2, size_t nb1, size_t nb2, size_t offset);
+void ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
+struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
+int    ggml_graph_n_nodes(struct ggml_cgraph * cgraph);
+size_t ggml_graph_overhead_custom(size_t size, bool grads);
+struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
+
+void ggml_cpu_init(void);
+struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params);
+void ggml_threadpool_free(struct ggml_threadpool * threadpool);
+struct ggml_cplan ggml_graph_plan(const struct ggml_cgraph * cgraph, int n_threads,
+                                  struct ggml_threadpool * threadpool);
+enum ggml_status ggml_graph_compute(struct ggml_cgraph * cgraph, struct ggml_cplan * cplan);
+int ggml_cpu_has_sse3(void);
+int ggml_cpu_has_ssse3(void);
+int ggml_cpu_has_avx(void);
+int ggml_cpu_has_avx_vnni(void);
+int ggml_cpu_has_avx2(void);
+int ggml_cpu_has_bmi2(void);
+int ggml_cpu_has_f16c(void);
+int ggml_cpu_has_fma(void);
+int ggml_cpu_has_avx512(void);
+int ggml_cpu_has_avx512_vbmi(void);
+int ggml_cpu_has_avx512_vnni(void);
+int ggml_cpu_has_avx512_bf16(void);
+int ggml_cpu_has_amx_int8(void);
+int ggml_cpu_has_neon(void);
+int ggml_cpu_has_arm_fma(void);
+int ggml_cpu_has_dotprod(void);
+int ggml_cpu_has_matmul_int8(void);
+int ggml_cpu_has_sve(void);
+int ggml_cpu_has_llamafile(void);
+"""
+
+#: CPU features ggml reports (``ggml_cpu_has_<name>``), shown by ``vkxsplit info``
+FEATURES = ("sse3", "ssse3", "avx", "avx_vnni", "avx2", "bmi2", "f16c", "fma", "avx512", "avx512_vbmi",
+            "avx512_vnni", "avx512_bf16", "amx_int8", "neon", "arm_fma", "dotprod", "matmul_int8", "sve",
+            "llamafile")
+
+#: nodes one cached graph holds at most (a backend job is a few ops)
+GRAPH_SIZE = 16
+
+
+class Ggml:
+    """The loaded libraries: ``ffi``, ``base`` (libggml-base), ``cpu`` (libggml-cpu)."""
+
+    def __init__(self, libdir: str, package_version: str) -> None:
+        import cffi
+
+        self.libdir = libdir
+        self.package_version = package_version
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(_CDEF)
+        flags = self.ffi.RTLD_NOW | self.ffi.RTLD_GLOBAL
+        self.base = self.ffi.dlopen(os.path.join(libdir, "libggml-base.so"), flags)
+        self.cpu = self.ffi.dlopen(os.path.join(libdir, "libggml-cpu.so"), flags)
+        self.cpu.ggml_cpu_init()
+        _check_layout(self)
+
+    @property
+    def version(self) -> str:
+        return self.ffi.string(self.base.ggml_version()).decode()
+
+    @property
+    def commit(self) -> str:
+        return self.ffi.string(self.base.ggml_commit()).decode()
+
+    def features(self) -> dict[str, bool]:
+        return {f: bool(getattr(self.cpu, f"ggml_cpu_has_{f}")()) for f in FEATURES}
+
+
+def _check_layout(g: Ggml) -> None:
+    """The declared ``struct ggml_tensor`` must be the library's: same size (the API's overhead
+    minus its object header of 4 words) and the fields read or written at the same places."""
+    ffi, lib = g.ffi, g.base
+    size = ffi.sizeof("struct ggml_tensor")
+    overhead = lib.ggml_tensor_overhead()
+    if overhead - size != 32:
+        raise EnvironmentProblem(f"ggml {g.version}: struct ggml_tensor is {overhead - 32} bytes in the library, "
+                                 f"{size} as declared here", f"use the {PACKAGE} version this vkxsplit was "
+                                 "written for, or update the declarations in vkxsplit/backends/ggml_cpu.py")
+    ctx = lib.ggml_init(ffi.new("struct ggml_init_params *", (4 * overhead, ffi.NULL, True))[0])
+    try:
+        t = lib.ggml_new_tensor_2d(ctx, lib.GGML_TYPE_Q4_0, 64, 3)
+        lib.ggml_set_name(t, b"layout")
+        v = lib.ggml_view_2d(ctx, t, 64, 2, 36 * 2, 36)
+        fake = 0x10000
+        ok = (tuple(t.ne) == (64, 3, 1, 1) and tuple(t.nb) == (18, 36, 108, 108)
+              and t.type == lib.GGML_TYPE_Q4_0 and lib.ggml_nbytes(t) == 108
+              and ffi.string(lib.ggml_get_name(t)) == b"layout" and ffi.string(t.name) == b"layout"
+              and t.data == ffi.NULL and v.view_src == t and v.view_offs == 36 and tuple(v.nb[0:2]) == (18, 72))
+        t.data = ffi.cast("void *", fake)
+        ok = ok and int(ffi.cast("uintptr_t", lib.ggml_get_data(t))) == fake
+    finally:
+        lib.ggml_free(ctx)
+    if not ok:
+        raise EnvironmentProblem(f"ggml {g.version}: struct ggml_tensor's fields are not where "
+                                 "vkxsplit/backends/ggml_cpu.py declares them",
+                                 f"use the {PACKAGE} version this vkxsplit was written for")
+
+
+_lock = threading.Lock()
+
+
+@lru_cache(maxsize=1)
+def _load() -> Ggml:
+    try:
+        import libggml
+    except ImportError as exc:
+        raise EnvironmentProblem(f"the {PACKAGE} package is missing ({exc})", INSTALL_HINT) from None
+    try:
+        from libggml._version import version as pv
+    except ImportError:
+        pv = "unknown"
+    libdir = os.path.join(os.path.dirname(libggml.__file__), "lib64")
+    if not os.path.exists(os.path.join(libdir, "libggml-cpu.so")):
+        libdir = os.path.join(os.path.dirname(libggml.__file__), "lib")
+    try:
+        return Ggml(libdir, pv)
+    except OSError as exc:
+        raise EnvironmentProblem(f"{PACKAGE} {pv}: cannot load ggml's libraries from {libdir} ({exc})",
+                                 INSTALL_HINT) from None
+
+
+def load() -> Ggml:
+    """The loaded ggml (once per process); :class:`EnvironmentProblem` naming the package when it
+    is missing or does not match."""
+    with _lock:
+        return _load()
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (SMT siblings counted once)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for c in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/core_id") as f:
+                core = f.read().strip()
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id") as f:
+                pkg = f.read().strip()
+            cores.add((pkg, core))
+        except OSError:
+            cores.add(("cpu", str(c)))
+    return max(1, len(cores))
+
+
+class ThreadPool:
+    """A persistent ggml thread pool (the calling thread is thread 0; ``n - 1`` workers that
+    sleep between graphs: polling 0, so they do not take cores from the hub's own threads)."""
+
+    def __init__(self, g: Ggml, n_threads: int, poll: int = 0) -> None:
+        if n_threads < 1:
+            raise KernelError(f"ggml thread count must be at least 1, got {n_threads}")
+        self.g = g
+        self.n_threads = n_threads
+        params = self.g.ffi.new("struct ggml_threadpool_params *", g.base.ggml_threadpool_params_default(n_threads))
+        params.poll = poll
+        self.handle = g.cpu.ggml_threadpool_new(params)
+        if self.handle == g.ffi.NULL:
+            raise EnvironmentProblem(f"ggml could not start a pool of {n_threads} threads")
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.g.cpu.ggml_threadpool_free(self.handle)
+            self.handle = None
+
+
+class Graph:
+    """One ggml graph over memory owned elsewhere: a ``no_alloc`` context holding the tensor
+    headers, built once and computed any number of times. ``data`` (the nodes' addresses) never
+    changes; the caller keeps that memory alive while the graph lives."""
+
+    def __init__(self, g: Ggml) -> None:
+        self.g = g
+        lib, ffi = g.base, g.ffi
+        size = GRAPH_SIZE * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(GRAPH_SIZE, False)
+        self.ctx = lib.ggml_init(ffi.new("struct ggml_init_params *", (size, ffi.NULL, True))[0])
+        if self.ctx == ffi.NULL:
+            raise EnvironmentProblem("ggml_init failed (out of memory?)")
+        self.gf = lib.ggml_new_graph_custom(self.ctx, GRAPH_SIZE, False)
+        self.cplan: Any = None
+        self.work_size = 0
+        self.computes = 0
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def at(self, type_id: int, count: int, addr: int) -> Any:
+        """A 1-d tensor of ``count`` elements of ``type_id`` at ``addr`` (views make the shapes)."""
+        t = self.g.base.ggml_new_tensor_1d(self.ctx, type_id, count)
+        t.data = self.g.ffi.cast("void *", addr)
+        return t
+
+    def strided(self, type_id: int, addr: int, ne0: int, ne1: int, nb1: int, ne2: int = 1, nb2: int = 0) -> Any:
+        """A leaf tensor at ``addr``: ``ne2`` slices (``nb2`` bytes apart) of ``ne1`` rows of
+        ``ne0`` elements, rows ``nb1`` bytes apart. Unlike a view it is no graph node, so a graph
+        of one op is one node: ggml's threads meet at a barrier after every node, and a barrier
+        is where a thread that lost its core stalls the others."""
+        lib = self.g.base
+        t = lib.ggml_new_tensor_3d(self.ctx, type_id, ne0, ne1, ne2)
+        t.data = self.g.ffi.cast("void *", addr)
+        t.nb[1] = nb1
+        t.nb[2] = nb2 if ne2 > 1 else nb1 * ne1
+        t.nb[3] = t.nb[2] * ne2
+        return t
+
+    def rows(self, src: Any, ne0: int, ne1: int, nb1: int, offset: int) -> Any:
+        return self.g.base.ggml_view_2d(self.ctx, src, ne0, ne1, nb1, offset)
+
+    def rows3(self, src: Any, ne0: int, ne1: int, ne2: int, nb1: int, nb2: int, offset: int) -> Any:
+        return self.g.base.ggml_view_3d(self.ctx, src, ne0, ne1, ne2, nb1, nb2, offset)
+
+    def place(self, t: Any, addr: int, nb1: int, nb2: int | None = None) -> Any:
+        """Make the result ``t`` (f32, made by an op) write at ``addr`` with row stride ``nb1``
+        (and ``nb2`` between its 2-d slices) instead of owning memory."""
+        t.data = self.g.ffi.cast("void *", addr)
+        t.nb[1] = nb1
+        t.nb[2] = nb1 * t.ne[1] if nb2 is None else nb2
+        t.nb[3] = t.nb[2] * t.ne[2]
+        return t
+
+    def finish(self, out: Any, pool: ThreadPool) -> None:
+        self.g.base.ggml_build_forward_expand(self.gf, out)
+        self.cplan = self.g.ffi.new("struct ggml_cplan *",
+                                    self.g.cpu.ggml_graph_plan(self.gf, pool.n_threads, pool.handle))
+        self.work_size = int(self.cplan.work_size)
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.g.base.ggml_graph_n_nodes(self.gf))
+
+    def compute(self, work: Any) -> None:
+        """Run the graph with ``work`` (a cffi pointer to at least ``work_size`` bytes)."""
+        self.cplan.work_data = work if self.work_size else self.g.ffi.NULL
+        status = self.g.cpu.ggml_graph_compute(self.gf, self.cplan)
+        if status != self.g.base.GGML_STATUS_SUCCESS:
+            raise KernelError(f"ggml_graph_compute failed (status {status})")
+        self.computes += 1
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.g.base.ggml_free(self.ctx)
+            self.ctx = None
+            self.gf = None
+
+
+def version() -> str:
+    """``"<ggml version> (libggml-python <wheel version>, commit <commit>)"``."""
+    g = load()
+    return f"{g.version} ({PACKAGE} {g.package_version}, commit {g.commit})"
+
+
+__all__ = ["FEATURES", "Ggml", "Graph", "INSTALL_HINT", "PACKAGE", "ThreadPool", "load", "physical_cores", "version"]

@@ -1,0 +1,334 @@
+"""Mixture-of-experts ops on the hub: the routed expert product, the router and the combine.
+
+- ``mul_mat_id`` (ggml's ``ggml_mul_mat_id``): ``y[t, s, :] = W[ids[t, s]] @ x[t, s if n_xb > 1
+  else 0, :]`` for ``ids`` int32 ``(T, n_used)``, ``x`` f32 ``(T, n_xb, K)`` (``n_xb`` 1: every
+  slot reads the token's one row, as the gate/up products; ``n_used``: each slot its own, as
+  the down product), ``W`` the stored ``(n_expert, N, K)`` tensor in any hub weight type
+  (:data:`vkxsplit.ops.quant.TYPES`, raw GGUF bytes), ``y`` f32 ``(T, n_used, N)``.
+  ``shaders/mul_mat_id.comp`` dequantizes through ``shaders/dequant.glsl``'s ``dq4``/``dq1``, so a
+  type declared there and in ``TYPES`` works here too. Decode (T = 1), and batches of fewer
+  than :data:`GROUPED_PAIRS_PER_EXPERT` pairs per expert on average: a mat-vec over N x
+  pairs that reads only the selected experts' rows, once per pair (the mat-vec units of
+  ``dequant.glsl``). Larger batches (prefill): the (token, slot) pairs are first grouped by
+  expert on the GPU (``shaders/moe_group.comp``: counts, offsets,
+  a row map and a tile list, :func:`record_moe_group`), then a tiled mat-mat runs per tile of
+  at most 32 pairs of one expert, so an expert's rows are read once per 32 pairs routed to
+  it rather than once per token (the grid: ceil(N / 64) x (P / 32 + n_expert + 2) workgroups
+  for P = T * n_used pairs, the unused tiles exiting at once).
+- ``moe_topk``: per token, softmax (or sigmoid) over the router logits, the ``n_used`` best
+  experts (ties to the lower expert index: a stable descending sort), their probabilities
+  as weights, normalised to sum 1 (clamped as llama.cpp: ``/ max(sum, 6.103515625e-5)``) when
+  asked, times a scale.
+- ``moe_combine``: ``y[t] = sum_s w[t, s] * e[t, s, :]``.
+
+SwiGLU over the ``(T, n_used, n_ff)`` gate/up outputs is the ordinary ``swiglu`` op over
+``T * n_used`` rows (:func:`vkxsplit.ops.elementwise.record_swiglu`).
+
+An id outside ``[0, n_expert)`` cannot come from ``moe_topk`` (it writes -1 only for a token
+whose probabilities are all NaN); ``mul_mat_id`` writes NaN rows for such an id, so the model
+reports non-finite logits instead of decoding from a wrong expert or reading out of bounds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import KernelError
+from ..shaders import Variant
+from ..vk.kernel import Bindable, Kernel, as_range, bindings_overlap
+from .quant import TYPES, TypeLike, WeightType, weight_type
+
+if TYPE_CHECKING:
+    from ..graph import Node, Tensor
+    from ..vk.command import Sequence
+
+_STORAGE = ("storageBuffer16BitAccess", "storageBuffer8BitAccess")
+PUSH_ID = "I" * 10   # N, K, n_used, n_xb, n_expert, T, w_rows, w_row0, y_stride, flags
+VEC_NR = 8           # rows per workgroup of the decode path (mul_mat_id.comp, flags bit 1)
+FLAG_VEC = 2
+TILE_BM = 32         # pairs per tile (mul_mat_id.comp, VEC = 0)
+TILE_BN = 64         # weight rows per tile
+MAX_EXPERTS = 512    # moe_group.comp's MAXE
+MAX_GROUPS = 65535
+GATING = {"softmax": 1, "sigmoid": 2}
+#: ``{arch}.expert_gating_func`` values (llama.cpp's ``llama_expert_gating_func_type``)
+GATING_BY_ID = {1: "softmax", 2: "sigmoid"}
+NORM_CLAMP = 6.103515625e-5  # llama.cpp clamps the sum of the selected weights to this
+
+
+def kernel_name(t: str) -> str:
+    """The routed product of weight type ``t`` (both paths: one module)."""
+    return f"mul_mat_id_{t}_f32"
+
+
+VARIANTS = (
+    [Variant(name=kernel_name(t), source="mul_mat_id.comp", defines={"WTYPE": str(wt.id)},
+             bindings=4, writes=(3,), push=PUSH_ID, local_size=(256, 1, 1), requires=_STORAGE)
+     for t, wt in TYPES.items()]
+    + [Variant(name="moe_group", source="moe_group.comp", defines={"MAXE": f"{MAX_EXPERTS}u"}, bindings=2,
+               writes=(1,), push="III", local_size=(256, 1, 1))]
+    + [Variant(name=f"moe_topk_{g}", source="moe_topk.comp", defines={"GATING": str(code), "MAXE": f"{MAX_EXPERTS}u"},
+               bindings=3, writes=(1, 2), push="IIIIIf", local_size=(256, 1, 1)) for g, code in GATING.items()]
+    + [Variant(name="moe_combine_f32", source="moe_combine.comp", bindings=3, writes=(2,), push="III",
+               local_size=(256, 1, 1))]
+)
+
+
+#: the grouped path from this many (token, slot) pairs per expert on average: below it each
+#: expert meets few pairs, and one mat-vec pass per pair (which reads an expert once per pair
+#: routed to it, about once per touched expert there) beat the tiles on the H200 (gate + down
+#: of a Qwen3-30B-A3B layer, Q4_K: 1.5 ms vs 2.6 ms at T = 64, 2.9 vs 2.8 at T = 128, 5.9 vs
+#: 3.0 at T = 256; tools/bench_moe.py)
+GROUPED_PAIRS_PER_EXPERT = 8
+
+
+def use_grouped(T: int, n_used: int, n_expert: int) -> bool:
+    """Whether a routed product of ``T`` tokens takes the grouped (tiled) path by default."""
+    return T > 1 and T * n_used >= GROUPED_PAIRS_PER_EXPERT * n_expert
+
+
+def max_tiles(P: int, n_expert: int) -> int:
+    """Tiles of the grouped product's tile list: a bound on ``sum_e ceil(count_e / 32)``."""
+    return P // TILE_BM + min(n_expert + 1, P) + 1
+
+
+def group_words(T: int, n_used: int, n_expert: int) -> int:
+    """32-bit words of :func:`record_moe_group`'s output (counts, offsets, tile count, tiles,
+    row map) for ``T`` tokens of ``n_used`` slots over ``n_expert`` experts."""
+    P = T * n_used
+    return 2 * (n_expert + 1) + 1 + 2 * max_tiles(P, n_expert) + P
+
+
+def group_bytes(T: int, n_used: int, n_expert: int) -> int:
+    return 4 * group_words(T, n_used, n_expert)
+
+
+def _size(b: Bindable) -> int:
+    return as_range(b)[2]
+
+
+def _check_int(name: str, **vals: int) -> None:
+    for what, v in vals.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 32:
+            raise KernelError(f"{name}: {what} = {v!r} is not a valid size")
+
+
+def _check_fit(name: str, what: str, b: Bindable, nbytes: int) -> None:
+    _, off, size, _ = as_range(b)
+    if off % 4:
+        raise KernelError(f"{name}: the {what} binding starts at byte {off}, not 4-byte aligned")
+    if nbytes > size:
+        raise KernelError(f"{name}: {what} needs {nbytes} bytes, its binding has {size}")
+
+
+def _check_experts(name: str, n_expert: int, n_used: int) -> None:
+    if n_expert < 1 or n_expert > MAX_EXPERTS:
+        raise KernelError(f"{name}: n_expert = {n_expert}; the MoE kernels handle 1..{MAX_EXPERTS} experts")
+    if n_used < 1 or n_used > n_expert:
+        raise KernelError(f"{name}: n_used = {n_used} must be in 1..n_expert ({n_expert})")
+
+
+def check_mul_mat_id(w_type: TypeLike | WeightType, n_expert: int, N: int, K: int, n_used: int, n_xb: int,
+                     T: int, w_rows: int | None = None, w_row0: int = 0) -> WeightType:
+    """Plan-time checks of a routed product (see :func:`record_mul_mat_id`); returns the weight
+    type. Raises KernelError naming the problem."""
+    wt = weight_type(w_type)
+    w_rows = N if w_rows is None else w_rows
+    name = f"mul_mat_id[{wt.name.upper()}, experts={n_expert}, N={N}, K={K}, T={T}, n_used={n_used}]"
+    _check_int(name, n_expert=n_expert, N=N, K=K, n_used=n_used, n_xb=n_xb, T=T, w_rows=w_rows, w_row0=w_row0)
+    _check_experts(name, n_expert, n_used)
+    if n_xb not in (1, n_used):
+        raise KernelError(f"{name}: x has {n_xb} rows per token; mul_mat_id takes 1 (shared by every slot) "
+                          f"or n_used = {n_used} (one per slot)")
+    if K == 0 or K % wt.block_size:
+        raise KernelError(f"{name}: K must be a positive multiple of the {wt.name.upper()} block size "
+                          f"{wt.block_size}", "ggml stores whole blocks per row; check the tensor's shape")
+    if w_row0 + N > w_rows:
+        raise KernelError(f"{name}: rows {w_row0}..{w_row0 + N} are outside the experts' {w_rows} rows")
+    if wt.row_bytes(K) * w_rows * n_expert >= 1 << 32:
+        raise KernelError(f"{name}: the expert tensor is 4 GiB or more; byte offsets are 32-bit",
+                          "split the experts over backends (--split) or use a smaller quantization")
+    if T * n_used * max(w_rows, K) >= 1 << 32:
+        raise KernelError(f"{name}: element offsets exceed 32 bits")
+    if -(-N // VEC_NR) > MAX_GROUPS or T * n_used > MAX_GROUPS or max_tiles(T * n_used, n_expert) > MAX_GROUPS:
+        raise KernelError(f"{name}: too large for one dispatch")
+    return wt
+
+
+def record_moe_group(seq: Sequence, ids: Bindable, groups: Bindable, T: int, n_used: int, n_expert: int) -> None:
+    """Group the ``T * n_used`` (token, slot) pairs of ``ids`` (int32) by expert into ``groups``
+    (at least :func:`group_bytes` bytes): what the tiled :func:`record_mul_mat_id` reads. The
+    gate, up and down products of one MoE FFN share one grouping."""
+    name = f"moe_group[T={T}, n_used={n_used}, experts={n_expert}]"
+    _check_int(name, T=T, n_used=n_used, n_expert=n_expert)
+    _check_experts(name, n_expert, n_used)
+    _check_fit(name, "ids", ids, 4 * T * n_used)
+    _check_fit(name, "groups", groups, group_bytes(T, n_used, n_expert))
+    if bindings_overlap(ids, groups):
+        raise KernelError(f"{name}: the groups buffer overlaps the ids")
+    if T == 0:
+        return
+    seq.dispatch(Kernel.get(seq.device, "moe_group"), [ids, groups], (T * n_used, n_expert, TILE_BM), (1, 1, 1))
+
+
+def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x: Bindable, ids: Bindable,
+                      y: Bindable, *, n_expert: int, N: int, K: int, T: int, n_used: int, n_xb: int,
+                      w_rows: int | None = None, w_row0: int = 0, y_stride: int | None = None,
+                      groups: Bindable | None = None, grouped: bool = False, path: str | None = None) -> None:
+    """The routed product ``y[t, s, w_row0 + n] = sum_k W[ids[t, s], w_row0 + n, k] * x[t, s', k]``
+    (``s' = s`` if ``n_xb > 1`` else 0; ``0 <= n < N``).
+
+    ``w``: the ``(n_expert, w_rows, K)`` expert tensor (16-byte aligned binding; ``w_rows``
+    defaults to N; ``w_row0``/``N``: a row range of every expert, a tensor split's share, written
+    into y's columns ``w_row0 ..``); ``x`` f32 ``(T, n_xb, K)`` contiguous; ``ids`` int32 ``(T,
+    n_used)``; ``y`` f32 ``(T * n_used)`` rows of ``y_stride`` (default ``w_rows``) elements.
+    ``path``: ``"vec"`` or ``"grouped"`` (default: :func:`use_grouped`); the grouped path needs
+    ``groups``, a buffer of :func:`group_bytes`: the grouping is recorded here unless
+    ``grouped`` says an earlier :func:`record_moe_group` of the same ids filled it."""
+    wt = check_mul_mat_id(w_type, n_expert, N, K, n_used, n_xb, T, w_rows, w_row0)
+    w_rows = N if w_rows is None else w_rows
+    y_stride = w_rows if y_stride is None else y_stride
+    name = f"mul_mat_id[{wt.name.upper()}, experts={n_expert}, N={N}, K={K}, T={T}, n_used={n_used}]"
+    _check_int(name, y_stride=y_stride)
+    if y_stride < w_row0 + N:
+        raise KernelError(f"{name}: y_stride {y_stride} < w_row0 + N = {w_row0 + N} (rows would overlap)")
+    path = path or ("grouped" if use_grouped(T, n_used, n_expert) else "vec")
+    if path not in ("vec", "grouped"):
+        raise KernelError(f"{name}: unknown path {path!r} (vec or grouped)")
+    _, w_off, w_size, _ = as_range(w)
+    if w_off % 16:
+        raise KernelError(f"{name}: the weight binding starts at byte {w_off}, not 16-byte aligned")
+    if n_expert * w_rows * wt.row_bytes(K) > w_size:
+        raise KernelError(f"{name}: {n_expert} experts of {w_rows} rows of {wt.row_bytes(K)} bytes do not fit "
+                          f"the weight binding ({w_size} bytes)")
+    _check_fit(name, "x", x, 4 * T * n_xb * K)
+    _check_fit(name, "ids", ids, 4 * T * n_used)
+    P = T * n_used
+    _check_fit(name, "y", y, 4 * ((P - 1) * y_stride + w_row0 + N) if P else 0)
+    for what, b in (("x", x), ("the weights", w), ("ids", ids)):
+        if bindings_overlap(y, b):
+            raise KernelError(f"{name}: y overlaps {what}")
+    if path == "grouped":
+        if groups is None:
+            raise KernelError(f"{name}: the grouped path needs a groups buffer ({group_bytes(T, n_used, n_expert)} "
+                              "bytes, ops.moe.group_bytes)")
+        _check_fit(name, "groups", groups, group_bytes(T, n_used, n_expert))
+        for what, b in (("y", y), ("x", x), ("the weights", w)):
+            if bindings_overlap(groups, b):
+                raise KernelError(f"{name}: the groups buffer overlaps {what}")
+    if P == 0 or N == 0:
+        return
+    flags = (1 if K % 4 == 0 else 0) | (FLAG_VEC if path == "vec" else 0)
+    push = (N, K, n_used, n_xb, n_expert, T, w_rows, w_row0, y_stride, flags)
+    kd = Kernel.get(seq.device, kernel_name(wt.name))
+    if path == "vec":
+        seq.dispatch(kd, [w, x, ids, y], push, (-(-N // VEC_NR), P, 1))
+        return
+    assert groups is not None
+    if not grouped:
+        record_moe_group(seq, ids, groups, T, n_used, n_expert)
+    seq.dispatch(kd, [w, x, groups, y], push, (-(-N // TILE_BN), max_tiles(P, n_expert), 1))
+
+
+def record_moe_topk(seq: Sequence, logits: Bindable, ids: Bindable, weights: Bindable, *, T: int, n_expert: int,
+                    n_used: int, gating: str = "softmax", norm: bool = True, scale: float = 1.0,
+                    l_stride: int | None = None) -> None:
+    """The router: for each of ``T`` rows of ``n_expert`` f32 logits (row stride ``l_stride``,
+    default n_expert), ``ids`` (int32 ``(T, n_used)``) the experts of largest probability
+    (``gating``: softmax or sigmoid) in decreasing order, equal probabilities in increasing
+    expert index; ``weights`` (f32 ``(T, n_used)``) their probabilities, divided by
+    ``max(sum, 6.103515625e-5)`` when ``norm``, times ``scale``."""
+    name = f"moe_topk[T={T}, experts={n_expert}, n_used={n_used}]"
+    l_stride = n_expert if l_stride is None else l_stride
+    _check_int(name, T=T, n_expert=n_expert, n_used=n_used, l_stride=l_stride)
+    _check_experts(name, n_expert, n_used)
+    if gating not in GATING:
+        raise KernelError(f"{name}: gating function {gating!r} is not one the router runs (softmax, sigmoid)")
+    if l_stride < n_expert:
+        raise KernelError(f"{name}: logit row stride {l_stride} < n_expert")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale != scale or abs(scale) == float("inf"):
+        raise KernelError(f"{name}: scale {scale!r} is not a finite number")
+    _check_fit(name, "logits", logits, 4 * ((T - 1) * l_stride + n_expert) if T else 0)
+    _check_fit(name, "ids", ids, 4 * T * n_used)
+    _check_fit(name, "weights", weights, 4 * T * n_used)
+    for a, b, what in ((ids, logits, "ids and logits"), (weights, logits, "weights and logits"),
+                       (ids, weights, "ids and weights")):
+        if bindings_overlap(a, b):
+            raise KernelError(f"{name}: {what} overlap")
+    if T == 0:
+        return
+    seq.dispatch(Kernel.get(seq.device, f"moe_topk_{gating}"), [logits, ids, weights],
+                 (n_expert, n_used, T, l_stride, int(bool(norm)), float(scale)), (min(T, MAX_GROUPS), 1, 1))
+
+
+def record_moe_combine(seq: Sequence, e: Bindable, weights: Bindable, y: Bindable, *, T: int, n_used: int,
+                       N: int) -> None:
+    """``y[t, :] = sum_s weights[t, s] * e[t, s, :]`` for f32 ``e`` ``(T, n_used, N)``, ``weights``
+    ``(T, n_used)``, ``y`` ``(T, N)`` (all contiguous; y apart from both)."""
+    name = f"moe_combine[T={T}, n_used={n_used}, N={N}]"
+    _check_int(name, T=T, n_used=n_used, N=N)
+    if n_used < 1:
+        raise KernelError(f"{name}: n_used must be at least 1")
+    _check_fit(name, "expert outputs", e, 4 * T * n_used * N)
+    _check_fit(name, "weights", weights, 4 * T * n_used)
+    _check_fit(name, "y", y, 4 * T * N)
+    if bindings_overlap(y, e) or bindings_overlap(y, weights):
+        raise KernelError(f"{name}: y overlaps its inputs")
+    if T * n_used * N >= 1 << 32:
+        raise KernelError(f"{name}: element offsets exceed 32 bits")
+    if T == 0 or N == 0:
+        return
+    seq.dispatch(Kernel.get(seq.device, "moe_combine_f32"), [e, weights, y], (N, T, n_used),
+                 (min(4096, -(-N // 256)), min(T, MAX_GROUPS), 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# graph nodes (registered by vkxsplit.ops.nodes)
+#
+#   moe_topk     inputs [logits (T, n_expert) f32] -> ids (T, n_used) i32; params: weights (the
+#                (T, n_used) f32 tensor it also writes), n_expert, n_used, gating, norm, scale
+#   moe_group    inputs [ids] -> groups (group_words,) u32; params: n_expert
+#   mul_mat_id   inputs [W (n_expert, N, K), x (T, n_xb, K) f32, ids, and groups for the
+#                grouped path (use_grouped)] -> (T, n_used, N) f32
+#   moe_combine  inputs [e (T, n_used, N) f32, weights (T, n_used) f32] -> (T, N) f32
+
+
+def _node_mul_mat_id(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None, y: Tensor | None = None) -> None:
+    """Rows ``[r0, r1)`` of every expert (all by default) into y's columns ``[r0, r1)`` (y:
+    the node's output or a staging shadow of it), as the ``mul_mat`` recorder."""
+    w, x, ids, *grp = n.inputs
+    y = n.output if y is None else y
+    n_expert, N, K = w.shape
+    T, n_used = ids.shape
+    r1 = N if r1 is None else r1
+    record_mul_mat_id(seq, w.buffer, w.dtype, x.buffer, ids.buffer, y.buffer, n_expert=n_expert, N=r1 - r0, K=K,
+                      T=T, n_used=n_used, n_xb=x.shape[1], w_rows=N, w_row0=r0, y_stride=N,
+                      groups=grp[0].buffer if grp else None, grouped=True, path="grouped" if grp else "vec")
+
+
+def _node_moe_topk(seq: Sequence, n: Node) -> None:
+    (logits,) = n.inputs
+    p = n.params
+    record_moe_topk(seq, logits.buffer, n.output.buffer, p["weights"].buffer, T=logits.shape[0],
+                    n_expert=p["n_expert"], n_used=p["n_used"], gating=p.get("gating", "softmax"),
+                    norm=p.get("norm", True), scale=p.get("scale", 1.0))
+
+
+def _node_moe_group(seq: Sequence, n: Node) -> None:
+    (ids,) = n.inputs
+    T, n_used = ids.shape
+    record_moe_group(seq, ids.buffer, n.output.buffer, T, n_used, n.params["n_expert"])
+
+
+def _node_moe_combine(seq: Sequence, n: Node) -> None:
+    e, w = n.inputs
+    T, n_used, N = e.shape
+    record_moe_combine(seq, e.buffer, w.buffer, n.output.buffer, T=T, n_used=n_used, N=N)
+
+
+#: the hub recorders of the MoE graph ops, by op name (vkxsplit.ops.nodes registers them)
+NODE_RECORDERS = {"mul_mat_id": _node_mul_mat_id, "moe_topk": _node_moe_topk, "moe_group": _node_moe_group,
+                  "moe_combine": _node_moe_combine}
+
+__all__ = ["GROUPED_PAIRS_PER_EXPERT", "NODE_RECORDERS", "use_grouped", "GATING", "GATING_BY_ID", "NORM_CLAMP", "VARIANTS", "check_mul_mat_id", "group_bytes", "group_words",
+           "max_tiles", "record_moe_combine", "record_moe_group", "record_moe_topk", "record_mul_mat_id"]
