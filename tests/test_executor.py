@@ -339,3 +339,18 @@ def test_hub_recorders_are_looked_up_by_op_name(device):
     finally:
         for b in bufs:
             b.close()
+
+
+def test_a_traced_step_waits_without_a_stall_limit(device, cpu, npu, arena, rng):
+    """``timeout=inf`` (VKXSPLIT_TIMEOUT_S=inf: never stalled) with the trace watcher on: the
+    wait must not hand inf to Thread.join (OverflowError)."""
+    chain = Chain(arena, rng)
+    plan, ws = plan_for(device, arena, cpu, npu, chain, "tensor:1,1,1")
+    ex = Executor(device, plan, [cpu, npu], trace=True)
+    try:
+        st = ex.run(float("inf"))
+        assert st.done and any(e["ph"] == "X" for e in st.trace()["traceEvents"])
+    finally:
+        ex.close()
+        ws.close()
+        chain.close()

@@ -351,8 +351,8 @@ class Step:
             self.done = True
             if self.job_points:
                 self.staged_bytes = _attach.stats.staged_bytes - self._staged0
-            if self._watch is not None:
-                self._watch.join(timeout)
+            if self._watch is not None:  # (its points are reached: it ends; join cannot take inf)
+                self._watch.join(None if timeout == float("inf") else timeout)
         for b in self.executor.backends.values():
             b.check()
 

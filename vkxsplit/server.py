@@ -354,10 +354,22 @@ def create_app(model: Any, model_id: str = "vkxsplit", sampling: dict[str, Any] 
                     await pieces.aclose()
                 yield "data: [DONE]\n\n"
 
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return Stream(events(), media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         return handler
+
+    class Stream(StreamingResponse):
+        """A streamed answer that closes its events however the response ends: a server on ASGI
+        spec 2.4 reports a client gone mid-stream by a failing send (starlette raises
+        ClientDisconnect), which leaves the events generator suspended; closed here, its
+        ``finally`` stops the generation and frees the queue for the next request."""
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
     async def http_error(request: Request, exc: Exception) -> Any:
         assert isinstance(exc, HTTPException)

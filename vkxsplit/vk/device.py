@@ -32,6 +32,30 @@ from .instance import (
 
 log = logging.getLogger("vkxsplit.vk")
 
+# VkDevices not destroyed yet, per instance (id(instance) -> [count, close requested]). A device
+# whose destruction waits for a live numpy view (vk.memory._Pin) must not be destroyed after its
+# instance: the device owning the instance (Device.open) asks for the instance's close, which
+# happens once the last device made on it (e.g. a vulkan peer's) is gone.
+_LIVE_LOCK = threading.Lock()
+_LIVE_DEVICES: dict[int, list[Any]] = {}
+
+
+def _device_made(instance: Any) -> None:
+    with _LIVE_LOCK:
+        _LIVE_DEVICES.setdefault(id(instance), [0, False])[0] += 1
+
+
+def _device_destroyed(instance: Any, close_instance: bool) -> None:
+    with _LIVE_LOCK:
+        entry = _LIVE_DEVICES.setdefault(id(instance), [1, False])
+        entry[0] -= 1
+        entry[1] = entry[1] or close_instance
+        last = entry[0] <= 0
+        if last:
+            del _LIVE_DEVICES[id(instance)]
+    if last and entry[1]:
+        instance.close()
+
 # Extensions enabled whenever the device offers them (core-promoted ones only matter on 1.2).
 OPTIONAL_EXTENSIONS = (
     "VK_KHR_external_memory", "VK_KHR_external_memory_fd", "VK_EXT_external_memory_dma_buf",
@@ -215,6 +239,7 @@ class Device(Closable):
         from .memory import Allocator  # local import: memory needs Device's type only at runtime
 
         self.memory = Allocator(self)
+        _device_made(instance)
         log.info("hub device: %s (%s, Vulkan %s), queue family %d, extensions: %s", physical.name,
                  physical.driver_name, physical.api_version_str, qf.index, ", ".join(sorted(exts)))
 
@@ -338,12 +363,11 @@ class Device(Closable):
         lib.vkDestroyPipelineCache(self.handle, self.pipeline_cache, NULL)
         lib.vkDestroyCommandPool(self.handle, self.command_pool, NULL)
         handle, self.handle = self.handle, None
-        instance = self.instance if self._owns_instance else None
+        instance, owns = self.instance, self._owns_instance
 
         def destroy() -> None:  # once no block is left (now, or after the last numpy view)
             lib.vkDestroyDevice(handle, NULL)
-            if instance is not None:
-                instance.close()
+            _device_destroyed(instance, owns)  # (the instance closes after its last device)
 
         if not self.memory.close(on_drained=destroy):
             destroy()

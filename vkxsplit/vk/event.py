@@ -244,7 +244,8 @@ class Timeline(Closable):
             timeout = default_timeout()
         vals = ffi.new("uint64_t[1]", [value])
         wi = new("VkSemaphoreWaitInfo", semaphoreCount=1, pSemaphores=self._sems, pValues=vals)
-        if timeout == float("inf"):
+        peers = tuple(peers)
+        if timeout == float("inf") and not peers:  # (with peers: the loop below, never stalled)
             while not self._block(wi, value, None):
                 pass
             return

@@ -274,6 +274,8 @@ class Buffer(Closable):
         arr = self._view(dtype, shape, offset)
         pin = _Pin(arr.ctypes.data, arr.nbytes)
         with self.block.alloc._lock:
+            if self._closed:  # closed by another thread since the guard: its range is returned
+                raise self._closed_error("numpy()")
             self._views += 1
             self.block.pins += 1
         fin = weakref.finalize(pin, self.block.alloc._unpin, self)
@@ -324,13 +326,13 @@ class Buffer(Closable):
         return self.block.export_fd(handle_type), self.block.size, self.offset
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self.block.alloc._lock:
+        with self.block.alloc._lock:  # (one step with _unpin: the range is returned once)
+            if self._closed:
+                return
+            self._closed = True
             if self._views:
                 return  # the last view's finalizer returns the range (Allocator._unpin)
-        self.block.alloc._release(self)
+            self.block.alloc._release(self)
 
     def __enter__(self) -> Buffer:
         return self
