@@ -179,6 +179,8 @@ def test_models_and_health(served: dict[str, Any]) -> None:
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
+    ({"stream": True, "stream_options": []}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "false"}}, "stream_options"),
 ])
 def test_bad_requests_get_openai_errors(served: dict[str, Any], kw: dict[str, Any], param: str) -> None:
     args: dict[str, Any] = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
@@ -196,6 +198,8 @@ def test_bad_http_gets_openai_errors(served: dict[str, Any]) -> None:
     base = served["base"]
     r = http("POST", base + "/v1/chat/completions", b"{not json")
     assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    r = http("POST", base + "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000)  # deeper than Python recurses
+    assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
     r = http("POST", base + "/v1/completions", b'{"prompt": 5}')
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = http("GET", base + "/v1/nothing")

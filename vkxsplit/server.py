@@ -103,10 +103,13 @@ class Job:
         self.stream = body.get("stream", False)
         if not isinstance(self.stream, bool):
             raise RequestError("'stream' must be true or false", "stream")
-        so = body.get("stream_options") or {}
+        so = body.get("stream_options")
+        so = {} if so is None else so
         if not isinstance(so, dict):
             raise RequestError("'stream_options' must be an object", "stream_options")
-        self.include_usage = bool(so.get("include_usage", False))
+        self.include_usage = so.get("include_usage", False)
+        if not isinstance(self.include_usage, bool):
+            raise RequestError("'stream_options.include_usage' must be true or false", "stream_options")
         self.finish = "length"
         self.usage: dict[str, int] = {}
         self.model = body.get("model")
@@ -290,6 +293,8 @@ def create_app(model: Any, model_id: str = "vkxsplit", sampling: dict[str, Any] 
             body = json.loads(await request.body() or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(f"the request body is not JSON: {exc}") from None
+        except RecursionError:  # (arrays or objects nested thousands deep)
+            raise RequestError("the request body nests too deeply to be a request") from None
         return Job(body, chat, srv.sampling)
 
     def completion(chat: bool) -> Any:
