@@ -1,4 +1,4 @@
-"""Review findings on ``vkxsplit serve``: a streaming client that goes away mid-answer must stop
+"""``vkxsplit serve`` when clients leave: a client that goes away mid-answer must stop
 the generation and free the one-model lock (the next request is served). Driven through the
 ASGI interface with a fake model (no GPU work): the fake's generator counts the tokens it made."""
 
@@ -51,10 +51,14 @@ class FakeModel:
 
 
 async def _request(app: Any, body: dict[str, Any], disconnect_after: int | None,
-                   spec: str = "2.3") -> list[dict[str, Any]]:
+                   spec: str = "2.3", leave_after: float | None = None) -> list[dict[str, Any]]:
+    """One request through the app; the client goes away after ``disconnect_after`` body
+    messages, or ``leave_after`` seconds."""
     sent: list[dict[str, Any]] = []
     gone = asyncio.Event()
     first = True
+    if leave_after is not None:
+        asyncio.get_running_loop().call_later(leave_after, gone.set)
 
     async def receive() -> dict[str, Any]:
         nonlocal first
@@ -101,6 +105,28 @@ def test_a_client_gone_mid_stream_stops_generation_and_frees_the_queue(spec: str
 
     at_disconnect, after, sent = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert after - at_disconnect <= 3, (at_disconnect, after)  # stopped at the next token
+    assert app.state.server.lock.locked() is False
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert json.loads(body)["choices"][0]["text"] == "t0 t1 t2 t3 "
+
+
+def test_a_client_gone_before_a_whole_answer_stops_generation_and_frees_the_queue() -> None:
+    """Not streamed: the client leaves while the answer is being made (no send tells the
+    server); the generation stops at the next token instead of running to a full context."""
+    model = FakeModel()
+    app = create_app(model, "fake")
+
+    async def scenario() -> tuple[int, int, list[dict[str, Any]]]:
+        task = asyncio.ensure_future(_request(app, {"prompt": "hi"}, disconnect_after=None, leave_after=0.1))
+        await task
+        at_disconnect = model.made
+        await asyncio.sleep(0.5)  # an endless generation would make ~100 more tokens here
+        after = model.made
+        sent = await _request(app, {"prompt": "hi", "max_tokens": 4}, disconnect_after=None)
+        return at_disconnect, after, sent
+
+    at_disconnect, after, sent = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert at_disconnect < 200 and after - at_disconnect <= 3, (at_disconnect, after)
     assert app.state.server.lock.locked() is False
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert json.loads(body)["choices"][0]["text"] == "t0 t1 t2 t3 "

@@ -264,7 +264,7 @@ def create_app(model: Any, model_id: str = "vkxsplit", sampling: dict[str, Any] 
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
-    from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     from . import defaults
@@ -335,6 +335,9 @@ def create_app(model: Any, model_id: str = "vkxsplit", sampling: dict[str, Any] 
                 try:
                     async for p in pieces:
                         parts.append(p)
+                        if await request.is_disconnected():  # nobody to answer: stop, free the queue
+                            await pieces.aclose()
+                            return Response(status_code=499)
                 except VkxError as exc:
                     return _error(RequestError(str(exc), status=500, type_="server_error"))
                 return JSONResponse(envelope([choice("".join(parts), job.finish, False)], usage=job.usage))
