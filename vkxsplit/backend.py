@@ -164,6 +164,26 @@ class Capabilities:
         raise AssertionError("unreachable")
 
 
+def _check_product(job: MatMulJob | MatMulIdJob, what: str) -> None:
+    """Defaults and the checks a plain and a routed product share: strides default to whole
+    rows, ``r1`` to ``N``; a non-empty shape, a row range inside ``[0, N)``, a known x type,
+    strides no shorter than rows."""
+    if job.x_stride <= 0:
+        job.x_stride = job.K
+    if job.y_stride <= 0:
+        job.y_stride = job.N
+    if job.r1 < 0:
+        job.r1 = job.N
+    if min(job.M, job.N, job.K) < 1:
+        raise KernelError(f"{what}: empty shape")
+    if not 0 <= job.r0 < job.r1 <= job.N:
+        raise KernelError(f"{what}: row range [{job.r0}, {job.r1}) outside [0, {job.N})")
+    if job.x_type not in ELEM_BYTES:
+        raise KernelError(f"{what}: x type must be one of {', '.join(ELEM_BYTES)}")
+    if job.x_stride < job.K or job.y_stride < job.N:
+        raise KernelError(f"{what}: strides ({job.x_stride}, {job.y_stride}) shorter than rows")
+
+
 @dataclass
 class MatMulJob:
     """``y[m, n] = sum_k W[n, k] * x[m, k]`` for ``m < M`` and output features ``r0 <= n < r1``.
@@ -196,21 +216,8 @@ class MatMulJob:
     weight_host: Any = None
 
     def __post_init__(self) -> None:
-        if self.x_stride <= 0:
-            self.x_stride = self.K
-        if self.y_stride <= 0:
-            self.y_stride = self.N
-        if self.r1 < 0:
-            self.r1 = self.N
         what = f"mul_mat {self.name or ''}({self.w_type} x {self.x_type}, M={self.M} N={self.N} K={self.K})"
-        if min(self.M, self.N, self.K) < 1:
-            raise KernelError(f"{what}: empty shape")
-        if not 0 <= self.r0 < self.r1 <= self.N:
-            raise KernelError(f"{what}: row range [{self.r0}, {self.r1}) outside [0, {self.N})")
-        if self.x_type not in ELEM_BYTES:
-            raise KernelError(f"{what}: x type must be one of {', '.join(ELEM_BYTES)}")
-        if self.x_stride < self.K or self.y_stride < self.N:
-            raise KernelError(f"{what}: strides ({self.x_stride}, {self.y_stride}) shorter than rows")
+        _check_product(self, what)
         if not isinstance(self.weight, SharedView):
             if self.weight_host is None:
                 raise KernelError(f"{what}: weight must be a SharedView (memory shared with the backend) or "
@@ -290,26 +297,13 @@ class MatMulIdJob:
     n_xb: int = 1
 
     def __post_init__(self) -> None:
-        if self.x_stride <= 0:
-            self.x_stride = self.K
-        if self.y_stride <= 0:
-            self.y_stride = self.N
-        if self.r1 < 0:
-            self.r1 = self.N
         what = (f"mul_mat_id {self.name or ''}({self.w_type} x {self.x_type}, M={self.M} N={self.N} K={self.K}, "
                 f"{self.n_used} of {self.n_expert} experts)")
-        if min(self.M, self.N, self.K) < 1:
-            raise KernelError(f"{what}: empty shape")
+        _check_product(self, what)
         if not 1 <= self.n_used <= self.n_expert:
             raise KernelError(f"{what}: n_used must be in [1, n_expert]")
         if self.n_xb not in (1, self.n_used):
             raise KernelError(f"{what}: n_xb must be 1 or n_used ({self.n_used}), got {self.n_xb}")
-        if not 0 <= self.r0 < self.r1 <= self.N:
-            raise KernelError(f"{what}: row range [{self.r0}, {self.r1}) outside [0, {self.N})")
-        if self.x_type not in ELEM_BYTES:
-            raise KernelError(f"{what}: x type must be one of {', '.join(ELEM_BYTES)}")
-        if self.x_stride < self.K or self.y_stride < self.N:
-            raise KernelError(f"{what}: strides ({self.x_stride}, {self.y_stride}) shorter than rows")
         for v, n in ((self.weight, "weight"), (self.x, "x"), (self.y, "y"), (self.ids, "ids")):
             if not isinstance(v, SharedView):
                 raise KernelError(f"{what}: {n} must be a SharedView (memory shared with the backend), "
