@@ -192,6 +192,41 @@ def test_the_unprofiled_replay_writes_no_timestamps(model, monkeypatch):
         prof.close()
 
 
+def test_a_profile_reads_only_the_timestamps_its_step_wrote(model, monkeypatch):
+    """A pool is sized with headroom (4 per item) and written in part; reading a query that was
+    reset but never written, with the wait bit, blocks forever on the NVIDIA driver (lavapipe
+    returns), so every read must stop at the written count."""
+    from vkxsplit.vk.command import Timestamps
+
+    reads: list[tuple[int, int]] = []
+    real = Timestamps.read
+
+    def checking(self, count=None):
+        reads.append((self.count if count is None else count, self.count))
+        return real(self, count)
+
+    monkeypatch.setattr(Timestamps, "read", checking)
+    model.reset()
+    model.prefill([5, 6])
+    profilers: dict = {}
+    try:
+        prof = profiled_step(model, [7], profilers)
+        seqs = next(iter(profilers.values())).seqs
+        written = [s.n_stamps for s in seqs]
+        assert [n for n, _ in reads] == written
+        assert all(n < cap for n, cap in reads)  # the pools were written in part
+        assert len(prof.levels) == sum(written) - len(seqs)
+    finally:
+        for p in profilers.values():
+            p.close()
+    ts = Timestamps(model.device, 4)
+    try:
+        with pytest.raises(Exception, match="5 timestamps from a pool of 4"):
+            ts.read(5)
+    finally:
+        ts.close()
+
+
 def test_layer_and_role_of_node_names():
     assert layer_of("blk.12.attn_q") == 12 and layer_of("blk.0.quantize.0") == 0
     assert layer_of("output") is None and layer_of("embd") is None and layer_of("xblk.3.y") is None

@@ -264,7 +264,7 @@ class LevelProfiler:
         t0: float | None = None
         barriers = 0
         for si, (seq, items) in enumerate(zip(self.seqs, self._items)):
-            ts = seq.stamps.read()[:seq.n_stamps]
+            ts = seq.stamps.read(seq.n_stamps)  # (only the written ones: see Timestamps.read)
             if t0 is None and len(ts):
                 t0 = float(ts[0])
             barriers += max(0, len(seq.levels) - 1)

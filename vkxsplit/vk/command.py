@@ -354,9 +354,18 @@ class Timestamps:
         self.handle = out[0]
         device.adopt(self)
 
-    def read(self) -> np.ndarray:
-        data = np.zeros(self.count, np.uint64)
-        check(lib.vkGetQueryPoolResults(self.device.handle, self.handle, 0, self.count, data.nbytes,
+    def read(self, count: int | None = None) -> np.ndarray:
+        """The first ``count`` (default all) timestamps, in ns. Only queries a submitted command
+        wrote may be read: with ``VK_QUERY_RESULT_WAIT_BIT`` a query reset and never written
+        waits forever on some drivers (the NVIDIA one), so a pool written only in part is read
+        up to what was written."""
+        n = self.count if count is None else int(count)
+        if not 0 <= n <= self.count:
+            raise VkxError(f"read of {n} timestamps from a pool of {self.count}")
+        data = np.zeros(n, np.uint64)
+        if n == 0:
+            return data.astype(np.float64)
+        check(lib.vkGetQueryPoolResults(self.device.handle, self.handle, 0, n, data.nbytes,
                                         ffi.from_buffer(data), 8,
                                         vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT),
               "vkGetQueryPoolResults")
