@@ -43,6 +43,19 @@
 // shared-memory offset it was loaded from; MulAdd computes the lane's 8 outputs from the f16
 // shared tiles in f32 (f16 x f16 products are exact in f32). Subgroup barriers become
 // workgroup barriers (all fragment loops are uniform).
+//
+// Routed expert product (MUL_MAT_ID=1, ggml-vulkan's mul_mm with MUL_MAT_ID): mul_mat_id's
+// grouped path (vkxsplit/ops/moe.py). Binding 3 holds shaders/moe_group.comp's grouping of
+// the T * n_used (token, slot) pairs by expert (counts, offsets, a list of tiles (expert, first
+// row) of at most 32 pairs, a row map of pair indices); workgroup (x, y) computes W rows
+// BN x .. of tile y's expert against that tile's pairs (BM = 32, the grouping's tile size),
+// tiles past the tile count exiting at once. The A (x) rows of the tile are gathered through
+// the row map (pair p = t n_used + s reads x row t n_xb + (n_xb > 1 ? s : 0)), the B tile
+// is the expert's W rows (expert e's row r is W row e w_rows + w_row0 + r), and every output
+// fragment is scattered through the staging area to y row p (y[p y_stride + w_row0 + n]). Its
+// push constants are mul_mat_id's (N, K, n_used, n_xb, n_expert, T, w_rows, w_row0, y_stride,
+// flags: bit 0 x rows vec4-readable, bit 1 W rows vector-readable); no split K. The bucket of
+// ids outside [0, n_expert) gets NaN rows, as mul_mat_id.comp's.
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_8bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
@@ -50,6 +63,9 @@
 #extension GL_GOOGLE_include_directive : require
 #ifndef COOPMAT_EMULATE
 #define COOPMAT_EMULATE 0
+#endif
+#ifndef MUL_MAT_ID
+#define MUL_MAT_ID 0
 #endif
 #if !COOPMAT_EMULATE
 #extension GL_KHR_cooperative_matrix : require
@@ -97,6 +113,9 @@
 #if BM % WM != 0 || BN % WN != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || (STAGES != 1 && STAGES != 2)
 #error "bad tile parameters"
 #endif
+#if MUL_MAT_ID && BM != 32
+#error "the routed product's tiles are moe_group.comp's tiles of 32 pairs"
+#endif
 
 layout(local_size_x = NT) in;
 
@@ -104,10 +123,21 @@ layout(std430, binding = 1) readonly buffer X { float x[]; };
 layout(std430, binding = 1) readonly buffer X4 { vec4 x4[]; };
 layout(std430, binding = 2) writeonly buffer Y { float y[]; };
 
+#if MUL_MAT_ID
+layout(std430, binding = 3) readonly buffer Groups { uint grp[]; };
+layout(push_constant) uniform Push {
+    uint N; uint K; uint n_used; uint n_xb; uint n_expert; uint T; uint w_rows; uint w_row0;
+    uint y_stride; uint flags;
+} p;
+shared uint xrow[BM];   // first element of x of each gathered pair (~0u: no pair)
+shared uint yrow[BM];   // first element of y of each gathered pair
+uint id_wrow0;          // W row of the tile's expert's first computed row (e w_rows + w_row0)
+#else
 layout(push_constant) uniform Push {
     uint M; uint N; uint K; uint x_stride; uint y_stride; uint x_offset; uint y_offset;
     uint w_row0; uint y_col0; uint flags; uint ksplit;
 } p;
+#endif
 
 shared f16vec4 sm4[STAGES * STAGE4];
 shared float cs[NSG * 256];
@@ -195,8 +225,13 @@ void fetch(uint k0, uint m0, uint n0, uint row_bytes, bool xvec, bool wvec) {
         const uint m = c / (BK / 4u);
         const uint k = k0 + 4u * (c % (BK / 4u));
         vec4 v = vec4(0.0);
+#if MUL_MAT_ID
+        if ((XQ % NT == 0 || c < XQ) && xrow[m] != ~0u) {
+            const uint xi = xrow[m] + k;
+#else
         if ((XQ % NT == 0 || c < XQ) && m0 + m < p.M) {
             const uint xi = p.x_offset + (m0 + m) * p.x_stride + k;
+#endif
             if (xvec) {
                 if (k < p.K) {
                     v = x4[xi >> 2];
@@ -219,7 +254,11 @@ void fetch(uint k0, uint m0, uint n0, uint row_bytes, bool xvec, bool wvec) {
         r[0] = uvec4(0u);
         r[1] = uvec4(0u);
         if ((WU % NT == 0 || c < WU) && n0 + n < p.N && k < p.K) {
+#if MUL_MAT_ID
+            const uint rb = (id_wrow0 + n0 + n) * row_bytes;
+#else
             const uint rb = (p.w_row0 + n0 + n) * row_bytes;
+#endif
 #if DQ_FLOAT
             if (wvec && k + 8u <= p.K) {
                 t8_fetch(rb, k, r);
@@ -262,6 +301,52 @@ void commit(uint k0, uint st) {
 }
 
 void main() {
+#if MUL_MAT_ID
+    // moe_group.comp's layout: counts[ne + 1] | offsets[ne + 1] | n_tiles | tiles[2 * max] | rows[P]
+    const uint ne = p.n_expert;
+    const uint tile = gl_WorkGroupID.y;
+    if (tile >= grp[2u * ne + 2u]) {
+        return;
+    }
+    const uint e = grp[2u * ne + 3u + 2u * tile];
+    const uint first = grp[2u * ne + 4u + 2u * tile];
+    const uint P = p.T * p.n_used;
+    const uint rows0 = 2u * ne + 3u + 2u * (P / BM + min(ne + 1u, P) + 1u);
+    for (uint r = gl_LocalInvocationID.x; r < BM; r += NT) {
+        if (first + r < grp[e]) {
+            const uint pair = grp[rows0 + grp[ne + 1u + e] + first + r];
+            const uint t = pair / p.n_used;
+            const uint s = pair % p.n_used;
+            xrow[r] = (t * p.n_xb + (p.n_xb > 1u ? s : 0u)) * p.K;
+            yrow[r] = pair * p.y_stride + p.w_row0;
+        } else {
+            xrow[r] = ~0u;
+            yrow[r] = 0u;
+        }
+    }
+    barrier();
+    const uint n0 = gl_WorkGroupID.x * BN;
+    const uint m0 = 0u;
+    if (e >= ne) {  // the bucket of out-of-range ids: NaN rows
+        for (uint c = gl_LocalInvocationID.x; c < BM * BN; c += NT) {
+            const uint n = n0 + c % BN;
+            if (xrow[c / BN] != ~0u && n < p.N) {
+                y[yrow[c / BN] + n] = uintBitsToFloat(0x7fc00000u);
+            }
+        }
+        return;
+    }
+    id_wrow0 = e * p.w_rows + p.w_row0;
+    const uint sg = SG_ID;
+    const uint lane = SG_LANE;
+    const uint wm = sg / NSG_N;
+    const uint wn = sg % NSG_N;
+    const uint row_bytes = ROW_BYTES(p.K);
+    const bool xvec = (p.flags & 1u) != 0u;
+    const bool wvec = (p.flags & 2u) != 0u;
+    const uint kbeg = 0u;
+    const uint kend = p.K;
+#else
     const uint n0 = gl_WorkGroupID.x * BN;
     const uint m0 = gl_WorkGroupID.y * BM;
     const uint sg = SG_ID;
@@ -275,6 +360,7 @@ void main() {
     const uint kbeg = gl_WorkGroupID.z * p.ksplit;  // ksplit 0: one split, z = 0
     const uint kend = p.ksplit == 0u ? p.K : min(p.K, kbeg + p.ksplit);
     const uint yoff = p.y_offset + gl_WorkGroupID.z * p.M * p.y_stride;
+#endif
 
     ACC_T acc[FM][FN];
     [[unroll]] for (uint i = 0u; i < FM; ++i) {
@@ -326,6 +412,26 @@ void main() {
 
     const uint mb0 = m0 + wm * WM;
     const uint nb0 = n0 + wn * WN;
+#if MUL_MAT_ID
+    // each fragment through this subgroup's 16x16 staging area, scattered to its pairs' rows
+    const uint cbase = sg * 256u;
+    [[unroll]] for (uint i = 0u; i < FM; ++i) {
+        [[unroll]] for (uint j = 0u; j < FN; ++j) {
+            CM_STORE_CS(acc[i][j], cbase);
+            CM_SYNC();
+            const uint mb = mb0 + 16u * i;
+            const uint nb = nb0 + 16u * j;
+            [[unroll]] for (uint c = lane; c < 256u; c += 32u) {
+                const uint m = mb + c / 16u;
+                const uint n = nb + c % 16u;
+                if (xrow[m] != ~0u && n < p.N) {
+                    y[yrow[m] + n] = cs[cbase + c];
+                }
+            }
+            CM_SYNC();
+        }
+    }
+#else
     if (yvec && m0 + BM <= p.M && n0 + BN <= p.N) {
         // interior tile: straight to y
         [[unroll]] for (uint i = 0u; i < FM; ++i) {
@@ -353,4 +459,5 @@ void main() {
             CM_SYNC();
         }
     }
+#endif
 }

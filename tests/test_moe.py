@@ -7,10 +7,17 @@ Bounds: mul_mat_id as test_mul_mat's f32 products, ``(K + 4) u (|x| @ |W|^T)`` p
 logits are drawn far from ties, or tied exactly), its weights to 1e-5 relative. The chain
 test also shows that a wrong reference (top-1 routing, or unnormalised weights) fails the
 check the right one passes.
+
+The grouped product's cooperative-matrix kernel (``mul_mat_id_coopmat_*``,
+``shaders/mul_mat_coopmat.comp`` with ``MUL_MAT_ID``) runs here through its emulated
+variants (tools/kernels.py: the same tiling, gather, loaders and scatter without cooperative
+matrices), with test_mul_mat's coopmat bound (x and W rounded to f16, f32 accumulation):
+``(2^-10 + 2 K 2^-23) (|x| @ |W|^T)`` per element.
 """
 
 from __future__ import annotations
 
+import kernels as tk  # tools/kernels.py: the emulated routed coopmat variants
 import numpy as np
 import pytest
 from reference import moe_ffn, moe_route, mul_mat_id
@@ -20,6 +27,7 @@ from vkxsplit.errors import KernelError
 from vkxsplit.ops import moe
 from vkxsplit.ops.elementwise import record_swiglu
 from vkxsplit.ops.mul_mat import record_mul_mat
+from vkxsplit.ops.quant import block_size
 from vkxsplit.vk.command import Sequence
 
 E = 8  # experts
@@ -65,18 +73,24 @@ def check(got: np.ndarray, ref: np.ndarray, bound: np.ndarray) -> None:
                            f"ratio {np.max(err / np.maximum(bound, 1e-300)):.3g}")
 
 
-def mm_id(device, bufs, wb, t, x, ids, N, K, path=None, w_rows=None, w_row0=0, y_stride=None):
+def mm_id(device, bufs, wb, t, x, ids, N, K, path=None, w_rows=None, w_row0=0, y_stride=None, groups=None,
+          **kw):
+    """(y, the path taken) of the routed product through record_mul_mat_id (``groups``: a
+    filled grouping to use instead of recording one; ``kw``: coop_variant)."""
     T, n_used = ids.shape
     n_xb = x.shape[1]
     xb = bufs(x.nbytes, x.astype(np.float32))
     ib = bufs(ids.nbytes, ids)
     ys = (w_rows or N) if y_stride is None else y_stride
     yb = bufs(4 * T * n_used * ys, nan=True)
-    gb = bufs(moe.group_bytes(T, n_used, E))
-    run(device, lambda s: moe.record_mul_mat_id(s, wb, t, xb, ib, yb, n_expert=E, N=N, K=K, T=T, n_used=n_used,
-                                                 n_xb=n_xb, groups=gb, path=path, w_rows=w_rows, w_row0=w_row0,
-                                                 y_stride=y_stride))
-    return yb.numpy(np.float32, (T, n_used, ys)).copy()
+    gb = bufs(moe.group_bytes(T, n_used, E), groups)
+    took = []
+    run(device, lambda s: took.append(moe.record_mul_mat_id(
+        s, wb, t, xb, ib, yb, n_expert=E, N=N, K=K, T=T, n_used=n_used, n_xb=n_xb, groups=gb, path=path,
+        w_rows=w_rows, w_row0=w_row0, y_stride=y_stride, grouped=groups is not None, **kw)))
+    if kw.get("coop_variant"):
+        assert took == ["coopmat"]
+    return yb.numpy(np.float32, (T, n_used, ys)).copy(), took[0]
 
 
 def expert_weights(rng, t: str, N: int, K: int):
@@ -84,7 +98,11 @@ def expert_weights(rng, t: str, N: int, K: int):
     return raw, W.reshape(E, N, K), abs_terms(raw, t, W).reshape(E, N, K)
 
 
-def id_bound(x: np.ndarray, A: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def id_bound(x: np.ndarray, A: np.ndarray, ids: np.ndarray, path: str = "vec") -> np.ndarray:
+    """The f32 products' bound; for the cooperative-matrix tiles (``path`` coopmat, which
+    the grouped path takes on devices with them) test_mul_mat's coopmat bound."""
+    if path == "coopmat":
+        return coop_id_bound(x, A, ids)
     return (x.shape[-1] + 4) * U * mul_mat_id(A, np.abs(x), ids)
 
 
@@ -100,23 +118,27 @@ def test_mul_mat_id(device, bufs, rng, t, T):
         ids = routed_ids(rng, T, n_used)
         for n_xb in (1, n_used):
             x = rng.standard_normal((T, n_xb, K))
-            y = mm_id(device, bufs, wb, t, x, ids, N, K)
-            check(y, mul_mat_id(W, x, ids), id_bound(x, A, ids))
+            y, took = mm_id(device, bufs, wb, t, x, ids, N, K)
+            check(y, mul_mat_id(W, x, ids), id_bound(x, A, ids, took))
 
 
-@pytest.mark.parametrize("path", ["vec", "grouped"])
+@pytest.mark.parametrize("path", ["vec", "grouped", "tiled"])
 def test_mul_mat_id_paths_agree_and_skew(device, bufs, rng, path):
-    """Either path at any T; every token routed to the same two experts (tiles of 32 pairs:
-    an expert with 37 pairs needs two), and an expert nobody chose."""
+    """Either path at any T (grouped: the device's choice; tiled: the f32 tiles pinned, which
+    devices with cooperative matrices no longer take by default); every token routed to the
+    same two experts (tiles of 32 pairs: an expert with 37 pairs needs two), and an expert
+    nobody chose."""
     t, N, K, T = "q4_k", 70, 256, 37
     raw, W, A = expert_weights(rng, t, N, K)
     wb = bufs(raw.nbytes, raw)
     ids = np.tile(np.array([[5, 2]], np.int32), (T, 1))
     x = rng.standard_normal((T, 1, K))
-    check(mm_id(device, bufs, wb, t, x, ids, N, K, path=path), mul_mat_id(W, x, ids), id_bound(x, A, ids))
+    y, took = mm_id(device, bufs, wb, t, x, ids, N, K, path=path)
+    check(y, mul_mat_id(W, x, ids), id_bound(x, A, ids, took))
     ids1 = routed_ids(rng, 1, 3)
     x1 = rng.standard_normal((1, 3, K))
-    check(mm_id(device, bufs, wb, t, x1, ids1, N, K, path=path), mul_mat_id(W, x1, ids1), id_bound(x1, A, ids1))
+    y, took = mm_id(device, bufs, wb, t, x1, ids1, N, K, path=path)
+    check(y, mul_mat_id(W, x1, ids1), id_bound(x1, A, ids1, took))
 
 
 @pytest.mark.parametrize("path", ["vec", "grouped"])
@@ -128,9 +150,9 @@ def test_mul_mat_id_row_range(device, bufs, rng, path):
     wb = bufs(raw.nbytes, raw)
     ids = routed_ids(rng, T, 2)
     x = rng.standard_normal((T, 2, K))
-    y = mm_id(device, bufs, wb, t, x, ids, 13, K, path=path, w_rows=rows, w_row0=9)
+    y, took = mm_id(device, bufs, wb, t, x, ids, 13, K, path=path, w_rows=rows, w_row0=9)
     assert np.isnan(y[:, :, :9]).all() and np.isnan(y[:, :, 22:]).all()
-    check(y[:, :, 9:22], mul_mat_id(W, x, ids)[:, :, 9:22], id_bound(x, A, ids)[:, :, 9:22])
+    check(y[:, :, 9:22], mul_mat_id(W, x, ids)[:, :, 9:22], id_bound(x, A, ids, took)[:, :, 9:22])
 
 
 @pytest.mark.parametrize("path", ["vec", "grouped"])
@@ -141,12 +163,12 @@ def test_mul_mat_id_bad_id_gives_nan(device, bufs, rng, path):
     wb = bufs(raw.nbytes, raw)
     ids = np.array([[1, 8], [-1, 3]], np.int32)
     x = rng.standard_normal((2, 1, K))
-    y = mm_id(device, bufs, wb, t, x, ids, N, K, path=path)
+    y, took = mm_id(device, bufs, wb, t, x, ids, N, K, path=path)
     assert np.isnan(y[0, 1]).all() and np.isnan(y[1, 0]).all()
     good = np.array([[1, 1], [3, 3]], np.int32)
     ref = mul_mat_id(W, x, good)
-    check(y[0, 0], ref[0, 0], id_bound(x, A, good)[0, 0])
-    check(y[1, 1], ref[1, 1], id_bound(x, A, good)[1, 1])
+    check(y[0, 0], ref[0, 0], id_bound(x, A, good, took)[0, 0])
+    check(y[1, 1], ref[1, 1], id_bound(x, A, good, took)[1, 1])
 
 
 def topk(device, bufs, logits, n_used, **kw):
@@ -306,3 +328,171 @@ def test_moe_topk_many_experts(device, bufs, rng):
     rids, rw = moe_route(logits.astype(np.float32), n_used)
     np.testing.assert_array_equal(ids, rids)
     np.testing.assert_allclose(w, rw, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# the grouped product's cooperative-matrix kernel, through its emulated variants
+
+
+def coop_id_bound(x: np.ndarray, A: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """test_mul_mat's coopmat bound per routed element (A: the magnitudes of the terms)."""
+    return (2.0 ** -10 + 2 * x.shape[-1] * 2.0 ** -23) * mul_mat_id(A, np.abs(x), ids)
+
+
+def skewed_ids(rng, T: int) -> np.ndarray:
+    """(T, 2) ids with uneven pair counts: slot 0 expert 5 for every token (T > 32: two tiles,
+    the second partial), slot 1 drawn from the others but 3 (expert 3: no pairs at all)."""
+    other = np.array([0, 1, 2, 4, 6, 7], np.int32)
+    return np.stack([np.full(T, 5, np.int32), rng.choice(other, T)], axis=1)
+
+
+def _coop_ks(t: str) -> list[int]:
+    # floats: K = 100 (vec4 x rows, the last 8-element W unit straddles K) and 99 (element
+    # loads); quantized: a multiple of the block that is no multiple of BK = 64 (96) or spans
+    # several K steps per super-block (512)
+    return [100, 99] if block_size(t) == 1 else [test_k(t)]
+
+
+@pytest.mark.parametrize("t", ALL)
+def test_mul_mat_id_coopmat_emu(device, bufs, rng, t, tool_kernels):
+    """Every weight type through the shipped tiling's emulation (32 pairs x 128 rows, BK 64):
+    T = 37 tokens (not a multiple of the 32-pair tile), an expert with 37 pairs (two tiles),
+    uneven counts, an expert with none, N = 150 (a full and a partial 128-row tile), x shared
+    by the slots (gate/up) and one row per slot (down); against the float64 reference."""
+    name = moe.coop_id_name(t, emulate=True)
+    tool_kernels(name)
+    T, N = 37, 150
+    for K in _coop_ks(t):
+        raw, W, A = expert_weights(rng, t, N, K)
+        wb = bufs(raw.nbytes, raw)
+        ids = skewed_ids(rng, T)
+        for n_xb in (1, 2):
+            x = rng.standard_normal((T, n_xb, K))
+            y, _ = mm_id(device, bufs, wb, t, x, ids, N, K, path="coopmat", coop_variant=name)
+            check(y, mul_mat_id(W, x, ids), coop_id_bound(x, A, ids))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in tk.COOP_ID_VARIANTS if tk.COOP_ID_VARIANTS[n][2]
+                                        and not n.endswith("_f32")))
+def test_mul_mat_id_coopmat_emu_tilings(device, bufs, rng, name, tool_kernels):
+    """The other emulated tiling (double-buffered BK 32, 64 rows, one fragment row per
+    subgroup), all experts used (n_used = E), a row range of a tensor split."""
+    tool_kernels(name)
+    t = tk.COOP_ID_VARIANTS[name][0]
+    T, rows, K = 19, 90, _coop_ks(t)[0]
+    raw, W, A = expert_weights(rng, t, rows, K)
+    wb = bufs(raw.nbytes, raw)
+    ids = routed_ids(rng, T, E)
+    x = rng.standard_normal((T, E, K))
+    check(mm_id(device, bufs, wb, t, x, ids, rows, K, path="coopmat", coop_variant=name)[0],
+          mul_mat_id(W, x, ids), coop_id_bound(x, A, ids))
+    y, _ = mm_id(device, bufs, wb, t, x, ids, 70, K, path="coopmat", coop_variant=name, w_rows=rows, w_row0=11)
+    assert np.isnan(y[:, :, :11]).all() and np.isnan(y[:, :, 81:]).all()
+    check(y[:, :, 11:81], mul_mat_id(W, x, ids)[:, :, 11:81], coop_id_bound(x, A, ids)[:, :, 11:81])
+
+
+def test_mul_mat_id_coopmat_emu_row_range_and_bad_ids(device, bufs, rng, tool_kernels):
+    """A tensor split's share (rows [9, 22) of each expert into y's columns 9.., y rows of 40
+    elements, the rest untouched), and ids outside [0, n_expert): NaN rows, never a wrong
+    expert."""
+    t = "q8_0"
+    name = moe.coop_id_name(t, emulate=True)
+    tool_kernels(name)
+    rows, K, T = 40, 64, 6
+    raw, W, A = expert_weights(rng, t, rows, K)
+    wb = bufs(raw.nbytes, raw)
+    ids = routed_ids(rng, T, 2)
+    x = rng.standard_normal((T, 2, K))
+    y, _ = mm_id(device, bufs, wb, t, x, ids, 13, K, path="coopmat", coop_variant=name, w_rows=rows, w_row0=9)
+    assert np.isnan(y[:, :, :9]).all() and np.isnan(y[:, :, 22:]).all()
+    check(y[:, :, 9:22], mul_mat_id(W, x, ids)[:, :, 9:22], coop_id_bound(x, A, ids)[:, :, 9:22])
+    bad = np.array([[1, 8], [-1, 3]], np.int32)
+    x2 = rng.standard_normal((2, 1, K))
+    y, _ = mm_id(device, bufs, wb, t, x2, bad, rows, K, path="coopmat", coop_variant=name)
+    assert np.isnan(y[0, 1]).all() and np.isnan(y[1, 0]).all()
+    good = np.array([[1, 1], [3, 3]], np.int32)
+    check(y[0, 0], mul_mat_id(W, x2, good)[0, 0], coop_id_bound(x2, A, good)[0, 0])
+    check(y[1, 1], mul_mat_id(W, x2, good)[1, 1], coop_id_bound(x2, A, good)[1, 1])
+
+
+def numpy_grouping(ids: np.ndarray, n_expert: int, gather: bool = True) -> np.ndarray:
+    """moe_group.comp's layout written independently: counts, offsets, tile count, tiles of
+    32 pairs, the row map. ``gather=False``: a deliberately wrong row map, pairs in token order
+    (each expert's tiles then read the first pairs of the batch, not its own)."""
+    P = ids.size
+    flat = ids.ravel()
+    counts = np.bincount(flat, minlength=n_expert + 1)[:n_expert + 1]
+    offs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    tiles = [(e, r) for e in range(n_expert + 1) for r in range(0, counts[e], moe.TILE_BM)]
+    rows = np.argsort(flat, kind="stable") if gather else np.arange(P)
+    words = np.zeros(moe.group_words(*ids.shape, n_expert), np.uint32)
+    words[:n_expert + 1] = counts
+    words[n_expert + 1:2 * n_expert + 2] = offs
+    words[2 * n_expert + 2] = len(tiles)
+    t0 = 2 * n_expert + 3
+    words[t0:t0 + 2 * len(tiles)] = np.array(tiles, np.uint32).ravel()
+    r0 = t0 + 2 * moe.max_tiles(P, n_expert)
+    words[r0:r0 + P] = rows
+    return words
+
+
+def test_mul_mat_id_coopmat_emu_gathers_rows(device, bufs, rng, tool_kernels):
+    """The same check fails where the rows are not gathered: an independent numpy grouping
+    gives the reference's answer; the same grouping with the row map in token order (every
+    expert's tile reading the first pairs of the batch) is caught by the bound."""
+    t = "q4_k"
+    name = moe.coop_id_name(t, emulate=True)
+    tool_kernels(name)
+    T, N, K = 37, 64, 256
+    raw, W, A = expert_weights(rng, t, N, K)
+    wb = bufs(raw.nbytes, raw)
+    ids = skewed_ids(rng, T)
+    x = rng.standard_normal((T, 1, K))
+    ref, bound = mul_mat_id(W, x, ids), coop_id_bound(x, A, ids)
+    good, _ = mm_id(device, bufs, wb, t, x, ids, N, K, path="coopmat", coop_variant=name,
+                    groups=numpy_grouping(ids, E))
+    check(good, ref, bound)
+    wrong, _ = mm_id(device, bufs, wb, t, x, ids, N, K, path="coopmat", coop_variant=name,
+                     groups=numpy_grouping(ids, E, gather=False))
+    with pytest.raises(AssertionError, match="over the bound"):
+        check(wrong, ref, bound)
+
+
+def test_grouped_path_choice(device, bufs, rng, monkeypatch):
+    """``grouped`` takes the cooperative-matrix tiles exactly where the dense products have the
+    coopmat path (lavapipe: the f32 tiles); pinning coopmat where there is none, a variant of
+    another type or a variant without path coopmat are errors naming the cause."""
+    from vkxsplit.ops.choose import kernels_for
+
+    kc = kernels_for(device)
+    assert moe.grouped_path(device) == ("coopmat" if kc.coopmat_available else "tiled")
+    t, N, K, T = "q8_0", 16, 64, 12
+    raw, W, A = expert_weights(rng, t, N, K)
+    wb = bufs(raw.nbytes, raw)
+    ids = routed_ids(rng, T, E)
+    x = rng.standard_normal((T, 1, K))
+    took = []
+    xb, ib = bufs(x.nbytes, x.astype(np.float32)), bufs(ids.nbytes, ids)
+    yb, gb = bufs(4 * T * E * N), bufs(moe.group_bytes(T, E, E))
+    kw = dict(n_expert=E, N=N, K=K, T=T, n_used=E, n_xb=1, groups=gb)
+    run(device, lambda s: took.append(moe.record_mul_mat_id(s, wb, t, xb, ib, yb, **kw)))
+    assert took == [moe.grouped_path(device)]
+    check(yb.numpy(np.float32, (T, E, N)), mul_mat_id(W, x, ids), id_bound(x, A, ids, took[0]))
+    seq = Sequence(device, "moe-choice")
+    try:
+        if not kc.coopmat_available:
+            with pytest.raises(KernelError, match="the coopmat path (needs f16 16x16x16|is switched off)"):
+                moe.record_mul_mat_id(seq, wb, t, xb, ib, yb, path="coopmat", **kw)
+        with pytest.raises(KernelError, match="not a built routed cooperative-matrix kernel for Q8_0"):
+            moe.record_mul_mat_id(seq, wb, t, xb, ib, yb, path="coopmat", coop_variant=moe.coop_id_name("q4_0"),
+                                  **kw)
+        with pytest.raises(KernelError, match="needs path 'coopmat'"):
+            moe.record_mul_mat_id(seq, wb, t, xb, ib, yb, path="grouped", coop_variant=moe.coop_id_name(t), **kw)
+    finally:
+        seq.close()
+
+    class FakeKernels:
+        coopmat_available = True
+
+    monkeypatch.setattr(moe, "kernels_for", lambda dev: FakeKernels())
+    assert moe.grouped_path(device) == "coopmat"

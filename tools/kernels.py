@@ -40,6 +40,7 @@ import flags  # noqa: E402
 import probes  # noqa: E402
 
 from vkxsplit import shaders  # noqa: E402
+from vkxsplit.ops import moe  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
 from vkxsplit.ops.mul_mat import Cm2Tile, CoopTile, VecConfig, VecqConfig  # noqa: E402
 from vkxsplit.ops.quant import TYPES  # noqa: E402
@@ -215,6 +216,28 @@ CM2_CHECK_VARIANTS = [
             requires=("shaderFloat16", "shaderInt8", *mm._STORAGE))
     for t, wt in TYPES.items() if t != "f16"]
 
+# ------------------------------------------------------------------------------------------
+# the routed product's cooperative-matrix kernels (mul_mat_coopmat.comp with MUL_MAT_ID):
+# emulated ones for every type with the shipped tiling, and one more tiling (double-buffered
+# BK 32, 4 subgroups of 1 x 2 fragments) for two types (tests/test_moe.py); tilings
+# tools/bench_moe.py times against the shipped one (32 pairs a tile: moe_group's)
+
+COOP_ID_EMU_EXTRA = {CoopTile(32, 64, 32, 16, 32): ("q4_k", "f16")}
+COOP_ID_SWEEP_TYPES = ("q4_k", "q4_0", "q8_0", "q6_k")
+COOP_ID_SWEEP_TILES = {t.name: t for t in (
+    CoopTile(32, 64, 64, 32, 32, stages=1),    # 2 subgroups: twice the workgroups of the shipped one
+    CoopTile(32, 128, 32, 32, 32),             # the shipped one double-buffered at BK 32
+    CoopTile(32, 256, 32, 32, 64, stages=1),   # each gathered x tile serves 256 rows of the expert
+)}
+#: name -> (type, tiling, emulated)
+COOP_ID_VARIANTS: dict[str, tuple[str, CoopTile, bool]] = {
+    **{moe.coop_id_name(t, emulate=True): (t, moe.COOP_ID_TILE, True) for t in TYPES},
+    **{moe.coop_id_name(t, tile.name, emulate=True): (t, tile, True) for tile, ts in COOP_ID_EMU_EXTRA.items()
+       for t in ts},
+    **{moe.coop_id_name(t, key): (t, tile, False) for t in COOP_ID_SWEEP_TYPES
+       for key, tile in COOP_ID_SWEEP_TILES.items()},
+}
+
 
 def all_declared() -> dict[str, Variant]:
     """Every variant of the tables above, probes and flag waits included (shipped ones too)."""
@@ -224,6 +247,7 @@ def all_declared() -> dict[str, Variant]:
           + [mm.make_coop_variant(n, t, tile) for n, (t, tile) in COOP_VARIANTS.items()]
           + [mm.make_coop_variant(n, t, tile, emulate=True) for n, (t, tile) in COOP_EMU_VARIANTS.items()]
           + [mm.make_cm2_variant(t, tile) for t, tile in CM2_VARIANTS.values()]
+          + [moe.make_coop_id_variant(n, t, tile, emu) for n, (t, tile, emu) in COOP_ID_VARIANTS.items()]
           + CM2_CHECK_VARIANTS + probes.VARIANTS + flags.VARIANTS)
     return {v.name: v for v in vs}
 
@@ -289,7 +313,8 @@ def ensure(select: str | Callable[[str], bool] | None = None, out: Path = OUT_DI
     return have | {n for n in all_declared() if pick(n) and n in shaders.all_variants()}
 
 
-__all__ = ["CM2_ALL_TILES", "CM2_CHECK_VARIANTS", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
+__all__ = ["CM2_ALL_TILES", "CM2_CHECK_VARIANTS", "COOP_ID_EMU_EXTRA", "COOP_ID_SWEEP_TILES", "COOP_ID_SWEEP_TYPES",
+           "COOP_ID_VARIANTS", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
            "COOP_ALL_TILES", "COOP_EMU_EXTRA", "COOP_EMU_TILE", "COOP_EMU_VARIANTS", "COOP_SWEEP_TILES",
            "COOP_SWEEP_TYPES", "COOP_VARIANTS", "OUT_DIR", "VECQ_SWEEP", "VEC_SWEEP", "VEC_WIDE", "WIDE_K",
            "WideConfig", "all_declared", "build", "compiler_available", "ensure", "load", "tool_variants"]

@@ -97,7 +97,7 @@ ggml_type_info = type_info
 #: Op names a backend may list in ``Capabilities.ops`` (the hub's op vocabulary).
 KNOWN_OPS = frozenset({"mul_mat", "add", "mul", "scale", "rms_norm", "norm", "softmax", "rope", "silu",
                        "gelu", "get_rows", "cpy", "flash_attn", "add_rms_norm", "swiglu",
-                       "mul_mat_id"})
+                       "mul_mat_id", "kv_store", "attention", "argmax"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,6 +338,16 @@ class MatMulIdJob:
 #: ``run_op``): the small ones between a layer's matmuls, so that a backend taking a whole FFN
 #: block (norm, gate/up, SwiGLU, down, residual) crosses from and to the hub once, not per matmul.
 NODE_OPS = frozenset({"rms_norm", "add_rms_norm", "swiglu", "add"})
+#: The rest of a llama-style step a backend may also take (listing them in ``caps.ops``), so
+#: that on a hub with nothing better to do (a CPU hub) the whole step runs on the backend: the
+#: embedding lookup, RoPE, the KV-cache store (RoPE of K fused), attention over the f16 cache and
+#: the argmax of the logits. The planner places them like :data:`NODE_OPS` (``run_op``).
+STEP_OPS = frozenset({"get_rows", "rope", "kv_store", "attention", "argmax"})
+#: (inputs, outputs) of each OpJob op; a range where an input is optional (RoPE's frequency factors)
+_OP_ARITY: dict[str, tuple[tuple[int, ...], int]] = {
+    "rms_norm": ((2,), 1), "add_rms_norm": ((3,), 2), "swiglu": ((2,), 1), "add": ((2,), 1),
+    "get_rows": ((2,), 1), "rope": ((2, 3), 1), "kv_store": ((3, 4), 2), "attention": ((4,), 1),
+    "argmax": ((1,), 1)}
 
 
 @dataclass
@@ -354,6 +364,24 @@ class OpJob:
       when ``b_rows == 1``)
 
     ``w`` (the norms' weight) is one row of ``cols``.
+
+    The :data:`STEP_OPS` (the hub's kernels' semantics, ``params`` from the graph node):
+
+    - ``get_rows``: inputs ``(table, ids)``, outputs ``(out,)``: ``out[t] = table[ids[t]]``
+      dequantized to f32 (``rows`` = tokens, ``cols`` = row length; ``params["w_type"]``)
+    - ``rope``: inputs ``(x, pos[, freq_factors])``, outputs ``(out,)``: ggml's ``rope_ext`` of
+      ``rows`` tokens of ``params["n_heads"]`` heads of ``params["head_dim"]`` (``n_dims``,
+      ``mode`` norm/neox, ``freq_base``, ``freq_scale``, YaRN's ``n_ctx_orig``,
+      ``ext_factor``, ``attn_factor``, ``beta_fast``, ``beta_slow``)
+    - ``kv_store``: inputs ``(k, v, pos[, freq_factors])``, outputs ``(cache_k, cache_v)``: row
+      ``pos[t]`` of the f16 caches (``params["n_ctx"]`` rows of ``cols``) gets k (roped with
+      ``params["rope_k"]`` when set) and v
+    - ``attention``: inputs ``(q, cache_k, cache_v, pos)``, outputs ``(out,)``: causal GQA
+      attention of ``rows`` tokens at consecutive positions from ``pos[0]`` over cache rows
+      ``0 .. pos[t]`` (``n_heads``, ``n_kv_heads``, ``head_dim``, ``n_ctx``, ``scale``,
+      ``window``)
+    - ``argmax``: inputs ``(logits,)``, outputs ``(ids,)``: the first index of each row's
+      maximum, int32; -1 for a row holding a NaN or +infinity (``vkxsplit.ops.argmax``)
     """
 
     op: str
@@ -364,15 +392,17 @@ class OpJob:
     eps: float = 0.0
     b_rows: int = 0
     name: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         what = f"{self.op} {self.name}".strip()
-        n_in, n_out = {"rms_norm": (2, 1), "add_rms_norm": (3, 2), "swiglu": (2, 1), "add": (2, 1)}.get(
-            self.op, (-1, -1))
-        if n_in < 0:
-            raise KernelError(f"{what}: not a backend op (one of {', '.join(sorted(NODE_OPS))} or mul_mat)")
-        if (len(self.inputs), len(self.outputs)) != (n_in, n_out):
-            raise KernelError(f"{what}: takes {n_in} inputs and {n_out} outputs")
+        arity = _OP_ARITY.get(self.op)
+        if arity is None:
+            raise KernelError(f"{what}: not a backend op (one of {', '.join(sorted(NODE_OPS | STEP_OPS))} "
+                              "or mul_mat)")
+        n_in, n_out = arity
+        if len(self.inputs) not in n_in or len(self.outputs) != n_out:
+            raise KernelError(f"{what}: takes {' or '.join(map(str, n_in))} inputs and {n_out} outputs")
         if self.rows < 1 or self.cols < 1:
             raise KernelError(f"{what}: empty shape")
         for v in (*self.inputs, *self.outputs):
@@ -414,6 +444,10 @@ HOOKS: dict[str, Hook] = {h.name: h for h in (
          "'mul_mat_id' in caps.ops (default: KernelError)"),
     Hook("run_op", False, "run_op(op: str, job: Any, wait: Point, signal: Point) -> None",
          "enqueue another op listed in caps.ops (default: KernelError)"),
+    Hook("run_chain", False, "run_chain(jobs: list[MatMulJob | MatMulIdJob | OpJob], wait: Point, signal: Point) -> None",
+         "enqueue consecutive jobs (no hub work between them) as one unit: start after `wait`, run them "
+         "in order, signal `signal` (the last job's point; the executor took one per job) when all are done "
+         "(default: KernelError; the executor then hands them over one by one)"),
     Hook("time_job", False, "time_job(job: MatMulJob, reps: int) -> float | None",
          "seconds of the job's own work, from the device's clock (default: None: the planner "
          "times queued jobs on the host)"),
@@ -487,6 +521,13 @@ class Backend(Closable):
         """OPTIONAL. Enqueue another op (one listed in ``caps.ops``)."""
         raise KernelError(f"backend {self.name} does not implement op {op}",
                           "plan this op on the hub (or another backend)")
+
+    def run_chain(self, jobs: list[Any], wait: Point, signal: Point) -> None:
+        """OPTIONAL. Enqueue ``jobs`` (each a job ``mul_mat`` / ``mul_mat_id`` / ``run_op`` would
+        take) to run in order after ``wait`` and signal ``signal`` once all are done: one
+        hand-off for work with nothing of the hub's between it."""
+        raise KernelError(f"backend {self.name} does not implement run_chain",
+                          "hand the jobs over one by one")
 
     def time_job(self, job: MatMulJob, reps: int) -> float | None:
         """OPTIONAL. Seconds one ``job`` takes on the backend's own clock (e.g. CUDA events),
@@ -718,6 +759,6 @@ def with_caps(backend_cls: type[Backend], **changes: Any) -> Capabilities:
     return replace(backend_cls.caps, **changes)
 
 
-__all__ = ["Availability", "Backend", "Capabilities", "HOOKS", "Hook", "MatMulIdJob", "MatMulJob", "NODE_OPS", "OpJob", "Point",
+__all__ = ["Availability", "Backend", "Capabilities", "HOOKS", "Hook", "MatMulIdJob", "MatMulJob", "NODE_OPS", "OpJob", "Point", "STEP_OPS",
            "available_backends", "backend_availability", "create_backend", "ggml_type_info",
            "register_backend", "row_bytes", "with_caps"]

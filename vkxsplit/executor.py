@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import attach as _attach
-from .backend import MatMulIdJob, MatMulJob, OpJob
+from .backend import STEP_OPS, MatMulIdJob, MatMulJob, OpJob
 from .errors import KernelError, VkxError
 from .graph import Graph, Span, Tensor, any_overlap, span
 from .ops.nodes import record_node, record_tensor_convert, recorder, recorders
@@ -92,13 +92,23 @@ def _job(op: BackendOp | BackendIdOp | BackendNodeOp) -> MatMulJob | MatMulIdJob
         n = op.node
         ins = n.inputs
         rows, cols = ins[0].rows, ins[0].cols
+        params: dict[str, Any] = {}
         if n.op == "add_rms_norm":
             outs = (n.output.buffer, ins[0].buffer)
+        elif n.op == "kv_store":  # (the V cache is a param of the node)
+            outs = (n.output.buffer, n.params["cache_v"].buffer)
         else:
             outs = (n.output.buffer,)
+        if n.op in STEP_OPS:  # the node's scalars (not its hub-only tensors: scratch, xq)
+            params = {k: v for k, v in n.params.items() if not isinstance(v, Tensor)}
+            if n.op == "get_rows":
+                rows, cols = ins[1].rows, ins[0].cols
+                params["w_type"], params["n_rows"] = ins[0].dtype, ins[0].rows
+            elif n.op in ("kv_store", "attention"):
+                params["n_ctx"] = (n.output if n.op == "kv_store" else ins[1]).shape[0]
         b_rows = ins[1].rows if n.op == "add" and len(ins[1].shape) > 1 else (1 if n.op == "add" else rows)
         return OpJob(n.op, tuple(t.buffer for t in ins), outs, rows, cols,  # type: ignore[arg-type]
-                     eps=float(n.params.get("eps", 0.0)), b_rows=b_rows, name=op.name)
+                     eps=float(n.params.get("eps", 0.0)), b_rows=b_rows, name=op.name, params=params)
     host = None if op.weight.shared or op.converted_weight else op.weight.host
     return MatMulJob(op.weight.buffer, op.weight.dtype, op.x.buffer, op.y.buffer,  # type: ignore[arg-type]
                      op.M, op.N, op.K, x_type=op.x.dtype, r0=op.r0, r1=op.r1,
@@ -158,11 +168,42 @@ class Executor:
                 seq.end()
                 self.recordings += 1
             self._jobs = [_job(j.op) for j in self.schedule.jobs]
+            self._chains, self._chained = self._find_chains()
+            self._chain_jobs = {h: [self._jobs[j] for j in run] for h, run in self._chains.items()}
+            # of the trailing jobs, the last of each backend: a backend runs its jobs in order
+            # (a step of hundreds of trailing jobs otherwise checks every point)
+            last: dict[str, int] = {}
+            for j in self.schedule.trailing:
+                last[self.schedule.jobs[j].op.backend] = max(j, last.get(self.schedule.jobs[j].op.backend, -1))
+            self._trailing = sorted(last.values())
             self._last_seg = max((i for k, i in self.schedule.order if k == "seg"), default=-1)
             self._hub_only = not self._jobs and self._ts is None
         except BaseException:
             self.close()
             raise
+
+    def _find_chains(self) -> tuple[dict[int, list[int]], set[int]]:
+        """Runs of consecutive jobs of one backend with no hub segment submitted between them,
+        for backends that take them as one unit (``run_chain``): head job -> its run, and the
+        jobs after the head. A run starts after the latest segment any of its jobs waits for
+        (already submitted: no segment lies between) and signals its last job's point; a
+        backend's points are in order, so every earlier point of the run is reached then too."""
+        order, jobs = self.schedule.order, self.schedule.jobs
+        chains: dict[int, list[int]] = {}
+        run: list[int] = []
+
+        def close() -> None:
+            if len(run) > 1 and type(self.backends[jobs[run[0]].op.backend]).implements("run_chain"):
+                chains[run[0]] = list(run)
+            run.clear()
+
+        for kind, i in order:
+            if kind == "seg" or (run and jobs[run[0]].op.backend != jobs[i].op.backend):
+                close()
+            if kind == "job":
+                run.append(i)
+        close()
+        return chains, {j for r in chains.values() for j in r[1:]}
 
     @property
     def submits_per_step(self) -> int:
@@ -201,6 +242,15 @@ class Executor:
                     waits = [*carry, *extra, *waits]
                 seg_vals[i] = seqs[i].submit(waits=waits)
                 step.submits += 1
+            elif i in self._chained:  # (handed over with its run's head)
+                continue
+            elif i in self._chains:
+                run = self._chains[i]
+                b = self.backends[sch.jobs[i].op.backend]
+                for j in run:
+                    job_pts[j] = b.next_point()
+                wait = max(sch.jobs[j].wait for j in run)
+                b.run_chain(self._chain_jobs[i], (tl, seg_vals[wait]), job_pts[run[-1]])
             else:
                 jb = sch.jobs[i]
                 b = self.backends[jb.op.backend]
@@ -302,7 +352,7 @@ class Step:
         if ex._last_seg >= 0 and self.seg_values[ex._last_seg]:
             pts.append((ex.timeline, self.seg_values[ex._last_seg]))
         if self.job_points:
-            pts += [self.job_points[j] for j in ex.schedule.trailing if self.job_points[j] is not None]
+            pts += [self.job_points[j] for j in ex._trailing if self.job_points[j] is not None]
         return pts
 
     def _writer_points(self, outputs: Iterable[Tensor]) -> list[Any]:
@@ -326,9 +376,8 @@ class Step:
         """Points of this step's trailing jobs not yet reached (the next step waits for them)."""
         if self.done:
             return []
-        sch = self.executor.schedule
         out = []
-        for j in sch.trailing:
+        for j in self.executor._trailing:
             p = self.job_points[j]
             if p is not None and p[0].value < p[1]:
                 out.append(p)

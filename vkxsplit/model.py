@@ -477,13 +477,17 @@ class Model(LanguageModel):
         f32 = 4
         self.kv: dict[int, tuple[Any, Any]] = {}
         kv_row = hp.n_head_kv * hp.head_dim * 2  # f16
+        # the step's state (KV cache, ids, positions, argmax) in shared memory when a backend can
+        # run the whole step (backend.STEP_OPS) beside a CPU hub, whose memory is the same RAM
+        st = bool(self.device.is_cpu) and any("kv_store" in b.caps.ops for b in self.backends.values())
         for i in self.layers:
-            self.kv[i] = (self._alloc(self.n_ctx * kv_row, "device", f"cache_k.{i}"),
-                          self._alloc(self.n_ctx * hp.n_head_kv * hp.head_dim_v * 2, "device", f"cache_v.{i}"))
+            kv = (self._alloc(self.n_ctx * kv_row, "device", f"cache_k.{i}", shared=st),
+                  self._alloc(self.n_ctx * hp.n_head_kv * hp.head_dim_v * 2, "device", f"cache_v.{i}", shared=st))
+            self.kv[i] = (self._view(kv[0]), self._view(kv[1])) if st else kv  # (graph tensors take views)
         # per-step inputs, written by the host before each submit (one ubatch per slot)
         S = self.slots * self.slot_rows
-        self.ids_buf = self._alloc(S * 4, "host", "ids")
-        self.pos_buf = self._alloc(S * 4, "host", "positions")
+        self.ids_buf = self._alloc(S * 4, "host", "ids", shared=st)
+        self.pos_buf = self._alloc(S * 4, "host", "positions", shared=st)
         # activations (shared by every graph: steps run one after another on one queue); the
         # ones mul_mat reads and writes are in shared memory when backends are attached
         E, F = hp.n_embd, hp.n_ff
@@ -504,7 +508,10 @@ class Model(LanguageModel):
         self.decode_splits = attention_splits(1, hp.n_head, hp.n_head_kv, self.n_ctx,
                                               target_workgroups=decode_target_workgroups(self.device))
         self.attn_scratch = self._alloc(
-            attention_scratch_bytes(1, hp.n_head, hp.head_dim_v, self.decode_splits), "device", "attn_scratch")
+            attention_scratch_bytes(1, hp.n_head, hp.head_dim_v, self.decode_splits), "device", "attn_scratch",
+            shared=st)
+        if st:
+            self.attn_scratch = self._view(self.attn_scratch)
         # decode: x quantized to q8_1 for the integer-dot-product mat-vecs (hub only; one
         # scratch reused by every quantize node: each one's readers come before the next)
         from .ops.mul_mat import vecq_scratch_bytes
@@ -513,7 +520,7 @@ class Model(LanguageModel):
         self.logits_buf = self.argmax_buf = None
         if self.last and self.makes_logits:  # (all logits of every slot's rows: logits() of a prompt split in micro-batches)
             self.logits_buf = self._alloc(S * hp.n_vocab * f32, "host", "logits", shared=act_shared)
-            self.argmax_buf = self._alloc(S * 4, "host", "argmax")
+            self.argmax_buf = self._alloc(S * 4, "host", "argmax", shared=st)
 
     # -- graph ----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..attach import AttachStats, HostBridge, Point, SharedBuffer, SharedView
-from ..backend import NODE_OPS, Availability, Backend, Capabilities, MatMulIdJob, MatMulJob, OpJob
+from ..backend import NODE_OPS, STEP_OPS, Availability, Backend, Capabilities, MatMulIdJob, MatMulJob, OpJob
 from ..errors import KernelError, VkxError
 from ..ops.quant import TYPES, row_bytes, weight_type
 from . import ggml_cpu
@@ -34,7 +34,15 @@ if TYPE_CHECKING:
     from ..vk.device import Device
 
 F32 = 0  # GGML_TYPE_F32
+F16 = 1  # GGML_TYPE_F16
 I32 = 26  # GGML_TYPE_I32
+ROPE_MODES = {"norm": 0, "neox": 2}  # ggml's GGML_ROPE_TYPE_NORMAL / _NEOX
+#: ggml's defaults for the YaRN arguments of rope_ext (as vkxsplit.ops.rope.YARN_DEFAULTS)
+YARN_DEFAULTS: dict[str, float] = {"n_ctx_orig": 0, "ext_factor": 0.0, "attn_factor": 1.0,
+                                   "beta_fast": 32.0, "beta_slow": 1.0}
+#: tensors (leaves and nodes) one job adds to a graph at most (a kv_store with RoPE: 10)
+TENSORS_PER_JOB = 12
+Job = MatMulJob | MatMulIdJob | OpJob
 
 #: jobs of fewer flops run on the calling (bridge) thread alone: waking the pool's sleeping
 #: workers and meeting them at ggml's barriers costs more than such a job gains from them (a
@@ -55,28 +63,69 @@ def available() -> Availability:
     return Availability(True)
 
 
-def default_threads(hub: Device | None = None) -> int:
+def default_threads(hub: Device | None = None, step: bool = False) -> int:
     """ggml threads when ``threads`` is not given: the physical cores, less one where the hub is
     itself a CPU device (lavapipe: its threads and everything else on the machine share the
     cores). ggml's threads meet at spinning barriers inside each graph: when one of them loses
     its core, the others spin until it is back, so a pool as wide as the machine is fast only on
     an otherwise idle machine and several times slower as soon as anything else runs
     (docs/PERFORMANCE.md: the cpu backend's thread table, 1 vs 2 threads on the 2-core machine).
-    ``threads=N`` (``--backends cpu:threads=N``, ``-t N``) overrides it."""
+    ``threads=N`` (``--backends cpu:threads=N``, ``-t N``) overrides it. With ``step`` (the
+    backend takes the whole step: the hub has nothing left to run) every physical core."""
     cores = ggml_cpu.physical_cores()
     cpu_hub = hub is not None and bool(getattr(hub, "is_cpu", False))
-    return max(1, cores - 1) if cpu_hub else cores
+    return max(1, cores - 1) if cpu_hub and not step else cores
 
 
 class _Cached:
-    """One job's ggml graph and what it needs at run time."""
+    """One job's ggml graph (or a run's: :meth:`CpuBackend.run_chain`) and what it needs at run
+    time: ``before``, checks and per-step settings run before each compute (ids in range,
+    positions, the attention's KV length and mask), ``host``: a job computed on the host
+    instead of a graph (the argmax), ``keep``: memory of the backend's own the graph uses."""
 
-    __slots__ = ("graph", "buffers", "ids")
+    __slots__ = ("graph", "buffers", "ids", "before", "host", "keep")
 
-    def __init__(self, graph: ggml_cpu.Graph, buffers: tuple[SharedBuffer, ...], ids: Any = None) -> None:
+    def __init__(self, graph: ggml_cpu.Graph | None, buffers: tuple[SharedBuffer, ...], ids: Any = None,
+                 before: list[Any] | None = None, host: Any = None, keep: list[Any] | None = None) -> None:
         self.graph = graph
         self.buffers = buffers
         self.ids = ids  # (numpy view of the ids, n_expert) for mul_mat_id: checked before each run
+        self.before = before or []
+        self.host = host
+        self.keep = keep or []
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
+
+
+class _Run:
+    """The pieces of a run of jobs (:meth:`CpuBackend.run_chain`): ggml graphs holding several
+    jobs each, cut where a job's checks read what an earlier job of the piece writes, and host
+    jobs."""
+
+    __slots__ = ("pieces", "buffers", "graph")
+
+    def __init__(self, pieces: list[_Cached]) -> None:
+        self.pieces = pieces
+        self.buffers = tuple({id(b): b for p in pieces for b in p.buffers}.values())
+        self.graph = self  # (closed through the same call as a _Cached's graph)
+
+    def close(self) -> None:
+        for p in self.pieces:
+            p.close()
+
+
+def _rng(v: SharedView, nbytes: int | None = None) -> tuple[Any, int, int]:
+    return (v.chunk.id, v.chunk_offset, v.chunk_offset + (v.size if nbytes is None else nbytes))
+
+
+def _overlaps(a: list[tuple[Any, int, int]], b: list[tuple[Any, int, int]]) -> bool:
+    return any(x[0] == y[0] and x[1] < y[2] and y[1] < x[2] for x in a for y in b)
+
+
+def _params_key(p: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted((k, _params_key(v) if isinstance(v, dict) else v) for k, v in p.items()))
 
 
 def _addr(v: SharedView, nbytes: int) -> int:
@@ -88,7 +137,7 @@ def _job_key(job: MatMulJob | MatMulIdJob | OpJob) -> tuple[Any, ...]:
     """Identifies a job's graph: its memory (chunk, offset) and every shape parameter."""
     if isinstance(job, OpJob):
         return ("op", job.op, tuple((v.chunk.id, v.chunk_offset, v.size) for v in (*job.inputs, *job.outputs)),
-                job.rows, job.cols, job.eps, job.b_rows)
+                job.rows, job.cols, job.eps, job.b_rows, _params_key(job.params))
     views = (job.weight, job.x, job.y) + ((job.ids,) if isinstance(job, MatMulIdJob) else ())
     extra = (job.n_expert, job.n_used, job.n_xb) if isinstance(job, MatMulIdJob) else ()
     return (type(job).__name__, tuple((v.chunk.id, v.chunk_offset, v.size) for v in views), job.w_type,  # type: ignore[union-attr]
@@ -101,10 +150,21 @@ class CpuBackend(Backend):
                         compute_dtypes={"f32"}, memory_handles=("dma_buf", "host_allocation"),
                         event_handles=("host",))
 
-    def __init__(self, hub: Device, *, threads: int | None = None, poll: int = 0, timeout: float | None = None,
-                 counters: AttachStats | None = None, caps: Capabilities | None = None) -> None:
+    def __init__(self, hub: Device, *, threads: int | None = None, poll: int = 0, step: bool | int = False,
+                 timeout: float | None = None, counters: AttachStats | None = None,
+                 caps: Capabilities | None = None) -> None:
+        """``step`` (``--backends cpu:step=1``): also take the rest of the step
+        (:data:`~vkxsplit.backend.STEP_OPS`: embedding, RoPE, KV store, attention, argmax), so
+        that beside a CPU hub a plan can run the whole step here (the CPU-hub default,
+        :mod:`vkxsplit.defaults`)."""
+        if step not in (True, False, 0, 1):
+            raise VkxError(f"cpu backend: step must be 0 or 1, got {step!r}", "e.g. --backends cpu:step=1")
+        self.step = bool(step)
+        if caps is None and self.step:
+            caps = Capabilities(**{**{f: getattr(self.caps, f) for f in self.caps.__dataclass_fields__},
+                                   "ops": self.caps.ops | STEP_OPS})
         if threads is None:
-            threads = default_threads(hub)
+            threads = default_threads(hub, self.step)
         if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 512:
             raise VkxError(f"cpu backend: threads must be an integer in [1, 512], got {threads!r}",
                            "e.g. --backends cpu:threads=2")
@@ -154,16 +214,51 @@ class CpuBackend(Backend):
         self.bridge.enqueue(wait, signal[1], job)  # type: ignore[union-attr]
 
     def run_op(self, op: str, job: OpJob, wait: Point, signal: Point) -> None:
-        """The NODE_OPS as ggml graphs on the shared buffers, on the bridge thread like mul_mat."""
+        """The NODE_OPS (and with ``step`` the STEP_OPS) as ggml graphs on the shared buffers, on
+        the bridge thread like mul_mat."""
         try:
-            if op not in self.caps.ops or op not in NODE_OPS or not isinstance(job, OpJob) or job.op != op:
-                raise KernelError(f"backend {self.name} does not run op {op!r} ({type(job).__name__})")
             if signal[0] is not self.timeline:
                 raise VkxError(f"backend {self.name} signals its own timeline, not {signal[0].name}")
-            self._check_op(job)
+            self._check_any(job, op)
         except Exception as exc:
             raise self.refuse(signal, exc) from None
         self.bridge.enqueue(wait, signal[1], job)  # type: ignore[union-attr]
+
+    def run_chain(self, jobs: list[Job], wait: Point, signal: Point) -> None:
+        """Consecutive jobs as one hand-off: after ``wait`` the bridge thread runs them in order as
+        one ggml graph (a few where a job's checks need what an earlier one writes, and the
+        host's argmax), built the first time and replayed, then signals ``signal``. The whole
+        step of a plan that leaves the hub nothing is one such run: one graph compute, no
+        hub <-> backend crossing inside it."""
+        try:
+            if signal[0] is not self.timeline:
+                raise VkxError(f"backend {self.name} signals its own timeline, not {signal[0].name}")
+            if not isinstance(jobs, list) or not jobs:
+                raise KernelError(f"backend {self.name}: run_chain takes a non-empty list of jobs")
+            for job in jobs:
+                self._check_any(job)
+        except Exception as exc:
+            raise self.refuse(signal, exc) from None
+        self.bridge.enqueue(wait, signal[1], jobs)  # type: ignore[union-attr]
+
+    def node_why_not(self, node: Any) -> str | None:
+        """Why a graph node of the STEP_OPS cannot run here (the planner keeps it on the hub), or
+        None: what the ggml form of the op lacks against the hub's kernel."""
+        p = node.params
+        if node.op == "attention":
+            if p.get("window", 0):
+                return "sliding-window attention runs on the hub (the cpu backend's attention has no window)"
+            if node.inputs[1].dtype != "f16" or node.inputs[2].dtype != "f16":
+                return "the cpu backend's attention reads an f16 KV cache"
+        if node.op == "kv_store" and (node.output.dtype != "f16" or p["cache_v"].dtype != "f16"):
+            return "the cpu backend stores into an f16 KV cache"
+        if node.op in ("rope", "kv_store"):
+            rope = p if node.op == "rope" else (p.get("rope_k") or {"mode": "norm"})
+            if rope.get("mode") not in ROPE_MODES:
+                return f"RoPE mode {rope.get('mode')!r} runs on the hub (the cpu backend has {', '.join(ROPE_MODES)})"
+        if node.op == "get_rows" and node.inputs[0].dtype not in TYPES:
+            return f"the cpu backend has no {node.inputs[0].dtype} rows"
+        return None
 
     def unload(self, weight: SharedView) -> None:
         self._forget(weight.shared)
@@ -195,7 +290,7 @@ class CpuBackend(Backend):
     def release(self) -> None:
         with self._lock:
             for c in self.graphs.values():
-                c.graph.close()
+                c.close()
             self.graphs.clear()
             self._fast.clear()
             self._work = np.zeros(0, np.uint8)
@@ -220,8 +315,26 @@ class CpuBackend(Backend):
             raise KernelError(f"{what}: the weight must be in memory shared with the backend (a SharedView)",
                               "allocate it from the SharedArena")
 
+    def _check_any(self, job: Job, op: str | None = None) -> None:
+        """What ``mul_mat`` / ``mul_mat_id`` / ``run_op`` check before enqueueing ``job``."""
+        if isinstance(job, OpJob):
+            ops = NODE_OPS | (STEP_OPS if self.step else frozenset())
+            if job.op not in self.caps.ops or job.op not in ops or (op is not None and job.op != op):
+                raise KernelError(f"backend {self.name} does not run op {op or job.op!r}"
+                                  + ("" if self.step or job.op not in STEP_OPS else " (without step=1)"),
+                                  "plan it on the hub, or attach the backend with --backends cpu:step=1")
+            self._check_op(job)
+        elif isinstance(job, (MatMulJob, MatMulIdJob)) and op is None:
+            self.check_job(job)  # type: ignore[arg-type]
+            self._check_ggml(job)
+        else:
+            raise KernelError(f"backend {self.name} does not run op {op!r} ({type(job).__name__})")
+
     def _check_op(self, job: OpJob) -> None:
         what = f"backend {self.name}: {job.op} {job.name}".rstrip()
+        if job.op in STEP_OPS:
+            self._check_step_op(job, what)
+            return
         n = job.rows * job.cols * 4
         if job.op in ("rms_norm", "add_rms_norm") and not (math.isfinite(job.eps) and job.eps >= 0):
             raise KernelError(f"{what}: eps must be finite and >= 0, got {job.eps}")
@@ -234,13 +347,94 @@ class CpuBackend(Backend):
                 raise KernelError(f"{what}: a {v.size}-byte view is smaller than the {need} bytes "
                                   f"{job.rows} x {job.cols} f32 needs")
 
+    def _check_step_op(self, job: OpJob, what: str) -> None:
+        """Shapes and parameters of a STEP_OPS job, checked here: ggml aborts the process on a
+        shape it does not take."""
+        p, R, C = job.params, job.rows, job.cols
+
+        def need(v: SharedView, nbytes: int, name: str) -> None:
+            if v.size < nbytes:
+                raise KernelError(f"{what}: {name} is a {v.size}-byte view; the shape needs {nbytes} bytes")
+
+        def ints(*names: str) -> list[int]:
+            out = []
+            for k in names:
+                v = p.get(k)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise KernelError(f"{what}: parameter {k} must be a positive integer, got {v!r}")
+                out.append(v)
+            return out
+
+        def rope(r: dict[str, Any], nh: int, hd: int) -> None:
+            if r.get("mode") not in ROPE_MODES:
+                raise KernelError(f"{what}: RoPE mode {r.get('mode')!r} is not one of {', '.join(ROPE_MODES)}")
+            nd = r.get("n_dims")
+            if isinstance(nd, bool) or not isinstance(nd, int) or nd < 2 or nd % 2 or nd > hd:
+                raise KernelError(f"{what}: n_dims {nd!r} must be even and in [2, head_dim {hd}]")
+            for k in ("freq_base", "freq_scale", *YARN_DEFAULTS):
+                v = r.get(k, YARN_DEFAULTS.get(k))
+                if not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise KernelError(f"{what}: RoPE parameter {k} must be a finite number, got {v!r}")
+            if len(job.inputs) > (2 if job.op == "rope" else 3):
+                need(job.inputs[-1], nd // 2 * 4, "the frequency factors")
+
+        if job.op == "get_rows":
+            wt = p.get("w_type")
+            if wt not in TYPES:
+                raise KernelError(f"{what}: no ggml type for table type {wt!r}")
+            (n_rows,) = ints("n_rows")
+            bs = weight_type(wt).block_size
+            if C % bs:
+                raise KernelError(f"{what}: rows of {C} are not whole {bs}-element {wt} blocks")
+            need(job.inputs[0], n_rows * row_bytes(wt, C), "the table")
+            need(job.inputs[1], R * 4, "the ids")
+            need(job.outputs[0], R * C * 4, "the output")
+        elif job.op == "rope":
+            nh, hd = ints("n_heads", "head_dim")
+            if nh * hd != C:
+                raise KernelError(f"{what}: {nh} heads of {hd} are not the {C} columns of x")
+            rope(p, nh, hd)
+            need(job.inputs[0], R * C * 4, "x")
+            need(job.inputs[1], R * 4, "the positions")
+            need(job.outputs[0], R * C * 4, "the output")
+        elif job.op == "kv_store":
+            nkv, hd, n_ctx = ints("n_kv_heads", "head_dim", "n_ctx")
+            if nkv * hd != C:
+                raise KernelError(f"{what}: {nkv} KV heads of {hd} are not the {C} columns of k")
+            if p.get("rope_k") is not None:
+                rope(p["rope_k"], nkv, hd)
+            need(job.inputs[0], R * C * 4, "k")
+            need(job.inputs[1], R * C * 4, "v")
+            need(job.inputs[2], R * 4, "the positions")
+            need(job.outputs[0], n_ctx * C * 2, "the K cache")
+            need(job.outputs[1], n_ctx * C * 2, "the V cache")
+        elif job.op == "attention":
+            nh, nkv, hd, n_ctx = ints("n_heads", "n_kv_heads", "head_dim", "n_ctx")
+            if nh * hd != C or nh % nkv:
+                raise KernelError(f"{what}: {nh} heads of {hd} ({C} columns of q) over {nkv} KV heads: "
+                                  "the heads must fill q and be a multiple of the KV heads")
+            if p.get("window", 0):
+                raise KernelError(f"{what}: sliding-window attention is not on the cpu backend",
+                                  "plan it on the hub")
+            sc = p.get("scale")
+            if sc is not None and not (isinstance(sc, (int, float)) and math.isfinite(sc)):
+                raise KernelError(f"{what}: scale must be a finite number, got {sc!r}")
+            need(job.inputs[0], R * C * 4, "q")
+            need(job.inputs[1], n_ctx * nkv * hd * 2, "the K cache")
+            need(job.inputs[2], n_ctx * nkv * hd * 2, "the V cache")
+            need(job.inputs[3], R * 4, "the positions")
+            need(job.outputs[0], R * C * 4, "the output")
+        elif job.op == "argmax":
+            need(job.inputs[0], R * C * 4, "the logits")
+            need(job.outputs[0], R * 4, "the output")
+
     # -- graphs (bridge thread) ---------------------------------------------------------------
 
     def _forget(self, sb: SharedBuffer) -> None:
         """Drop the graphs that point into ``sb`` (it is closing, or its weight is unloaded)."""
         with self._lock:
             for k in [k for k, c in self.graphs.items() if any(b is sb for b in c.buffers)]:
-                self.graphs.pop(k).graph.close()
+                self.graphs.pop(k).close()
             for k in [k for k, f in self._fast.items() if any(b is sb for b in f[1].buffers)]:
                 del self._fast[k]
             self._hooked.discard(id(sb))
@@ -254,8 +448,7 @@ class CpuBackend(Backend):
     def _pool_for(self, flops: int) -> ggml_cpu.ThreadPool:
         return self.pool if flops >= SMALL_JOB_FLOPS else self.pool1
 
-    def _build_mul_mat(self, job: MatMulJob) -> _Cached:
-        g = ggml_cpu.Graph(self.ggml)
+    def _emit_mul_mat(self, g: ggml_cpu.Graph, job: MatMulJob) -> Any:
         lib = self.ggml.base
         tid = weight_type(job.w_type).id
         rb = row_bytes(job.w_type, job.K)
@@ -265,8 +458,11 @@ class CpuBackend(Backend):
         X = g.strided(F32, _addr(job.x, nx * 4), job.K, job.M, job.x_stride * 4)
         ny = (job.M - 1) * job.y_stride + job.r1
         y = lib.ggml_mul_mat(g.ctx, W, X)  # (rows, M) f32, written into y's columns [r0, r1)
-        g.place(y, _addr(job.y, ny * 4) + job.r0 * 4, job.y_stride * 4)
-        g.finish(y, self._pool_for(job.flops))
+        return g.place(y, _addr(job.y, ny * 4) + job.r0 * 4, job.y_stride * 4)
+
+    def _build_mul_mat(self, job: MatMulJob) -> _Cached:
+        g = ggml_cpu.Graph(self.ggml)
+        g.finish(self._emit_mul_mat(g, job), self._pool_for(job.flops))
         return _Cached(g, (job.weight.shared, job.x.shared, job.y.shared))
 
     def _build_mul_mat_id(self, job: MatMulIdJob) -> _Cached:
@@ -289,10 +485,14 @@ class CpuBackend(Backend):
         return _Cached(g, (job.weight.shared, job.x.shared, job.y.shared, job.ids.shared),
                        (job.ids.backend_array(np.int32, T * nu), job.n_expert))
 
-    def _build_op(self, job: OpJob) -> _Cached:
-        g = ggml_cpu.Graph(self.ggml)
+    def _emit_op(self, g: ggml_cpu.Graph, job: OpJob, before: list[Any], keep: list[Any]) -> list[Any]:
+        """Add ``job``'s nodes to ``g``; returns the tensors to expand, in order. Checks and
+        settings that must run before each compute go to ``before``, memory of the backend's
+        own the graph points into to ``keep``."""
         lib = self.ggml.base
         R, C = job.rows, job.cols
+        if job.op in STEP_OPS:
+            return self._emit_step_op(g, job, before, keep)
 
         def t(v: SharedView, rows: int) -> Any:
             return g.strided(F32, _addr(v, rows * C * 4), C, rows, C * 4)
@@ -308,11 +508,191 @@ class CpuBackend(Backend):
             g.place(out, _addr(job.outputs[0], R * C * 4), C * 4)
         else:  # add: x += b (b one row broadcast, or R rows)
             out = lib.ggml_add_inplace(g.ctx, t(job.inputs[0], R), t(job.inputs[1], job.b_rows))
-        g.finish(out, self._pool_for(8 * R * C))  # a few flops per element
-        return _Cached(g, tuple(v.shared for v in (*job.inputs, *job.outputs)))
+        return [out]
 
-    def _graph(self, job: MatMulJob | MatMulIdJob | OpJob) -> _Cached:
-        key = _job_key(job)
+    def _rope(self, g: ggml_cpu.Graph, x: Any, pos: Any, ff: SharedView | None, r: dict[str, Any]) -> Any:
+        """ggml's rope_ext of ``x`` [head_dim, heads, T] with the hub's parameters ``r``."""
+        r = {**YARN_DEFAULTS, **r}
+        nd = int(r["n_dims"])
+        F = g.strided(F32, _addr(ff, nd // 2 * 4), nd // 2, 1, nd // 2 * 4) if ff is not None else self.ggml.ffi.NULL
+        return self.ggml.base.ggml_rope_ext(g.ctx, x, pos, F, nd, ROPE_MODES[r["mode"]], int(r["n_ctx_orig"]),
+                                            float(r["freq_base"]), float(r["freq_scale"]), float(r["ext_factor"]),
+                                            float(r["attn_factor"]), float(r["beta_fast"]), float(r["beta_slow"]))
+
+    def _positions(self, job: OpJob, n_ctx: int, consecutive: bool) -> Any:
+        """A check of ``job``'s positions (the last input before the factors) for ``before``:
+        each in ``[0, n_ctx)`` (ggml's set_rows aborts outside it), and for attention
+        consecutive (the hub's attention reads pos[0] and counts on); returns pos[0]."""
+        pv = job.inputs[3 if job.op == "attention" else (1 if job.op == "rope" else 2)]
+        pos = pv.backend_array(np.int32, job.rows)
+        T = job.rows
+        what = f"backend {self.name}: {job.op} {job.name}".rstrip()
+
+        def check() -> int:
+            p0 = int(pos[0])
+            if consecutive and T > 1 and not (pos[1:] - pos[:-1] == 1).all():
+                raise KernelError(f"{what}: positions {pos.tolist()[:8]}... are not consecutive",
+                                  "attention takes one run of positions per step")
+            lo, hi = (p0, p0 + T - 1) if consecutive else (int(pos.min()), int(pos.max()))
+            if lo < 0 or hi >= n_ctx:
+                raise KernelError(f"{what}: positions {lo}..{hi} outside the cache [0, {n_ctx})",
+                                  "the context is full: start a new sequence or load with a larger n_ctx")
+            return p0
+
+        return check
+
+    def _emit_step_op(self, g: ggml_cpu.Graph, job: OpJob, before: list[Any], keep: list[Any]) -> list[Any]:
+        lib = self.ggml.base
+        p, R, C = job.params, job.rows, job.cols
+        if job.op == "get_rows":
+            wt, n_rows = p["w_type"], p["n_rows"]
+            rb = row_bytes(wt, C)
+            table = g.strided(weight_type(wt).id, _addr(job.inputs[0], n_rows * rb), C, n_rows, rb)
+            ids = g.strided(I32, _addr(job.inputs[1], R * 4), R, 1, R * 4)
+            idv = job.inputs[1].backend_array(np.int32, R)
+            what = f"backend {self.name}: get_rows {job.name}".rstrip()
+
+            def check_ids() -> None:  # ggml aborts on a row outside the table
+                if idv.min() < 0 or idv.max() >= n_rows:
+                    bad = int(idv[(idv < 0) | (idv >= n_rows)][0])
+                    raise KernelError(f"{what}: token id {bad} outside the table's {n_rows} rows",
+                                      "ids must come from this model's vocabulary")
+
+            before.append(check_ids)
+            return [g.place(lib.ggml_get_rows(g.ctx, table, ids), _addr(job.outputs[0], R * C * 4), C * 4)]
+        if job.op == "rope":
+            nh, hd = p["n_heads"], p["head_dim"]
+            x = g.strided(F32, _addr(job.inputs[0], R * C * 4), hd, nh, hd * 4, R, C * 4)
+            pos = g.strided(I32, _addr(job.inputs[1], R * 4), R, 1, R * 4)
+            y = self._rope(g, x, pos, job.inputs[2] if len(job.inputs) > 2 else None, p)
+            return [g.place(y, _addr(job.outputs[0], R * C * 4), hd * 4, C * 4)]
+        if job.op == "kv_store":
+            nkv, hd, n_ctx = p["n_kv_heads"], p["head_dim"], p["n_ctx"]
+            pos = g.strided(I32, _addr(job.inputs[2], R * 4), R, 1, R * 4)
+            before.append(self._positions(job, n_ctx, consecutive=False))
+            k = g.strided(F32, _addr(job.inputs[0], R * C * 4), C, R, C * 4)
+            if p.get("rope_k") is not None:  # K roped into the backend's scratch on its way to the cache
+                scratch = np.zeros(R * C, np.float32)
+                keep.append(scratch)
+                k3 = g.strided(F32, _addr(job.inputs[0], R * C * 4), hd, nkv, hd * 4, R, C * 4)
+                kr = g.place(self._rope(g, k3, pos, job.inputs[3] if len(job.inputs) > 3 else None, p["rope_k"]),
+                             scratch.ctypes.data, hd * 4, C * 4)
+                k = lib.ggml_reshape_2d(g.ctx, kr, C, R)
+            v = g.strided(F32, _addr(job.inputs[1], R * C * 4), C, R, C * 4)
+            ck = g.strided(F16, _addr(job.outputs[0], n_ctx * C * 2), C, n_ctx, C * 2)
+            cv = g.strided(F16, _addr(job.outputs[1], n_ctx * C * 2), C, n_ctx, C * 2)
+            return [lib.ggml_set_rows(g.ctx, ck, k, pos), lib.ggml_set_rows(g.ctx, cv, v, pos)]
+        if job.op == "attention":
+            nh, nkv, hd, n_ctx = p["n_heads"], p["n_kv_heads"], p["head_dim"], p["n_ctx"]
+            kvr = nkv * hd
+            q = g.strided(F32, _addr(job.inputs[0], R * C * 4), hd, R, C * 4, nh, hd * 4)  # [hd, T, heads]
+            K = g.strided(F16, _addr(job.inputs[1], n_ctx * kvr * 2), hd, n_ctx, kvr * 2, nkv, hd * 2)
+            V = g.strided(F16, _addr(job.inputs[2], n_ctx * kvr * 2), hd, n_ctx, kvr * 2, nkv, hd * 2)
+            mask: Any = self.ggml.ffi.NULL
+            if R > 1:  # causal: query t at pos0 + t sees cache rows <= pos0 + t (f16 0 / -inf)
+                mbuf = np.zeros(R * n_ctx, np.float16)
+                keep.append(mbuf)
+                mask = g.strided(F16, mbuf.ctypes.data, n_ctx, R, n_ctx * 2)
+            check = self._positions(job, n_ctx, consecutive=True)
+            tri = np.triu(np.full((R, R), -np.inf, np.float16), 1) if R > 1 else None
+            state = [-1]
+
+            def set_kv() -> None:
+                """The KV length of this step: pos0 + T rows of the cache (ggml reads ne[1] of K and V at
+                compute time, and the mask's rows at its ne[0] stride)."""
+                n_kv = check() + R
+                K.ne[1] = V.ne[1] = n_kv
+                if R > 1:
+                    mask.ne[0] = n_kv
+                    mask.nb[1] = n_kv * 2
+                    mask.nb[2] = mask.nb[3] = n_kv * 2 * R
+                    if state[0] != n_kv:  # (the same for every layer of a step)
+                        m = mbuf[:R * n_kv].reshape(R, n_kv)
+                        m[:, :n_kv - R] = 0
+                        m[:, n_kv - R:] = tri
+                        state[0] = n_kv
+
+            before.append(set_kv)
+            sc = p.get("scale")
+            out = lib.ggml_flash_attn_ext(g.ctx, q, K, V, mask, float(1.0 / math.sqrt(hd) if sc is None else sc),
+                                          0.0, 0.0)  # [hd, heads, T]: the rows of the output
+            return [g.place(out, _addr(job.outputs[0], R * C * 4), hd * 4, C * 4)]
+        raise KernelError(f"backend {self.name}: no graph for {job.op}")
+
+    def _host_op(self, job: OpJob) -> Any:
+        """The argmax, on the host: numpy's first maximum of each row, -1 where a row holds a NaN
+        (numpy's argmax returns the first NaN) or +infinity (as the hub's argmax)."""
+        x = job.inputs[0].backend_array(np.float32, job.rows * job.cols).reshape(job.rows, job.cols)
+        out = job.outputs[0].backend_array(np.int32, job.rows)
+
+        def run() -> None:
+            i = x.argmax(axis=1)
+            v = x[np.arange(job.rows), i]
+            out[:] = np.where(np.isnan(v) | (v == np.inf), -1, i)
+
+        return run
+
+    def _build_op(self, job: OpJob) -> _Cached:
+        bufs = tuple(v.shared for v in (*job.inputs, *job.outputs))
+        if job.op == "argmax":
+            return _Cached(None, bufs, host=self._host_op(job))
+        g = ggml_cpu.Graph(self.ggml)
+        before: list[Any] = []
+        keep: list[Any] = []
+        for out in self._emit_op(g, job, before, keep):
+            g.expand(out)
+        flops = 8 * job.rows * job.cols  # a few flops per element
+        if job.op == "attention":
+            flops = 4 * job.rows * job.cols * job.params["n_ctx"]
+        g.finish(None, self._pool_for(flops))
+        return _Cached(g, bufs, before=before, keep=keep)
+
+    def _build_run(self, jobs: list[Job]) -> _Run:
+        """One :class:`_Run` of ``jobs``: graphs of consecutive jobs, cut before a job whose
+        checks read memory an earlier job of the graph writes, and around host jobs (argmax) and
+        routed products (their ids are checked before each compute)."""
+        pieces: list[_Cached] = []
+        g: ggml_cpu.Graph | None = None
+        before: list[Any] = []
+        keep: list[Any] = []
+        bufs: list[SharedBuffer] = []
+        written: list[tuple[Any, int, int]] = []
+
+        def close() -> None:
+            nonlocal g, before, keep, bufs, written
+            if g is not None:
+                g.finish(None, self.pool)
+                pieces.append(_Cached(g, tuple(bufs), before=before, keep=keep))
+            g, before, keep, bufs, written = None, [], [], [], []
+
+        for job in jobs:
+            ins, outs = self._views(job)
+            if isinstance(job, MatMulIdJob) or (isinstance(job, OpJob) and job.op == "argmax"):
+                close()
+                pieces.append(self._build_mul_mat_id(job) if isinstance(job, MatMulIdJob) else self._build_op(job))
+                continue
+            mine: list[Any] = []
+            if g is None:
+                g = ggml_cpu.Graph(self.ggml, TENSORS_PER_JOB * len(jobs) + 16)
+            if isinstance(job, OpJob):
+                outs_t = self._emit_op(g, job, mine, keep)
+            else:
+                outs_t = [self._emit_mul_mat(g, job)]
+            if mine and _overlaps([_rng(v) for v in ins], written):  # its checks need the graph so far run
+                close()
+                g = ggml_cpu.Graph(self.ggml, TENSORS_PER_JOB * len(jobs) + 16)
+                mine = []
+                outs_t = self._emit_op(g, job, mine, keep) if isinstance(job, OpJob) else [self._emit_mul_mat(g, job)]
+            for t in outs_t:
+                g.expand(t)
+            before += mine
+            bufs += [v.shared for v in (*ins, *outs)]
+            written += [_rng(v) for v in outs]
+        close()
+        return _Run(pieces)
+
+    def _graph(self, job: Job | list[Job]) -> Any:
+        key = tuple(_job_key(j) for j in job) if isinstance(job, list) else _job_key(job)
         c = self.graphs.get(key)
         if c is not None:
             self.graphs.move_to_end(key)
@@ -321,8 +701,10 @@ class CpuBackend(Backend):
             _k, old = self.graphs.popitem(last=False)
             for k in [k for k, f in self._fast.items() if f[1] is old]:
                 del self._fast[k]
-            old.graph.close()
-        if isinstance(job, OpJob):
+            old.close()
+        if isinstance(job, list):
+            c = self._build_run(job)
+        elif isinstance(job, OpJob):
             c = self._build_op(job)
         elif isinstance(job, MatMulIdJob):
             c = self._build_mul_mat_id(job)
@@ -331,28 +713,56 @@ class CpuBackend(Backend):
         self.graphs[key] = c
         self.graphs_built += 1
         self._hook(c.buffers)
-        if c.graph.work_size > self._work.size:
-            self._work = np.zeros(c.graph.work_size, np.uint8)
-            self._work_ptr = self.ggml.ffi.cast("uint8_t *", self._work.ctypes.data)
+        for piece in (c.pieces if isinstance(c, _Run) else [c]):
+            if piece.graph is not None and piece.graph.work_size > self._work.size:
+                self._work = np.zeros(piece.graph.work_size, np.uint8)
+                self._work_ptr = self.ggml.ffi.cast("uint8_t *", self._work.ctypes.data)
         return c
 
     # -- work (bridge thread) -------------------------------------------------------------
 
-    def _run(self, job: MatMulJob | MatMulIdJob | OpJob) -> None:
+    def _compute(self, c: _Cached) -> None:
+        for fn in c.before:
+            fn()
+        t0 = time.perf_counter()
+        if c.host is not None:
+            c.host()
+        else:
+            c.graph.compute(self._work_ptr)  # type: ignore[union-attr]
+        self.busy_s += time.perf_counter() - t0
+
+    def _run(self, job: Job | list[Job]) -> None:
         with self._lock:
             f = self._fast.get(id(job))
             if f is None or f[0] is not job:  # first sight of this job object: find or build its graph
-                f = self._fast[id(job)] = (job, self._graph(job), self._needs_sync(job))
+                sync = any(self._needs_sync(j) for j in job) if isinstance(job, list) else self._needs_sync(job)
+                f = self._fast[id(job)] = (job, self._graph(job), sync)
                 if len(self._fast) > 2 * MAX_GRAPHS:
                     self._fast.popitem(last=False)
             _job, c, sync = f
+            if isinstance(job, list):
+                if sync:  # dma-buf brackets or staging: job by job, each through the synced path
+                    for j in job:
+                        self._run_synced(j, self._graph(j))
+                else:
+                    for piece in c.pieces:
+                        if piece.ids is not None:
+                            self._check_ids(piece)
+                        self._compute(piece)
+                self.jobs_done += len(job)
+                return
             if sync or c.ids is not None:
                 self._run_synced(job, c)
             else:  # host memory, nothing to bracket or stage: the replay is the ggml call alone
-                t0 = time.perf_counter()
-                c.graph.compute(self._work_ptr)
-                self.busy_s += time.perf_counter() - t0
+                self._compute(c)
         self.jobs_done += 1
+
+    def _check_ids(self, c: _Cached, name: str = "") -> None:
+        ids, n_expert = c.ids
+        if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+            bad = int(ids[(ids < 0) | (ids >= n_expert)][0])
+            raise KernelError(f"backend {self.name}: {name or 'mul_mat_id'}: expert id {bad} outside [0, {n_expert})",
+                              "the router's top-k produced a bad id")
 
     @staticmethod
     def _views(job: MatMulJob | MatMulIdJob | OpJob) -> tuple[tuple[SharedView, ...], tuple[SharedView, ...]]:
@@ -380,19 +790,13 @@ class CpuBackend(Backend):
                 if v.shared.kind == "staged":
                     v.shared.stage_in(v.offset, v.size)
             if c.ids is not None:
-                ids, n_expert = c.ids
-                if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
-                    bad = int(ids[(ids < 0) | (ids >= n_expert)][0])
-                    raise KernelError(f"backend {self.name}: {job.name or 'mul_mat_id'}: expert id {bad} "
-                                      f"outside [0, {n_expert})", "the router's top-k produced a bad id")
-            t0 = time.perf_counter()
-            c.graph.compute(self._work_ptr)
-            self.busy_s += time.perf_counter() - t0
+                self._check_ids(c, job.name)
+            self._compute(c)
             for v in outs:
                 if v.shared.kind != "staged":
                     continue
                 if isinstance(job, OpJob):
-                    v.shared.stage_out(v.offset, job.rows * job.cols * 4)
+                    v.shared.stage_out(v.offset, v.size if job.op in STEP_OPS else job.rows * job.cols * 4)
                 else:  # only this job's columns: other backends may write the rest of y
                     n_rows = job.M * (job.n_used if isinstance(job, MatMulIdJob) else 1)
                     for m in range(n_rows):

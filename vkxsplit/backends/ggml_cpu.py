@@ -120,6 +120,17 @@ struct ggml_tensor * ggml_view_2d(struct ggml_context * ctx, struct ggml_tensor 
                                   size_t nb1, size_t offset);
 struct ggml_tensor * ggml_view_3d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
                                   int64_t ne2, size_t nb1, size_t nb2, size_t offset);
+struct ggml_tensor * ggml_reshape_2d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1);
+struct ggml_tensor * ggml_get_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
+                                   struct ggml_tensor * c);
+struct ggml_tensor * ggml_rope_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
+                                   struct ggml_tensor * c, int n_dims, int mode, int n_ctx_orig, float freq_base,
+                                   float freq_scale, float ext_factor, float attn_factor, float beta_fast,
+                                   float beta_slow);
+struct ggml_tensor * ggml_flash_attn_ext(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
+                                         struct ggml_tensor * v, struct ggml_tensor * mask, float scale,
+                                         float max_bias, float logit_softcap);
 void ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
 struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
 int    ggml_graph_n_nodes(struct ggml_cgraph * cgraph);
@@ -295,14 +306,15 @@ class Graph:
     headers, built once and computed any number of times. ``data`` (the nodes' addresses) never
     changes; the caller keeps that memory alive while the graph lives."""
 
-    def __init__(self, g: Ggml) -> None:
+    def __init__(self, g: Ggml, nodes: int = GRAPH_SIZE) -> None:
+        """``nodes``: the most tensors (leaves and nodes) the graph will hold."""
         self.g = g
         lib, ffi = g.base, g.ffi
-        size = GRAPH_SIZE * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(GRAPH_SIZE, False)
+        size = nodes * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(nodes, False)
         self.ctx = lib.ggml_init(ffi.new("struct ggml_init_params *", (size, ffi.NULL, True))[0])
         if self.ctx == ffi.NULL:
             raise EnvironmentProblem("ggml_init failed (out of memory?)")
-        self.gf = lib.ggml_new_graph_custom(self.ctx, GRAPH_SIZE, False)
+        self.gf = lib.ggml_new_graph_custom(self.ctx, nodes, False)
         self.cplan: Any = None
         self.work_size = 0
         self.computes = 0
@@ -343,8 +355,16 @@ class Graph:
         t.nb[3] = t.nb[2] * t.ne[2]
         return t
 
-    def finish(self, out: Any, pool: ThreadPool) -> None:
+    def expand(self, out: Any) -> None:
+        """Append ``out`` and the nodes it needs that the graph lacks (in the order added: ggml
+        runs a graph's nodes one after another, so nodes that share memory without an edge
+        between them keep the order they were expanded in)."""
         self.g.base.ggml_build_forward_expand(self.gf, out)
+
+    def finish(self, out: Any, pool: ThreadPool) -> None:
+        """Expand ``out`` (None: nothing more) and plan the graph for ``pool``."""
+        if out is not None:
+            self.g.base.ggml_build_forward_expand(self.gf, out)
         self.cplan = self.g.ffi.new("struct ggml_cplan *",
                                     self.g.cpu.ggml_graph_plan(self.gf, pool.n_threads, pool.handle))
         self.work_size = int(self.cplan.work_size)

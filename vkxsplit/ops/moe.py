@@ -14,7 +14,14 @@
   a row map and a tile list, :func:`record_moe_group`), then a tiled mat-mat runs per tile of
   at most 32 pairs of one expert, so an expert's rows are read once per 32 pairs routed to
   it rather than once per token (the grid: ceil(N / 64) x (P / 32 + n_expert + 2) workgroups
-  for P = T * n_used pairs, the unused tiles exiting at once).
+  for P = T * n_used pairs, the unused tiles exiting at once). Where the device has the
+  cooperative-matrix path (:meth:`~vkxsplit.ops.choose.DeviceKernels.coopmat_available`, as
+  the dense products' ``coopmat`` path) the tiles run ``mul_mat_id_coopmat_<type>_f32``
+  instead (``shaders/mul_mat_coopmat.comp`` with ``MUL_MAT_ID``, ggml-vulkan's ``mul_mm`` id
+  variant: the tile's x rows gathered through the grouping's row map, the expert's W rows
+  dequantized to f16, f16 16x16x16 matrices accumulating in f32, the output fragments
+  scattered to the pairs' rows; :data:`COOP_ID_TILE`); elsewhere the f32 tiles of
+  ``mul_mat_id.comp`` (``path="tiled"``).
 - ``moe_topk``: per token, softmax (or sigmoid) over the router logits, the ``n_used`` best
   experts (ties to the lower expert index: a stable descending sort), their probabilities
   as weights, normalised to sum 1 (clamped as llama.cpp: ``/ max(sum, 6.103515625e-5)``) when
@@ -31,11 +38,14 @@ reports non-finite logits instead of decoding from a wrong expert or reading out
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..errors import KernelError
-from ..shaders import Variant
+from ..shaders import Variant, variant_meta
 from ..vk.kernel import Bindable, Kernel, as_range, bindings_overlap
+from .choose import kernels_for
+from .mul_mat_kernels import CoopTile, make_coop_variant
 from .quant import TYPES, TypeLike, WeightType, weight_type
 
 if TYPE_CHECKING:
@@ -57,14 +67,52 @@ NORM_CLAMP = 6.103515625e-5  # llama.cpp clamps the sum of the selected weights 
 
 
 def kernel_name(t: str) -> str:
-    """The routed product of weight type ``t`` (both paths: one module)."""
+    """The routed product of weight type ``t`` (the mat-vec and the f32 tiles: one module)."""
     return f"mul_mat_id_{t}_f32"
+
+
+#: the grouped product's cooperative-matrix tiling: 32 pairs (moe_group.comp's tile) x 128
+#: rows of the expert, BK 64, 4 subgroups of 2 x 2 fragments, one stage (27 KiB of shared
+#: memory). At T = 512 a Qwen3-30B-A3B layer routes 32 pairs to an expert on average, so a
+#: taller pair tile would mostly hold empty rows. (Other tilings: tools/kernels.py's
+#: COOP_ID_SWEEP, timed by tools/bench_moe.py.)
+COOP_ID_TILE = CoopTile(TILE_BM, 128, 64, 32, 32, stages=1)
+GROUPED_PATHS = ("grouped", "tiled", "coopmat")   # grouped: the device's choice of the other two
+
+
+def coop_id_name(t: str, tile: str | None = None, emulate: bool = False) -> str:
+    """mul_mat_id_coopmat[_emu]_<type>_f32[_<tile>] (no tile: COOP_ID_TILE)."""
+    return f"mul_mat_id_coopmat{'_emu' if emulate else ''}_{t}_f32" + (f"_{tile}" if tile else "")
+
+
+def make_coop_id_variant(name: str, t: str, tile: CoopTile, emulate: bool = False) -> Variant:
+    """The routed product's cooperative-matrix kernel of weight type ``t``: the dense
+    mul_mat_coopmat variant of ``tile`` (``emulate``: COOPMAT_EMULATE, for tests on devices
+    without cooperative matrices) with ``MUL_MAT_ID``: four bindings (W, x, y, the grouping)
+    and mul_mat_id's push constants."""
+    if tile.bm != TILE_BM:
+        raise KernelError(f"{name}: the routed product's tiles hold {TILE_BM} pairs (moe_group's), not {tile.bm}")
+    v = make_coop_variant(name, t, tile, emulate)
+    return replace(v, defines={**v.defines, "MUL_MAT_ID": "1"}, bindings=4, push=PUSH_ID)
+
+
+def _coop_id_tile(name: str, t: str) -> CoopTile:
+    """The tiling of built routed cooperative-matrix variant ``name`` for ``t`` weights;
+    KernelError for any other kernel."""
+    meta = variant_meta(name)
+    d = (meta or {}).get("defines") or {}
+    if (meta is None or meta.get("source") != "mul_mat_coopmat.comp" or d.get("MUL_MAT_ID") != "1"
+            or d.get("WTYPE") != str(TYPES[t].id)):
+        raise KernelError(f"{name!r} is not a built routed cooperative-matrix kernel for {t.upper()} weights",
+                          f"the shipped one is {coop_id_name(t)}; emulated and sweep variants: tools/kernels.py")
+    return CoopTile.from_defines(d)
 
 
 VARIANTS = (
     [Variant(name=kernel_name(t), source="mul_mat_id.comp", defines={"WTYPE": str(wt.id)},
              bindings=4, writes=(3,), push=PUSH_ID, local_size=(256, 1, 1), requires=_STORAGE)
      for t, wt in TYPES.items()]
+    + [make_coop_id_variant(coop_id_name(t), t, COOP_ID_TILE) for t in TYPES]
     + [Variant(name="moe_group", source="moe_group.comp", defines={"MAXE": f"{MAX_EXPERTS}u"}, bindings=2,
                writes=(1,), push="III", local_size=(256, 1, 1))]
     + [Variant(name=f"moe_topk_{g}", source="moe_topk.comp", defines={"GATING": str(code), "MAXE": f"{MAX_EXPERTS}u"},
@@ -85,6 +133,12 @@ GROUPED_PAIRS_PER_EXPERT = 8
 def use_grouped(T: int, n_used: int, n_expert: int) -> bool:
     """Whether a routed product of ``T`` tokens takes the grouped (tiled) path by default."""
     return T > 1 and T * n_used >= GROUPED_PAIRS_PER_EXPERT * n_expert
+
+
+def grouped_path(device: object) -> str:
+    """The grouped product's kernel on ``device``: ``coopmat`` where the dense products have
+    the cooperative-matrix path (available and not switched off), else ``tiled``."""
+    return "coopmat" if kernels_for(device).coopmat_available else "tiled"
 
 
 def max_tiles(P: int, n_expert: int) -> int:
@@ -174,7 +228,8 @@ def record_moe_group(seq: Sequence, ids: Bindable, groups: Bindable, T: int, n_u
 def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x: Bindable, ids: Bindable,
                       y: Bindable, *, n_expert: int, N: int, K: int, T: int, n_used: int, n_xb: int,
                       w_rows: int | None = None, w_row0: int = 0, y_stride: int | None = None,
-                      groups: Bindable | None = None, grouped: bool = False, path: str | None = None) -> None:
+                      groups: Bindable | None = None, grouped: bool = False, path: str | None = None,
+                      coop_variant: str | None = None) -> str:
     """The routed product ``y[t, s, w_row0 + n] = sum_k W[ids[t, s], w_row0 + n, k] * x[t, s', k]``
     (``s' = s`` if ``n_xb > 1`` else 0; ``0 <= n < N``).
 
@@ -182,9 +237,15 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     defaults to N; ``w_row0``/``N``: a row range of every expert, a tensor split's share, written
     into y's columns ``w_row0 ..``); ``x`` f32 ``(T, n_xb, K)`` contiguous; ``ids`` int32 ``(T,
     n_used)``; ``y`` f32 ``(T * n_used)`` rows of ``y_stride`` (default ``w_rows``) elements.
-    ``path``: ``"vec"`` or ``"grouped"`` (default: :func:`use_grouped`); the grouped path needs
-    ``groups``, a buffer of :func:`group_bytes`: the grouping is recorded here unless
-    ``grouped`` says an earlier :func:`record_moe_group` of the same ids filled it."""
+    ``path``: ``"vec"`` or ``"grouped"`` (default: :func:`use_grouped`); ``"grouped"`` runs the
+    cooperative-matrix tiles where the device has them (:func:`grouped_path`), else the f32
+    tiles; ``"tiled"`` / ``"coopmat"`` pin one of the two. The grouped paths need ``groups``,
+    a buffer of :func:`group_bytes`: the grouping is recorded here unless ``grouped`` says an
+    earlier :func:`record_moe_group` of the same ids filled it. ``coop_variant`` (tests and
+    benchmarks; path ``coopmat``): run this built routed cooperative-matrix variant instead
+    of the type's shipped one, e.g. an emulated one (``mul_mat_id_coopmat_emu_*``, which runs
+    without cooperative matrices) or a tiling of the sweep (tools/kernels.py). Returns the
+    path taken (``vec``, ``tiled`` or ``coopmat``)."""
     wt = check_mul_mat_id(w_type, n_expert, N, K, n_used, n_xb, T, w_rows, w_row0)
     w_rows = N if w_rows is None else w_rows
     y_stride = w_rows if y_stride is None else y_stride
@@ -193,8 +254,22 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     if y_stride < w_row0 + N:
         raise KernelError(f"{name}: y_stride {y_stride} < w_row0 + N = {w_row0 + N} (rows would overlap)")
     path = path or ("grouped" if use_grouped(T, n_used, n_expert) else "vec")
-    if path not in ("vec", "grouped"):
-        raise KernelError(f"{name}: unknown path {path!r} (vec or grouped)")
+    if path not in ("vec", *GROUPED_PATHS):
+        raise KernelError(f"{name}: unknown path {path!r} (vec, grouped, tiled or coopmat)")
+    if coop_variant is not None:
+        if path != "coopmat":
+            raise KernelError(f"{name}: coop_variant {coop_variant!r} needs path 'coopmat', not {path!r}")
+        tile = _coop_id_tile(coop_variant, wt.name)
+    elif path == "grouped":
+        path = grouped_path(seq.device)
+    if path == "coopmat" and coop_variant is None:
+        kc = kernels_for(seq.device)
+        if not kc.coopmat_available:
+            why = ("is switched off (VKXSPLIT_DISABLE=coopmat)" if kc.coopmat else
+                   f"needs f16 16x16x16 subgroup cooperative matrices at subgroup size 32, which "
+                   f"'{seq.device.name}' lacks")
+            raise KernelError(f"{name}: the coopmat path {why}", "use path 'grouped' (the device's choice)")
+        coop_variant, tile = coop_id_name(wt.name), COOP_ID_TILE
     _, w_off, w_size, _ = as_range(w)
     if w_off % 16:
         raise KernelError(f"{name}: the weight binding starts at byte {w_off}, not 16-byte aligned")
@@ -208,7 +283,7 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     for what, b in (("x", x), ("the weights", w), ("ids", ids)):
         if bindings_overlap(y, b):
             raise KernelError(f"{name}: y overlaps {what}")
-    if path == "grouped":
+    if path != "vec":
         if groups is None:
             raise KernelError(f"{name}: the grouped path needs a groups buffer ({group_bytes(T, n_used, n_expert)} "
                               "bytes, ops.moe.group_bytes)")
@@ -217,17 +292,30 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
             if bindings_overlap(groups, b):
                 raise KernelError(f"{name}: the groups buffer overlaps {what}")
     if P == 0 or N == 0:
-        return
+        return path
+    if path == "coopmat":
+        # bit 0: x rows vec4-readable (16-byte aligned binding, K % 4 == 0); bit 1: W rows
+        # read 8 elements at a time (quantized: whole blocks; float types: K % 4 == 0)
+        xvec = as_range(x)[1] % 16 == 0 and K % 4 == 0
+        wvec = wt.quantized or K % 4 == 0
+        push = (N, K, n_used, n_xb, n_expert, T, w_rows, w_row0, y_stride, int(xvec) | 2 * int(wvec))
+        assert groups is not None and coop_variant is not None
+        if not grouped:
+            record_moe_group(seq, ids, groups, T, n_used, n_expert)
+        seq.dispatch(Kernel.get(seq.device, coop_variant), [w, x, y, groups], push,
+                     (-(-N // tile.bn), max_tiles(P, n_expert), 1))
+        return path
     flags = (1 if K % 4 == 0 else 0) | (FLAG_VEC if path == "vec" else 0)
     push = (N, K, n_used, n_xb, n_expert, T, w_rows, w_row0, y_stride, flags)
     kd = Kernel.get(seq.device, kernel_name(wt.name))
     if path == "vec":
         seq.dispatch(kd, [w, x, ids, y], push, (-(-N // VEC_NR), P, 1))
-        return
+        return path
     assert groups is not None
     if not grouped:
         record_moe_group(seq, ids, groups, T, n_used, n_expert)
     seq.dispatch(kd, [w, x, groups, y], push, (-(-N // TILE_BN), max_tiles(P, n_expert), 1))
+    return path
 
 
 def record_moe_topk(seq: Sequence, logits: Bindable, ids: Bindable, weights: Bindable, *, T: int, n_expert: int,
@@ -330,5 +418,6 @@ def _node_moe_combine(seq: Sequence, n: Node) -> None:
 NODE_RECORDERS = {"mul_mat_id": _node_mul_mat_id, "moe_topk": _node_moe_topk, "moe_group": _node_moe_group,
                   "moe_combine": _node_moe_combine}
 
-__all__ = ["GROUPED_PAIRS_PER_EXPERT", "NODE_RECORDERS", "use_grouped", "GATING", "GATING_BY_ID", "NORM_CLAMP", "VARIANTS", "check_mul_mat_id", "group_bytes", "group_words",
+__all__ = ["COOP_ID_TILE", "GROUPED_PAIRS_PER_EXPERT", "GROUPED_PATHS", "NODE_RECORDERS", "coop_id_name",
+           "grouped_path", "make_coop_id_variant", "use_grouped", "GATING", "GATING_BY_ID", "NORM_CLAMP", "VARIANTS", "check_mul_mat_id", "group_bytes", "group_words",
            "max_tiles", "record_moe_combine", "record_moe_group", "record_moe_topk", "record_mul_mat_id"]

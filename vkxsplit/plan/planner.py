@@ -21,13 +21,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..backend import NODE_OPS
+from ..backend import NODE_OPS as GLUE_OPS
+from ..backend import STEP_OPS
 from ..errors import PlanError
 from ..graph import Graph, Node, Span, Tensor, any_overlap, span
 from .cost import CostModel, Prediction, simulate
 from .schedule import BackendIdOp, BackendNodeOp, BackendOp, HubOp, Item, Schedule, build_schedule
 from .spec import HUB, HUB_ALIASES, Rule, SplitSpec, parse_spec
 from .workspace import Workspace
+
+#: ops a backend runs through ``run_op`` (the glue between matmuls, and the rest of a step for a
+#: backend that lists them in ``caps.ops``)
+NODE_OPS = GLUE_OPS | STEP_OPS
 
 #: Ops the planner may hand a backend; every other op of the graph stays on the hub. The
 #: routed expert product ``mul_mat_id`` (a MoE FFN's gate/up/down experts) is placed like
@@ -351,6 +356,10 @@ class Planner:
                 return "hard", f"{node.name} also writes the q8_1 x of the hub's mat-vecs (hub only)"
             if "f32" not in b.caps.compute_dtypes:
                 return "hard", f"{node.op} computes in f32, {b.name} does not"
+            refuse = getattr(b, "node_why_not", None)  # what the backend's form of the op lacks
+            why = refuse(node) if callable(refuse) else None
+            if why:
+                return "hard", why
             if self.require_shared:
                 unshared = sorted({t.name for t in (*node.inputs, *node.writes()) if not t.shared})
                 if unshared:
