@@ -20,8 +20,8 @@ timeout ${BENCH_S:-330} python3 tools/bench_models.py --shapes "${SHAPES:-smol13
   | tee "$OUT/bench_models.md" | tail -n 14
 fi
 for shape in ${PROFILE-llama8b-q4_0 qwen3_8b-q4_k_m}; do
-  f=/tmp/models/$shape.gguf
-  if [[ ! -f $f ]]; then s=${shape%-*}; t=${shape##*-}; timeout 100 python3 -m vkxsplit synth --shape "$s" --type "$t" -o "$f" >/dev/null 2>&1; fi
+  mkdir -p /tmp/models; f=/tmp/models/$shape.gguf
+  if [[ ! -f $f ]]; then s=${shape%-*}; t=${shape##*-}; timeout 100 python3 -m vkxsplit synth --shape "$s" --type "$t" -o "$f" 2>&1 | tail -n 2; fi
   [[ -f $f ]] || { echo "no $f"; continue; }
   timeout ${PROFILE_S:-150} python3 -m vkxsplit bench -m "$f" -p 512 -n 32 -r 1 --split none --profile "$OUT/${shape}_profile.json" \
     --profile-steps 8 -o md > "$OUT/${shape}_profile.md" 2>&1; echo "profile $shape rc=$?"

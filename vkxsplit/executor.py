@@ -102,7 +102,7 @@ def _job(op: BackendOp | BackendIdOp | BackendNodeOp) -> MatMulJob | MatMulIdJob
         if n.op in STEP_OPS:  # the node's scalars (not its hub-only tensors: scratch, xq)
             params = {k: v for k, v in n.params.items() if not isinstance(v, Tensor)}
             if n.op == "get_rows":
-                rows, cols = ins[1].rows, ins[0].cols
+                rows, cols = n.output.rows, ins[0].cols  # (ids: a 1-d tensor of T)
                 params["w_type"], params["n_rows"] = ins[0].dtype, ins[0].rows
             elif n.op in ("kv_store", "attention"):
                 params["n_ctx"] = (n.output if n.op == "kv_store" else ins[1]).shape[0]
