@@ -56,11 +56,21 @@
 // KSUB, PROBE_NOX, WLOAD5.
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
+//
+// Routed expert product (MUL_MAT_ID=1, MAXM 1: mul_mat_id's decode path, vkxsplit/ops/moe.py):
+// workgroup (x, y) computes rows x NR RPT .. of pair y = t n_used + s (no folded grid) of
+// expert e = ids[y] (binding 3, int32): W rows e w_rows + w_row0 + n, the q8_1 row t n_xb +
+// (n_xb > 1 ? s : 0) of the T n_xb rows quantized into binding 1, y[y y_stride + w_row0 + n].
+// An id outside [0, n_expert) writes NaN rows. Push constants as mul_mat_id's (N, K, n_used,
+// n_xb, n_expert, T, w_rows, w_row0, y_stride, flags).
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_8bit_storage : require
 #extension GL_EXT_control_flow_attributes : require
 #ifndef IDP
 #define IDP 1
+#endif
+#ifndef MUL_MAT_ID
+#define MUL_MAT_ID 0
 #endif
 #if IDP
 #extension GL_EXT_spirv_intrinsics : require
@@ -186,10 +196,29 @@ layout(std430, binding = 1) readonly buffer XQ4 { uvec4 xq4[]; };
 layout(std430, binding = 1) readonly buffer XQM { uvec2 xqm[]; };
 layout(std430, binding = 2) writeonly buffer Y { float y[]; };
 
+#if MUL_MAT_ID
+#if MAXM != 1 || PROBE_NOX
+#error "the routed product is a mat-vec of one x row per pair (MAXM 1)"
+#endif
+layout(std430, binding = 3) readonly buffer Ids { int ids[]; };
+layout(push_constant) uniform Push {
+    uint N; uint K; uint n_used; uint n_xb; uint n_expert; uint T; uint w_rows; uint w_row0;
+    uint y_stride; uint flags;
+} p;
+uint id_w0;   // W row of the pair's expert's row 0 of the computed range (e w_rows + w_row0)
+uint id_y0;   // y element of the pair's column 0 of the computed range (pair y_stride + w_row0)
+#define VQ_M 1u
+#define VQ_W0 id_w0
+#define VQ_Y(m, n) (id_y0 + n)
+#else
 layout(push_constant) uniform Push {
     uint M; uint N; uint K; uint x_stride; uint y_stride; uint x_offset; uint y_offset;
     uint w_row0; uint y_col0; uint flags;
 } p;
+#define VQ_M p.M
+#define VQ_W0 p.w_row0
+#define VQ_Y(m, n) (p.y_offset + (m) * p.y_stride + p.y_col0 + n)   // (n unparenthesised: the sum as written before the macro)
+#endif
 
 #if SG
 // one partial per (row, column) and subgroup: sized for the worst case of 1-wide subgroups
@@ -493,7 +522,14 @@ void superblock6(uint G, uint sb) {
 #endif
 
 void main() {
+#if MUL_MAT_ID
+    const uint wg = gl_WorkGroupID.x;
+    const uint pair = gl_WorkGroupID.y;
+    const int e = ids[pair];
+    id_y0 = pair * p.y_stride + p.w_row0;
+#else
     const uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+#endif
 #if RPT > 1
     const uint row0 = wg * NR * RPT;
 #else
@@ -502,22 +538,37 @@ void main() {
     if (row0 >= p.N) {
         return;  // whole workgroup: the padding of the folded grid
     }
+#if MUL_MAT_ID
+    if (e < 0 || uint(e) >= p.n_expert) {  // (the whole workgroup: one pair)
+        for (uint n = row0 + gl_LocalInvocationID.x; n < min(row0 + NR * RPT, p.N); n += WG) {
+            y[id_y0 + n] = uintBitsToFloat(0x7fc00000u);
+        }
+        return;
+    }
+    id_w0 = uint(e) * p.w_rows + p.w_row0;
+#endif
     const uint tid = gl_LocalInvocationID.x;
     const uint r = tid % NR;     // this thread's row (of the workgroup's NR)
     const uint lane = tid / NR;  // lane in the row's team of L
     const uint nb = p.K / 32u;   // blocks per row
-    const uint row = p.w_row0 + min(row0 + r, p.N - 1u);  // rows past N: computed, not written
+    const uint row = VQ_W0 + min(row0 + r, p.N - 1u);  // rows past N: computed, not written
+#if MUL_MAT_ID
+    mbase = 4u * p.T * p.n_xb * nb;
+    xbk[0] = ((pair / p.n_used) * p.n_xb + (p.n_xb > 1u ? pair % p.n_used : 0u)) * nb;
+    acc[0] = 0.0;
+#else
     mbase = 4u * p.M * nb;
 
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
         xbk[m] = min(m, p.M - 1u) * nb;
         acc[m] = 0.0;
     }
+#endif
 
 #if RPT > 1
     uint G0[RPT];  // global index of the first block of each of this thread's rows
     [[unroll]] for (uint i = 0u; i < RPT; ++i) {
-        G0[i] = (p.w_row0 + min(row0 + r + i * NR, p.N - 1u)) * nb;
+        G0[i] = (VQ_W0 + min(row0 + r + i * NR, p.N - 1u)) * nb;
         [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
             accr[i][m] = 0.0;
         }
@@ -649,12 +700,12 @@ void main() {
         const uint i = (tid / NR) % RPT;
         const uint m = tid / (NR * RPT);
         const uint n = row0 + rr + i * NR;
-        if (m < p.M && n < p.N) {
+        if (m < VQ_M && n < p.N) {
             float s = 0.0;
             for (uint k = 0u; k < gl_NumSubgroups; ++k) {
                 s += sgred[tid][k];
             }
-            y[p.y_offset + m * p.y_stride + p.y_col0 + n] = s;
+            y[VQ_Y(m, n)] = s;
         }
     }
 #else  // SG 0
@@ -670,12 +721,12 @@ void main() {
         const uint i = (tid / NR) % RPT;
         const uint m = tid / (NR * RPT);
         const uint n = row0 + rr + i * NR;
-        if (m < p.M && n < p.N) {
+        if (m < VQ_M && n < p.N) {
             float s = 0.0;
             [[unroll]] for (uint k = 0u; k < L; ++k) {
                 s += red2[i][m][k * NR + rr];
             }
-            y[p.y_offset + m * p.y_stride + p.y_col0 + n] = s;
+            y[VQ_Y(m, n)] = s;
         }
     }
     return;
@@ -687,12 +738,12 @@ void main() {
     if (tid < NR * MAXM) {
         const uint rr = tid % NR;
         const uint m = tid / NR;
-        if (m < p.M && row0 + rr < p.N) {
+        if (m < VQ_M && row0 + rr < p.N) {
             float s = 0.0;
             [[unroll]] for (uint i = 0u; i < L; ++i) {
                 s += red[m][i * NR + rr];
             }
-            y[p.y_offset + m * p.y_stride + p.y_col0 + row0 + rr] = s;
+            y[VQ_Y(m, row0 + rr)] = s;
         }
     }
 #endif  // SG

@@ -1,17 +1,23 @@
 #version 450
 // rms_norm_f32 / rms_norm_mul_f32: y = x / sqrt(mean(x^2) + eps) over each row of a 2-D f32
 // tensor, optionally times a weight row vector w (FUSE_MUL = 1: what llama does). One
-// workgroup per row (looping when rows exceed the dispatch); f32 accumulation with a
-// shared-memory tree reduction. In-place use (dst == x) is allowed.
+// workgroup per row (looping when rows exceed the dispatch); f32 accumulation, reduced with
+// subgroupAdd and then across subgroups in shared memory. In-place use (dst == x) is allowed.
 // add_rms_norm_mul_f32 (FUSE_ADD = 1, with FUSE_MUL): first x += r (the residual add, written
 // back to x), then y = rms_norm(x) * w: one dispatch, one barrier level, instead of two.
 // *_q8_1_f32 (Q8 = 1, with FUSE_MUL; ncols % 32 == 0): y is also written as q8_1 blocks into
 // the scratch at the last binding (shaders/q8_1.glsl: the same bits quantize_q8_1.comp makes
 // from y), for the integer-dot-product mat-vecs that read y next: one dispatch (and barrier
-// level) fewer per quantized x. Rows are processed in chunks of 4 * WG elements there, four
-// consecutive ones per invocation, 8 invocations per 32-element block.
-
+// level) fewer per quantized x.
+// A row is walked in chunks of 4 * WG elements, four consecutive ones per invocation (8
+// invocations per 32-element q8_1 block). A decode step has one row per dispatch, so one
+// workgroup does all the work and the time is memory latency, not bandwidth: a row of at most
+// MAXCH chunks (8192 elements) is loaded at once into registers (every load issued before the
+// first use), kept there for the output pass and never read back; longer rows take the same
+// path chunk by chunk, reading x again for the output.
 #extension GL_EXT_control_flow_attributes : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
 
 layout(local_size_x = 256) in;
 #define WG 256u
@@ -60,60 +66,124 @@ layout(push_constant) uniform Push {
     uint r_stride;
 } p;
 
+#define MAXCH 8u
+#define STEP (4u * WG)
+
+// one partial per subgroup (sized for 1-wide subgroups, the worst case)
 shared float red[WG];
 
-void main() {
-    uint tid = gl_LocalInvocationID.x;
-    for (uint row = gl_WorkGroupID.x; row < p.nrows; row += gl_NumWorkGroups.x) {
-        uint xb = p.x_off + row * p.x_stride;
-        uint db = p.d_off + row * p.d_stride;
-        float s = 0.0;
-#if FUSE_ADD
-        uint rb = p.r_off + row * p.r_stride;
-#endif
-        for (uint c = tid; c < p.ncols; c += WG) {
-#if FUSE_ADD
-            float v = x[xb + c] + r[rb + c];
-            x[xb + c] = v;  // read back below by this same invocation only
-#else
-            float v = x[xb + c];
-#endif
-            s += v * v;
-        }
-        red[tid] = s;
-        barrier();
-        for (uint k = WG / 2u; k > 0u; k >>= 1) {
-            if (tid < k) {
-                red[tid] += red[tid + k];
-            }
-            barrier();
-        }
-        float scale = 1.0 / sqrt(red[0] / float(p.ncols) + p.eps);
-        barrier();  // red[] is reused by the next row
+float row_sum(float s) {
+    s = subgroupAdd(s);
+    if (subgroupElect()) {
+        red[gl_SubgroupID] = s;
+    }
+    barrier();
+    float t = 0.0;
+    for (uint i = 0u; i < gl_NumSubgroups; ++i) {
+        t += red[i];
+    }
+    barrier();  // red[] is reused by the next row
+    return t;
+}
+
+// the four outputs of invocation tid in the chunk at c0: written to d (and quantized)
+void store4(uint row, uint db, uint c0, uint tid, float y[4]) {
+    const uint c = c0 + 4u * tid;
+    const bool live = c < p.ncols;
 #if Q8
-        const uint nb = p.ncols >> 5;
-        for (uint c0 = 0u; c0 < p.ncols; c0 += 4u * WG) {  // uniform: q8_1_store has barriers
-            const uint c = c0 + 4u * tid;
-            const bool live = c < p.ncols;
-            uint u[4];
-            [[unroll]] for (uint i = 0u; i < 4u; ++i) {
-                u[i] = 0u;
-                if (live) {
-                    const float v = (x[xb + c + i] * scale) * w[p.w_off + c + i];
-                    d[db + c + i] = v;
-                    u[i] = floatBitsToUint(v);  // the bits written are the bits quantized
+    uint u[4];
+    [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+        u[i] = 0u;
+        if (live) {
+            d[db + c + i] = y[i];
+            u[i] = floatBitsToUint(y[i]);  // the bits written are the bits quantized
+        }
+    }
+    const uint nb = p.ncols >> 5;
+    q8_1_store(tid, row * nb + (c >> 5), p.nrows * nb, live, u);
+#else
+    if (live) {
+        [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+            if (c + i < p.ncols) {
+                d[db + c + i] = y[i];
+            }
+        }
+    }
+#endif
+}
+
+float weight(uint c) {
+#if FUSE_MUL
+    return w[p.w_off + c];
+#else
+    return 1.0;
+#endif
+}
+
+// x (plus the residual, written back) at column c, 0 past the row
+float load_x(uint xb, uint rb, uint c) {
+    if (c >= p.ncols) {
+        return 0.0;
+    }
+#if FUSE_ADD
+    const float v = x[xb + c] + r[rb + c];
+    x[xb + c] = v;  // read back below by this same invocation only
+    return v;
+#else
+    return x[xb + c];
+#endif
+}
+
+void main() {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint nch = (p.ncols + STEP - 1u) / STEP;
+    for (uint row = gl_WorkGroupID.x; row < p.nrows; row += gl_NumWorkGroups.x) {
+        const uint xb = p.x_off + row * p.x_stride;
+        const uint db = p.d_off + row * p.d_stride;
+#if FUSE_ADD
+        const uint rb = p.r_off + row * p.r_stride;
+#else
+        const uint rb = 0u;
+#endif
+        if (nch <= MAXCH) {  // uniform: the whole row in registers
+            float v[4u * MAXCH];
+            float s = 0.0;
+            [[unroll]] for (uint k = 0u; k < MAXCH; ++k) {
+                [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+                    v[4u * k + i] = k < nch ? load_x(xb, rb, k * STEP + 4u * tid + i) : 0.0;
                 }
             }
-            q8_1_store(tid, row * nb + (c >> 5), p.nrows * nb, live, u);
+            [[unroll]] for (uint k = 0u; k < 4u * MAXCH; ++k) {
+                s += v[k] * v[k];
+            }
+            const float scale = 1.0 / sqrt(row_sum(s) / float(p.ncols) + p.eps);
+            [[unroll]] for (uint k = 0u; k < MAXCH; ++k) {
+                if (k < nch) {  // uniform
+                    float y[4];
+                    [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+                        const uint c = k * STEP + 4u * tid + i;
+                        y[i] = c < p.ncols ? (v[4u * k + i] * scale) * weight(c) : 0.0;
+                    }
+                    store4(row, db, k * STEP, tid, y);
+                }
+            }
+        } else {
+            float s = 0.0;
+            for (uint c0 = 0u; c0 < p.ncols; c0 += STEP) {
+                [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+                    const float t = load_x(xb, rb, c0 + 4u * tid + i);
+                    s += t * t;
+                }
+            }
+            const float scale = 1.0 / sqrt(row_sum(s) / float(p.ncols) + p.eps);
+            for (uint c0 = 0u; c0 < p.ncols; c0 += STEP) {  // uniform: q8_1_store has barriers
+                float y[4];
+                [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+                    const uint c = c0 + 4u * tid + i;
+                    y[i] = c < p.ncols ? (x[xb + c] * scale) * weight(c) : 0.0;
+                }
+                store4(row, db, c0, tid, y);
+            }
         }
-#else
-        for (uint c = tid; c < p.ncols; c += WG) {
-#if FUSE_MUL
-            d[db + c] = (x[xb + c] * scale) * w[p.w_off + c];
-#else
-            d[db + c] = x[xb + c] * scale;
-#endif
-        }
-#endif
     }
 }

@@ -24,7 +24,7 @@ from reference import moe_ffn, moe_route, mul_mat_id
 from test_mul_mat import ALL, U, abs_terms, make_weights, test_k
 
 from vkxsplit.errors import KernelError
-from vkxsplit.ops import moe
+from vkxsplit.ops import moe, mul_mat
 from vkxsplit.ops.elementwise import record_swiglu
 from vkxsplit.ops.mul_mat import record_mul_mat
 from vkxsplit.ops.quant import block_size
@@ -98,12 +98,27 @@ def expert_weights(rng, t: str, N: int, K: int):
     return raw, W.reshape(E, N, K), abs_terms(raw, t, W).reshape(E, N, K)
 
 
-def id_bound(x: np.ndarray, A: np.ndarray, ids: np.ndarray, path: str = "vec") -> np.ndarray:
+def id_bound(x: np.ndarray, A: np.ndarray, ids: np.ndarray, path: str = "vec_f32") -> np.ndarray:
     """The f32 products' bound; for the cooperative-matrix tiles (``path`` coopmat, which
-    the grouped path takes on devices with them) test_mul_mat's coopmat bound."""
+    the grouped path takes on devices with them) test_mul_mat's coopmat bound; for the q8_1
+    decode (``vec_q8_1``) test_mul_mat's vecq bound (b)."""
     if path == "coopmat":
         return coop_id_bound(x, A, ids)
+    if path == "vec_q8_1":
+        return vecq_id_bound(x, A, ids)
     return (x.shape[-1] + 4) * U * mul_mat_id(A, np.abs(x), ids)
+
+
+def vecq_id_bound(x: np.ndarray, A: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """test_mul_mat's bound (b) of the integer-dot-product mat-vec per routed element: x
+    rounded to q8_1 (|x - d q| <= d / 2, quantize_q8_1's rounding as mul_mat.q8_1_reference
+    models it) plus (2 nb + 8) u of the exact sums of the quantized x."""
+    K = x.shape[-1]
+    q, d, _ = mul_mat.q8_1_reference(x.reshape(-1, K).astype(np.float32))
+    dfull = np.repeat(d.astype(np.float64), 32, axis=1)
+    xdq = (q.astype(np.float64) * dfull).reshape(x.shape)
+    return (0.5 * mul_mat_id(A, dfull.reshape(x.shape), ids) * (1 + 2.0 ** -20)
+            + (2 * (K // 32) + 8) * U * mul_mat_id(A, np.abs(xdq), ids))
 
 
 @pytest.mark.parametrize("t", ALL)
@@ -122,10 +137,11 @@ def test_mul_mat_id(device, bufs, rng, t, T):
             check(y, mul_mat_id(W, x, ids), id_bound(x, A, ids, took))
 
 
-@pytest.mark.parametrize("path", ["vec", "grouped", "tiled"])
+@pytest.mark.parametrize("path", ["vec", "vec_f32", "grouped", "tiled"])
 def test_mul_mat_id_paths_agree_and_skew(device, bufs, rng, path):
-    """Either path at any T (grouped: the device's choice; tiled: the f32 tiles pinned, which
-    devices with cooperative matrices no longer take by default); every token routed to the
+    """Either path at any T (vec / grouped: the device's choice; vec_f32 / tiled: the f32-x
+    mat-vec and the f32 tiles pinned, which devices with integer dot products / cooperative
+    matrices no longer take by default for every type); every token routed to the
     same two experts (tiles of 32 pairs: an expert with 37 pairs needs two), and an expert
     nobody chose."""
     t, N, K, T = "q4_k", 70, 256, 37
@@ -274,20 +290,41 @@ def _chain(device, bufs, rng, T, n_used, t, norm):
     return got, (h.astype(np.float64), R.astype(np.float64), G, Uw, D)
 
 
+def q8_1_round(x: np.ndarray) -> np.ndarray:
+    """x (..., K) as quantize_q8_1 rounds it (d q per element; mul_mat.q8_1_reference)."""
+    K = x.shape[-1]
+    q, d, _ = mul_mat.q8_1_reference(x.reshape(-1, K).astype(np.float32))
+    return (q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)).reshape(x.shape)
+
+
+def moe_ffn_q8_1(h, router, gate, up, down, n_used: int, norm: bool = True) -> np.ndarray:
+    """reference.moe_ffn with the x of each expert product rounded to q8_1 blocks first (the
+    decode's integer-dot-product path), float64 otherwise."""
+    ids, w = moe_route(h @ router.T, n_used, norm=norm)
+    x = q8_1_round(h[:, None, :])
+    a = mul_mat_id(gate, x, ids)
+    act = a / (1.0 + np.exp(-a)) * mul_mat_id(up, x, ids)
+    return np.einsum("ts,tsn->tn", w, mul_mat_id(down, q8_1_round(act), ids))
+
+
 @pytest.mark.parametrize("T", [1, 5, 37])
 def test_moe_ffn_chain(device, bufs, rng, T):
     """router mul_mat -> moe_topk -> gate/up mul_mat_id -> swiglu -> down mul_mat_id ->
     combine against reference.moe_ffn, within 2e-3 of max|y| (the router's f16 coopmat on GPUs
     moves the weights by ~1e-4; lavapipe's f32 path stays under 1e-5); the same check fails
-    for top-1 routing and for unnormalised weights."""
+    for top-1 routing and for unnormalised weights. Where the expert products take the q8_1
+    decode (x rounded to 8-bit blocks, as ggml's MMVQ; ~1e-2 of max|y| here) the reference
+    rounds the products' x the same way (moe_ffn_q8_1)."""
     n_used = 2
     got, (h, R, G, Uw, D) = _chain(device, bufs, rng, T, n_used, "q8_0", norm=True)
-    ref = moe_ffn(h, R, G, Uw, D, n_used)
+    q8 = moe.default_path(device, "q8_0", T, n_used, E) == "vec_q8_1"
+    ffn = moe_ffn_q8_1 if q8 else moe_ffn
+    ref = ffn(h, R, G, Uw, D, n_used)
     scale = np.abs(ref).max()
     bound = 2e-3 * scale
     assert np.abs(got - ref).max() <= bound
-    wrong_top1 = moe_ffn(h, R, G, Uw, D, 1)
-    wrong_nonorm = moe_ffn(h, R, G, Uw, D, n_used, norm=False)
+    wrong_top1 = ffn(h, R, G, Uw, D, 1)
+    wrong_nonorm = ffn(h, R, G, Uw, D, n_used, norm=False)
     assert np.abs(got - wrong_top1).max() > bound
     assert np.abs(got - wrong_nonorm).max() > bound
 
@@ -460,7 +497,7 @@ def test_mul_mat_id_coopmat_emu_gathers_rows(device, bufs, rng, tool_kernels):
 
 def test_grouped_path_choice(device, bufs, rng, monkeypatch):
     """``grouped`` takes the cooperative-matrix tiles exactly where the dense products have the
-    coopmat path (lavapipe: the f32 tiles); pinning coopmat where there is none, a variant of
+    coopmat path (lavapipe: the f32 tiles); the default (default_path) as documented; pinning coopmat where there is none, a variant of
     another type or a variant without path coopmat are errors naming the cause."""
     from vkxsplit.ops.choose import kernels_for
 
@@ -476,7 +513,10 @@ def test_grouped_path_choice(device, bufs, rng, monkeypatch):
     yb, gb = bufs(4 * T * E * N), bufs(moe.group_bytes(T, E, E))
     kw = dict(n_expert=E, N=N, K=K, T=T, n_used=E, n_xb=1, groups=gb)
     run(device, lambda s: took.append(moe.record_mul_mat_id(s, wb, t, xb, ib, yb, **kw)))
-    assert took == [moe.grouped_path(device)]
+    # the default: grouped from GROUPED_PAIRS_PER_EXPERT pairs per expert, the mat-vec below
+    assert took == [moe.default_path(device, t, T, E, E)] == [moe.grouped_path(device)]
+    assert moe.default_path(device, "f16", 1, E, E) == "vec_f32"
+    assert moe.default_path(device, t, 1, E, E) == moe.vec_path(device, t, 1)
     check(yb.numpy(np.float32, (T, E, N)), mul_mat_id(W, x, ids), id_bound(x, A, ids, took[0]))
     seq = Sequence(device, "moe-choice")
     try:
@@ -496,3 +536,115 @@ def test_grouped_path_choice(device, bufs, rng, monkeypatch):
 
     monkeypatch.setattr(moe, "kernels_for", lambda dev: FakeKernels())
     assert moe.grouped_path(device) == "coopmat"
+
+
+# ------------------------------------------------------------------------------------------
+# the decode's integer-dot-product routed mat-vec (x quantized to q8_1)
+
+VECQ_ID = {**moe._vecq_id_shipped(), **tk.VECQ_ID_SWEEP}
+
+
+@pytest.mark.parametrize("name", sorted(VECQ_ID))
+def test_mul_mat_id_vecq(device, bufs, rng, name, tool_kernels):
+    """Each routed q8_1 decode shape, shipped (the CPU devices' and the GPUs' per type) and of
+    the benchmark's sweep (those the device lacks features for skip): one token (decode) and 3 tokens, x shared by the
+    slots and one row per slot, N not a multiple of the rows per workgroup; against the
+    float64 reference within the vecq bound. The same bound fails for a reference that
+    takes slot 0's x row for every slot of the down product (rows not gathered)."""
+    tool_kernels(name)
+    t, cfg = VECQ_ID[name]
+    missing = [f for f in moe.make_vecq_id_variant(name, t, cfg).requires if not device.features.get(f)]
+    if missing:
+        pytest.skip(f"'{device.name}' lacks {', '.join(missing)}")
+    N, K = 2 * cfg.rows * 3 + 5, 512
+    raw, W, A = expert_weights(rng, t, N, K)
+    wb = bufs(raw.nbytes, raw)
+    for T in (1, 3):
+        ids = routed_ids(rng, T, 3)
+        for n_xb in (1, 3):
+            x = rng.standard_normal((T, n_xb, K))
+            y, took = mm_id(device, bufs, wb, t, x, ids, N, K, path="vec_q8_1", vec_variant=name)
+            assert took == "vec_q8_1"
+            bound = vecq_id_bound(x, A, ids)
+            check(y, mul_mat_id(W, x, ids), bound)
+            if n_xb == 3:
+                with pytest.raises(AssertionError, match="over the bound"):
+                    check(y, mul_mat_id(W, x[:, :1], ids), bound)
+
+
+def test_mul_mat_id_vecq_row_range_and_bad_ids(device, bufs, rng):
+    """The device's own q8_1 decode kernel (skipped where it has none), for 2 tokens: a tensor
+    split's row range into y's columns 9.. (the rest untouched), and ids outside [0, n_expert)
+    giving NaN rows."""
+    t = "q4_k"
+    if moe.vec_path(device, t) != "vec_q8_1":
+        pytest.skip(f"'{device.name}' takes the f32-x decode for {t}")
+    rows, K = 40, 256
+    raw, W, A = expert_weights(rng, t, rows, K)
+    wb = bufs(raw.nbytes, raw)
+    ids = routed_ids(rng, 2, 2)
+    x = rng.standard_normal((2, 2, K))
+    y, took = mm_id(device, bufs, wb, t, x, ids, 13, K, path="vec_q8_1", w_rows=rows, w_row0=9)
+    assert took == "vec_q8_1"
+    assert np.isnan(y[:, :, :9]).all() and np.isnan(y[:, :, 22:]).all()
+    check(y[:, :, 9:22], mul_mat_id(W, x, ids)[:, :, 9:22], vecq_id_bound(x, A, ids)[:, :, 9:22])
+    bad = np.array([[1, 8], [-1, 3]], np.int32)
+    y, _ = mm_id(device, bufs, wb, t, x, bad, rows, K, path="vec_q8_1")
+    assert np.isnan(y[0, 1]).all() and np.isnan(y[1, 0]).all()
+    good = np.array([[1, 1], [3, 3]], np.int32)
+    check(y[0, 0], mul_mat_id(W, x, good)[0, 0], vecq_id_bound(x, A, good)[0, 0])
+    check(y[1, 1], mul_mat_id(W, x, good)[1, 1], vecq_id_bound(x, A, good)[1, 1])
+
+
+def test_vec_path_choice(device, bufs, rng):
+    """``vec`` takes the q8_1 kernel at T = 1 exactly for the types the dense decode does (Q4_0,
+    Q4_1, Q8_0, Q4_K on GPUs; Q6_K too on CPU devices; none without integer dot products), the
+    f32 mat-vec otherwise and for several tokens (as the dense mat-vec of M > 1); pinning a variant of another type, or one without path vec_q8_1, is an
+    error naming the cause."""
+    from vkxsplit.ops.choose import kernels_for
+
+    kc = kernels_for(device)
+    for t in ALL:
+        assert moe.vec_path(device, t) == ("vec_q8_1" if kc.vecq(t, 1) else "vec_f32")
+        assert moe.vec_path(device, t, 3) == "vec_f32"
+    assert moe.vec_path(device, "f16") == "vec_f32"
+    w, x, ids, y = bufs(E * 16 * 144), bufs(4 * 256), bufs(8), bufs(4 * 2 * 16)
+    q4k = moe.vecq_id_name("q4_k", moe.vecq_id_config("q4_k", True))
+    q40 = moe.vecq_id_name("q4_0", moe.vecq_id_config("q4_0", True))
+    seq = Sequence(device, "moe-vec-choice")
+    try:
+        kw = dict(n_expert=E, N=16, K=256, T=1, n_used=2, n_xb=1)
+        with pytest.raises(KernelError, match="not a built routed q8_1 kernel for Q4_K"):
+            moe.record_mul_mat_id(seq, w, "q4_k", x, ids, y, path="vec_q8_1", vec_variant=q40, **kw)
+        with pytest.raises(KernelError, match="needs path 'vec_q8_1'"):
+            moe.record_mul_mat_id(seq, w, "q4_k", x, ids, y, path="vec", vec_variant=q4k, **kw)
+        with pytest.raises(KernelError, match="no integer-dot-product decode for F16"):
+            moe.record_mul_mat_id(seq, bufs(E * 16 * 512), "f16", x, ids, y, path="vec_q8_1", **kw)
+    finally:
+        seq.close()
+
+
+def test_routed_variant_tables():
+    """What ships of the routed kernels: per type the f32 module, the cooperative-matrix tiles
+    (the dense coopmat source with MUL_MAT_ID, COOP_ID_TILE's tiling, the dense kernel's
+    requirements) and, for the integer-dot-product types, the q8_1 decode shapes the device
+    kinds choose; the emulated twins (tools/kernels.py: the same defines plus COOPMAT_EMULATE,
+    no cooperative-matrix features) and the sweep tilings do not ship."""
+    from vkxsplit import shaders
+    from vkxsplit.ops import mul_mat_kernels as mk
+
+    allv = shaders.all_variants()
+    declared = tk.all_declared()
+    for t in ALL:
+        v = allv[moe.coop_id_name(t)]
+        assert v.source == "mul_mat_coopmat.comp" and v.defines["MUL_MAT_ID"] == "1"
+        assert mk.CoopTile.from_defines(v.defines) == moe.COOP_ID_TILE and v.bindings == 4 and v.writes == (2,)
+        assert "cooperativeMatrix" in v.requires and v.subgroup_size == mk.COOP_SUBGROUP and v.push == moe.PUSH_ID
+        e = declared[moe.coop_id_name(t, emulate=True)]
+        assert e.name not in allv and {**v.defines, "COOPMAT_EMULATE": "1"} == e.defines
+        assert "cooperativeMatrix" not in e.requires
+    vq = {n for n, v in allv.items() if v.source == "mul_mat_vecq.comp" and "MUL_MAT_ID" in v.defines}
+    want = {moe.vecq_id_name(t, moe.vecq_id_config(t, cpu)) for t in mk.VECQ_TYPES
+            for cpu in ((True, False) if t in mk.VECQ_GPU_TYPES else (True,))}
+    assert vq == want and all(allv[n].defines["MAXM"] == "1" and allv[n].bindings == 4 for n in vq)
+    assert not {n for n, (_, _, emu) in tk.COOP_ID_VARIANTS.items()} & set(allv)

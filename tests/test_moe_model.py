@@ -8,7 +8,10 @@ Bound of the FFN check: 2e-3 * max|y_ref| (f32 accumulation over K <= 96 of Q8_0
 weights: ~1e-6 relative on lavapipe; on GPUs the router product of T > 8 rows runs in f16
 coopmat, which moves the expert weights by ~1e-4); inputs are drawn with the chosen experts
 at least 0.05 apart in logit from the rest, so that rounding cannot flip the routing; the same
-check fails for top-1 routing and for unnormalised weights, so it can tell them apart.
+check fails for top-1 routing and for unnormalised weights, so it can tell them apart. Where
+the decode's expert products read x rounded to q8_1 (ops.moe.default_path: T = 1 with
+integer dot products, as the dense decode), the reference rounds their x the same way
+(test_moe.moe_ffn_q8_1).
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from reference import moe_ffn
-from test_moe import separated_inputs
+from test_moe import moe_ffn_q8_1, separated_inputs
 
 from vkxsplit.errors import ModelError
 from vkxsplit.executor import record_graph
 from vkxsplit.graph import Graph, Tensor
 from vkxsplit.moe import build_moe_ffn, check_moe_tensors, is_moe, moe_act_cols, read_moe_params
+from vkxsplit.ops.moe import default_path
 from vkxsplit.vk.command import Sequence
 
 Q = GGMLQuantizationType
@@ -221,11 +225,15 @@ def test_moe_ffn_graph(device, tmp_path, rng, arch, T):
         R, G, U, D = (_deq(raw[p + n + ".weight"]) for n in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
                                                                "ffn_down_exps"))
         h64 = h_np.astype(np.float64)
-        ref = moe_ffn(h64, R, G, U, D, mp.n_used)
+        # the decode's expert products may read x rounded to q8_1 (as the dense decode): then
+        # the reference rounds it the same way
+        wtype = "q8_0" if arch == "llama" else "f16"
+        ffn = moe_ffn_q8_1 if default_path(device, wtype, T, mp.n_used, mp.n_expert) == "vec_q8_1" else moe_ffn
+        ref = ffn(h64, R, G, U, D, mp.n_used)
         bound = 2e-3 * np.abs(ref).max()
         assert np.abs(got - ref).max() <= bound
-        assert np.abs(got - moe_ffn(h64, R, G, U, D, 1)).max() > bound
-        assert np.abs(got - moe_ffn(h64, R, G, U, D, mp.n_used, norm=False)).max() > bound
+        assert np.abs(got - ffn(h64, R, G, U, D, 1)).max() > bound
+        assert np.abs(got - ffn(h64, R, G, U, D, mp.n_used, norm=False)).max() > bound
     finally:
         for b in made:
             b.close()

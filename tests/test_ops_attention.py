@@ -308,6 +308,42 @@ def test_replay_decode(device, bufs, rng):
         seq.close()
 
 
+@pytest.mark.parametrize("n_tokens,n_splits,n_ctx", [(1, 1, 64), (1, 4, 256), (2, 300, 320)])
+def test_attention_q8_1_output(seq, bufs, rng, n_tokens, n_splits, n_ctx):
+    """Attention that also writes its output as q8_1 blocks (the x of the output projection's
+    integer-dot mat-vec): in the KV-split combine's epilogue, or by a quantize dispatch after an
+    unsplit attention. The f32 output against float64, the blocks exactly the separate quantize
+    kernel's bits of that output, nothing written past the scratch. 300 splits: more than the
+    combine keeps in shared memory (its recomputing path)."""
+    from vkxsplit.ops.mul_mat import record_quantize_q8_1, vecq_scratch_bytes
+
+    H, n_kv, D, pos0 = 4, 2, 64, n_ctx - n_tokens - 3
+    cache = Cache(bufs, rng, n_ctx, n_kv, D, pos0 + n_tokens)
+    q = rng.standard_normal((n_tokens, H, D)).astype(np.float32)
+    Q, Out, P = bufs(q.size), bufs(q.size), bufs(1, np.int32)
+    put(Q, q)
+    put(P, np.array([pos0], np.int32))
+    Out.numpy(np.float32)[:] = np.nan
+    nq = vecq_scratch_bytes(n_tokens, H * D)
+    XQ, XQ2 = bufs(nq // 4 + 16), bufs(nq // 4 + 16)
+    XQ.numpy(np.uint8)[:] = 0xAB
+    scratch = bufs(attention_scratch_bytes(n_tokens, H, D, n_splits) // 4) if n_splits > 1 else None
+    record_attention(seq, Q, cache.K, cache.V, P, Out, n_tokens, H, n_kv, D, n_ctx, n_splits=n_splits,
+                     scratch=scratch, xq=XQ)
+    record_quantize_q8_1(seq, Out, XQ2, n_tokens, H * D, H * D, 0)
+    seq.run()
+    check(get(Out, q.shape), attention_ref(q, cache.k, cache.v, pos0, n_kv), 4.5, f"attn q8_1 splits={n_splits}")
+    got = XQ.numpy(np.uint8)
+    assert np.array_equal(got[:nq], XQ2.numpy(np.uint8)[:nq]), "fused and separate quantization differ"
+    assert (got[nq:] == 0xAB).all(), "wrote past the scratch"
+
+
+def test_attention_q8_1_output_needs_whole_blocks_per_head(seq, bufs):
+    with pytest.raises(KernelError, match="head_dim % 32"):
+        record_attention(seq, bufs(40), bufs(400, np.float16), bufs(400, np.float16), bufs(1, np.int32),
+                         bufs(40), 1, 1, 1, 40, 10, xq=bufs(64))
+
+
 def test_attention_splits():
     assert attention_splits(1, 32, 8, 4096) == 32       # decode: 8 workgroups -> 32 splits
     assert attention_splits(1, 9, 3, 256) == 2          # short cache: >= 128 positions a split

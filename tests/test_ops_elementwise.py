@@ -196,7 +196,8 @@ def test_swiglu_halves_in_place(seq, bufs, rng):
 # -- rms_norm -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("rows,cols,stride", [(3, 576, 576), (5, 1001, 1030), (2, 7, 7)])
+# (rows of more than 8192 columns take the kernel's chunked path, the others its registers)
+@pytest.mark.parametrize("rows,cols,stride", [(3, 576, 576), (5, 1001, 1030), (2, 7, 7), (2, 8197, 8200)])
 def test_rms_norm(seq, bufs, rng, weighted, rows, cols, stride):
     x = (rng.standard_normal((rows, stride)) * 2 + 0.5).astype(np.float32)
     w = rng.standard_normal(cols).astype(np.float32)
@@ -228,7 +229,7 @@ def test_rms_norm_in_place(seq, bufs, rng):
     assert_close(get(X, x.size).reshape(rows, cols), ref, 1e-5, 1e-6 * np.abs(ref).max(), "rms_norm in place")
 
 
-@pytest.mark.parametrize("rows,cols,stride", [(1, 576, 576), (5, 1000, 1003), (3, 4097, 4097)])
+@pytest.mark.parametrize("rows,cols,stride", [(1, 576, 576), (5, 1000, 1003), (3, 4097, 4097), (2, 9001, 9001)])
 def test_add_rms_norm(seq, bufs, rng, rows, cols, stride):
     """The residual add fused with the next norm: x += r exactly as an f32 add, dst as rms_norm."""
     x = (rng.standard_normal((rows, stride)) * 2).astype(np.float32)
@@ -271,7 +272,7 @@ def _q8_1_blocks(y):
 
 
 @pytest.mark.parametrize("fused_add", [False, True])
-@pytest.mark.parametrize("rows,cols", [(1, 576), (3, 2080), (2, 32)])
+@pytest.mark.parametrize("rows,cols", [(1, 576), (3, 2080), (2, 32), (2, 8224)])
 def test_rms_norm_q8_1_output(device, seq, bufs, rng, fused_add, rows, cols):
     """rms_norm * w (optionally after x += r) that also writes its output as q8_1 blocks: the
     f32 output as the plain kernel's, the blocks exactly the quantization of that output (a

@@ -238,6 +238,18 @@ COOP_ID_VARIANTS: dict[str, tuple[str, CoopTile, bool]] = {
        for key, tile in COOP_ID_SWEEP_TILES.items()},
 }
 
+#: routed q8_1 decode shapes (mul_mat_vecq.comp with MUL_MAT_ID) tools/bench_moe.py times beside
+#: the shipped one (the dense decode's shape): a Qwen3-30B-A3B expert has K = 2048 (gate, up)
+#: and 768 (down), 32 and 12 quarter super-blocks of Q4_K per row, fewer than the 64 lanes per
+#: row of the dense shape; these give a row 32, 16 or 8 lanes
+VECQ_ID_SWEEP: dict[str, tuple[str, VecqConfig]] = {
+    moe.vecq_id_name(t, c): (t, c) for t, c in (
+        ("q4_k", VecqConfig(128, 4, blk=1, unr=2, sub=4)),
+        ("q4_k", VecqConfig(128, 8, blk=1, unr=1, sub=4)),
+        ("q4_k", VecqConfig(128, 16, blk=1, unr=1, sub=4)),
+        ("q4_k", VecqConfig(128, 4, blk=1, unr=1, sub=1)),
+    )}
+
 
 def all_declared() -> dict[str, Variant]:
     """Every variant of the tables above, probes and flag waits included (shipped ones too)."""
@@ -248,6 +260,7 @@ def all_declared() -> dict[str, Variant]:
           + [mm.make_coop_variant(n, t, tile, emulate=True) for n, (t, tile) in COOP_EMU_VARIANTS.items()]
           + [mm.make_cm2_variant(t, tile) for t, tile in CM2_VARIANTS.values()]
           + [moe.make_coop_id_variant(n, t, tile, emu) for n, (t, tile, emu) in COOP_ID_VARIANTS.items()]
+          + [moe.make_vecq_id_variant(n, t, c) for n, (t, c) in VECQ_ID_SWEEP.items()]
           + CM2_CHECK_VARIANTS + probes.VARIANTS + flags.VARIANTS)
     return {v.name: v for v in vs}
 
@@ -314,7 +327,7 @@ def ensure(select: str | Callable[[str], bool] | None = None, out: Path = OUT_DI
 
 
 __all__ = ["CM2_ALL_TILES", "CM2_CHECK_VARIANTS", "COOP_ID_EMU_EXTRA", "COOP_ID_SWEEP_TILES", "COOP_ID_SWEEP_TYPES",
-           "COOP_ID_VARIANTS", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
+           "COOP_ID_VARIANTS", "VECQ_ID_SWEEP", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
            "COOP_ALL_TILES", "COOP_EMU_EXTRA", "COOP_EMU_TILE", "COOP_EMU_VARIANTS", "COOP_SWEEP_TILES",
            "COOP_SWEEP_TYPES", "COOP_VARIANTS", "OUT_DIR", "VECQ_SWEEP", "VEC_SWEEP", "VEC_WIDE", "WIDE_K",
            "WideConfig", "all_declared", "build", "compiler_available", "ensure", "load", "tool_variants"]

@@ -40,6 +40,7 @@ from ..vk.command import Sequence
 from ..vk.kernel import Bindable, Kernel
 from .choose import kernels_for
 from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
+from .mul_mat import check_q8_1_scratch, record_quantize_q8_1
 from .rope import YARN_DEFAULTS, yarn_push
 
 MAX_HEAD_DIM = 256
@@ -68,6 +69,9 @@ VARIANTS = [
                requires=("storageBuffer16BitAccess",)) for hd in TILED_HEAD_DIMS],
     Variant(name="attn_combine_f32", source="attn_combine.comp", bindings=2, writes=(1,),
             push="IIIIII", local_size=(COMBINE_WG, 1, 1)),
+    # the output also as q8_1 blocks (the x of the output projection's integer-dot mat-vec)
+    Variant(name="attn_combine_q8_1_f32", source="attn_combine.comp", defines={"Q8": "1"}, bindings=3,
+            writes=(1, 2), push="IIIIII", local_size=(COMBINE_WG, 1, 1)),
 ]
 
 
@@ -173,7 +177,7 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
                      q_stride: int | None = None, dst_offset: int = 0, dst_stride: int | None = None,
                      k_cache_offset: int = 0, v_cache_offset: int = 0, pos_offset: int = 0,
                      n_splits: int = 1, scratch: Bindable | None = None, dtype: str = "f32",
-                     cache_dtype: str = "f16", window: int = 0) -> None:
+                     cache_dtype: str = "f16", window: int = 0, xq: Bindable | None = None) -> None:
     """``dst[t, h] = softmax(scale * q[t, h] . K[0..p, g]) V[0..p, g]`` with ``p = pos0 + t``,
     ``pos0 = pos[pos_offset]`` (int32, read on the device) and ``g = h // (n_heads //
     n_kv_heads)``.
@@ -183,7 +187,10 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     ``1/sqrt(head_dim)``. ``n_splits`` > 1 splits the KV length over that many workgroups per
     (row block, kv head) and needs ``scratch`` (:func:`attention_scratch_bytes`). The caller
     keeps ``pos0 + n_tokens <= n_ctx`` (positions past the cache are not read). ``window`` > 0:
-    a sliding window, position ``p`` sees only ``p - window < j <= p`` (0: none)."""
+    a sliding window, position ``p`` sees only ``p - window < j <= p`` (0: none). ``xq``: also
+    write dst as q8_1 blocks there (the bits :func:`~vkxsplit.ops.mul_mat.record_quantize_q8_1`
+    makes of it; head_dim % 32 == 0, dst rows contiguous): in the combine's epilogue when the
+    KV length is split, else by a quantize dispatch after the attention."""
     op = "attn"
     shape = (n_tokens, n_heads, head_dim)
     check_dtype(op, dtype, shape)
@@ -222,6 +229,13 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     b2, s2, e2 = oq.span()
     if n_tokens and b1 == b2 and s1 < e2 and s2 < e1:
         raise KernelError(f"attn_f16_f32: dst overlaps q (shape {list(shape)})")
+    if xq is not None:
+        if head_dim % 32 or od.stride != row:
+            raise KernelError(f"attn_f16_f32: a q8_1 output needs head_dim % 32 == 0 and contiguous dst rows "
+                              f"(head_dim {head_dim}, dst stride {od.stride}; shape {list(shape)})")
+        check_q8_1_scratch("attn_f16_f32 (q8_1 output)", xq, n_tokens, row,
+                           (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("pos", pos), ("dst", dst))
+                           + ((("scratch", scratch),) if scratch is not None and n_splits > 1 else ()))
     part: Bindable = dst
     if n_splits > 1:
         if scratch is None:
@@ -255,7 +269,10 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
                   window),
                  (n_splits, row_blocks, n_kv_heads))
     if n_splits > 1:
-        comb = Kernel.get(seq.device, "attn_combine_f32")
         n_rows = n_tokens * n_heads
-        seq.dispatch(comb, [scratch, dst], (n_rows, n_heads, head_dim, n_splits, dst_offset, od.stride),
+        bufs = [scratch, dst] if xq is None else [scratch, dst, xq]
+        comb = Kernel.get(seq.device, "attn_combine_f32" if xq is None else "attn_combine_q8_1_f32")
+        seq.dispatch(comb, bufs, (n_rows, n_heads, head_dim, n_splits, dst_offset, od.stride),  # type: ignore[arg-type]
                      min(n_rows, MAX_GROUPS))
+    elif xq is not None:
+        record_quantize_q8_1(seq, dst, xq, n_tokens, row, od.stride, dst_offset)

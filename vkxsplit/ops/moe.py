@@ -21,7 +21,13 @@
   variant: the tile's x rows gathered through the grouping's row map, the expert's W rows
   dequantized to f16, f16 16x16x16 matrices accumulating in f32, the output fragments
   scattered to the pairs' rows; :data:`COOP_ID_TILE`); elsewhere the f32 tiles of
-  ``mul_mat_id.comp`` (``path="tiled"``).
+  ``mul_mat_id.comp`` (``path="tiled"``). The decode mat-vec (T = 1), where the dense decode takes
+  the integer-dot-product kernel for the type (:meth:`~vkxsplit.ops.choose.DeviceKernels.vecq`:
+  Q4_0, Q4_1, Q8_0, Q4_K on GPUs, and Q6_K on CPU devices), quantizes x to q8_1 blocks first
+  (``quantize_q8_1``, into a scratch of the device) and runs ``mul_mat_id_vecq_<type>_q8_1_*``
+  (``shaders/mul_mat_vecq.comp`` with ``MUL_MAT_ID``: the dense decode kernel's shape for the
+  type, one workgroup row per (token, slot) pair, the rows of its expert); else the f32-x
+  mat-vec of ``mul_mat_id.comp`` (``path="vec_f32"``).
 - ``moe_topk``: per token, softmax (or sigmoid) over the router logits, the ``n_used`` best
   experts (ties to the lower expert index: a stable descending sort), their probabilities
   as weights, normalised to sum 1 (clamped as llama.cpp: ``/ max(sum, 6.103515625e-5)``) when
@@ -45,7 +51,18 @@ from ..errors import KernelError
 from ..shaders import Variant, variant_meta
 from ..vk.kernel import Bindable, Kernel, as_range, bindings_overlap
 from .choose import kernels_for
-from .mul_mat_kernels import CoopTile, make_coop_variant
+from .mul_mat import MAX_GROUPS as _MAX_GRID
+from .mul_mat import _Scratch, check_q8_1_scratch, record_quantize_q8_1, vecq_scratch_bytes
+from .mul_mat_kernels import (
+    VECQ_GPU_TYPES,
+    VECQ_TYPES,
+    CoopTile,
+    VecqConfig,
+    make_coop_variant,
+    make_vecq_variant,
+    vecq_default_config,
+    vecq_spec,
+)
 from .quant import TYPES, TypeLike, WeightType, weight_type
 
 if TYPE_CHECKING:
@@ -78,6 +95,46 @@ def kernel_name(t: str) -> str:
 #: COOP_ID_SWEEP, timed by tools/bench_moe.py.)
 COOP_ID_TILE = CoopTile(TILE_BM, 128, 64, 32, 32, stages=1)
 GROUPED_PATHS = ("grouped", "tiled", "coopmat")   # grouped: the device's choice of the other two
+VEC_PATHS = ("vec", "vec_f32", "vec_q8_1")         # vec: the device's choice of the other two
+
+
+def vecq_id_config(t: str, cpu: bool) -> VecqConfig:
+    """The routed decode shape of ``t`` weights: the dense decode's (ops.mul_mat_kernels.
+    vecq_default_config) without whole-word block loads (w5u: the last row's trailing word
+    unchecked, which the dense path guards per binding with a second shipped variant)."""
+    return replace(vecq_default_config(t, cpu), w5u=0)
+
+
+def vecq_id_name(t: str, cfg: VecqConfig) -> str:
+    """mul_mat_id_vecq_<type>_q8_1_<shape tag>."""
+    return f"mul_mat_id_vecq_{t}_q8_1_{cfg.tag}"
+
+
+def make_vecq_id_variant(name: str, t: str, cfg: VecqConfig) -> Variant:
+    """The routed decode kernel of ``t`` weights with shape ``cfg``: the dense integer-dot-
+    product mat-vec (one x column) with ``MUL_MAT_ID``: four bindings (W, q8_1 x, y, ids) and
+    mul_mat_id's push constants."""
+    v = make_vecq_variant(name, t, cfg, 1)
+    return replace(v, defines={**v.defines, "MUL_MAT_ID": "1"}, bindings=4, push=PUSH_ID)
+
+
+def _vecq_id_shipped() -> dict[str, tuple[str, VecqConfig]]:
+    """The routed decode shapes a default choice can name: per type the CPU devices' and, for
+    the types GPUs take, the GPUs' (as ops.choose.DeviceKernels.vecq_decode)."""
+    out = {}
+    for t in VECQ_TYPES:
+        for cpu in (True, False) if t in VECQ_GPU_TYPES else (True,):
+            cfg = vecq_id_config(t, cpu)
+            out[vecq_id_name(t, cfg)] = (t, cfg)
+    return out
+
+
+def vec_path(device: object, t: str, T: int = 1) -> str:
+    """The routed mat-vec's kernel on ``device`` for ``T`` tokens of ``t`` weights: as the dense
+    products choose (:meth:`~vkxsplit.ops.choose.DeviceKernels.vecq`), ``vec_q8_1`` for the
+    decode (T = 1) where the dense decode takes the integer-dot-product kernel for the type,
+    else ``vec_f32`` (several tokens: x stays f32, as the dense mat-vec of M <= 8 keeps it)."""
+    return "vec_q8_1" if T == 1 and kernels_for(device).vecq(t, 1) is not None else "vec_f32"
 
 
 def coop_id_name(t: str, tile: str | None = None, emulate: bool = False) -> str:
@@ -113,6 +170,7 @@ VARIANTS = (
              bindings=4, writes=(3,), push=PUSH_ID, local_size=(256, 1, 1), requires=_STORAGE)
      for t, wt in TYPES.items()]
     + [make_coop_id_variant(coop_id_name(t), t, COOP_ID_TILE) for t in TYPES]
+    + [make_vecq_id_variant(n, t, cfg) for n, (t, cfg) in _vecq_id_shipped().items()]
     + [Variant(name="moe_group", source="moe_group.comp", defines={"MAXE": f"{MAX_EXPERTS}u"}, bindings=2,
                writes=(1,), push="III", local_size=(256, 1, 1))]
     + [Variant(name=f"moe_topk_{g}", source="moe_topk.comp", defines={"GATING": str(code), "MAXE": f"{MAX_EXPERTS}u"},
@@ -126,13 +184,23 @@ VARIANTS = (
 #: expert meets few pairs, and one mat-vec pass per pair (which reads an expert once per pair
 #: routed to it, about once per touched expert there) beat the tiles on the H200 (gate + down
 #: of a Qwen3-30B-A3B layer, Q4_K: 1.5 ms vs 2.6 ms at T = 64, 2.9 vs 2.8 at T = 128, 5.9 vs
-#: 3.0 at T = 256; tools/bench_moe.py)
+#: 3.0 at T = 256; tools/bench_moe.py). Measured against the f32 tiles; the cooperative-matrix
+#: tiles, several times faster per tile, may move the crossover lower (tools/bench_moe.py
+#: prints both paths by T, the default marked).
 GROUPED_PAIRS_PER_EXPERT = 8
 
 
 def use_grouped(T: int, n_used: int, n_expert: int) -> bool:
     """Whether a routed product of ``T`` tokens takes the grouped (tiled) path by default."""
     return T > 1 and T * n_used >= GROUPED_PAIRS_PER_EXPERT * n_expert
+
+
+def default_path(device: object, t: str, T: int, n_used: int, n_expert: int) -> str:
+    """The kernel a routed product of ``T`` tokens of ``t`` weights takes by default on
+    ``device`` (:func:`record_mul_mat_id` without ``path``): the grouped tiles from
+    GROUPED_PAIRS_PER_EXPERT pairs per expert (:func:`grouped_path`), else the mat-vec
+    (:func:`vec_path`)."""
+    return grouped_path(device) if use_grouped(T, n_used, n_expert) else vec_path(device, t, T)
 
 
 def grouped_path(device: object) -> str:
@@ -229,7 +297,8 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
                       y: Bindable, *, n_expert: int, N: int, K: int, T: int, n_used: int, n_xb: int,
                       w_rows: int | None = None, w_row0: int = 0, y_stride: int | None = None,
                       groups: Bindable | None = None, grouped: bool = False, path: str | None = None,
-                      coop_variant: str | None = None) -> str:
+                      coop_variant: str | None = None, vec_variant: str | None = None,
+                      xq_scratch: Bindable | None = None, xq_slot: str = "") -> str:
     """The routed product ``y[t, s, w_row0 + n] = sum_k W[ids[t, s], w_row0 + n, k] * x[t, s', k]``
     (``s' = s`` if ``n_xb > 1`` else 0; ``0 <= n < N``).
 
@@ -237,7 +306,14 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     defaults to N; ``w_row0``/``N``: a row range of every expert, a tensor split's share, written
     into y's columns ``w_row0 ..``); ``x`` f32 ``(T, n_xb, K)`` contiguous; ``ids`` int32 ``(T,
     n_used)``; ``y`` f32 ``(T * n_used)`` rows of ``y_stride`` (default ``w_rows``) elements.
-    ``path``: ``"vec"`` or ``"grouped"`` (default: :func:`use_grouped`); ``"grouped"`` runs the
+    ``path``: default :func:`default_path`; ``"vec"`` or ``"grouped"``: the device's kernel of
+    that family. ``"vec"`` at T = 1 quantizes x to q8_1 and runs the integer-dot-product kernel
+    where the device's dense decode does for the type (:func:`vec_path`), else the f32-x
+    mat-vec; ``"vec_f32"`` / ``"vec_q8_1"`` pin one of the two, at any T (``vec_variant``: a
+    built routed q8_1 variant of the type, e.g. a shape of tools/kernels.py's sweep;
+    ``xq_scratch``: the q8_1 x, at least ops.mul_mat.vecq_scratch_bytes(T n_xb, K) bytes,
+    default a scratch buffer of the device, one per ``xq_slot``: products of different slots,
+    such as a layer's gate and up, do not wait for each other's scratch). ``"grouped"`` runs the
     cooperative-matrix tiles where the device has them (:func:`grouped_path`), else the f32
     tiles; ``"tiled"`` / ``"coopmat"`` pin one of the two. The grouped paths need ``groups``,
     a buffer of :func:`group_bytes`: the grouping is recorded here unless ``grouped`` says an
@@ -245,7 +321,7 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     benchmarks; path ``coopmat``): run this built routed cooperative-matrix variant instead
     of the type's shipped one, e.g. an emulated one (``mul_mat_id_coopmat_emu_*``, which runs
     without cooperative matrices) or a tiling of the sweep (tools/kernels.py). Returns the
-    path taken (``vec``, ``tiled`` or ``coopmat``)."""
+    path taken (``vec_f32``, ``vec_q8_1``, ``tiled`` or ``coopmat``)."""
     wt = check_mul_mat_id(w_type, n_expert, N, K, n_used, n_xb, T, w_rows, w_row0)
     w_rows = N if w_rows is None else w_rows
     y_stride = w_rows if y_stride is None else y_stride
@@ -253,9 +329,29 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     _check_int(name, y_stride=y_stride)
     if y_stride < w_row0 + N:
         raise KernelError(f"{name}: y_stride {y_stride} < w_row0 + N = {w_row0 + N} (rows would overlap)")
-    path = path or ("grouped" if use_grouped(T, n_used, n_expert) else "vec")
-    if path not in ("vec", *GROUPED_PATHS):
-        raise KernelError(f"{name}: unknown path {path!r} (vec, grouped, tiled or coopmat)")
+    path = path or default_path(seq.device, wt.name, T, n_used, n_expert)
+    if path not in (*VEC_PATHS, *GROUPED_PATHS):
+        raise KernelError(f"{name}: unknown path {path!r} ({', '.join(VEC_PATHS + GROUPED_PATHS)})")
+    if vec_variant is not None and path != "vec_q8_1":
+        raise KernelError(f"{name}: vec_variant {vec_variant!r} needs path 'vec_q8_1', not {path!r}")
+    if path == "vec":
+        path = vec_path(seq.device, wt.name, T)
+    if path == "vec_q8_1":
+        if vec_variant is None:
+            kc = kernels_for(seq.device)
+            if kc.vecq(wt.name, 1) is None:
+                raise KernelError(f"{name}: no integer-dot-product decode for {wt.name.upper()} weights on "
+                                  f"'{seq.device.name}' (integer dot products, the type's kernel, intdot on)",
+                                  "use path 'vec' (the device's choice)")
+            vec_variant = vecq_id_name(wt.name, vecq_id_config(wt.name, kc.is_cpu))
+        spec = vecq_spec(vec_variant)
+        meta = variant_meta(vec_variant) or {}
+        if spec is None or spec[0] != wt.name or (meta.get("defines") or {}).get("MUL_MAT_ID") != "1":
+            raise KernelError(f"{name}: {vec_variant!r} is not a built routed q8_1 kernel for {wt.name.upper()} "
+                              "weights")
+        vq_rows = spec[1].rows
+        if -(-N // vq_rows) > _MAX_GRID:
+            raise KernelError(f"{name}: too large for one dispatch")
     if coop_variant is not None:
         if path != "coopmat":
             raise KernelError(f"{name}: coop_variant {coop_variant!r} needs path 'coopmat', not {path!r}")
@@ -283,7 +379,11 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     for what, b in (("x", x), ("the weights", w), ("ids", ids)):
         if bindings_overlap(y, b):
             raise KernelError(f"{name}: y overlaps {what}")
-    if path != "vec":
+    if path == "vec_q8_1":
+        if xq_scratch is None:
+            xq_scratch = _Scratch.get(seq.device, f"xq_id_{xq_slot}", vecq_scratch_bytes(T * n_xb, K))
+        check_q8_1_scratch(name, xq_scratch, T * n_xb, K, (("the weights", w), ("x", x), ("y", y), ("ids", ids)))
+    if path in GROUPED_PATHS:
         if groups is None:
             raise KernelError(f"{name}: the grouped path needs a groups buffer ({group_bytes(T, n_used, n_expert)} "
                               "bytes, ops.moe.group_bytes)")
@@ -305,10 +405,17 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
         seq.dispatch(Kernel.get(seq.device, coop_variant), [w, x, y, groups], push,
                      (-(-N // tile.bn), max_tiles(P, n_expert), 1))
         return path
-    flags = (1 if K % 4 == 0 else 0) | (FLAG_VEC if path == "vec" else 0)
+    if path == "vec_q8_1":
+        assert vec_variant is not None and xq_scratch is not None
+        kd = Kernel.get(seq.device, vec_variant)   # (raises where the device lacks a feature)
+        record_quantize_q8_1(seq, x, xq_scratch, T * n_xb, K, K, 0)
+        seq.dispatch(kd, [w, xq_scratch, y, ids], (N, K, n_used, n_xb, n_expert, T, w_rows, w_row0, y_stride, 0),
+                     (-(-N // vq_rows), P, 1))
+        return path
+    flags = (1 if K % 4 == 0 else 0) | (FLAG_VEC if path == "vec_f32" else 0)
     push = (N, K, n_used, n_xb, n_expert, T, w_rows, w_row0, y_stride, flags)
     kd = Kernel.get(seq.device, kernel_name(wt.name))
-    if path == "vec":
+    if path == "vec_f32":
         seq.dispatch(kd, [w, x, ids, y], push, (-(-N // VEC_NR), P, 1))
         return path
     assert groups is not None
@@ -391,7 +498,8 @@ def _node_mul_mat_id(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None,
     r1 = N if r1 is None else r1
     record_mul_mat_id(seq, w.buffer, w.dtype, x.buffer, ids.buffer, y.buffer, n_expert=n_expert, N=r1 - r0, K=K,
                       T=T, n_used=n_used, n_xb=x.shape[1], w_rows=N, w_row0=r0, y_stride=N,
-                      groups=grp[0].buffer if grp else None, grouped=True, path="grouped" if grp else "vec")
+                      groups=grp[0].buffer if grp else None, grouped=True, path=None if grp else "vec",
+                      xq_slot=n.name.rsplit(".", 1)[-1])  # (the role: ffn_gate_exps, ffn_up_exps, ...)
 
 
 def _node_moe_topk(seq: Sequence, n: Node) -> None:
@@ -418,6 +526,7 @@ def _node_moe_combine(seq: Sequence, n: Node) -> None:
 NODE_RECORDERS = {"mul_mat_id": _node_mul_mat_id, "moe_topk": _node_moe_topk, "moe_group": _node_moe_group,
                   "moe_combine": _node_moe_combine}
 
-__all__ = ["COOP_ID_TILE", "GROUPED_PAIRS_PER_EXPERT", "GROUPED_PATHS", "NODE_RECORDERS", "coop_id_name",
-           "grouped_path", "make_coop_id_variant", "use_grouped", "GATING", "GATING_BY_ID", "NORM_CLAMP", "VARIANTS", "check_mul_mat_id", "group_bytes", "group_words",
+__all__ = ["COOP_ID_TILE", "GROUPED_PAIRS_PER_EXPERT", "GROUPED_PATHS", "NODE_RECORDERS", "VEC_PATHS",
+           "coop_id_name", "default_path", "grouped_path", "make_coop_id_variant", "make_vecq_id_variant", "use_grouped", "vec_path",
+           "vecq_id_config", "vecq_id_name", "GATING", "GATING_BY_ID", "NORM_CLAMP", "VARIANTS", "check_mul_mat_id", "group_bytes", "group_words",
            "max_tiles", "record_moe_combine", "record_moe_group", "record_moe_topk", "record_mul_mat_id"]
