@@ -8,12 +8,17 @@ builders (``src/models/*.cpp``) define them:
 - :meth:`Builder.attention`: Q/K/V projections (with qwen2's biases), per-head RMSNorm of Q and
   K (qwen3, gemma3), RoPE (each layer's base and scale: gemma3's sliding-window layers have
   their own; llama 3.x ``rope_freqs`` or phi3's ``rope_factors_long/short`` as frequency
-  factors), the KV-cache store (the RoPE of K fused into it), attention (gemma3's Q scale and
-  sliding window), the output projection;
+  factors), the KV-cache store, attention (gemma3's Q scale and sliding window), the output
+  projection;
 - an FFN block (:data:`FfnBlock`, chosen per layer by :func:`ffn_block`): SwiGLU
   ``down(silu(gate(h)) * up(h))`` or Gemma's GeGLU ``down(gelu_tanh(gate(h)) * up(h))``;
-- :meth:`Builder.layer`: pre-norms, gemma3's post-norms of both blocks' outputs, and the
-  residual adds fused with the next norm (``add_rms_norm``) unless ``VKXSPLIT_DISABLE=fusion``.
+- :meth:`Builder.layer`: pre-norms, gemma3's post-norms of both blocks' outputs, the residual
+  adds.
+
+This is the plain graph, every op as llama.cpp's builders write it (mat-vecs read f32 x);
+:func:`build_graph` ends with the hub's fusion passes (:func:`vkxsplit.fusion.optimize`:
+residual add + RMSNorm, RoPE of K + KV store, the q8_1 x of decode mat-vecs), each with its
+kill switch.
 
 Architectures differ only by :class:`~vkxsplit.gguf_model.ArchInfo` flags and hyperparameters;
 phi3's fused ``attn_qkv`` and gate/up ``ffn_up`` are split into row ranges at upload
@@ -29,69 +34,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import ModelError
-from .features import is_disabled
+from .fusion import DecodeQ8, optimize
 from .gguf_model import ARCHS, ModelFile, TensorInfo
-from .graph import Graph, Tensor, overlap, span
+from .graph import Graph, Tensor
 
 if TYPE_CHECKING:
     from .model import Model
 
+# (DecodeQ8 lives in vkxsplit.fusion, the q8_1 pass; re-exported here, its older home)
 __all__ = ["Builder", "DecodeQ8", "FfnBlock", "build_graph", "dense_ffn", "ffn_block", "weight_tensors"]
-
-
-class DecodeQ8:
-    """Where a decode graph quantizes x for the integer-dot-product mat-vecs (ggml's MMVQ).
-
-    ``mul_mat(name, w, x, out)`` adds a ``mul_mat`` node; when ``w``'s type has a variant in
-    ``variants`` (from :meth:`~vkxsplit.ops.choose.DeviceKernels.vecq_decode`), the node reads x as q8_1
-    (params ``xq``, ``vecq``). x is quantized once, before its first such reader, and shared
-    by the rest (q/k/v, gate/up) until something rewrites x: by the node that made x where
-    it can write q8_1 too (a norm with a weight, add_rms_norm, swiglu: no extra dispatch or
-    barrier level; not with ``fuse`` off), else by a ``quantize_q8_1`` node. All q8_1 data
-    lives in one scratch (``scratch(nbytes)`` gives the binding): a producer after which
-    readers of the previous x's q8_1 still come cannot write the new one at its place.
-    """
-
-    FUSABLE = ("rms_norm", "add_rms_norm", "swiglu")
-
-    def __init__(self, g: Graph, variants: dict[str, str], scratch: Any, fuse: bool = True) -> None:
-        self.g, self.variants, self.scratch, self.fuse = g, variants, scratch, fuse
-        self._cur: tuple[Tensor, int, Tensor] | None = None  # (x, index of its quantizer, xq)
-
-    def _stale(self, x: Tensor) -> bool:
-        if self._cur is None or self._cur[0] is not x:
-            return True
-        xs = span(x)
-        return any(overlap(xs, span(t)) for n in self.g.nodes[self._cur[1] + 1:] for t in n.writes())
-
-    def mul_mat(self, name: str, w: Tensor, x: Tensor, out: Tensor) -> Tensor:
-        from .ops.choose import vecq_for_shape
-        from .ops.mul_mat import vecq_scratch_bytes
-
-        g = self.g
-        v = self.variants.get(w.dtype)
-        if v is None or x.cols % 32:
-            return g.add("mul_mat", name, [w, x], out)
-        v = vecq_for_shape(v, w.dtype, w.rows, w.cols)  # tall products: their own shape
-        if self._stale(x):
-            nbytes = vecq_scratch_bytes(x.rows, x.cols)
-            xq = Tensor(f"xq:{x.name}", (1, nbytes // 4), "q8_1", self.scratch(nbytes))
-            xs = span(x)
-            prod = next((i for i in range(len(g.nodes) - 1, -1, -1)
-                         if any(overlap(xs, span(t)) for t in g.nodes[i].writes())), None)
-            pn = g.nodes[prod] if prod is not None else None
-            busy = pn is not None and self._cur is not None and any(
-                n.params.get("xq") is self._cur[2] for n in g.nodes[prod + 1:])
-            if (self.fuse and pn is not None and not busy and pn.output is x and "xq" not in pn.params
-                    and pn.op in self.FUSABLE and (pn.op == "swiglu" or pn.weight is not None)):
-                pn.params.update(xq=xq, q8=1)  # rms_norm.comp with Q8 / swiglu_q8_1
-                self._cur = (x, prod, xq)
-            else:
-                k = sum(n.op == "quantize_q8_1" for n in g.nodes)  # unique names: blk.N.quantize.K
-                g.add("quantize_q8_1", (name.rsplit(".", 1)[0] + "." if "." in name else "") + f"quantize.{k}",
-                      [x], xq)
-                self._cur = (x, len(g.nodes) - 1, xq)
-        return g.add("mul_mat", name, [w, x], out, xq=self._cur[2], vecq=v)
 
 
 def weight_tensors(file: ModelFile) -> dict[str, TensorInfo]:
@@ -165,7 +116,7 @@ def ffn_block(b: Builder, il: int) -> FfnBlock:
 
 class Builder:
     """One graph of ``T`` tokens over a model's buffers (:func:`build_graph`): the shared pieces
-    and the state they share (the graph, the weights, activations, positions, DecodeQ8)."""
+    and the state they share (the graph, the weights, activations, positions)."""
 
     def __init__(self, m: Model, T: int, all_logits: bool, slot: int = 0) -> None:
         self.model, self.T, self.all_logits, self.slot = m, T, all_logits, slot
@@ -174,22 +125,12 @@ class Builder:
         self.g = Graph(f"{m.file.name}:T{T}" + (f":s{slot}" if slot else ""), T=T)
         self.row0 = slot * m.slot_rows  # this slot's rows of ids, positions, links, logits
         self.V = m._view
-        # VKXSPLIT_DISABLE=fusion builds the unfused graph (separate residual adds, norms and
-        # RoPE of K), for bisecting a suspected fused kernel
-        self.fuse = not is_disabled(m.device, "fusion")
         self.ids = Tensor("ids", (T,), "i32", self.V(m.ids_buf, self.row0 * 4, T * 4))
         self.pos = Tensor("positions", (T,), "i32", self.V(m.pos_buf, self.row0 * 4, T * 4))
         self.split_kv: dict[str, Any] = {}
         if T == 1:
             self.split_kv = {"n_splits": m.decode_splits,
                              "scratch": Tensor("attn_scratch", (1,), "f32", m.attn_scratch)}
-        # decode: the mat-vecs of the types the device's kernel choice names a q8_1-x kernel for
-        # (Q4_0/Q4_1/Q8_0/Q4_K; Q6_K on CPU devices) read x as q8_1 (DecodeQ8)
-        from .ops.choose import kernels_for
-
-        self.q8 = DecodeQ8(self.g, kernels_for(m.device).vecq_decode() if T == 1 else {},
-                           lambda nbytes: self.V(m.xq_buf, 0, nbytes), fuse=self.fuse)
-        self.mul_mat = self.q8.mul_mat
         # RoPE frequency factors: llama 3.x's rope_freqs, else phi3's long factors when the
         # context exceeds the original one (rope.scaling.original_context_length, else
         # context_length), its short ones otherwise (llama.cpp's get_rope_factors)
@@ -203,6 +144,10 @@ class Builder:
         """Activation ``name`` as a T x cols f32 tensor (buffers shared by every graph)."""
         T = self.T
         return Tensor(name, (T, cols), "f32", self.V(self.A[name], 0, T * cols * 4))
+
+    def mul_mat(self, name: str, w: Tensor, x: Tensor, out: Tensor) -> Tensor:
+        """``out = x w^T`` (f32 x; the fusion passes choose a q8_1 x for decode)."""
+        return self.g.add("mul_mat", name, [w, x], out)
 
     def rms_norm(self, name: str, x: Tensor, weight: str, out: Tensor) -> Tensor:
         return self.g.add("rms_norm", name, [x, self.W[weight]], out, eps=self.hp.rms_norm_eps)
@@ -255,14 +200,13 @@ class Builder:
         rope = self.rope_params(il)
         ff = self.freq_factors
         g.add("rope", p + "rope_q", [q, self.pos, *ff], q, n_heads=hp.n_head, **rope)
-        if not self.fuse:
-            g.add("rope", p + "rope_k", [k, self.pos, *ff], k, n_heads=hp.n_head_kv, **rope)
+        g.add("rope", p + "rope_k", [k, self.pos, *ff], k, n_heads=hp.n_head_kv, **rope)
         ck, cv = m.kv[il]
         cache_k = Tensor(f"cache_k.{il}", (m.n_ctx, hp.n_embd_k_gqa), "f16", ck)
         cache_v = Tensor(f"cache_v.{il}", (m.n_ctx, hp.n_embd_v_gqa), "f16", cv)
-        # K is roped on its way into the cache (one dispatch: RoPE of K + KV store)
-        g.add("kv_store", p + "kv_store", [k, v, self.pos, *(ff if self.fuse else [])], cache_k, cache_v=cache_v,
-              n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, rope_k=rope if self.fuse else None)
+        # (rope_k: None, K comes roped; the fusion pass that folds the RoPE of K in sets it)
+        g.add("kv_store", p + "kv_store", [k, v, self.pos], cache_k, cache_v=cache_v,
+              n_kv_heads=hp.n_head_kv, head_dim=hp.head_dim, rope_k=None)
         extra: dict[str, Any] = {}
         if hp.attn_scale is not None:
             extra["scale"] = hp.attn_scale
@@ -274,38 +218,20 @@ class Builder:
         o = self.mul_mat(p + "attn_output", W[p + "attn_output.weight"], a, self.act("o", hp.n_embd))
         return m._reduce(g, p + "attn_output", o)
 
-    def residual(self, name: str, x: Tensor, o: Tensor, next_norm: str | None) -> Tensor | None:
-        """``x += o``; with ``next_norm`` (a norm weight) also returns ``rms_norm(x) * w`` (one
-        fused ``add_rms_norm`` dispatch unless fusion is off)."""
-        hp, g = self.hp, self.g
-        if next_norm is not None and self.fuse:
-            # x is written in place (x_out), which the executor's hazard analysis must see
-            return g.add("add_rms_norm", next_norm.removesuffix(".weight"), [x, o, self.W[next_norm]],
-                         self.act("h", hp.n_embd), eps=hp.rms_norm_eps, x_out=x)
-        g.add("add", name, [x, o], x)
-        if next_norm is None:
-            return None
-        return self.rms_norm(next_norm.removesuffix(".weight"), x, next_norm, self.act("h", hp.n_embd))
-
-    def layer(self, il: int, x: Tensor, h: Tensor | None) -> Tensor | None:
-        """Decoder layer ``il``: x (the residual stream) updated in place; ``h``: its normed
-        input when the previous layer's fused residual add made it. Returns the next layer's
-        normed input (fused) or None."""
-        hp, post = self.hp, self.arch.post_norms
+    def layer(self, il: int, x: Tensor) -> None:
+        """Decoder layer ``il``: x (the residual stream) updated in place."""
+        hp, post, g = self.hp, self.arch.post_norms, self.g
         p = f"blk.{il}."
-        if h is None:
-            h = self.rms_norm(p + "attn_norm", x, p + "attn_norm.weight", self.act("h", hp.n_embd))
+        h = self.rms_norm(p + "attn_norm", x, p + "attn_norm.weight", self.act("h", hp.n_embd))
         o = self.attention(il, h)
         if post:  # gemma3: the attention output normed before the residual add
             o = self.rms_norm(p + "post_attention_norm", o, p + "post_attention_norm.weight", o)
-        h = self.residual(p + "attn_residual", x, o, p + "ffn_norm.weight")
-        assert h is not None
+        g.add("add", p + "attn_residual", [x, o], x)
+        h = self.rms_norm(p + "ffn_norm", x, p + "ffn_norm.weight", self.act("h", hp.n_embd))
         o = ffn_block(self, il)(self, p, h, self.act("o", hp.n_embd))
         if post:
             o = self.rms_norm(p + "post_ffw_norm", o, p + "post_ffw_norm.weight", o)
-        nxt = f"blk.{il + 1}.attn_norm.weight" if il + 1 < self.model.layers.stop and self.fuse else None
-        # (unfused, or the last residual: the output norm may take only the last row)
-        return self.residual(p + "ffn_residual", x, o, nxt)
+        g.add("add", p + "ffn_residual", [x, o], x)
 
     def output(self, x: Tensor) -> None:
         """The output norm and projection of the rows whose logits are wanted (gemma3: the
@@ -329,9 +255,8 @@ class Builder:
     def build(self) -> Graph:
         m, hp, g, T = self.model, self.hp, self.g, self.T
         x = self.embed()
-        h: Tensor | None = None
         for il in m.layers:
-            h = self.layer(il, x, h if self.fuse else None)
+            self.layer(il, x)
         if not m.last:  # the hidden state goes on to the next GPU
             nb = T * hp.n_embd * 4
             dst = Tensor("link_out", (T, hp.n_embd), "f32", self.V(m.link_out, self.row0 * hp.n_embd * 4, nb))
@@ -344,5 +269,7 @@ class Builder:
 
 def build_graph(m: Model, T: int, all_logits: bool, slot: int = 0) -> Graph:
     """The forward pass of ``m``'s architecture for ``T`` tokens (all rows' logits when
-    ``all_logits``, else the last row's) in slot ``slot``'s rows of the per-step buffers."""
-    return Builder(m, T, all_logits, slot).build()
+    ``all_logits``, else the last row's) in slot ``slot``'s rows of the per-step buffers: the
+    plain graph, then the hub's fusion passes (all q8_1 x of decode in the model's ``xq_buf``)."""
+    b = Builder(m, T, all_logits, slot)
+    return optimize(b.build(), m.device, lambda nbytes: b.V(m.xq_buf, 0, nbytes))

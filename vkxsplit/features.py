@@ -9,8 +9,14 @@
 - ``intdot``: decode mat-vecs read x as f32 (no q8_1 x, no integer dot products)
 - ``dq16``: quantized products never dequantize the weights to f16 rows first
 - ``splitk``: cooperative-matrix products never split K
-- ``fusion``: the model graph without fused kernels (residual add + RMSNorm, RoPE of K + KV
-  store, the norms and SwiGLU writing q8_1 x)
+- ``fusion``: the model graph without fused kernels: every fusion pass below off
+
+and one per fusion pass of the hub (:mod:`vkxsplit.fusion`, :data:`PASSES`):
+
+- ``fuse_norm``: residual adds and the next RMSNorm stay two dispatches (no ``add_rms_norm``)
+- ``fuse_rope``: the RoPE of K stays a ``rope`` node before the KV store
+- ``fuse_q8``: the q8_1 x of decode mat-vecs comes from ``quantize_q8_1`` nodes only (no norm,
+  SwiGLU or attention writes it)
 
 A :class:`~vkxsplit.vk.device.Device` reads the variable once, when it is created
 (``device.disabled``); every kernel choice reads that set. An unknown name is an error naming
@@ -43,8 +49,19 @@ FEATURES: dict[str, str] = {
     "intdot": "decode mat-vecs read f32 x (no q8_1 x, no integer dot products)",
     "dq16": "quantized products never dequantize the weights to f16 rows first",
     "splitk": "cooperative-matrix products never split K",
-    "fusion": "the model graph without fused kernels",
+    "fusion": "the model graph without fused kernels (every fusion pass off)",
 }
+
+#: the fusion passes' switches (:mod:`vkxsplit.fusion`): name -> what switching it off does;
+#: ``fusion`` switches all of them off
+PASSES: dict[str, str] = {
+    "fuse_norm": "residual add and the next RMSNorm as two dispatches (no add_rms_norm)",
+    "fuse_rope": "the RoPE of K as its own node before the KV store",
+    "fuse_q8": "decode's q8_1 x from quantize_q8_1 nodes only (not written by its producer)",
+}
+
+#: a switch that switches others off too
+_GROUPS = {"fusion": frozenset(PASSES)}
 
 #: the per-feature variables this one replaced; set, they are refused (with the new spelling)
 #: rather than silently ignored
@@ -58,10 +75,10 @@ _REPLACED = {"VKXSPLIT_DISABLE_COOPMAT": "coopmat", "VKXSPLIT_DISABLE_COOPMAT2":
 def parse_disabled(value: str | None) -> frozenset[str]:
     """The feature names of a ``VKXSPLIT_DISABLE`` value; raises VkxError for an unknown one."""
     names = frozenset(n.strip().lower() for n in (value or "").split(",") if n.strip())
-    unknown = sorted(names - FEATURES.keys())
+    unknown = sorted(names - FEATURES.keys() - PASSES.keys())
     if unknown:
         raise VkxError(f"{ENV}: unknown feature name(s) {', '.join(unknown)}",
-                       f"valid names: {', '.join(FEATURES)} (comma-separated)")
+                       f"valid names: {', '.join([*FEATURES, *PASSES])} (comma-separated)")
     return names
 
 
@@ -87,10 +104,12 @@ def disabled(device: Any) -> frozenset[str]:
 
 
 def is_disabled(device: Any, feature: str) -> bool:
-    """Whether ``feature`` (a FEATURES name) is switched off for ``device``."""
-    if feature not in FEATURES:
+    """Whether ``feature`` (a FEATURES or PASSES name) is switched off for ``device``: named
+    itself, or a switch that covers it is (``fusion``: every pass)."""
+    if feature not in FEATURES and feature not in PASSES:
         raise ValueError(f"unknown feature {feature!r}")
-    return feature in disabled(device)
+    off = disabled(device)
+    return feature in off or any(feature in _GROUPS.get(n, ()) for n in off)
 
 
 @dataclass(frozen=True)
@@ -196,5 +215,5 @@ def kernel_config_ident(device: Any) -> str:
     return h.hexdigest()[:16]
 
 
-__all__ = ["ENV", "FEATURES", "KernelInputs", "disabled", "disabled_from_env", "is_disabled",
+__all__ = ["ENV", "FEATURES", "PASSES", "KernelInputs", "disabled", "disabled_from_env", "is_disabled",
            "kernel_config_ident", "kernel_inputs", "parse_disabled"]

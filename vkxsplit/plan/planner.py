@@ -15,6 +15,7 @@ modules of this package; never the executor or the model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -641,6 +642,10 @@ class Planner:
             if n.op == "quantize_q8_1" and not parts and id(n.output) not in hub_xq:
                 continue  # x as q8_1 for decode mat-vecs that all run on backends: nobody reads it
             if not parts:
+                if n.op != "mul_mat" and "xq" in n.params and id(n.params["xq"]) not in hub_xq:
+                    # a hub node that would also write q8_1 x (attention) that no hub mat-vec
+                    # reads: run it without that output
+                    n = dataclasses.replace(n, params={k: v for k, v in n.params.items() if k not in ("xq", "q8")})
                 items.append(HubOp("node", n.name, n.reads(), n.writes(), node=n))
                 invalidate(n.writes())
                 continue
