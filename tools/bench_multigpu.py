@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One GPU against two: pp and tg of a model on one GPU, split over two hubs as a pipeline
-(:mod:`vkxsplit.pipeline`), and with the second GPU attached as a ``vulkan-peer`` backend
+(``layer:A,B`` over ``devices``, :class:`vkxsplit.model.Model`), and with the second GPU attached as a ``vulkan-peer`` backend
 under layer and tensor splits, with the cross-GPU traffic of one step of each.
 
 Configurations (``--splits``, separated by ``;``):
@@ -9,7 +9,7 @@ Configurations (``--splits``, separated by ``;``):
 - ``pipeline:A,B[:mN]``: layers split A:B over device 0 and ``--peer-device``, one hub each,
   ``N`` micro-batches per prompt step (default: the pipeline's); crossed bytes = the hidden
   state per link;
-- ``row[:f16]``: the tensor split over two hubs (:mod:`vkxsplit.tensor_split`): every matrix split by
+- ``row[:f16]``: the row split over two hubs (``tensor:1,1`` over ``devices``): every matrix split by
   rows (the output projections by columns) over device 0 and ``--peer-device``, an all-reduce of
   the partial sums after each attention and FFN (crossed bytes: both partials of every
   all-reduce; "jobs": all-reduces per step; ``:f16``: the partials cross as f16);
@@ -46,42 +46,40 @@ def _bench_hubs(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int
     """One GPU alone, or a pipeline over device 0 and the peer device: pp, tg and the bytes that
     cross between the GPUs in one prefill and one decode step."""
     from vkxsplit.model import load_model
-    from vkxsplit.pipeline import PipelineModel
     from vkxsplit.runner import bench_model
 
     if split == "one-gpu":
         m = load_model(path, split="none", ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16)
         row["peer"] = f"{m.device.name} alone"
     elif split.split(":")[0] == "row":
-        from vkxsplit.tensor_split import TensorSplitModel
-
         parts = split.split(":")[1] if ":" in split else "f32"
-        m = TensorSplitModel(path, devices=["0", peer], ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16, partials=parts)
-        row["peer"] = f"hubs on {', '.join(d.name for d in m.devices)}: rows of every matrix, {parts} partials"
+        m = load_model(path, split="tensor:1,1", devices=["0", peer], ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16,
+                       partials=parts)
+        row["peer"] = f"hubs on {', '.join(d.name for d in m.hubs)}: rows of every matrix, {parts} partials"
     else:
         parts = split.split(":")
         micro = int(parts[2][1:]) if len(parts) > 2 else None
-        m = PipelineModel(path, devices=["0", peer], layer_split=parts[1], ubatch=max(n_p, 1),
-                          n_ctx=n_p + n_g + 16, micro_batches=micro)
-        row["peer"] = (f"hubs on {', '.join(d.name for d in m.devices)}: layers {m.ranges}, "
+        m = load_model(path, split=f"layer:{parts[1]}", devices=["0", peer], ubatch=max(n_p, 1),
+                       n_ctx=n_p + n_g + 16, micro_batches=micro)
+        row["peer"] = (f"hubs on {', '.join(d.name for d in m.hubs)}: layers {m.ranges}, "
                        f"{m.micro} x {m.piece}-token micro-batches")
     with m:
         res = {r["test"]: statistics.median(r["tps"]) for r in bench_model(m, n_p, n_g, reps)}
         row["pp"], row["tg"] = res[f"pp{n_p}"], res[f"tg{n_g}"]
         m.reset()
         m.prefill(list(range(10, 10 + n_p)))
-        pp_x = getattr(m, "last_traffic", 0)
+        pp_x, pp_relays = m.last_traffic, m.traffic["relays"]
         m._run([m.last_argmax()], all_logits=False)
-        tg_x = getattr(m, "last_traffic", 0)
-        if split.startswith("row"):  # one all-reduce per segment boundary
+        tg_x, tg_relays = m.last_traffic, m.traffic["relays"] - pp_relays
+        if split.startswith("row"):  # "jobs": all-reduces per step
             per_step = m.traffic["all_reduces"] // max(1, m.traffic["steps"])
             row["pp_step"] = {"crossed_bytes": pp_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": per_step}
             row["tg_step"] = {"crossed_bytes": tg_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": per_step}
             return
-        relays = (len(m.stages) - 1) if hasattr(m, "stages") else 0
-        row["pp_step"] = {"crossed_bytes": pp_x, "inplace_bytes": 0, "loaded_bytes": 0,
-                          "jobs": relays * -(-n_p // m.piece) if relays else 0}
-        row["tg_step"] = {"crossed_bytes": tg_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": relays}
+        pp_jobs = (len(m.hubs) - 1) * -(-n_p // m.piece) if len(m.hubs) > 1 else 0  # link relays
+        row["pp_step"] = {"crossed_bytes": pp_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": pp_jobs}
+        row["tg_step"] = {"crossed_bytes": tg_x, "inplace_bytes": 0, "loaded_bytes": 0,
+                          "jobs": tg_relays if len(m.hubs) > 1 else 0}
 
 
 def main() -> int:

@@ -37,16 +37,17 @@ from typing import TYPE_CHECKING, Any
 
 from . import attach as _attach
 from .backend import MatMulIdJob, MatMulJob, OpJob
-from .errors import KernelError, VkxError
+from .errors import KernelError, VkxError, WaitTimeout
 from .graph import Graph, Span, Tensor, any_overlap, span
 from .ops.nodes import record_node, record_tensor_convert, recorder, recorders
 from .plan.schedule import BackendIdOp, BackendNodeOp, BackendOp, HubOp
 from .vk.command import Sequence, Timestamps, hub_timeline
-from .vk.event import default_timeout
+from .vk.event import COLD_FACTOR, default_timeout
 
 if TYPE_CHECKING:
     from .backend import Backend
-    from .plan.planner import Plan
+    from .plan.result import Plan
+    from .relay import Relay
     from .vk.device import Device
 
 
@@ -118,10 +119,21 @@ class Executor:
     submitted up front (see the module docstring)."""
 
     def __init__(self, device: Device, plan: Plan, backends: Mapping[str, Backend] | Iterable[Backend] = (),
-                 *, trace: bool = False, name: str | None = None) -> None:
+                 *, trace: bool = False, name: str | None = None, hubs: list[Device] | None = None,
+                 relay: Relay | None = None) -> None:
         self.device = device
         self.plan = plan
         self.schedule = plan.schedule
+        # the Vulkan hubs (device 0 = ``device``) and, with several, the relay between them
+        self.hubs = list(hubs) if hubs else [device]
+        self.relay = relay
+        n_hubs = self.schedule.hubs
+        if n_hubs > len(self.hubs):
+            raise VkxError(f"the plan runs on {n_hubs} hubs; the executor was given {len(self.hubs)}")
+        if n_hubs > 1 and (relay is None or trace):
+            raise VkxError("a plan over several hubs needs the relay between them and runs without trace")
+        self.timelines = [hub_timeline(d) for d in self.hubs]
+        self._hub_last = {s.hub: s.index for s in self.schedule.segments} if n_hubs > 1 else {}
         if not isinstance(backends, Mapping):
             backends = {b.name: b for b in backends}
         used = {j.op.backend for j in self.schedule.jobs}
@@ -144,7 +156,7 @@ class Executor:
                 self._ts = Timestamps(device, max(1, n))
             k = 0
             for seg in self.schedule.segments:
-                seq = Sequence(device, f"{self.name}#{seg.index}")
+                seq = Sequence(self.hubs[seg.hub], f"{self.name}#{seg.index}")
                 self._seqs.append(seq)
                 self._ts_base.append(k)
                 if self._ts is not None:
@@ -175,6 +187,8 @@ class Executor:
         sch = self.schedule
         seqs = self._seqs
         extra = list(waits)
+        if self._hub_last:
+            return self._hubs_step(extra)
         if self._hub_only:  # split none: one submit per segment and nothing else (the hub path)
             _attach.stats.begin_step()
             vals = [seq.submit(waits=extra) if i == 0 else seq.submit() for i, seq in enumerate(seqs)]
@@ -222,6 +236,56 @@ class Executor:
             step._start_watch()
         return step
 
+    def _hubs_step(self, extra: list[Any]) -> Step:
+        """Submit one step of a plan over several hubs: each segment on its hub's queue; a
+        segment that waits for another hub's (``hub_waits``) goes through the relay, which
+        either signals a timeline the segment, queued here, waits on (``plan.cross ==
+        "signal"``) or submits it itself once the other hub got there (``"submit"``; from then
+        on the relay submits every later segment of the step, so each hub's queue keeps the
+        schedule's order). See :mod:`vkxsplit.relay`."""
+        sch, seqs, relay = self.schedule, self._seqs, self.relay
+        assert relay is not None
+        _attach.stats.begin_step()
+        vals = [0] * len(sch.segments)
+        step = Step(self, vals, [], 0)
+        self._last = step
+        first = self.steps == 0
+        if first:  # kernels compile at their first dispatch: the longer stall limit (vk.event)
+            for h, tl in enumerate(self.timelines[:sch.hubs]):
+                n = sum(1 for seg in sch.segments if seg.hub == h)
+                tl.expect_slow(tl.last + n, f"the first run of {n} segments recorded on hub{h} "
+                                              "(kernels compile at their first dispatch)")
+        via_relay = False
+
+        def points(seg: Any) -> Any:
+            return lambda: [(f"hub{sch.segments[j].hub}", self.timelines[sch.segments[j].hub], vals[j])
+                            for j in seg.hub_waits]
+
+        def submit(i: int) -> Any:
+            def run() -> None:
+                vals[i] = seqs[i].submit()
+                step.submits += 1
+            return run
+
+        for _kind, i in sch.order:
+            seg = sch.segments[i]
+            if self.plan.cross == "submit" and (seg.hub_waits or via_relay):
+                via_relay = True
+                relay.enqueue(points(seg), submit=submit(i))
+                continue
+            waits = list(extra) if i == 0 else []
+            if seg.hub_waits:
+                tl = relay.timeline(self.hubs[seg.hub], f"hub{seg.hub}")
+                v = tl.next()
+                relay.enqueue(points(seg), signal=(tl, v))
+                waits.append((tl, v))
+            vals[i] = seqs[i].submit(waits=waits)
+            step.submits += 1
+        if first:
+            step.recordings = self.recordings
+        self.steps += 1
+        return step
+
     def step_with(self, seqs: list[Sequence], waits: Iterable[Any] = ()) -> Step:
         """Submit one step as :meth:`step` does, with ``seqs`` (other recordings of the same
         segments, one per segment: the level profiler's, :mod:`vkxsplit.profile_step`) in
@@ -251,7 +315,7 @@ class Executor:
         return s
 
     def close(self) -> None:
-        if self._last is not None:
+        if self._last is not None and not self._hub_last:  # (several hubs: the sequences below)
             try:
                 self._last.wait()
             except Exception:  # closing: the error was (or will be) reported by its step
@@ -298,6 +362,8 @@ class Step:
 
     def _final_points(self) -> list[Any]:
         ex = self.executor
+        if ex._hub_last:  # several hubs: each one's last segment
+            return [(ex.timelines[h], self.seg_values[i]) for h, i in sorted(ex._hub_last.items())]
         pts: list[Any] = []
         if ex._last_seg >= 0 and self.seg_values[ex._last_seg]:
             pts.append((ex.timeline, self.seg_values[ex._last_seg]))
@@ -341,6 +407,10 @@ class Step:
         if self.done:
             return
         timeout = default_timeout() if timeout is None else timeout
+        if self.executor._hub_last:
+            self._wait_hubs(timeout)
+            self.done = True
+            return
         pts = self._final_points() if outputs is None else self._writer_points(outputs)
         # the backends of the step are watched: one that dies fails the wait at once, and their
         # progress (answers, heartbeats) counts as the step's (see vk.event: slow versus dead)
@@ -355,6 +425,41 @@ class Step:
                 self._watch.join(None if timeout == float("inf") else timeout)
         for b in self.executor.backends.values():
             b.check()
+
+    def _wait_hubs(self, timeout: float) -> None:
+        """Wait for every hub's last segment of a step over several hubs. The relay's error is
+        raised as soon as it has one (it names the hub that did not get there); the wait times
+        out only after ``timeout`` s in which neither the counter nor the relay moved (a step
+        is many crossings), longer while the first run compiles its kernels."""
+        ex = self.executor
+        relay = ex.relay
+        assert relay is not None
+        for h, i in sorted(ex._hub_last.items()):
+            tl = ex.timelines[h]
+            seen, since = -1, time.monotonic()
+            while True:
+                relay.check()
+                v = self.seg_values[i]  # (0 until the relay submitted it)
+                cur = tl._value()
+                if v and cur >= v:
+                    break
+                if cur != seen:
+                    seen, since = cur, time.monotonic()
+                if v:
+                    try:
+                        tl.wait(v, 0.05)
+                        continue
+                    except WaitTimeout:
+                        pass
+                else:
+                    time.sleep(0.002)
+                cold = cur < tl._slow_until
+                limit = timeout * (COLD_FACTOR if cold else 1.0) + 4 * relay.slice_s
+                if time.monotonic() - max(since, relay.progress) > limit:
+                    relay.check()
+                    raise WaitTimeout(f"hub{h} ({tl.name}) did not reach {v or 'its last segment'} within "
+                                      f"{timeout:g} s of the last crossing (it is at {cur}): a hub's step is stuck",
+                                      "raise VKXSPLIT_TIMEOUT_S if the work is just slow")
 
     # -- tracing ----------------------------------------------------------------------------
 

@@ -92,6 +92,7 @@ class Node:
     output: Tensor
     params: dict[str, Any] = field(default_factory=dict)
     index: int = -1
+    hub: int = 0  # the Vulkan hub whose buffers the node reads and writes (a model over several hubs)
 
     def _param_tensors(self) -> list[Tensor]:
         return [v for v in self.params.values() if isinstance(v, Tensor)]
