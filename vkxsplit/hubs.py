@@ -50,7 +50,6 @@ from .vk.kernel import View
 from .vk.memory import Buffer, _align
 
 if TYPE_CHECKING:
-    from .model import Model
     from .vk.device import Device
 
 #: bytes of a weight copied to the hub at a time (the file pages behind each chunk are released)
@@ -193,7 +192,8 @@ class HostLink:
 
 
 class HubShare:
-    """What hub ``index`` of ``model`` holds and computes: the object the architecture's graph
+    """What hub ``index`` of ``model`` (the :class:`vkxsplit.model.Model` that places it: its file,
+    sizes, backends and ``partials``) holds and computes: the object the architecture's graph
     builder (:func:`vkxsplit.archs.build_graph`) reads its buffers from.
 
     ``layers``: the decoder layers it holds (a layer-split hub), ``link_in`` / ``link_out``: the
@@ -202,7 +202,7 @@ class HubShare:
     ``publish[p]`` / ``peer[p]``: (buffer, byte offset) of its and the other shard's partials
     for all-reduce parity ``p``."""
 
-    def __init__(self, model: Model, index: int, device: Device, layers: tuple[int, int] | None = None,
+    def __init__(self, model: Any, index: int, device: Device, layers: tuple[int, int] | None = None,
                  link_in: Any = None, link_out: Any = None, rank: int | None = None,
                  publish: list[Any] | None = None, peer: list[Any] | None = None) -> None:
         self.model, self.index, self.device = model, index, device
