@@ -100,10 +100,9 @@ def _job(op: BackendOp | BackendIdOp | BackendNodeOp) -> MatMulJob | MatMulIdJob
         b_rows = ins[1].rows if n.op == "add" and len(ins[1].shape) > 1 else (1 if n.op == "add" else rows)
         return OpJob(n.op, tuple(t.buffer for t in ins), outs, rows, cols,  # type: ignore[arg-type]
                      eps=float(n.params.get("eps", 0.0)), b_rows=b_rows, name=op.name)
-    host = None if op.weight.shared or op.converted_weight else op.weight.host
     return MatMulJob(op.weight.buffer, op.weight.dtype, op.x.buffer, op.y.buffer,  # type: ignore[arg-type]
                      op.M, op.N, op.K, x_type=op.x.dtype, r0=op.r0, r1=op.r1,
-                     w_row0=op.w_row0, name=op.name, weight_host=host)
+                     w_row0=op.w_row0, name=op.name)
 
 
 def _spans(ts: Iterable[Tensor]) -> list[Span]:

@@ -34,9 +34,6 @@ class Tensor:
     dtype: str  # f32, f16, bf16, i32, u32 or a ggml weight type name (q4_0, q6_k, ...)
     buffer: Bindable | None = None
     weight: bool = False
-    # a weight's raw ggml bytes on the host (the model file's mapping), for backends that load
-    # their own copy of a weight the hub keeps in its private memory (a split-mode vulkan peer)
-    host: Any = None
 
     @property
     def rows(self) -> int:

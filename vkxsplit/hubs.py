@@ -289,11 +289,8 @@ class HubShare:
 
         # (phi3's fused attn_qkv / gate-up ffn_up come as their row ranges: archs.weight_tensors)
         items = sorted(weight_tensors(self.file).items())
-        # Weights go to the shared arena when some backend reads them in place. When every
-        # attached backend loads its own copy, they stay in the hub's device memory, and the
-        # backends load their rows from the file's mapping (Tensor.host): the hub never reads
-        # its weights over the bus.
-        shared = any(not getattr(b, "private_weights", False) for b in self.backends.values())
+        # weights go to the shared arena when backends are attached: they read them in place
+        shared = bool(self.backends)
         items = [(name, ti) for name, ti in items if self._holds(name)]
         total = sum(t.nbytes for _, t in items)
         done = held = 0
@@ -309,10 +306,7 @@ class HubShare:
                 dst.write(src[o:o + _UPLOAD_CHUNK], o)  # staged when device-only
                 self.file.release_pages(src[o:o + _UPLOAD_CHUNK])
             self.file.release_pages(ti.data)  # (a slice copied from it: the file's pages too)
-            # (host: where a backend loading its own copy reads the rows from; only with backends,
-            # so that a slice copied at load, a row-split shard's columns, is not kept)
-            self.weights[name] = Tensor(name, shape, ti.ggml_type.name.lower(), self._view(buf), weight=True,
-                                        host=data if self.backends else None)
+            self.weights[name] = Tensor(name, shape, ti.ggml_type.name.lower(), self._view(buf), weight=True)
             done += ti.nbytes
             held += data.nbytes
             if progress:
@@ -331,8 +325,8 @@ class HubShare:
         S = self.slots * self.slot_rows
         self.ids_buf = self._alloc(S * 4, "host", "ids")
         self.pos_buf = self._alloc(S * 4, "host", "positions")
-        # activations (shared by every graph: steps run one after another on one queue); the
-        # ones mul_mat reads and writes are in shared memory when backends are attached
+        # activations (shared by every graph: steps run one after another on one queue), in
+        # shared memory when backends are attached (they read and write them in place)
         E, F = hp.n_embd, hp.n_ff
         sizes = {"x": E, "h": E, "q": hp.n_embd_q, "k": hp.n_embd_k_gqa, "v": hp.n_embd_v_gqa,
                  "attn": hp.n_head * hp.head_dim_v, "o": E, "gate": F, "up": F}
@@ -340,9 +334,7 @@ class HubShare:
             from .moe import moe_act_cols
 
             sizes.update(moe_act_cols(hp.moe, E, T))
-        # (not when every backend stages activations: then they stay in device memory and the
-        # plan copies x/y through arena shadows at each job)
-        act_shared = any(not getattr(b, "stages_activations", False) for b in self.backends.values())
+        act_shared = bool(self.backends)
         self.act = {k: self._alloc(T * c * f32, "device", k, shared=act_shared) for k, c in sizes.items()}
         from .ops.attention import attention_scratch_bytes, attention_splits, decode_target_workgroups
 

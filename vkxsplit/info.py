@@ -265,9 +265,7 @@ def probe_backends(dev_root: str = "/dev", sys_root: str = "/sys") -> list[dict[
     cpu = _probe_cpu()
     emu = {"name": "npu-emu", "kind": "npu-emu", "available": True,
            "detail": "vkxsplit's NPU emulator process backend (always available)"}
-    peer = {"name": "vulkan-peer", "kind": "vulkan-peer", "available": True,
-            "detail": "another VkDevice: a second GPU, or a second logical device on the hub's"}
-    return [cpu, _probe_cuda(), _probe_hip(), *_probe_npus(dev_root, sys_root), emu, peer]
+    return [cpu, _probe_cuda(), _probe_hip(), *_probe_npus(dev_root, sys_root), emu]
 
 
 def device_nodes(dev_root: str = "/dev") -> dict[str, Any]:
@@ -369,9 +367,6 @@ def attach_matrix(physical: Any, backends: list[dict[str, Any]], interop: dict[s
             cands.append(("opaque_fd", ok, why))
         elif kind == "npu":
             cands.append(("dma_buf", *_mem_can(interop, "dma_buf", either=True)))
-        elif kind == "vulkan-peer":  # as a second logical device on the hub's own GPU
-            cands.append(("opaque_fd", *_mem_can(interop, "opaque_fd", export=True, import_=True)))
-            cands.append(("host_allocation", *_mem_can(interop, "host_allocation", import_=True)))
         else:
             cands.append(("dma_buf", False, f"unknown backend kind {kind!r}"))
         memory, mem_why = "staged_copy", []
@@ -389,11 +384,6 @@ def attach_matrix(physical: Any, backends: list[dict[str, Any]], interop: dict[s
             ok, why = _sem_can(interop, "opaque_fd", "timeline", export=True, import_=False)
             if ok:
                 ok, why = _same_device(physical, b)
-            event = "imported_timeline" if ok else None
-            if not ok:
-                ev_why.append(f"imported timeline: {why}")
-        elif kind == "vulkan-peer":
-            ok, why = _sem_can(interop, "opaque_fd", "timeline", export=True, import_=True)
             event = "imported_timeline" if ok else None
             if not ok:
                 ev_why.append(f"imported timeline: {why}")

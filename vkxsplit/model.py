@@ -710,12 +710,6 @@ class Model(LanguageModel):
     def _free(self) -> None:
         """Free everything: executors, backends' copies, memory, links, relay timelines, hubs."""
         self._drop_executors()
-        weights = self.shares[0].weights if self.shares else {}
-        for be in self.backends.values():  # copies a backend made of weights the hub keeps private
-            if getattr(be, "private_weights", False) and be not in self._owned_backends and not be.closed:
-                for t in weights.values():
-                    if not t.shared:
-                        be.unload(t.buffer)
         if self.workspace is not None:
             self.workspace.close()
             self.workspace = None

@@ -230,10 +230,8 @@ class Planner:
         if soft and M < caps.min_batch:
             return "soft", f"M={M} is under {b.name}'s min_batch {caps.min_batch}"
         if self.require_shared:
-            own_copy = getattr(b, "private_weights", False) and w.host is not None  # loads its own rows
-            stage = getattr(b, "stages_activations", False)  # x and y go through shadows the hub copies
-            need = ([] if stage else [node.output]) + ([] if conv or own_copy else [w]) + (
-                [x] if caps.x_dtype == "f32" and not stage else []) + ([node.inputs[2]] if routed else [])
+            need = [node.output] + ([] if conv else [w]) + ([x] if caps.x_dtype == "f32" else []) + (
+                [node.inputs[2]] if routed else [])
             unshared = [t.name for t in need if not t.shared]
             if unshared:
                 return "soft", f"{', '.join(unshared)} not in memory shared with backends"
@@ -563,20 +561,13 @@ class Planner:
             N = out_rows(n)
             routed = n.op in ROUTED_OPS
             group = n.index if len(parts) > 1 else None
-            # A backend that stages activations (a vulkan peer on another GPU: it reaches only
-            # host pages) gets x and y through shadows in the arena while the hub keeps its
-            # activations in device memory: the hub copies x out before the job and y back after
-            # it (all parts of a split node then write the shadow).
-            stage = not y.shared and any(getattr(self.backends[p.participant], "stages_activations", False)
-                                         for p in parts if p.participant != HUB)
-            yt = ws.shadow(y, "f32") if stage else y
             for part in parts:
                 if part.participant == HUB:
                     continue
                 b = self.backends[part.participant]
                 xd = b.caps.x_dtype
                 xt = x
-                if xd != "f32" or (not x.shared and getattr(b, "stages_activations", False)):
+                if xd != "f32":
                     key = (span(x), xd)
                     if key in fresh:
                         xt = fresh[key][1]
@@ -592,24 +583,22 @@ class Planner:
                     if conv:
                         raise PlanError(f"{n.name} on {b.name}: the hub converts no expert tensors ({w.name} "
                                         f"is {w.dtype}, {b.name} reads {', '.join(sorted(b.caps.weight_types))})")
-                    items.append(BackendIdOp(b.name, name, n, w, xt, yt, part.r0, part.r1, group))
+                    items.append(BackendIdOp(b.name, name, n, w, xt, y, part.r0, part.r1, group))
                     continue
                 if conv:
                     wtensor, w_row0 = ws.converted_weight(w, part.r0, part.r1, wt), part.r0
                 else:
                     wtensor, w_row0 = w, 0
                 items.append(BackendOp(b.name, n.name if group is None else f"{n.name}[{part.r0}:{part.r1}]",
-                                       n, wtensor, w_row0, xt, yt, part.r0, part.r1, group, conv))
+                                       n, wtensor, w_row0, xt, y, part.r0, part.r1, group, conv))
             for part in parts:
                 if part.participant != HUB:
                     continue
                 if (part.r0, part.r1) == (0, N):
                     items.append(HubOp("node", n.name, n.reads(), n.writes(), node=n))
                 else:
-                    items.append(HubOp("rows", f"{n.name}[{part.r0}:{part.r1}]", list(n.inputs), [yt], node=n,
-                                       r0=part.r0, r1=part.r1, group=group, dst=yt if stage else None))
-            if stage:
-                items.append(HubOp("convert", f"{y.name}<-{yt.name}", [yt], [y], src=yt, dst=y))
+                    items.append(HubOp("rows", f"{n.name}[{part.r0}:{part.r1}]", list(n.inputs), [y], node=n,
+                                       r0=part.r0, r1=part.r1, group=group))
             invalidate([y])
         return items
 
