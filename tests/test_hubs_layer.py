@@ -17,7 +17,7 @@ from vkxsplit.hubs import layer_ranges
 from vkxsplit.model import Model
 
 
-def PipelineModel(path, devices=(0, 1), layer_split=None, **kw):  # noqa: N802 (the old class's call)
+def layer_model(path, devices=(0, 1), layer_split=None, **kw):
     """The layer split over ``devices`` as the one Model builds it (``layer:R,R`` shares)."""
     from vkxsplit.plan.spec import hub_split
 
@@ -82,7 +82,7 @@ def test_two_hubs_match_the_reference_and_one_hub(device, synth, micro, devices,
         want = reference_logits(mf, ids)
     with load_model(path, device=device, n_ctx=64, ubatch=16) as one:
         hub = one.logits(ids)
-    with PipelineModel(path, devices=devices, n_ctx=64, ubatch=16, micro_batches=micro) as m:
+    with layer_model(path, devices=devices, n_ctx=64, ubatch=16, micro_batches=micro) as m:
         assert m.ranges == [(0, 2), (2, 3)] and m.micro == micro and m.piece == -(-16 // micro)
         got = m.logits(ids)
         assert np.abs(got - want).max() <= _bound(want)
@@ -132,7 +132,7 @@ def test_three_stages_hold_only_their_layers(synth):
     with load_gguf(path) as mf:
         want = reference_logits(mf, ids)
         tied = "output.weight" not in mf.tensors
-    with PipelineModel(path, devices=["0", "0", "0"], layer_split="1,2,1", n_ctx=32, ubatch=9) as m:
+    with layer_model(path, devices=["0", "0", "0"], layer_split="1,2,1", n_ctx=32, ubatch=9) as m:
         assert m.ranges == [(0, 1), (1, 3), (3, 4)]
         for st, (a, b) in zip(m.shares, m.ranges):
             layers = {int(n.split(".")[1]) for n in st.weights if n.startswith("blk.")}
@@ -156,7 +156,7 @@ def test_bad_input_is_refused(synth):
     path = synth[3]
     fds = open_fd_targets()
     with pytest.raises(PlanError, match="3 ratios for 2 participants"):
-        PipelineModel(path, devices="0,0", layer_split="1,1,1")
+        layer_model(path, devices="0,0", layer_split="1,1,1")
     with pytest.raises(PlanError, match="(?s)names hub2, a Vulkan hub this model did not open.*--devices"):
         Model(path, devices="0,0", split="layer:hub0=1,hub2=1")
     with pytest.raises(PlanError, match="names hub1, a Vulkan hub this model did not open"):
@@ -166,12 +166,12 @@ def test_bad_input_is_refused(synth):
     with pytest.raises(PlanError, match="with several hubs every participant is a Vulkan hub"):
         Model(path, devices="0,0", backends="cpu")
     with pytest.raises(VkxError, match="at least one layer"):
-        PipelineModel(path, devices="0,0,0,0")
+        layer_model(path, devices="0,0,0,0")
     with pytest.raises(VkxError, match="does not exist"):  # the first device opened is closed again
-        PipelineModel(path, devices="0,9")
+        layer_model(path, devices="0,9")
     # refused constructions leave no file, device or memfd open
     assert {fd: t for fd, t in open_fd_targets().items() if fds.get(fd) != t} == {}
-    with PipelineModel(path, devices="0,0", n_ctx=16, ubatch=8) as m:
+    with layer_model(path, devices="0,0", n_ctx=16, ubatch=8) as m:
         with pytest.raises(VkxError, match="more than ubatch"):
             m._run(list(range(9)), all_logits=False)
         m._run(list(range(8)), all_logits=False)
@@ -196,7 +196,7 @@ def test_a_stuck_stage_is_reported_not_run_silently(synth):
     with load_gguf(path) as mf:
         want = reference_logits(mf, ids)
     # two micro-batches: the relay of the second is still waiting when the step gives up
-    with PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5) as m:
+    with layer_model(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5) as m:
         gate = Gate(m.hubs[0])
         hold = gate.hold(watchdog_s=30)
         orig = m._submit
@@ -228,7 +228,7 @@ def test_close_leaves_no_fds(synth):
     path = synth[3]
     for _ in range(2):
         before = open_fd_targets()
-        with PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2) as m:
+        with layer_model(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2) as m:
             m.logits([1, 2, 3, 4, 5, 6, 7])
             assert m.links[0].mapping is not None
             thread = m.relay._worker.thread
@@ -288,7 +288,7 @@ def test_close_with_a_stuck_stage_frees_nothing_in_use(synth, caplog):
     from vkxsplit.vk.event import Gate
 
     path = synth[3]
-    m = PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5)
+    m = layer_model(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5)
     gate = Gate(m.hubs[0])
     hold = gate.hold(watchdog_s=30)
     orig = m._submit

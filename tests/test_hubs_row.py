@@ -19,7 +19,7 @@ from vkxsplit.hubs import shard_hparams, shard_slices, slice_weight
 from vkxsplit.model import Model
 
 
-def TensorSplitModel(path, devices=(0, 1), **kw):  # noqa: N802 (the old class's call)
+def row_model(path, devices=(0, 1), **kw):
     """The row split over ``devices`` as the one Model builds it."""
     return Model(path, devices=devices, split="tensor:1,1", **kw)
 
@@ -136,7 +136,7 @@ def test_tensor_split_matches_the_reference_and_one_hub(device, tiny, devices, p
     with load_model(tiny, device=device, n_ctx=64, ubatch=16) as one:
         hub = one.logits(ids)
         hub_tokens = list(one.generate_ids(ids[:6], 8, stop_ids=set()))
-    with TensorSplitModel(tiny, devices=devices, n_ctx=64, ubatch=16, partials=partials) as m:
+    with row_model(tiny, devices=devices, n_ctx=64, ubatch=16, partials=partials) as m:
         got = m.logits(ids)
         assert np.abs(got - want).max() <= bound(want)
         assert np.abs(got - hub).max() <= bound(want)
@@ -162,9 +162,9 @@ def test_bad_input_is_refused(tiny, tmp_path):
 
     odd = write_synthetic(tmp_path / "odd.gguf", "smol135m", "q8_0", seed=1, n_vocab=300, n_layer=1)
     with pytest.raises(ModelError, match="n_head 9"):
-        TensorSplitModel(odd, devices="0,0", n_ctx=32, ubatch=8)
+        row_model(odd, devices="0,0", n_ctx=32, ubatch=8)
     with pytest.raises(PlanError, match="over two hubs"):
-        TensorSplitModel(tiny, devices="0,0,0", n_ctx=32, ubatch=8)
+        row_model(tiny, devices="0,0,0", n_ctx=32, ubatch=8)
     with pytest.raises(PlanError, match="give equal shares over two hubs"):
         Model(tiny, devices="0,0", split="tensor:3,1", n_ctx=32, ubatch=8)
     with pytest.raises(VkxError, match="go with --split-mode layer"):
@@ -172,7 +172,7 @@ def test_bad_input_is_refused(tiny, tmp_path):
     with pytest.raises(VkxError, match="go with devices"):
         vkxsplit.load_model(tiny, split_mode="row")
     with pytest.raises(VkxError, match="f32 or f16"):
-        TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, partials="bf16")
+        row_model(tiny, devices="0,0", n_ctx=32, ubatch=8, partials="bf16")
     with pytest.raises(VkxError, match="is not 'layer' or 'row'"):
         vkxsplit.load_model(tiny, devices="0,0", split_mode="rows")
     with vkxsplit.load_model(tiny, devices="0,0", split_mode="row", n_ctx=32, ubatch=8) as m:
@@ -220,7 +220,7 @@ def test_a_stuck_shard_is_reported_not_run_silently(tiny):
     other = [7, 7, 2, 9, 1]
     with load_gguf(tiny) as mf:
         want = reference_logits(mf, other)
-    with TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.5) as m:
+    with row_model(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.5) as m:
         held = _HeldQueue(m.hubs[1])  # shard 1's step queues behind it
         ex = m._executor(8, True)
 
@@ -273,7 +273,7 @@ def test_close_with_a_stuck_shard_frees_nothing_in_use(tiny, caplog):
     and leaves them allocated; once the GPU moves on they can be freed in the usual order."""
     import logging
 
-    m = TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.3)
+    m = row_model(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.3)
     held = _HeldQueue(m.hubs[1])
     with pytest.raises(WaitTimeout):
         m._run([3, 1, 4], all_logits=False)

@@ -13,7 +13,7 @@ Where to find each concept (one module each):
 - ``vkxsplit.gguf_model`` / ``vkxsplit.tokenizer`` / ``vkxsplit.model``: GGUF file to logits
 - ``vkxsplit.backend`` / ``vkxsplit.attach``: attached backends and shared memory
 - ``vkxsplit.plan``: the split planner (layer, tensor, mode splits over attached backends)
-- ``vkxsplit.pipeline``: a model's layers over several GPUs, one hub each
+- ``vkxsplit.hubs``: what each hub of a model holds (one hub per GPU: layer ranges or row shards)
 """
 
 from __future__ import annotations

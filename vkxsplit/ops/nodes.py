@@ -243,7 +243,7 @@ def _attention(seq: Sequence, n: Node) -> None:
 @register("cpy")
 def _cpy(seq: Sequence, n: Node) -> None:
     """An f32 tensor copied as is (a pipeline stage's hidden state into or out of the host
-    pages it shares with the next GPU: :mod:`vkxsplit.pipeline`)."""
+    pages it shares with the next hub of a layer split: :mod:`vkxsplit.hubs`)."""
     (src,) = n.inputs
     if src.dtype != n.output.dtype or src.shape != n.output.shape:
         raise KernelError(f"cpy {n.name}: {src.dtype}{list(src.shape)} -> {n.output.dtype}{list(n.output.shape)} "
@@ -254,7 +254,7 @@ def _cpy(seq: Sequence, n: Node) -> None:
 @register("link_sum")
 def _link_sum(seq: Sequence, n: Node) -> None:
     """A tensor-split shard's partial plus the other shard's, read from the host pages it
-    published to (:mod:`vkxsplit.tensor_split`): ``out = a + peer``."""
+    published to (the row split over hubs: :mod:`vkxsplit.hubs`): ``out = a + peer``."""
     a, peer = n.inputs
     if (a.shape != peer.shape or a.shape != n.output.shape or a.dtype != peer.dtype
             or a.dtype not in ("f32", "f16") or n.output.dtype != "f32"):
