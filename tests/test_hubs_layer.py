@@ -268,6 +268,12 @@ def test_command_line_and_load_model(synth, tmp_path):
     assert r.returncode != 0 and "several hubs split the model by layers" in r.stderr and "Traceback" not in r.stderr
     r = cli("bench", "-m", path, "--devices", "0,0", "--split", "layer", "-ts", "1,1", "-p", "8", "-n", "0")
     assert r.returncode != 0 and "both give the split over the hubs" in r.stderr
+    r = cli("bench", "-m", path, "--devices", "0,0", "-p", "8", "-n", "1", "-r", "1", "-c", "32",
+            "--trace", str(tmp_path / "tr.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    tr = json.loads((tmp_path / "tr.json").read_text())
+    tracks = {e["args"]["name"].split(" ")[0] for e in tr["traceEvents"] if e.get("name") == "thread_name"}
+    assert tracks == {"hub0", "hub1"} and any(e.get("name") == "link_in" for e in tr["traceEvents"])
     r = cli("plan", "-m", path, "--devices", "0,0", "-ts", "2,1", "-t", "4", "--points")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "split: layer:2,1: layers 0-1,2-2" in r.stdout and "  hub0: " in r.stdout and "  hub1: " in r.stdout

@@ -165,3 +165,22 @@ def test_row_split_plan_has_an_all_reduce_per_block(device, tiny):
         assert published == {0, 1}
         logits = m.logits([1, 2, 3, 4])
         assert np.isfinite(logits).all()
+
+
+def test_trace_of_a_step_over_hubs_has_a_track_per_hub(tiny):
+    """``trace=True`` over two hubs (layer split): the step's Chrome trace has one track per hub,
+    every node on its hub's track, once, with GPU durations; the row split's too, the relay
+    submitting its segments (their completions watched as the relay fills the values in)."""
+    from vkxsplit.model import Model
+
+    for split in ("layer:2,1", "tensor:1,1"):
+        with Model(tiny, devices="0,0", split=split, n_ctx=32, ubatch=8, micro_batches=1, trace=True) as m:
+            m.logits([1, 2, 3, 4, 5])
+            tr = m.last_trace
+            names = {e["args"]["name"] for e in tr["traceEvents"] if e.get("name") == "thread_name"}
+            assert {n.split(" ")[0] for n in names} == {"hub0", "hub1"}, names
+            graph = m.plan(5).graph
+            got = sorted((e["tid"], e["name"]) for e in tr["traceEvents"] if e["ph"] == "X")
+            assert got == sorted((n.hub, n.name) for n in graph.nodes)
+            assert all(e["dur"] >= 0 for e in tr["traceEvents"] if e["ph"] == "X")
+            assert tr["otherData"]["submits"] == len(m.plan(5).schedule.segments)

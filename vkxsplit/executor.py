@@ -129,8 +129,8 @@ class Executor:
         n_hubs = self.schedule.hubs
         if n_hubs > len(self.hubs):
             raise VkxError(f"the plan runs on {n_hubs} hubs; the executor was given {len(self.hubs)}")
-        if n_hubs > 1 and (relay is None or trace):
-            raise VkxError("a plan over several hubs needs the relay between them and runs without trace")
+        if n_hubs > 1 and relay is None:
+            raise VkxError("a plan over several hubs needs the relay between them")
         self.timelines = [hub_timeline(d) for d in self.hubs]
         self._hub_last = {s.hub: s.index for s in self.schedule.segments} if n_hubs > 1 else {}
         if not isinstance(backends, Mapping):
@@ -146,26 +146,30 @@ class Executor:
         self.recordings = 0
         self.steps = 0
         self._seqs: list[Sequence] = []
-        self._ts: Timestamps | None = None
-        self._ts_base: list[int] = []
+        self._ts: Timestamps | None = None  # hub 0's timestamps (each hub's: _tss)
+        self._tss: list[Timestamps] = []
+        self._ts_base: list[int] = []  # each segment's first timestamp in its hub's
         self._last: Step | None = None
         try:
             if trace:
-                n = sum(len(s.ops) + 1 for s in self.schedule.segments)
-                self._ts = Timestamps(device, max(1, n))
-            k = 0
+                for h in range(n_hubs):
+                    n = sum(len(s.ops) + 1 for s in self.schedule.segments if s.hub == h)
+                    self._tss.append(Timestamps(self.hubs[h], max(1, n)))
+                self._ts = self._tss[0]
+            k = [0] * n_hubs
             for seg in self.schedule.segments:
                 seq = Sequence(self.hubs[seg.hub], f"{self.name}#{seg.index}")
                 self._seqs.append(seq)
-                self._ts_base.append(k)
-                if self._ts is not None:
-                    seq.write_timestamp(self._ts, k)
-                    k += 1
+                self._ts_base.append(k[seg.hub])
+                ts = self._tss[seg.hub] if self._tss else None
+                if ts is not None:
+                    seq.write_timestamp(ts, k[seg.hub])
+                    k[seg.hub] += 1
                 for op in seg.ops:
                     _record(seq, op)
-                    if self._ts is not None:
-                        seq.write_timestamp(self._ts, k)
-                        k += 1
+                    if ts is not None:
+                        seq.write_timestamp(ts, k[seg.hub])
+                        k[seg.hub] += 1
                 seq.end()
                 self.recordings += 1
             self._jobs = [_job(j.op) for j in self.schedule.jobs]
@@ -283,6 +287,8 @@ class Executor:
         if first:
             step.recordings = self.recordings
         self.steps += 1
+        if self._ts is not None:
+            step._start_watch()
         return step
 
     def step_with(self, seqs: list[Sequence], waits: Iterable[Any] = ()) -> Step:
@@ -324,9 +330,10 @@ class Executor:
             s.wait()
             s.close()
         self._seqs.clear()
-        if self._ts is not None:
-            self._ts.close()
-            self._ts = None
+        for ts in self._tss:
+            ts.close()
+        self._tss.clear()
+        self._ts = None
 
     def __enter__(self) -> Executor:
         return self
@@ -409,6 +416,8 @@ class Step:
         if self.executor._hub_last:
             self._wait_hubs(timeout)
             self.done = True
+            if self._watch is not None:  # (its points are reached: it ends; join cannot take inf)
+                self._watch.join(None if timeout == float("inf") else timeout)
             return
         pts = self._final_points() if outputs is None else self._writer_points(outputs)
         # the backends of the step are watched: one that dies fails the wait at once, and their
@@ -464,14 +473,15 @@ class Step:
 
     def _start_watch(self) -> None:
         sch = self.executor.schedule
-        tl = self.executor.timeline
-        pts: list[tuple[tuple[str, int], Any, int]] = []
+        tls = self.executor.timelines
+        vals = self.seg_values  # (over several hubs the relay may submit, and fill in, a value later)
+        pts: list[tuple[tuple[str, int], Any, Any]] = []
         for kind, i in sch.order:
             if kind == "seg":
-                pts.append((("seg", i), tl, self.seg_values[i]))
+                pts.append((("seg", i), tls[sch.segments[i].hub], lambda i=i: vals[i]))
             else:
                 p = self.job_points[i]
-                pts.append((("job", i), p[0], p[1]))
+                pts.append((("job", i), p[0], lambda v=p[1]: v))
         deadline = time.monotonic() + default_timeout()
 
         def watch() -> None:
@@ -480,17 +490,18 @@ class Step:
                 now = time.perf_counter_ns()
                 cache: dict[int, int] = {}
                 keep = []
-                for key, t, v in left:
+                for key, t, value in left:
+                    v = value()
                     cur = cache.get(id(t))
                     if cur is None:
                         try:
                             cur = cache[id(t)] = t.value
                         except VkxError:
                             return
-                    if cur >= v:
+                    if v and cur >= v:
                         self._seen[key] = now
                     else:
-                        keep.append((key, t, v))
+                        keep.append((key, t, value))
                 left = keep
                 if left:
                     time.sleep(0.0002)
@@ -509,36 +520,39 @@ class Step:
             raise VkxError("this executor was made without trace=True: no timeline to export")
         self.wait()
         sch = ex.schedule
-        ts = ex._ts.read()
-        tracks = ["hub"] + sorted(ex.backends)
+        tss = [t.read() for t in ex._tss]
+        multi = len(tss) > 1
+        hubs = [f"hub{h}" for h in range(len(tss))] if multi else ["hub"]
+        tracks = hubs + sorted(ex.backends)
         tid = {n: i for i, n in enumerate(tracks)}
         ev: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": ex.name}}]
         for n, i in tid.items():
-            label = f"{n} ({ex.device.name})" if n == "hub" else n
+            label = f"{n} ({ex.hubs[i].name})" if i < len(hubs) else n
             ev.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": label}})
             ev.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": i, "args": {"sort_index": i}})
-        # GPU -> host clock: the smallest (seen - gpu end) over segments (seeing is always late)
-        offs = []
+        # GPU -> host clock per hub: the smallest (seen - gpu end) over its segments (seeing is
+        # always late)
+        offs: list[list[float]] = [[] for _ in tss]
         for s in sch.segments:
             seen = self._seen.get(("seg", s.index))
             if seen is not None:
-                offs.append(seen - ts[ex._ts_base[s.index] + len(s.ops)])
-        off = min(offs) if offs else self._t0 - ts[0]
+                offs[s.hub].append(seen - tss[s.hub][ex._ts_base[s.index] + len(s.ops)])
+        off = [min(o) if o else self._t0 - t[0] for o, t in zip(offs, tss)]
         seg_end: dict[int, float] = {}
 
         def us(host_ns: float) -> float:
             return (host_ns - self._t0) / 1000.0
 
         for s in sch.segments:
-            base = ex._ts_base[s.index]
-            seg_end[s.index] = ts[base + len(s.ops)] + off
+            base, ts, o = ex._ts_base[s.index], tss[s.hub], off[s.hub]
+            seg_end[s.index] = ts[base + len(s.ops)] + o
             for k, op in enumerate(s.ops):
-                a, b = ts[base + k] + off, ts[base + k + 1] + off
-                ev.append({"ph": "X", "name": op.name, "cat": op.kind, "pid": 1, "tid": tid["hub"],
+                a, b = ts[base + k] + o, ts[base + k + 1] + o
+                ev.append({"ph": "X", "name": op.name, "cat": op.kind, "pid": 1, "tid": s.hub,
                            "ts": us(a), "dur": max(0.0, (b - a) / 1000.0),
                            "args": {"segment": s.index, **({"rows": [op.r0, op.r1]} if op.kind == "rows" else {})}})
             if not s.ops:
-                ev.append({"ph": "i", "name": f"join#{s.index}", "pid": 1, "tid": tid["hub"], "s": "t",
+                ev.append({"ph": "i", "name": f"join#{s.index}", "pid": 1, "tid": s.hub, "s": "t",
                            "ts": us(seg_end[s.index])})
         free: dict[str, float] = {}
         for kind, i in sch.order:
@@ -567,10 +581,10 @@ class Step:
         if ex._ts is None:
             raise VkxError("this executor was made without trace=True")
         self.wait()
-        ts = ex._ts.read()
+        tss = [t.read() for t in ex._tss]
         out: dict[int, float] = {}
         for s in ex.schedule.segments:
-            base = ex._ts_base[s.index]
+            base, ts = ex._ts_base[s.index], tss[s.hub]
             for k, op in enumerate(s.ops):
                 out[id(op)] = max(0.0, (ts[base + k + 1] - ts[base + k]) * 1e-9)
         return out

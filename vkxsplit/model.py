@@ -571,9 +571,6 @@ class Model(LanguageModel):
     def set_trace(self, on: bool = True) -> None:
         """Record GPU timestamps around every hub op (and watch backend points) every step;
         ``last_trace`` then holds the last step as Chrome trace-event JSON."""
-        if on and len(self.hubs) > 1:
-            raise VkxError("tracing records one hub's steps: not a model over several hubs",
-                           "trace a model on one hub (no --devices)")
         if on != self.tracing:
             self._drop_executors()
             self.tracing = on

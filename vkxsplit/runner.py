@@ -309,8 +309,6 @@ def load_from_args(args: argparse.Namespace) -> Any:
 
 
 def _start_trace(model: Any, path: str | None) -> None:
-    if path and len(getattr(model, "hubs", ())) > 1:
-        raise VkxError("--trace records one hub's steps: it does not go with --devices")
     if path:
         model.set_trace(True)
 
