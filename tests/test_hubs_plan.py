@@ -47,6 +47,33 @@ def test_schedule_over_hubs_waits_where_a_hub_reads_what_another_wrote():
     assert [len(s.ops) for s in one.segments] == [len(items)] and one.cross_waits() == []
 
 
+def test_simulate_runs_each_hub_in_parallel_with_relay_crossings():
+    """The cost model's step time over two hubs, worked by hand on the schedule above: each
+    item 10 s, a relay crossing 1 s, no submit cost. Hub 0: [a0 out0] 0-20, [c0] 20-30, [out0b]
+    waits hub 1's [in1 b1] (21-41): 42-52; hub 1: [in1b] waits [out0b]: 53-63. One lane (the
+    hubs' segments one after another) would give 70 and more."""
+    from vkxsplit.plan.cost import simulate
+
+    items = [_op(0, "a0", ["x0"], ["x0"]), _op(0, "out0", ["x0"], ["link"]),
+             _op(1, "in1", ["link"], ["x1"]), _op(1, "b1", ["x1"], ["x1"]),
+             _op(0, "c0", ["x0"], ["x0"]), _op(0, "out0b", ["x0"], ["link"]), _op(1, "in1b", ["link"], ["x1"])]
+
+    class Cost:
+        estimated: set = set()
+
+        def submit(self):
+            return 0.0
+
+        def relay(self):
+            return 1.0
+
+        def hub_item(self, it):
+            return 10.0
+
+    pred = simulate(build_schedule(items), Cost())
+    assert pred.total_s == 63.0 and pred.busy == {"hub0": 40.0, "hub1": 30.0}
+
+
 def test_planner_spec_checks_over_hubs():
     """Specs the hubs can run (layer shares, tensor:1,1 over two), and the rest refused with
     the reason: a hub not opened (named), other kinds, unequal row shares, backends."""

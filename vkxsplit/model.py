@@ -501,19 +501,26 @@ class Model(LanguageModel):
         return self._cost
 
     def _time_hub(self, graph: Graph) -> dict[int, float]:
-        """Hub seconds per node of ``graph``, run alone with timestamps. Positions are the last
-        ``T`` of the context: KV rows written there are rewritten before any step reads them."""
+        """Hub seconds per node of ``graph``, run alone with timestamps (over several hubs, each
+        hub's nodes on its own device). Positions are the last ``T`` of the context: KV rows
+        written there are rewritten before any step reads them."""
         T = graph.T
-
-        def before() -> None:
-            self.ids_buf.numpy(np.int32, (T,))[:] = 0
-            self.pos_buf.numpy(np.int32, (T,))[:] = np.arange(self.n_ctx - T, self.n_ctx, dtype=np.int32)
-
         # the calibration overwrites the outputs: keep what last_logits()/last_argmax() read
         keep_logits = self.logits_buf.numpy(np.float32, (self.hp.n_vocab,)).copy()
         keep_argmax = self.argmax_buf.numpy(np.int32, (1,)).copy()
         try:
-            return hub_node_times(self.device, graph, before)
+            out: dict[int, float] = {}
+            for h, sh in enumerate(self.shares):
+                nodes = [n for n in graph.nodes if n.hub == h]
+                part = graph if len(self.shares) == 1 else Graph(f"{graph.name}:hub{h}", nodes, T)
+
+                def before(sh: HubShare = sh) -> None:
+                    sh.ids_buf.numpy(np.int32, (T,))[:] = 0
+                    sh.pos_buf.numpy(np.int32, (T,))[:] = np.arange(self.n_ctx - T, self.n_ctx, dtype=np.int32)
+
+                if nodes:
+                    out.update(hub_node_times(self.hubs[h], part, before))
+            return out
         finally:
             self.logits_buf.numpy(np.float32, (self.hp.n_vocab,))[:] = keep_logits
             self.argmax_buf.numpy(np.int32, (1,))[:] = keep_argmax

@@ -750,11 +750,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise VkxError("--tokens wants positive token counts")
     ub = max(Ts)
     n_ctx = args.ctx_size or max(ub + 1, 256)
-    if args.devices:  # one hub per device: each a participant (hub0, hub1, ...); no predictions
+    if args.devices:  # one hub per device: each a participant (hub0, hub1, ...)
         model = load_model(args.model, split=hub_split_from_args(args), devices=args.devices, n_ctx=n_ctx,
                            ubatch=ub, micro_batches=1)
         try:
-            plans = [model.plan(T) for T in Ts]
+            plans = [model.plan(T, predict=True) for T in Ts]
             if args.json:
                 print(json.dumps({"model": model.file.name, "devices": [d.name for d in model.hubs],
                                   "split": str(model.split), "placed": model.split_label,
@@ -764,6 +764,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 for p in plans:
                     print(p.describe(points=args.verbose_points))
                     print()
+                print(f"device profile: {model.cost.profile.path}")
         finally:
             model.close()
         return 0
