@@ -19,8 +19,12 @@ Reading order for one step (``Model._run``):
 
 With backends attached (``backends="cpu,npu-emu"``), the weights and the activations live in
 one :class:`~vkxsplit.attach.SharedArena`: hub kernels bind them and the backends read and
-write them in place. Prompt processing and decode get different plans (``T`` differs) over
-the same weights and KV cache; ``mode:cuda>=32`` is "CUDA does prefill, Vulkan does decode".
+write them in place. Over several GPUs (``devices="0,1"``) every GPU is a hub and a
+participant of the same planner and executor (``hub0``, ``hub1``): what each holds is placed at
+load (:mod:`vkxsplit.hubs`), the graph is every hub's part joined, and the executor carries the
+waits between hubs through one relay (:mod:`vkxsplit.relay`). Prompt processing and decode
+get different plans (``T`` differs) over the same weights and KV cache; ``mode:cuda>=32`` is
+"CUDA does prefill, Vulkan does decode".
 """
 
 from __future__ import annotations
