@@ -67,14 +67,14 @@ def record_graph(seq: Sequence, graph: Graph, ops: Mapping[str, Any] | None = No
 
 
 def _record(seq: Sequence, op: HubOp) -> None:
-    """Record one hub item: a graph node, the hub's rows of a split ``mul_mat`` (into ``dst``
-    when set: a staging shadow of y), or an inserted conversion."""
+    """Record one hub item: a graph node, the hub's rows of a split ``mul_mat``, or an inserted
+    conversion."""
     if op.kind == "node":
         assert op.node is not None
         record_node(seq, op.node)
     elif op.kind == "rows":
         assert op.node is not None
-        recorder(op.node.op)(seq, op.node, op.r0, op.r1, op.dst)
+        recorder(op.node.op)(seq, op.node, op.r0, op.r1)
     elif op.kind == "convert":
         assert op.src is not None and op.dst is not None
         record_tensor_convert(seq, op.src, op.dst)

@@ -78,8 +78,7 @@ def record_node(seq: Sequence, node: Node) -> None:
 
 def record_tensor_convert(seq: Sequence, src: Tensor, dst: Tensor) -> None:
     """``src`` converted elementwise into ``dst``'s element type (f32/f16/bf16; the planner's
-    inserted conversions: x f32 -> bf16 for a bf16 backend, an activation to or from its
-    arena shadow)."""
+    inserted conversions: x f32 -> bf16 for a bf16 backend)."""
     record_convert(seq, src.buffer, dst.buffer, src.rows * src.cols, src.dtype, dst.dtype)
 
 
@@ -115,7 +114,7 @@ def weight_parts(seq: Sequence, w: Tensor, r0: int, r1: int) -> list[tuple[Binda
 @register("mul_mat")
 def _mul_mat(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None, y: Tensor | None = None) -> None:
     """Output rows ``[r0, r1)`` of a ``mul_mat`` node (all by default) into y's columns
-    ``[r0, r1)`` (y: the node's output, or a staging shadow of it). A node with an ``xq``
+    ``[r0, r1)`` (y: the node's output unless given). A node with an ``xq``
     param reads x as q8_1, written earlier by the node that made x or a ``quantize_q8_1``
     node (:class:`vkxsplit.model.DecodeQ8`): only the integer-dot-product kernel
     ``params["vecq"]`` is recorded."""

@@ -31,10 +31,8 @@ from ..graph import Node, Span, Tensor, any_overlap, span
 @dataclass(eq=False)
 class HubOp:
     """One hub command: ``kind`` is ``node`` (a graph node), ``rows`` (output rows
-    ``[r0, r1)`` of a split ``mul_mat``, written into y's columns ``[r0, r1)``, or into
-    ``dst`` when set: the arena shadow of y for a backend that stages activations) or
-    ``convert`` (``src`` -> ``dst`` element type, e.g. x f32 -> bf16 for a bf16 backend, or an
-    f32 copy between an activation and its shadow)."""
+    ``[r0, r1)`` of a split ``mul_mat``, written into y's columns ``[r0, r1)``) or
+    ``convert`` (``src`` -> ``dst`` element type, e.g. x f32 -> bf16 for a bf16 backend)."""
 
     kind: str
     name: str
