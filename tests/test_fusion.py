@@ -93,30 +93,30 @@ def _dump_models(device: Any, tmp: Path) -> dict[str, Any]:
 
 
 def _dump_tensor_split(tmp: Path) -> dict[str, Any]:
+    from vkxsplit.model import load_model
     from vkxsplit.synth import write_synthetic
-    from vkxsplit.tensor_split import TensorSplitModel
 
     path = write_synthetic(tmp / "ts.gguf", "tiny", "q8_0", seed=7, n_layer=2)
     out: dict[str, Any] = {}
-    with TensorSplitModel(path, devices="0,0", n_ctx=32, ubatch=8) as m:
-        for r, shard in enumerate(m.shards):
+    with load_model(path, devices="0,0", split="tensor:1,1", n_ctx=32, ubatch=8) as m:
+        for r, shard in enumerate(m.shares):
             for T in (1, 8):
-                out[f"tensor_split{r}:T{T}"] = dump(shard._build_graph(T, False))
+                out[f"tensor_split{r}:T{T}"] = dump(shard.build_graph(T, False))
     return out
 
 
 def _dump_pipeline(tmp: Path) -> dict[str, Any]:
     """The stages of a layer split over three hubs (the first without the output, the middle one
     with neither embedding nor output, links in and out)."""
-    from vkxsplit.pipeline import PipelineModel
+    from vkxsplit.model import load_model
     from vkxsplit.synth import write_synthetic
 
     path = write_synthetic(tmp / "pipe.gguf", "tiny", "q8_0", seed=7, n_layer=3)
     out: dict[str, Any] = {}
-    with PipelineModel(path, devices="0,0,0", layer_split="1,1,1", n_ctx=32, ubatch=8) as m:
-        for s, stage in enumerate(m.stages):
+    with load_model(path, devices="0,0,0", split="layer:1,1,1", n_ctx=32, ubatch=8) as m:
+        for s, stage in enumerate(m.shares):
             for T in (1, 8):
-                out[f"pipeline{s}:T{T}"] = dump(stage._build_graph(T, False))
+                out[f"pipeline{s}:T{T}"] = dump(stage.build_graph(T, False))
     return out
 
 

@@ -2,7 +2,7 @@
 host pages (vkxsplit.ops.link: the tensor split's all-reduce), and the flag rendezvous that
 tools/bench_link.py measures (tools/flags.py, built on demand; on the H200 its polls do not see
 the other GPU's write: the tensor split relays on the host instead). Here on one device, against numpy; two VkDevices
-sharing host pages run them in tests/test_tensor_split.py and tools/bench_link.py
+sharing host pages run them in tests/test_hubs_row.py and tools/bench_link.py
 (tests/test_tools.py)."""
 
 from __future__ import annotations

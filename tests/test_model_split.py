@@ -399,8 +399,7 @@ def test_several_hubs_apply_rope_freqs(device, tmp_path, mode):
     from test_gguf_model import write_tiny
 
     from vkxsplit.gguf_model import load_model as load_gguf
-    from vkxsplit.pipeline import PipelineModel
-    from vkxsplit.tensor_split import TensorSplitModel
+    from vkxsplit.model import Model
 
     ff = np.random.default_rng(3).uniform(1.0, 8.0, 8).astype(np.float32)
     kw = dict(n_layer=2, tied=False, n_vocab=64, scale=0.3)
@@ -412,8 +411,7 @@ def test_several_hubs_apply_rope_freqs(device, tmp_path, mode):
         unscaled = reference_forward(mf, ids)
     bound = 2e-3 * np.abs(want).max() + 1e-4
     assert np.abs(unscaled - want).max() > 20 * bound
-    cls = PipelineModel if mode == "layer" else TensorSplitModel
-    with cls(path, devices="0,0", n_ctx=32, ubatch=8) as m:
+    with Model(path, devices="0,0", split="layer" if mode == "layer" else "tensor:1,1", n_ctx=32, ubatch=8) as m:
         pp = m.logits(ids)
         m.reset()
         m.ubatch = 1  # decode steps

@@ -536,9 +536,9 @@ def test_a_backends_own_clock_is_its_job_cost(device, monkeypatch):
 
 #: who may import whom, lowest first: a module imports only its own layer or lower ones
 LAYERS = {"vkxsplit.graph": 0, "vkxsplit.plan": 1, "vkxsplit.ops.nodes": 1, "vkxsplit.executor": 2,
-          "vkxsplit.calibrate": 3, "vkxsplit.model": 4}
+          "vkxsplit.relay": 2, "vkxsplit.calibrate": 3, "vkxsplit.hubs": 3, "vkxsplit.model": 4}
 #: inside vkxsplit.plan: each module imports only those before it
-PLAN_ORDER = ["spec", "schedule", "workspace", "profile", "cost", "planner", "__init__"]
+PLAN_ORDER = ["spec", "schedule", "workspace", "profile", "cost", "result", "planner", "__init__"]
 
 
 def _layer(mod: str) -> int | None:
@@ -573,9 +573,10 @@ def _vkx_imports(path, me: str):
 
 
 def test_imports_go_one_way():
-    """graph -> plan.* -> executor -> calibrate -> model, never back, not even inside a function
-    (no lazy import dodging a cycle); the executor takes only plan.schedule at run time; inside
-    the plan package spec -> schedule -> workspace -> profile -> cost -> planner."""
+    """graph -> plan.* -> executor, relay -> calibrate, hubs -> model, never back, not even inside
+    a function (no lazy import dodging a cycle); the executor takes only plan.schedule at run
+    time; inside the plan package spec -> schedule -> workspace -> profile -> cost -> result ->
+    planner."""
     from pathlib import Path
 
     import vkxsplit
@@ -584,7 +585,8 @@ def test_imports_go_one_way():
     files = {f"vkxsplit.plan.{p.stem}" if p.stem != "__init__" else "vkxsplit.plan": p
              for p in (root / "plan").glob("*.py")}
     files.update({"vkxsplit.ops.nodes": root / "ops" / "nodes.py", "vkxsplit.executor": root / "executor.py",
-                  "vkxsplit.calibrate": root / "calibrate.py", "vkxsplit.model": root / "model.py"})
+                  "vkxsplit.calibrate": root / "calibrate.py", "vkxsplit.model": root / "model.py",
+                  "vkxsplit.relay": root / "relay.py", "vkxsplit.hubs": root / "hubs.py"})
     assert len(files) >= 11
     wrong = []
     for me, path in files.items():

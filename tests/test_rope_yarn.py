@@ -356,9 +356,7 @@ def test_split_modes_apply_yarn(device, tmp_path, mode):
     from test_gguf_model import write_tiny
 
     from vkxsplit.gguf_model import load_model as load_gguf
-    from vkxsplit.model import load_model
-    from vkxsplit.pipeline import PipelineModel
-    from vkxsplit.tensor_split import TensorSplitModel
+    from vkxsplit.model import Model, load_model
 
     path = write_tiny(tmp_path / "y.gguf", tied=False, n_vocab=64, scale=0.3,
                       extra_kv=_kv("llama", type="yarn", factor=4.0, original_context_length=64))
@@ -369,7 +367,7 @@ def test_split_modes_apply_yarn(device, tmp_path, mode):
     if mode == "tensor:cpu":
         m = load_model(path, split="tensor:1,1", backends="cpu", device=device, n_ctx=32, ubatch=8)
     else:
-        m = (PipelineModel if mode == "layer" else TensorSplitModel)(path, devices="0,0", n_ctx=32, ubatch=8)
+        m = Model(path, devices="0,0", split="layer" if mode == "layer" else "tensor:1,1", n_ctx=32, ubatch=8)
     with m:
         pp = m.logits(ids)
         m.reset()

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
 from flags import record_link  # noqa: E402
 
+from vkxsplit.hubs import HostLink  # noqa: E402
 from vkxsplit.ops.copy import record_copy  # noqa: E402
 from vkxsplit.ops.elementwise import record_add  # noqa: E402
 from vkxsplit.ops.link import record_link_sum  # noqa: E402
-from vkxsplit.pipeline import HostLink  # noqa: E402
 from vkxsplit.vk.api import ffi, lib, new, string  # noqa: E402
 from vkxsplit.vk.command import Sequence  # noqa: E402
 from vkxsplit.vk.device import Device  # noqa: E402
@@ -71,8 +71,8 @@ class Pair:
     def __init__(self, sels: list[str], slot: int) -> None:
         self.devs = [Device.open(int(s) if s.isdigit() else s) for s in sels]
         self.slot = slot
-        self.link = HostLink(self.devs[0], self.devs[1], FLAGS + 4 * slot, "bench-link")
-        self.pages = [self.link.out, self.link.inp]  # the same bytes, seen by device 0 / 1
+        self.link = HostLink(self.devs[:2], FLAGS + 4 * slot, "bench-link")
+        self.pages = self.link.views  # the same bytes, seen by device 0 / 1
         self.base = [d.memory.alloc(256, "host", "base") for d in self.devs]
         self.status = [d.memory.alloc(256, "host", "status") for d in self.devs]
 

@@ -1,31 +1,24 @@
 #!/usr/bin/env python3
-"""One GPU against two: pp and tg of a model on one GPU, split over two hubs as a pipeline
-(:mod:`vkxsplit.pipeline`), and with the second GPU attached as a ``vulkan-peer`` backend
-under layer and tensor splits, with the cross-GPU traffic of one step of each.
+"""One GPU against two: pp and tg of a model on one hub, and over two hubs (device 0 and
+``--peer-device``, one hub each: :class:`vkxsplit.model.Model` with ``devices``), with the bytes
+that cross between the GPUs in one prefill and one decode step.
 
 Configurations (``--splits``, separated by ``;``):
 
-- ``one-gpu``: the model on device 0 alone, no backend;
-- ``pipeline:A,B[:mN]``: layers split A:B over device 0 and ``--peer-device``, one hub each,
-  ``N`` micro-batches per prompt step (default: the pipeline's); crossed bytes = the hidden
-  state per link;
-- ``row[:f16]``: the tensor split over two hubs (:mod:`vkxsplit.tensor_split`): every matrix split by
-  rows (the output projections by columns) over device 0 and ``--peer-device``, an all-reduce of
-  the partial sums after each attention and FFN (crossed bytes: both partials of every
-  all-reduce; "jobs": all-reduces per step; ``:f16``: the partials cross as f16);
-- any planner split (``none``, ``layer:1,1``, ``tensor:1,1``): the model on device 0 with the
-  peer attached (``vulkan-peer:device=N``); one prefill step of ``-p`` tokens and one decode
-  step are run between ``traffic.begin_step()`` and ``traffic.step()``: bytes that crossed
-  between the two devices (``crossed``: split mode, through host pages), bytes the peer read or
-  wrote in place in the hub's memory (``in place``: shared mode, one physical device) and weight
-  bytes loaded into the peer.
+- ``one-gpu``: the model on device 0 alone;
+- ``layer:A,B[:mN]`` (or ``pipeline:A,B[:mN]``): the layers split A:B over the two hubs, ``N``
+  micro-batches per prompt step (default: the model's); crossed bytes = the hidden state per
+  link; relay rounds = one per micro-batch and link;
+- ``tensor:1,1[:f16]`` (or ``row[:f16]``): every matrix split by rows (the output projections by
+  columns) over the two hubs, an all-reduce of the partial sums after each attention and FFN
+  (crossed bytes: both partials of every all-reduce; "rounds": all-reduces per step;
+  ``:f16``: the partials cross as f16).
 
 pp and tg are ``runner.bench_model``'s (median t/s over the repetitions). Prints one markdown
 table.
 
   python tools/bench_multigpu.py                      # the 2-GPU machine: llama8b q4_0 synth
-  python tools/bench_multigpu.py --quick              # lavapipe: the peer is a second logical
-                                                      # device on the same CPU device
+  python tools/bench_multigpu.py --quick              # lavapipe: both hubs on the one CPU device
 """
 
 from __future__ import annotations
@@ -42,64 +35,60 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vkxsplit.errors import VkxError  # noqa: E402
 
 
-def _bench_hubs(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int, reps: int) -> None:
-    """One GPU alone, or a pipeline over device 0 and the peer device: pp, tg and the bytes that
-    cross between the GPUs in one prefill and one decode step."""
+def _bench(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int, reps: int) -> None:
+    """One GPU alone, or the model over hubs on device 0 and the peer device: pp, tg and the
+    bytes that cross between the GPUs in one prefill and one decode step."""
     from vkxsplit.model import load_model
-    from vkxsplit.pipeline import PipelineModel
     from vkxsplit.runner import bench_model
 
-    if split == "one-gpu":
-        m = load_model(path, split="none", ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16)
+    kind, *rest = split.split(":")
+    common = {"ubatch": max(n_p, 1), "n_ctx": n_p + n_g + 16}
+    if kind == "one-gpu":
+        m = load_model(path, split="none", **common)
         row["peer"] = f"{m.device.name} alone"
-    elif split.split(":")[0] == "row":
-        from vkxsplit.tensor_split import TensorSplitModel
-
-        parts = split.split(":")[1] if ":" in split else "f32"
-        m = TensorSplitModel(path, devices=["0", peer], ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16, partials=parts)
-        row["peer"] = f"hubs on {', '.join(d.name for d in m.devices)}: rows of every matrix, {parts} partials"
-    else:
-        parts = split.split(":")
-        micro = int(parts[2][1:]) if len(parts) > 2 else None
-        m = PipelineModel(path, devices=["0", peer], layer_split=parts[1], ubatch=max(n_p, 1),
-                          n_ctx=n_p + n_g + 16, micro_batches=micro)
-        row["peer"] = (f"hubs on {', '.join(d.name for d in m.devices)}: layers {m.ranges}, "
+    elif kind in ("row", "tensor"):
+        parts = next((x for x in rest if x in ("f32", "f16")), "f32")
+        m = load_model(path, split="tensor:1,1", devices=["0", peer], partials=parts, **common)
+        row["peer"] = f"hubs on {', '.join(d.name for d in m.hubs)}: rows of every matrix, {parts} partials"
+    elif kind in ("layer", "pipeline"):
+        micro = int(rest[1][1:]) if len(rest) > 1 else None
+        m = load_model(path, split=f"layer:{rest[0]}" if rest else "layer", devices=["0", peer],
+                       micro_batches=micro, **common)
+        row["peer"] = (f"hubs on {', '.join(d.name for d in m.hubs)}: layers {m.ranges}, "
                        f"{m.micro} x {m.piece}-token micro-batches")
+    else:
+        raise VkxError(f"unknown configuration {split!r}", "one-gpu, layer:A,B[:mN], tensor:1,1[:f16]")
     with m:
         res = {r["test"]: statistics.median(r["tps"]) for r in bench_model(m, n_p, n_g, reps)}
         row["pp"], row["tg"] = res[f"pp{n_p}"], res[f"tg{n_g}"]
-        m.reset()
-        m.prefill(list(range(10, 10 + n_p)))
-        pp_x = getattr(m, "last_traffic", 0)
-        m._run([m.last_argmax()], all_logits=False)
-        tg_x = getattr(m, "last_traffic", 0)
-        if split.startswith("row"):  # one all-reduce per segment boundary
-            per_step = m.traffic["all_reduces"] // max(1, m.traffic["steps"])
-            row["pp_step"] = {"crossed_bytes": pp_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": per_step}
-            row["tg_step"] = {"crossed_bytes": tg_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": per_step}
+        if kind == "one-gpu":
+            row["pp_step"] = row["tg_step"] = (0, 0)
             return
-        relays = (len(m.stages) - 1) if hasattr(m, "stages") else 0
-        row["pp_step"] = {"crossed_bytes": pp_x, "inplace_bytes": 0, "loaded_bytes": 0,
-                          "jobs": relays * -(-n_p // m.piece) if relays else 0}
-        row["tg_step"] = {"crossed_bytes": tg_x, "inplace_bytes": 0, "loaded_bytes": 0, "jobs": relays}
+        m.reset()
+        t0 = dict(m.traffic)
+        m.prefill(list(range(10, 10 + n_p)))
+        t1 = dict(m.traffic)
+        m._run([m.last_argmax()], all_logits=False)
+        t2 = dict(m.traffic)
+        key = "all_reduces" if kind in ("row", "tensor") else "relays"
+        row["pp_step"] = (t1["crossed_bytes"] - t0["crossed_bytes"], t1[key] - t0[key])
+        row["tg_step"] = (t2["crossed_bytes"] - t1["crossed_bytes"], t2[key] - t1[key])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smol135m shape, 8/2 tokens, peer on device 0")
+    ap.add_argument("--quick", action="store_true", help="smol135m shape, 8/2 tokens, both hubs on device 0")
     ap.add_argument("--shape", default=None, help="synthetic shape (default llama8b; --quick smol135m)")
     ap.add_argument("--qtype", default="q4_0")
     ap.add_argument("-m", "--model", default=None, help="a GGUF file instead of a synthetic one")
     ap.add_argument("-p", type=int, default=None, help="prompt tokens (default 512; --quick 8)")
     ap.add_argument("-n", type=int, default=None, help="generated tokens (default 128; --quick 2)")
     ap.add_argument("-r", type=int, default=None, help="repetitions (default 3; --quick 1)")
-    ap.add_argument("--peer-device", default=None, help="the peer's Vulkan device index or name (default 1; --quick 0)")
-    ap.add_argument("--splits", default="one-gpu;pipeline:1,1;pipeline:1,1:m1;row;layer:1,1;tensor:1,1")
+    ap.add_argument("--peer-device", default=None,
+                    help="the second hub's Vulkan device index or name (default 1; --quick 0)")
+    ap.add_argument("--splits", default="one-gpu;layer:1,1;layer:1,1:m1;tensor:1,1;tensor:1,1:f16")
     ap.add_argument("--dir", default=None, help="where synthetic models go (default: a temporary directory)")
     args = ap.parse_args()
-    from vkxsplit.backends.vulkan_peer import traffic
-    from vkxsplit.model import load_model
-    from vkxsplit.runner import bench_model
     from vkxsplit.synth import write_synthetic
     from vkxsplit.vk.instance import Instance
 
@@ -114,7 +103,7 @@ def main() -> int:
         devs = inst.physical_devices()
         names = [f"{d.index}: {d.name}" for d in devs]
     if not args.quick and peer.isdigit() and int(peer) >= len(devs):
-        print(f"bench_multigpu: no Vulkan device {peer} for the peer (devices: {'; '.join(names)})",
+        print(f"bench_multigpu: no Vulkan device {peer} for the second hub (devices: {'; '.join(names)})",
               file=sys.stderr)
         return 3
     tmp = tempfile.TemporaryDirectory()
@@ -129,29 +118,12 @@ def main() -> int:
                 write_synthetic(path, shape, args.qtype, seed=0)
                 print(f"synth {path.name}: {path.stat().st_size / 2**30:.2f} GiB in {time.time() - t0:.1f} s",
                       flush=True)
-        print(f"devices: {'; '.join(names)}; peer: vulkan-peer:device={peer}\n", flush=True)
+        print(f"devices: {'; '.join(names)}; second hub on device {peer}\n", flush=True)
         rows = []
         for split in (s.strip() for s in args.splits.split(";") if s.strip()):
             row: dict = {"split": split}
             try:
-                if split == "one-gpu" or split.split(":")[0] in ("row", "pipeline"):
-                    _bench_hubs(row, path, split, peer, n_p, n_g, reps)
-                    print(row, flush=True)
-                    rows.append(row)
-                    continue
-                with load_model(path, backends=f"vulkan-peer:device={peer}", split=split,
-                                ubatch=max(n_p, 1), n_ctx=n_p + n_g + 16) as m:
-                    b = m.backends.get("vulkan-peer")
-                    row["peer"] = f"{b.peer.name} ({b.mode})" if b is not None else "-"
-                    res = {r["test"]: statistics.median(r["tps"]) for r in bench_model(m, n_p, n_g, reps)}
-                    row["pp"], row["tg"] = res[f"pp{n_p}"], res[f"tg{n_g}"]
-                    m.reset()
-                    traffic.begin_step()
-                    m.prefill(list(range(10, 10 + n_p)))
-                    row["pp_step"] = traffic.step()
-                    traffic.begin_step()
-                    m._run([m.last_argmax()], all_logits=False)
-                    row["tg_step"] = traffic.step()
+                _bench(row, path, split, peer, n_p, n_g, reps)
             except VkxError as exc:
                 row["error"] = str(exc).splitlines()[0]
             print(row, flush=True)
@@ -162,17 +134,16 @@ def main() -> int:
     def mib(x: int) -> str:
         return f"{x / 2**20:.2f}"
 
-    print(f"\n| split | GPUs | pp{n_p} t/s | tg{n_g} t/s | prefill step: crossed / in place / weights loaded MiB "
-          "| decode step: crossed / in place MiB | peer jobs (pipeline: link relays) per prefill / decode step |")
-    print("|---|---|---:|---:|---|---|---|")
+    print(f"\n| split | GPUs | pp{n_p} t/s | tg{n_g} t/s | crossed MiB per prefill step | crossed MiB per decode step "
+          "| relay rounds (layer) or all-reduces (tensor) per prefill / decode step |")
+    print("|---|---|---:|---:|---:|---:|---|")
     for r in rows:
         if "error" in r:
             print(f"| `{r['split']}` | - | error: {r['error']} | | | | |")
             continue
         a, d = r["pp_step"], r["tg_step"]
-        print(f"| `{r['split']}` | {r['peer']} | {r['pp']:.1f} | {r['tg']:.1f} | "
-              f"{mib(a['crossed_bytes'])} / {mib(a['inplace_bytes'])} / {mib(a['loaded_bytes'])} | "
-              f"{mib(d['crossed_bytes'])} / {mib(d['inplace_bytes'])} | {a['jobs']} / {d['jobs']} |")
+        print(f"| `{r['split']}` | {r['peer']} | {r['pp']:.1f} | {r['tg']:.1f} | {mib(a[0])} | {mib(d[0])} "
+              f"| {a[1]} / {d[1]} |")
     return 1 if any("error" in r for r in rows) else 0
 
 

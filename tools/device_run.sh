@@ -2,7 +2,7 @@
 # Runs on the lent NVIDIA machine (device tool), from the repo root (or from .snap/, made by
 # tools/device_snapshot.sh, to run exactly what is committed), after
 # `bash ../shared/gpu/prepare.sh` here and with carry [".device"]:
-#   bash tools/device_run.sh [warm] [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [cm2-chosen] [multigpu] [peer-tests] [pipeline-tests] [peer-fds] [cuda-tests] [save-cache]
+#   bash tools/device_run.sh [warm] [tests] [kernels] [models] [handoff] [planner] [info] [matvec] [coopmat] [coop-chosen] [ab] [mulmat-tests] [cm2-tests] [cm2] [cm2-chosen] [multigpu] [hub-tests] [cuda-tests] [save-cache]
 # (env: MODELS_ARGS for tools/bench_models.py, KERNELS_ARGS for tools/bench_kernels.py, MATVEC_ARGS, COOPMAT_ARGS, AB_ARGS, LINK_ARGS, CM2_ARGS, WARM_ARGS,
 #  TESTS_ARGS: the pytest selection of `tests` (default: tests), TESTS_TIMEOUT (default 540 s))
 # The validation layer for the test targets: apt-get download vulkan-validationlayers into .device/gl
@@ -66,14 +66,12 @@ for w in $what; do
       timeout 200 python3 tools/bench_link.py ${LINK_ARGS:-} 2>&1 | tee "$OUT/bench_link.md" ;;
     multigpu)
       timeout 400 python3 tools/bench_multigpu.py ${MULTIGPU_ARGS:-} 2>&1 | tee "$OUT/bench_multigpu.md" ;;
-    peer-tests)
-      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 200 python3 -m pytest -q -ra -p no:cacheprovider \
-        -o addopts="" tests/test_vulkan_peer.py 2>&1 | tee "$OUT/tests_peer.log" | tail -15 ;;
-    pipeline-tests)
-      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 200 python3 -m pytest -q -ra -p no:cacheprovider \
-        -o addopts="" tests/test_pipeline.py tests/test_tensor_split.py 2>&1 | tee "$OUT/tests_pipeline.log" | tail -15 ;;
-    peer-fds)
-      timeout 120 python3 tools/diag_peer_fds.py 2>&1 | tee "$OUT/diag_peer_fds.md" ;;
+    hub-tests|pipeline-tests)
+      # a model over two hubs (devices 0,1 on the 2-GPU machine: the hidden state and the
+      # partials really cross between GPUs)
+      VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 300 python3 -m pytest -q -ra -p no:cacheprovider \
+        -o addopts="" tests/test_hubs_layer.py tests/test_hubs_row.py tests/test_hubs_plan.py tests/test_link.py 2>&1 \
+        | tee "$OUT/tests_hubs.log" | tail -15 ;;
     cuda-tests)
       VKXSPLIT_VALIDATION=1 VKXSPLIT_CACHE_DIR=/tmp/vkxcache timeout 200 python3 -m pytest -q -ra -p no:cacheprovider \
         -o addopts="" tests/test_backends.py tests/test_model.py -k "cuda or integer_dot" 2>&1 | tee "$OUT/tests_cuda.log" | tail -15 ;;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a tensor-split step's time goes (vkxsplit.tensor_split): decode and prefill steps of a
+"""Where a row-split step's time goes (a model over two hubs, ``tensor:1,1``): decode and prefill steps of a
 synthetic model with the relay spinning on the shards' timelines (the default on GPUs), spinning
 only, or blocking in vkWaitSemaphores (slices of 0.05 s or 10 s). Prints one table: ms per
 step, host time submitting segment 0, and the logits' distance to a one-hub model.
@@ -34,7 +34,6 @@ def main() -> int:
     a = ap.parse_args()
     from vkxsplit.model import load_model
     from vkxsplit.synth import write_synthetic
-    from vkxsplit.tensor_split import TensorSplitModel
 
     with tempfile.TemporaryDirectory() as d:
         path = write_synthetic(Path(d) / "m.gguf", a.shape, a.qtype, seed=1, n_layer=a.n_layer)
@@ -49,10 +48,10 @@ def main() -> int:
         print(f"one hub: prefill {a.p} + {a.steps} decode steps: {one_ms:.1f} ms")
         print("\n| relay | decode ms/step | host ms submitting | prefill ms | max abs(logits - one hub) |")
         print("|---|---:|---:|---:|---:|")
-        with TensorSplitModel(path, devices=a.devices, n_ctx=a.p + 64, ubatch=a.p) as m:
+        with load_model(path, split="tensor:1,1", devices=a.devices, n_ctx=a.p + 64, ubatch=a.p) as m:
             for label, spin, sl in (("spin 0.5 s, then block", 0.5, 0.05), ("spin only", float("inf"), 0.05),
                                     ("block, 0.05 s slices", 0.0, 0.05), ("block, 10 s", 0.0, 10.0)):
-                m.relays[0].spin_s, m.relays[0].slice_s = spin, sl
+                m.relay.spin_s, m.relay.slice_s = spin, sl
                 m.reset()
                 err = float(np.abs(m.logits(ids[:8]) - want).max())
                 m.reset()

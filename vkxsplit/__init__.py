@@ -13,7 +13,7 @@ Where to find each concept (one module each):
 - ``vkxsplit.gguf_model`` / ``vkxsplit.tokenizer`` / ``vkxsplit.model``: GGUF file to logits
 - ``vkxsplit.backend`` / ``vkxsplit.attach``: attached backends and shared memory
 - ``vkxsplit.plan``: the split planner (layer, tensor, mode splits over attached backends)
-- ``vkxsplit.pipeline``: a model's layers over several GPUs, one hub each
+- ``vkxsplit.hubs``: what each hub of a model holds (one hub per GPU: layer ranges or row shards)
 """
 
 from __future__ import annotations
@@ -30,30 +30,30 @@ __all__ = ["VkxError", "__version__", "load_model"]
 def load_model(path: Any = None, split: Any = None, backends: Any = None, **kw: Any) -> Any:
     """Load a GGUF model onto the hub (default: SmolLM2-135M-Instruct Q4_1); see
     :class:`vkxsplit.model.Model` for the API (tokenize, detokenize, logits, generate, close).
-    ``devices=[...]`` (two or more): the layers split over those GPUs, one hub each
-    (:class:`vkxsplit.pipeline.PipelineModel`, which takes ``layer_split``, ``micro_batches``);
-    with ``split_mode="row"`` every matrix split by rows over two GPUs
-    (:class:`vkxsplit.tensor_split.TensorSplitModel`)."""
+    ``devices=[...]``: one hub per device, each a participant of the planner; llama.cpp's
+    ``split_mode="layer"`` (default: the layers as a pipeline over the hubs, ``layer_split``
+    shares, ``micro_batches``) or ``"row"`` (every matrix by rows over two hubs), or the split
+    spec itself (``split="layer:3,1"``, ``"tensor:1,1"``)."""
+    from .plan.spec import hub_split
+
     devices = kw.pop("devices", None)
-    split_mode = kw.pop("split_mode", "layer")
-    if split_mode not in ("layer", "row"):
+    split_mode = kw.pop("split_mode", None)
+    layer_split = kw.pop("layer_split", None)
+    if split_mode not in (None, "layer", "row"):
         raise VkxError(f"split_mode {split_mode!r} is not 'layer' or 'row'")
-    if devices is not None:
-        if split not in (None, "none") or backends or "device" in kw:
-            raise VkxError("devices=[...] puts one hub on each device: no split, backends or device with it")
-        if split_mode == "row":
-            from .tensor_split import TensorSplitModel
+    if devices is None:
+        if split_mode is not None or layer_split is not None or "micro_batches" in kw:
+            raise VkxError("split_mode, layer_split and micro_batches go with devices=[...] (a model over several "
+                           "hubs)", "e.g. load_model(path, devices='0,1', split_mode='row')")
+        from .model import load_model as _load
 
-            extra = sorted(set(kw) & {"layer_split", "micro_batches"})
-            if extra:
-                raise VkxError(f"{', '.join(extra)} go with split_mode='layer' (the pipeline)")
+        return _load(path, split=split, backends=backends, **kw)
+    if backends or "device" in kw:
+        raise VkxError("devices=[...] puts one hub on each device: no backends or device with it")
+    if split_mode is not None or layer_split is not None:
+        if split not in (None, "none"):
+            raise VkxError("split= and split_mode/layer_split both give the split over the hubs", "give one of them")
+        split = hub_split(split_mode or "layer", layer_split)
+    from .model import Model
 
-            return TensorSplitModel(path, devices=devices, **kw)
-        from .pipeline import PipelineModel
-
-        return PipelineModel(path, devices=devices, **kw)
-    if split_mode != "layer":
-        raise VkxError("split_mode='row' goes with devices=[...] (a model split over two GPUs)")
-    from .model import load_model as _load
-
-    return _load(path, split=split, backends=backends, **kw)
+    return Model(path, split=split, devices=devices, **kw)

@@ -23,7 +23,7 @@ kill switch.
 Architectures differ only by :class:`~vkxsplit.gguf_model.ArchInfo` flags and hyperparameters;
 phi3's fused ``attn_qkv`` and gate/up ``ffn_up`` are split into row ranges at upload
 (:func:`weight_tensors`), so its graph is the llama one. Tensor-split shards
-(:mod:`vkxsplit.tensor_split`) and pipeline stages (:mod:`vkxsplit.pipeline`) reuse the builder
+and layer ranges of a model over several hubs (:mod:`vkxsplit.hubs`) reuse the builder
 through the model's hooks (``_reduce``, ``layers``, ``first``/``last``, links).
 """
 

@@ -194,9 +194,6 @@ class MatMulJob:
       stride ``x_stride`` elements (default ``K``)
     - ``y``: f32, row stride ``y_stride`` elements (default ``N``); only columns ``[r0, r1)``
       are written, so several backends can fill one ``y`` (tensor split)
-    - ``weight_host``: for a backend with ``private_weights`` (it loads its own copy of the rows
-      it computes), the weight may instead stay in the hub's private memory (a plain ``View``)
-      with its raw bytes on the host here (rows from ``w_row0``; the model file's mapping)
     """
 
     weight: SharedView
@@ -213,19 +210,11 @@ class MatMulJob:
     r1: int = -1
     w_row0: int = 0
     name: str = ""
-    weight_host: Any = None
 
     def __post_init__(self) -> None:
         what = f"mul_mat {self.name or ''}({self.w_type} x {self.x_type}, M={self.M} N={self.N} K={self.K})"
         _check_product(self, what)
-        if not isinstance(self.weight, SharedView):
-            if self.weight_host is None:
-                raise KernelError(f"{what}: weight must be a SharedView (memory shared with the backend) or "
-                                  f"come with weight_host bytes, got {type(self.weight).__name__}")
-            if self.weight_host.nbytes < (self.r1 - self.w_row0) * row_bytes(self.w_type, self.K):
-                raise KernelError(f"{what}: weight_host ({self.weight_host.nbytes} bytes) does not hold rows "
-                                  f"[{self.w_row0}, {self.r1})")
-        for v, n in ((self.x, "x"), (self.y, "y")):
+        for v, n in ((self.weight, "weight"), (self.x, "x"), (self.y, "y")):
             if not isinstance(v, SharedView):
                 raise KernelError(f"{what}: {n} must be a SharedView (memory shared with the backend), "
                                   f"got {type(v).__name__}")
@@ -290,7 +279,6 @@ class MatMulIdJob:
     r1: int = -1
     w_row0: int = 0
     name: str = ""
-    weight_host: Any = None
     ids: SharedView | None = None
     n_expert: int = 0
     n_used: int = 0
@@ -679,8 +667,6 @@ _REGISTRY: dict[str, _Entry] = {
     "npu-emu": _Entry("vkxsplit.backends.npu_emu:NpuEmuBackend", "vkxsplit.backends.npu_emu:available"),
     "cuda": _Entry("vkxsplit.backends.cuda:CudaBackend", "vkxsplit.backends.cuda:available"),
     "hip": _Entry("vkxsplit.backends.cuda:HipBackend", "vkxsplit.backends.cuda:available_hip"),
-    "vulkan-peer": _Entry("vkxsplit.backends.vulkan_peer:VulkanPeerBackend",
-                          "vkxsplit.backends.vulkan_peer:available"),
 }
 
 

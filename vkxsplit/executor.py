@@ -37,16 +37,17 @@ from typing import TYPE_CHECKING, Any
 
 from . import attach as _attach
 from .backend import STEP_OPS, MatMulIdJob, MatMulJob, OpJob
-from .errors import KernelError, VkxError
+from .errors import KernelError, VkxError, WaitTimeout
 from .graph import Graph, Span, Tensor, any_overlap, span
 from .ops.nodes import record_node, record_tensor_convert, recorder, recorders
 from .plan.schedule import BackendIdOp, BackendNodeOp, BackendOp, HubOp
 from .vk.command import Sequence, Timestamps, hub_timeline
-from .vk.event import default_timeout
+from .vk.event import COLD_FACTOR, default_timeout
 
 if TYPE_CHECKING:
     from .backend import Backend
-    from .plan.planner import Plan
+    from .plan.result import Plan
+    from .relay import Relay
     from .vk.device import Device
 
 
@@ -66,14 +67,14 @@ def record_graph(seq: Sequence, graph: Graph, ops: Mapping[str, Any] | None = No
 
 
 def _record(seq: Sequence, op: HubOp) -> None:
-    """Record one hub item: a graph node, the hub's rows of a split ``mul_mat`` (into ``dst``
-    when set: a staging shadow of y), or an inserted conversion."""
+    """Record one hub item: a graph node, the hub's rows of a split ``mul_mat``, or an inserted
+    conversion."""
     if op.kind == "node":
         assert op.node is not None
         record_node(seq, op.node)
     elif op.kind == "rows":
         assert op.node is not None
-        recorder(op.node.op)(seq, op.node, op.r0, op.r1, op.dst)
+        recorder(op.node.op)(seq, op.node, op.r0, op.r1)
     elif op.kind == "convert":
         assert op.src is not None and op.dst is not None
         record_tensor_convert(seq, op.src, op.dst)
@@ -109,10 +110,9 @@ def _job(op: BackendOp | BackendIdOp | BackendNodeOp) -> MatMulJob | MatMulIdJob
         b_rows = ins[1].rows if n.op == "add" and len(ins[1].shape) > 1 else (1 if n.op == "add" else rows)
         return OpJob(n.op, tuple(t.buffer for t in ins), outs, rows, cols,  # type: ignore[arg-type]
                      eps=float(n.params.get("eps", 0.0)), b_rows=b_rows, name=op.name, params=params)
-    host = None if op.weight.shared or op.converted_weight else op.weight.host
     return MatMulJob(op.weight.buffer, op.weight.dtype, op.x.buffer, op.y.buffer,  # type: ignore[arg-type]
                      op.M, op.N, op.K, x_type=op.x.dtype, r0=op.r0, r1=op.r1,
-                     w_row0=op.w_row0, name=op.name, weight_host=host)
+                     w_row0=op.w_row0, name=op.name)
 
 
 def _spans(ts: Iterable[Tensor]) -> list[Span]:
@@ -128,10 +128,21 @@ class Executor:
     submitted up front (see the module docstring)."""
 
     def __init__(self, device: Device, plan: Plan, backends: Mapping[str, Backend] | Iterable[Backend] = (),
-                 *, trace: bool = False, name: str | None = None) -> None:
+                 *, trace: bool = False, name: str | None = None, hubs: list[Device] | None = None,
+                 relay: Relay | None = None) -> None:
         self.device = device
         self.plan = plan
         self.schedule = plan.schedule
+        # the Vulkan hubs (device 0 = ``device``) and, with several, the relay between them
+        self.hubs = list(hubs) if hubs else [device]
+        self.relay = relay
+        n_hubs = self.schedule.hubs
+        if n_hubs > len(self.hubs):
+            raise VkxError(f"the plan runs on {n_hubs} hubs; the executor was given {len(self.hubs)}")
+        if n_hubs > 1 and relay is None:
+            raise VkxError("a plan over several hubs needs the relay between them")
+        self.timelines = [hub_timeline(d) for d in self.hubs]
+        self._hub_last = {s.hub: s.index for s in self.schedule.segments} if n_hubs > 1 else {}
         if not isinstance(backends, Mapping):
             backends = {b.name: b for b in backends}
         used = {j.op.backend for j in self.schedule.jobs}
@@ -145,26 +156,30 @@ class Executor:
         self.recordings = 0
         self.steps = 0
         self._seqs: list[Sequence] = []
-        self._ts: Timestamps | None = None
-        self._ts_base: list[int] = []
+        self._ts: Timestamps | None = None  # hub 0's timestamps (each hub's: _tss)
+        self._tss: list[Timestamps] = []
+        self._ts_base: list[int] = []  # each segment's first timestamp in its hub's
         self._last: Step | None = None
         try:
             if trace:
-                n = sum(len(s.ops) + 1 for s in self.schedule.segments)
-                self._ts = Timestamps(device, max(1, n))
-            k = 0
+                for h in range(n_hubs):
+                    n = sum(len(s.ops) + 1 for s in self.schedule.segments if s.hub == h)
+                    self._tss.append(Timestamps(self.hubs[h], max(1, n)))
+                self._ts = self._tss[0]
+            k = [0] * n_hubs
             for seg in self.schedule.segments:
-                seq = Sequence(device, f"{self.name}#{seg.index}")
+                seq = Sequence(self.hubs[seg.hub], f"{self.name}#{seg.index}")
                 self._seqs.append(seq)
-                self._ts_base.append(k)
-                if self._ts is not None:
-                    seq.write_timestamp(self._ts, k)
-                    k += 1
+                self._ts_base.append(k[seg.hub])
+                ts = self._tss[seg.hub] if self._tss else None
+                if ts is not None:
+                    seq.write_timestamp(ts, k[seg.hub])
+                    k[seg.hub] += 1
                 for op in seg.ops:
                     _record(seq, op)
-                    if self._ts is not None:
-                        seq.write_timestamp(self._ts, k)
-                        k += 1
+                    if ts is not None:
+                        seq.write_timestamp(ts, k[seg.hub])
+                        k[seg.hub] += 1
                 seq.end()
                 self.recordings += 1
             self._jobs = [_job(j.op) for j in self.schedule.jobs]
@@ -216,6 +231,8 @@ class Executor:
         sch = self.schedule
         seqs = self._seqs
         extra = list(waits)
+        if self._hub_last:
+            return self._hubs_step(extra)
         if self._hub_only:  # split none: one submit per segment and nothing else (the hub path)
             _attach.stats.begin_step()
             vals = [seq.submit(waits=extra) if i == 0 else seq.submit() for i, seq in enumerate(seqs)]
@@ -272,6 +289,58 @@ class Executor:
             step._start_watch()
         return step
 
+    def _hubs_step(self, extra: list[Any]) -> Step:
+        """Submit one step of a plan over several hubs: each segment on its hub's queue; a
+        segment that waits for another hub's (``hub_waits``) goes through the relay, which
+        either signals a timeline the segment, queued here, waits on (``plan.cross ==
+        "signal"``) or submits it itself once the other hub got there (``"submit"``; from then
+        on the relay submits every later segment of the step, so each hub's queue keeps the
+        schedule's order). See :mod:`vkxsplit.relay`."""
+        sch, seqs, relay = self.schedule, self._seqs, self.relay
+        assert relay is not None
+        _attach.stats.begin_step()
+        vals = [0] * len(sch.segments)
+        step = Step(self, vals, [], 0)
+        self._last = step
+        first = self.steps == 0
+        if first:  # kernels compile at their first dispatch: the longer stall limit (vk.event)
+            for h, tl in enumerate(self.timelines[:sch.hubs]):
+                n = sum(1 for seg in sch.segments if seg.hub == h)
+                tl.expect_slow(tl.last + n, f"the first run of {n} segments recorded on hub{h} "
+                                              "(kernels compile at their first dispatch)")
+        via_relay = False
+
+        def points(seg: Any) -> Any:
+            return lambda: [(f"hub{sch.segments[j].hub}", self.timelines[sch.segments[j].hub], vals[j])
+                            for j in seg.hub_waits]
+
+        def submit(i: int) -> Any:
+            def run() -> None:
+                vals[i] = seqs[i].submit()
+                step.submits += 1
+            return run
+
+        for _kind, i in sch.order:
+            seg = sch.segments[i]
+            if self.plan.cross == "submit" and (seg.hub_waits or via_relay):
+                via_relay = True
+                relay.enqueue(points(seg), submit=submit(i))
+                continue
+            waits = list(extra) if i == 0 else []
+            if seg.hub_waits:
+                tl = relay.timeline(self.hubs[seg.hub], f"hub{seg.hub}")
+                v = tl.next()
+                relay.enqueue(points(seg), signal=(tl, v))
+                waits.append((tl, v))
+            vals[i] = seqs[i].submit(waits=waits)
+            step.submits += 1
+        if first:
+            step.recordings = self.recordings
+        self.steps += 1
+        if self._ts is not None:
+            step._start_watch()
+        return step
+
     def step_with(self, seqs: list[Sequence], waits: Iterable[Any] = ()) -> Step:
         """Submit one step as :meth:`step` does, with ``seqs`` (other recordings of the same
         segments, one per segment: the level profiler's, :mod:`vkxsplit.profile_step`) in
@@ -301,7 +370,7 @@ class Executor:
         return s
 
     def close(self) -> None:
-        if self._last is not None:
+        if self._last is not None and not self._hub_last:  # (several hubs: the sequences below)
             try:
                 self._last.wait()
             except Exception:  # closing: the error was (or will be) reported by its step
@@ -311,9 +380,10 @@ class Executor:
             s.wait()
             s.close()
         self._seqs.clear()
-        if self._ts is not None:
-            self._ts.close()
-            self._ts = None
+        for ts in self._tss:
+            ts.close()
+        self._tss.clear()
+        self._ts = None
 
     def __enter__(self) -> Executor:
         return self
@@ -348,6 +418,8 @@ class Step:
 
     def _final_points(self) -> list[Any]:
         ex = self.executor
+        if ex._hub_last:  # several hubs: each one's last segment
+            return [(ex.timelines[h], self.seg_values[i]) for h, i in sorted(ex._hub_last.items())]
         pts: list[Any] = []
         if ex._last_seg >= 0 and self.seg_values[ex._last_seg]:
             pts.append((ex.timeline, self.seg_values[ex._last_seg]))
@@ -390,6 +462,12 @@ class Step:
         if self.done:
             return
         timeout = default_timeout() if timeout is None else timeout
+        if self.executor._hub_last:
+            self._wait_hubs(timeout)
+            self.done = True
+            if self._watch is not None:  # (its points are reached: it ends; join cannot take inf)
+                self._watch.join(None if timeout == float("inf") else timeout)
+            return
         pts = self._final_points() if outputs is None else self._writer_points(outputs)
         # the backends of the step are watched: one that dies fails the wait at once, and their
         # progress (answers, heartbeats) counts as the step's (see vk.event: slow versus dead)
@@ -405,18 +483,54 @@ class Step:
         for b in self.executor.backends.values():
             b.check()
 
+    def _wait_hubs(self, timeout: float) -> None:
+        """Wait for every hub's last segment of a step over several hubs. The relay's error is
+        raised as soon as it has one (it names the hub that did not get there); the wait times
+        out only after ``timeout`` s in which neither the counter nor the relay moved (a step
+        is many crossings), longer while the first run compiles its kernels."""
+        ex = self.executor
+        relay = ex.relay
+        assert relay is not None
+        for h, i in sorted(ex._hub_last.items()):
+            tl = ex.timelines[h]
+            seen, since = -1, time.monotonic()
+            while True:
+                relay.check()
+                v = self.seg_values[i]  # (0 until the relay submitted it)
+                cur = tl._value()
+                if v and cur >= v:
+                    break
+                if cur != seen:
+                    seen, since = cur, time.monotonic()
+                if v:
+                    try:
+                        tl.wait(v, 0.05)
+                        continue
+                    except WaitTimeout:
+                        pass
+                else:
+                    time.sleep(0.002)
+                cold = cur < tl._slow_until
+                limit = timeout * (COLD_FACTOR if cold else 1.0) + 4 * relay.slice_s
+                if time.monotonic() - max(since, relay.progress) > limit:
+                    relay.check()
+                    raise WaitTimeout(f"hub{h} ({tl.name}) did not reach {v or 'its last segment'} within "
+                                      f"{timeout:g} s of the last crossing (it is at {cur}): a hub's step is stuck",
+                                      "raise VKXSPLIT_TIMEOUT_S if the work is just slow")
+
     # -- tracing ----------------------------------------------------------------------------
 
     def _start_watch(self) -> None:
         sch = self.executor.schedule
-        tl = self.executor.timeline
-        pts: list[tuple[tuple[str, int], Any, int]] = []
+        tls = self.executor.timelines
+        vals = self.seg_values  # (over several hubs the relay may submit, and fill in, a value later)
+        pts: list[tuple[tuple[str, int], Any, Any]] = []
         for kind, i in sch.order:
             if kind == "seg":
-                pts.append((("seg", i), tl, self.seg_values[i]))
+                pts.append((("seg", i), tls[sch.segments[i].hub], lambda i=i: vals[i]))
             else:
                 p = self.job_points[i]
-                pts.append((("job", i), p[0], p[1]))
+                pts.append((("job", i), p[0], lambda v=p[1]: v))
         deadline = time.monotonic() + default_timeout()
 
         def watch() -> None:
@@ -425,17 +539,18 @@ class Step:
                 now = time.perf_counter_ns()
                 cache: dict[int, int] = {}
                 keep = []
-                for key, t, v in left:
+                for key, t, value in left:
+                    v = value()
                     cur = cache.get(id(t))
                     if cur is None:
                         try:
                             cur = cache[id(t)] = t.value
                         except VkxError:
                             return
-                    if cur >= v:
+                    if v and cur >= v:
                         self._seen[key] = now
                     else:
-                        keep.append((key, t, v))
+                        keep.append((key, t, value))
                 left = keep
                 if left:
                     time.sleep(0.0002)
@@ -454,36 +569,39 @@ class Step:
             raise VkxError("this executor was made without trace=True: no timeline to export")
         self.wait()
         sch = ex.schedule
-        ts = ex._ts.read()
-        tracks = ["hub"] + sorted(ex.backends)
+        tss = [t.read() for t in ex._tss]
+        multi = len(tss) > 1
+        hubs = [f"hub{h}" for h in range(len(tss))] if multi else ["hub"]
+        tracks = hubs + sorted(ex.backends)
         tid = {n: i for i, n in enumerate(tracks)}
         ev: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": ex.name}}]
         for n, i in tid.items():
-            label = f"{n} ({ex.device.name})" if n == "hub" else n
+            label = f"{n} ({ex.hubs[i].name})" if i < len(hubs) else n
             ev.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": i, "args": {"name": label}})
             ev.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": i, "args": {"sort_index": i}})
-        # GPU -> host clock: the smallest (seen - gpu end) over segments (seeing is always late)
-        offs = []
+        # GPU -> host clock per hub: the smallest (seen - gpu end) over its segments (seeing is
+        # always late)
+        offs: list[list[float]] = [[] for _ in tss]
         for s in sch.segments:
             seen = self._seen.get(("seg", s.index))
             if seen is not None:
-                offs.append(seen - ts[ex._ts_base[s.index] + len(s.ops)])
-        off = min(offs) if offs else self._t0 - ts[0]
+                offs[s.hub].append(seen - tss[s.hub][ex._ts_base[s.index] + len(s.ops)])
+        off = [min(o) if o else self._t0 - t[0] for o, t in zip(offs, tss)]
         seg_end: dict[int, float] = {}
 
         def us(host_ns: float) -> float:
             return (host_ns - self._t0) / 1000.0
 
         for s in sch.segments:
-            base = ex._ts_base[s.index]
-            seg_end[s.index] = ts[base + len(s.ops)] + off
+            base, ts, o = ex._ts_base[s.index], tss[s.hub], off[s.hub]
+            seg_end[s.index] = ts[base + len(s.ops)] + o
             for k, op in enumerate(s.ops):
-                a, b = ts[base + k] + off, ts[base + k + 1] + off
-                ev.append({"ph": "X", "name": op.name, "cat": op.kind, "pid": 1, "tid": tid["hub"],
+                a, b = ts[base + k] + o, ts[base + k + 1] + o
+                ev.append({"ph": "X", "name": op.name, "cat": op.kind, "pid": 1, "tid": s.hub,
                            "ts": us(a), "dur": max(0.0, (b - a) / 1000.0),
                            "args": {"segment": s.index, **({"rows": [op.r0, op.r1]} if op.kind == "rows" else {})}})
             if not s.ops:
-                ev.append({"ph": "i", "name": f"join#{s.index}", "pid": 1, "tid": tid["hub"], "s": "t",
+                ev.append({"ph": "i", "name": f"join#{s.index}", "pid": 1, "tid": s.hub, "s": "t",
                            "ts": us(seg_end[s.index])})
         free: dict[str, float] = {}
         for kind, i in sch.order:
@@ -512,10 +630,10 @@ class Step:
         if ex._ts is None:
             raise VkxError("this executor was made without trace=True")
         self.wait()
-        ts = ex._ts.read()
+        tss = [t.read() for t in ex._tss]
         out: dict[int, float] = {}
         for s in ex.schedule.segments:
-            base = ex._ts_base[s.index]
+            base, ts = ex._ts_base[s.index], tss[s.hub]
             for k, op in enumerate(s.ops):
                 out[id(op)] = max(0.0, (ts[base + k + 1] - ts[base + k]) * 1e-9)
         return out

@@ -34,9 +34,6 @@ class Tensor:
     dtype: str  # f32, f16, bf16, i32, u32 or a ggml weight type name (q4_0, q6_k, ...)
     buffer: Bindable | None = None
     weight: bool = False
-    # a weight's raw ggml bytes on the host (the model file's mapping), for backends that load
-    # their own copy of a weight the hub keeps in its private memory (a split-mode vulkan peer)
-    host: Any = None
 
     @property
     def rows(self) -> int:
@@ -92,6 +89,7 @@ class Node:
     output: Tensor
     params: dict[str, Any] = field(default_factory=dict)
     index: int = -1
+    hub: int = 0  # the Vulkan hub whose buffers the node reads and writes (a model over several hubs)
 
     def _param_tensors(self) -> list[Tensor]:
         return [v for v in self.params.values() if isinstance(v, Tensor)]

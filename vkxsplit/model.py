@@ -19,63 +19,68 @@ Reading order for one step (``Model._run``):
 
 With backends attached (``backends="cpu,npu-emu"``), the weights and the activations live in
 one :class:`~vkxsplit.attach.SharedArena`: hub kernels bind them and the backends read and
-write them in place. Prompt processing and decode get different plans (``T`` differs) over
-the same weights and KV cache; ``mode:cuda>=32`` is "CUDA does prefill, Vulkan does decode".
+write them in place. Over several GPUs (``devices="0,1"``) every GPU is a hub and a
+participant of the same planner and executor (``hub0``, ``hub1``): what each holds is placed at
+load (:mod:`vkxsplit.hubs`), the graph is every hub's part joined, and the executor carries the
+waits between hubs through one relay (:mod:`vkxsplit.relay`). Prompt processing and decode
+get different plans (``T`` differs) over the same weights and KV cache; ``mode:cuda>=32`` is
+"CUDA does prefill, Vulkan does decode".
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .archs import DecodeQ8, build_graph, weight_tensors  # noqa: F401 (DecodeQ8: its old home, re-exported)
+from .archs import DecodeQ8  # noqa: F401 (DecodeQ8: its old home, re-exported)
 from .calibrate import MeasuringCostModel, hub_node_times
 from .defaults import N_PREDICT, SAMPLING, chat_default, split_for_machine
-from .errors import Closable, ModelError, VkxError
+from .errors import Closable, ModelError, PlanError, VkxError
 from .executor import Executor, Step
 from .gguf_model import ModelFile, default_model_path
 from .gguf_model import load_model as load_gguf
-from .graph import Graph, Tensor
+from .graph import Graph
+from .hubs import (
+    WORLD,
+    HostLink,
+    HubShare,
+    check_partials,
+    layer_ranges,
+    parse_devices,
+    shard_hparams,
+    slot_rows,
+)
 from .plan.cost import CostModel, simulate
-from .plan.planner import Plan, Planner
+from .plan.planner import Planner
 from .plan.profile import Profile
+from .plan.result import Plan
 from .plan.spec import SplitSpec, parse_backends
 from .plan.workspace import ArenaWorkspace
+from .relay import Relay
+from .sampling import Sampler
 from .tokenizer import Tokenizer
 from .vk.device import Device
-from .vk.kernel import View
+from .vk.memory import _align
 
 log = logging.getLogger("vkxsplit.model")
 
 
-def _type_name(t: Any) -> str:
-    return t.name.lower()
+__all__ = ["LanguageModel", "Model", "Sampler", "load_model", "slot_rows"]
 
-
-def slot_rows(ubatch: int, slots: int) -> int:
-    """Rows per slot: ``ubatch`` rounded up to 64 rows when there are several slots, so every
-    slot's offset into an i32 or f32 buffer is a multiple of 256 bytes (the largest
-    ``minStorageBufferOffsetAlignment`` the Vulkan spec allows)."""
-    return ubatch if slots <= 1 else -(-ubatch // 64) * 64
-
-
-#: bytes of a weight copied to the hub at a time (the file pages behind each chunk are released)
-_UPLOAD_CHUNK = 16 << 20
 
 class LanguageModel(Closable):
     """Tokens and text in, logits and tokens out: the API a user calls, the same for a model on
-    one GPU (:class:`Model`) and one split over several GPUs
-    (:class:`vkxsplit.pipeline.PipelineModel`). Subclasses set ``hp``, ``n_ctx``, ``ubatch``,
+    one hub or several (:class:`Model`). Subclasses set ``hp``, ``n_ctx``, ``ubatch``,
     ``n_past``, ``_tokenizer``/``_tokenizer_error`` and implement ``_run`` (one step of at most
-    ``ubatch`` tokens appended to the context) and ``_out`` (the :class:`Model` whose
-    ``logits_buf``/``argmax_buf`` the step's outputs land in)."""
+    ``ubatch`` tokens appended to the context) and ``_out`` (the hub share,
+    :class:`vkxsplit.hubs.HubShare`, whose ``logits_buf``/``argmax_buf`` the step's outputs
+    land in)."""
 
     hp: Any
     n_ctx: int
@@ -107,16 +112,7 @@ class LanguageModel(Closable):
         except ModelError as exc:
             self._tokenizer_error = exc
 
-    @staticmethod
-    def _summed_stats(parts: Iterable[Model]) -> dict[str, int]:
-        """Step counters of a model made of several hubs' Models (stages, shards), summed."""
-        out: dict[str, int] = {}
-        for part in parts:
-            for k, v in part.stats.items():
-                out[k] = out.get(k, 0) + v
-        return out
-
-    def _out(self) -> Model:
+    def _out(self) -> Any:
         raise NotImplementedError
 
     def _read_logits(self, T: int) -> np.ndarray:
@@ -194,8 +190,8 @@ class LanguageModel(Closable):
         """Plan and record the steps a generation from an ``n_prompt``-token prompt runs (with
         ``--split auto``, the planner's first-run measurements), so that no reported rate counts them."""
         executor = getattr(self, "_executor", None)
-        if executor is None or n_prompt < 1:
-            return
+        if executor is None or n_prompt < 1 or getattr(self, "slots", 1) > 1:
+            return  # (micro-batches: the pieces' executors are made at the first step)
         Ts = {min(self.ubatch, n_prompt), 1} | ({n_prompt % self.ubatch} - {0})
         for T in sorted(Ts):
             executor(T, False)
@@ -297,49 +293,42 @@ class Model(LanguageModel):
     or a list of names / ``(name, options)`` / :class:`~vkxsplit.backend.Backend` objects (those
     stay the caller's). ``trace``: record GPU timestamps every step (``last_trace``).
 
-    A stage of a model split over several GPUs (:class:`vkxsplit.pipeline.PipelineModel`) is a
-    Model of ``layers=(first, end)``: it holds only those layers' weights and KV cache; a stage
-    that does not start at layer 0 reads its input hidden state from ``link_in``, one that
-    does not end at the last layer writes its output hidden state to ``link_out`` (views of
-    host pages the two GPUs share, ``slots`` x :func:`slot_rows` rows of ``n_embd`` f32: a step
-    of slot ``s`` reads and writes rows ``[s*slot_rows, s*slot_rows + T)`` of them and of the
-    ids, positions and logits, so micro-batches in flight on different stages never share
-    rows)."""
+    ``devices``: one Vulkan hub per device (``"0,1"``, or the same device twice for two hubs on
+    one GPU), each a participant of the planner (``hub0``, ``hub1``, ...): ``split`` is then
+    ``layer[:R,R...]`` (default: equal shares), the layers as a pipeline of stages, one range
+    per hub, with ``micro_batches`` pieces of a prompt step in flight on different hubs at once
+    (default: twice the hubs, pieces of at least 32 tokens), or ``tensor:1,1`` over two hubs,
+    every matrix split by rows with an all-reduce after each attention and FFN, its partial sums
+    crossing in ``partials`` (``f32``, or ``f16``: half the bytes, each partial rounded once).
+    What each hub holds is decided here, at load (:mod:`vkxsplit.hubs`); ``timeout``: the stall
+    limit of the relay between the hubs (default ``VKXSPLIT_TIMEOUT_S``). Backends attach to a
+    model on one hub only."""
 
     def __init__(self, path: str | Path | None = None, device: Device | None = None, n_ctx: int | None = None,
                  ubatch: int = 512, split: Any = None, backends: Any = None, progress: Any = None,
-                 trace: bool = False, profile_dir: str | Path | None = None,
-                 layers: tuple[int, int] | None = None, link_in: Any = None, link_out: Any = None,
-                 slots: int = 1) -> None:
+                 trace: bool = False, profile_dir: str | Path | None = None, devices: Any = None,
+                 micro_batches: int | None = None, partials: str = "f32", timeout: float | None = None) -> None:
         self.path = Path(path) if path else default_model_path()
+        sels = parse_devices(devices) if devices is not None else None
+        if sels is not None and device is not None:
+            raise VkxError("device= and devices= both choose the hub", "give devices= (one hub each) or device=")
+        self.partials = check_partials(partials)
         self.file: ModelFile = load_gguf(self.path)
-        try:
-            self.hp = self._shape_hparams(self.file.hparams)
-        except BaseException:
-            self.file.close()
-            raise
-        n_layer = self.hp.n_layer
-        self.layers = range(*(layers or (0, n_layer)))
-        if not (0 <= self.layers.start < self.layers.stop <= n_layer):
-            self.file.close()
-            raise VkxError(f"layers {tuple(layers or ())} are not a non-empty range of the model's {n_layer} layers")
-        self.first, self.last = self.layers.start == 0, self.layers.stop == n_layer
-        if (link_in is None) != self.first or (link_out is None) != self.last:
-            self.file.close()
-            raise VkxError(f"stage of layers [{self.layers.start}, {self.layers.stop}): a stage that does not start "
-                           "at layer 0 needs link_in, one that does not end at the last layer needs link_out "
-                           "(and only those)")
-        self.link_in, self.link_out = link_in, link_out
-        self.slots = max(1, int(slots))
+        self.hp = self.file.hparams
         self._load_tokenizer(self.file)
         self._own_device = device is None
-        self.device = device or Device.open()
+        self.device: Device = device  # type: ignore[assignment]
+        self.hubs: list[Device] = []
+        self.shares: list[HubShare] = []
+        self.links: list[HostLink] = []
+        self.relay: Relay | None = None
+        self.timeout = timeout
         self.n_ctx = int(n_ctx or min(self.hp.n_ctx_train or 2048, 4096))
         self.ubatch = max(1, min(ubatch, self.n_ctx))
-        self.slot_rows = slot_rows(self.ubatch, self.slots)
+        self.micro, self.piece, self.slots = 1, self.ubatch, 1
+        self.ranges: list[tuple[int, int]] = [(0, self.hp.n_layer)]
         self.n_past = 0
         self._execs: OrderedDict[tuple[int, bool, int], Executor] = OrderedDict()
-        self._bufs: list[Any] = []
         self._owned_backends: list[Any] = []
         self.backends: dict[str, Any] = {}
         self.arena: Any = None
@@ -351,17 +340,98 @@ class Model(LanguageModel):
         self.last_trace: dict[str, Any] | None = None
         self.stats = {"steps": 0, "submits": 0, "recordings": 0, "backend_jobs": 0, "host_waits_in_step": 0,
                       "staged_bytes": 0}
+        # several hubs: bytes that crossed between them (into host pages both import), relay
+        # rounds and all-reduces, since load and in the last step
+        self.traffic = {"crossed_bytes": 0, "steps": 0, "relays": 0, "all_reduces": 0}
+        self.last_traffic = 0
+        self._failed: list[Step] = []  # the steps of a failed step over several hubs (see _drain)
         try:
             t0 = time.perf_counter()
+            if sels is None:
+                self.device = device or Device.open()
+                self.hubs = [self.device]
+            else:
+                for sel in sels:
+                    self.hubs.append(Device.open(sel))
+                self.device = self.hubs[0]
+                self._own_device = True
             self._attach(backends)
-            self.planner = Planner(self.backends.values(), workspace=self.workspace)
+            self.planner = Planner(self.backends.values(), workspace=self.workspace, hubs=len(self.hubs))
+            if split is None and len(self.hubs) > 1:
+                split = "layer"
             self.split: SplitSpec = self.planner.check(split)
-            self._upload_weights(progress)
-            self._alloc_state()
+            self._place(micro_batches, progress)
+            self.weight_bytes = sum(sh.weight_bytes for sh in self.shares)
             self.load_seconds = time.perf_counter() - t0
         except BaseException:
             self.close()
             raise
+        if len(self.hubs) > 1:
+            log.info("%s over %s: %s", self.split, ", ".join(d.name for d in self.hubs), self.split_label)
+
+    # -- hubs -------------------------------------------------------------------------------
+
+    def _place(self, micro_batches: int | None, progress: Any) -> None:
+        """What each hub holds (:mod:`vkxsplit.hubs`), from the split spec: the whole model on
+        one hub; layer ranges by share (a pipeline; micro-batches in slots); or row shards."""
+        hubs, n, E = self.hubs, len(self.hubs), self.hp.n_embd
+        if n == 1:
+            self.shares = [HubShare(self, 0, self.device)]
+        elif self.split.kind == "layer":
+            self.ranges = layer_ranges(self.hp.n_layer, self.planner.hub_shares(self.split))
+            want = 2 * n if micro_batches is None else int(micro_batches)
+            self.micro = max(1, min(want, self.ubatch // 32 if micro_batches is None else self.ubatch, self.ubatch))
+            self.piece = -(-self.ubatch // self.micro)  # tokens per micro-batch
+            self.slots = self.micro
+            link_bytes = self.micro * slot_rows(self.piece, self.micro) * E * 4
+            for i in range(n - 1):
+                self.links.append(HostLink([hubs[i], hubs[i + 1]], link_bytes, f"link{i}"))
+            for i, rng in enumerate(self.ranges):
+                self.shares.append(HubShare(self, i, hubs[i], layers=rng,
+                                            link_in=self.links[i - 1].views[1] if i > 0 else None,
+                                            link_out=self.links[i].views[0] if i < n - 1 else None))
+        else:  # tensor: row shards, an all-reduce through host pages both hubs import
+            shard_hparams(self.hp)  # refuse early, with the reason
+            slot = _align(self.ubatch * E * 4, 256)
+            pages = HostLink(hubs, 2 * WORLD * slot, "row-split")
+            self.links.append(pages)
+
+            def views(dev: int, owner: int) -> list[Any]:  # (buffer as hub dev sees it, offset) per parity
+                return [(pages.views[dev], (owner * 2 + p) * slot) for p in range(2)]
+
+            for r in range(n):
+                self.shares.append(HubShare(self, r, hubs[r], rank=r, publish=views(r, r), peer=views(r, 1 - r)))
+        for sh in self.shares:
+            sh.upload_weights(progress)
+            sh.alloc_state()
+        if n > 1:  # (a spin on the counters would take a core from a CPU device)
+            self.relay = Relay("hub-relay", self.timeout, spin_s=0.0 if any(d.is_cpu for d in hubs) else None)
+
+    @property
+    def split_label(self) -> str:
+        """The split in words: the spec, and over several hubs what each holds."""
+        if len(self.hubs) == 1:
+            return str(self.split)
+        if self.split.kind == "layer":
+            return f"{self.split}: layers " + ",".join(f"{a}-{b - 1}" for a, b in self.ranges) + \
+                f" on hub{'s' if len(self.hubs) > 1 else ''} 0-{len(self.hubs) - 1}"
+        return f"{self.split}: tensor split (rows) over {len(self.hubs)} hubs, {self.partials} partials"
+
+    def _share(self) -> HubShare:
+        return self.shares[0]
+
+    # the buffers of a model on one hub (hub 0's share over several hubs; the logits: _out())
+    weights = property(lambda self: self._share().weights)
+    kv = property(lambda self: self._share().kv)
+    act = property(lambda self: self._share().act)
+    ids_buf = property(lambda self: self._share().ids_buf)
+    pos_buf = property(lambda self: self._share().pos_buf)
+    xq_buf = property(lambda self: self._share().xq_buf)
+    attn_scratch = property(lambda self: self._share().attn_scratch)
+    decode_splits = property(lambda self: self._share().decode_splits)
+    slot_rows = property(lambda self: self._share().slot_rows)
+    logits_buf = property(lambda self: self._out().logits_buf)
+    argmax_buf = property(lambda self: self._out().argmax_buf)
 
     # -- backends and memory ------------------------------------------------------------------
 
@@ -383,152 +453,34 @@ class Model(LanguageModel):
             self.arena = SharedArena(self.device, list(self.backends.values()), name=f"model:{self.path.name}")
             self.workspace = ArenaWorkspace(self.device, self.arena)
 
-    def _alloc(self, nbytes: int, pool: str, name: str, shared: bool = False) -> Any:
-        """A buffer from the hub pool ``pool``, or from the shared arena when ``shared`` and
-        backends are attached (a SharedBuffer: hub kernels bind it, backends reach it)."""
-        if shared and self.arena is not None:
-            sb = self.arena.alloc(nbytes, name)
-            if pool == "host" and not sb.buffer.host_visible:  # the caller reads it: keep it readable
-                sb.close()
-            else:
-                return sb
-        b = self.device.memory.alloc(nbytes, pool, name)
-        self._bufs.append(b)
-        return b
-
-    @staticmethod
-    def _view(buf: Any, offset: int = 0, size: int | None = None) -> Any:
-        from .attach import SharedBuffer
-
-        if isinstance(buf, SharedBuffer):
-            return buf.view(offset, size)
-        return View(buf, offset, size)
-
-    def _upload_weights(self, progress: Any) -> None:
-        self.weights: dict[str, Tensor] = {}
-        # (phi3's fused attn_qkv / gate-up ffn_up come as their row ranges: archs.weight_tensors)
-        items = sorted(weight_tensors(self.file).items())
-        total = sum(t.nbytes for _, t in items)
-        done = 0
-        from .attach import SharedBuffer
-
-        # Weights go to the shared arena when some backend reads them in place. When every
-        # attached backend loads its own copy (a split-mode vulkan peer on another GPU: its
-        # arena is host pages), they stay in the hub's device memory, and the backends load
-        # their rows from the file's mapping (Tensor.host): the hub never reads its weights
-        # over the bus.
-        shared = any(not getattr(b, "private_weights", False) for b in self.backends.values())
-        items = [(name, ti) for name, ti in items if self._holds(name)]
-        total = sum(t.nbytes for _, t in items)
-        held = 0
-        for name, ti in items:
-            shape, data = self._weight_data(name, ti)
-            buf = self._alloc(data.nbytes, "device", name, shared=shared)
-            dst = buf.buffer if isinstance(buf, SharedBuffer) else buf
-            src = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-            # The hub's copy (or the arena's) is the one kept: copy in chunks and let go of the
-            # file pages each chunk touched, or every weight is resident twice (and a large one
-            # briefly three times through a staging buffer as large as it). A backend loading
-            # its own rows from Tensor.host later faults in only those.
-            for o in range(0, src.nbytes, _UPLOAD_CHUNK):
-                dst.write(src[o:o + _UPLOAD_CHUNK], o)  # staged when device-only
-                self.file.release_pages(src[o:o + _UPLOAD_CHUNK])
-            self.file.release_pages(ti.data)  # (a slice copied from it: the file's pages too)
-            # (host: where a backend loading its own copy reads the rows from; only with backends,
-            # so that a slice copied at load, a tensor-split shard's columns, is not kept)
-            self.weights[name] = Tensor(name, shape, _type_name(ti.ggml_type), self._view(buf), weight=True,
-                                        host=data if self.backends else None)
-            done += ti.nbytes
-            held += data.nbytes
-            if progress:
-                progress(done, total)
-        self.weight_bytes = held
-
-    def _shape_hparams(self, hp: Any) -> Any:
-        """The dimensions this model computes with: the file's (a tensor-split shard's are
-        its share of the heads and of the FFN width)."""
-        return hp
-
-    def _weight_data(self, name: str, ti: Any) -> tuple[tuple[int, ...], np.ndarray]:
-        """The shape and raw bytes this model holds of weight ``ti`` (all of it; a shard of a
-        tensor split over hubs holds a slice: :mod:`vkxsplit.tensor_split`)."""
-        return ti.shape, ti.data
-
-    def _reduce(self, g: Graph, name: str, o: Tensor) -> Tensor:
-        """Where a layer's output projection (``attn_output``, ``ffn_down``) ends: the identity
-        here; a shard of a tensor split sums its partial with the other shards' there."""
-        return o
-
-    makes_logits = True  # (a tensor-split shard other than the first leaves the logits to it)
-
-    def _holds(self, name: str) -> bool:
-        """Whether this model (a pipeline stage: some of the layers) needs weight ``name``."""
-        if name.startswith("blk."):
-            return int(name.split(".")[1]) in self.layers
-        tied = "output.weight" not in self.file.tensors
-        if name == "token_embd.weight":
-            return self.first or (self.last and tied)
-        if name in ("output_norm.weight", "output.weight"):
-            return self.last
-        return True
-
-    def _alloc_state(self) -> None:
-        hp, T = self.hp, self.ubatch
-        f32 = 4
-        self.kv: dict[int, tuple[Any, Any]] = {}
-        kv_row = hp.n_head_kv * hp.head_dim * 2  # f16
-        # the step's state (KV cache, ids, positions, argmax) in shared memory when a backend can
-        # run the whole step (backend.STEP_OPS) beside a CPU hub, whose memory is the same RAM
-        st = bool(self.device.is_cpu) and any("kv_store" in b.caps.ops for b in self.backends.values())
-        for i in self.layers:
-            kv = (self._alloc(self.n_ctx * kv_row, "device", f"cache_k.{i}", shared=st),
-                  self._alloc(self.n_ctx * hp.n_head_kv * hp.head_dim_v * 2, "device", f"cache_v.{i}", shared=st))
-            self.kv[i] = (self._view(kv[0]), self._view(kv[1])) if st else kv  # (graph tensors take views)
-        # per-step inputs, written by the host before each submit (one ubatch per slot)
-        S = self.slots * self.slot_rows
-        self.ids_buf = self._alloc(S * 4, "host", "ids", shared=st)
-        self.pos_buf = self._alloc(S * 4, "host", "positions", shared=st)
-        # activations (shared by every graph: steps run one after another on one queue); the
-        # ones mul_mat reads and writes are in shared memory when backends are attached
-        E, F = hp.n_embd, hp.n_ff
-        sizes = {"x": E, "h": E, "q": hp.n_embd_q, "k": hp.n_embd_k_gqa, "v": hp.n_embd_v_gqa,
-                 "attn": hp.n_head * hp.head_dim_v, "o": E, "gate": F, "up": F}
-        if hp.moe is not None:  # the MoE FFN's router, grouping and expert activations (vkxsplit/moe.py)
-            from .moe import moe_act_cols
-
-            sizes.update(moe_act_cols(hp.moe, E, T))
-        # (not when every backend stages activations, i.e. a vulkan peer on another GPU: then
-        # they stay in device memory and the plan copies x/y through arena shadows at each job)
-        act_shared = any(not getattr(b, "stages_activations", False) for b in self.backends.values())
-        self.act = {k: self._alloc(T * c * f32, "device", k, shared=act_shared) for k, c in sizes.items()}
-        from .ops.attention import attention_scratch_bytes, attention_splits, decode_target_workgroups
-
-        # decode attention splits the KV length over workgroups (flash-decoding), as many as
-        # fill the device
-        self.decode_splits = attention_splits(1, hp.n_head, hp.n_head_kv, self.n_ctx,
-                                              target_workgroups=decode_target_workgroups(self.device))
-        self.attn_scratch = self._alloc(
-            attention_scratch_bytes(1, hp.n_head, hp.head_dim_v, self.decode_splits), "device", "attn_scratch",
-            shared=st)
-        if st:
-            self.attn_scratch = self._view(self.attn_scratch)
-        # decode: x quantized to q8_1 for the integer-dot-product mat-vecs (hub only; one
-        # scratch reused by every quantize node: each one's readers come before the next)
-        from .ops.mul_mat import vecq_scratch_bytes
-
-        self.xq_buf = self._alloc(vecq_scratch_bytes(1, max(sizes.values())), "device", "xq")
-        self.logits_buf = self.argmax_buf = None
-        if self.last and self.makes_logits:  # (all logits of every slot's rows: logits() of a prompt split in micro-batches)
-            self.logits_buf = self._alloc(S * hp.n_vocab * f32, "host", "logits", shared=act_shared)
-            self.argmax_buf = self._alloc(S * 4, "host", "argmax", shared=st)
-
     # -- graph ----------------------------------------------------------------------------
 
     def _build_graph(self, T: int, all_logits: bool, slot: int = 0) -> Graph:
-        """The forward pass for ``T`` tokens as a graph over this model's buffers (a pipeline
-        stage's: its layers, reading or writing the hidden state through its links): the
-        architecture's graph from :mod:`vkxsplit.archs`."""
-        return build_graph(self, T, all_logits, slot)
+        """The forward pass for ``T`` tokens as one graph over the hubs' buffers: the
+        architecture's graph (:mod:`vkxsplit.archs`) of each hub's share, its nodes marked with
+        their hub. A layer split's parts follow one another; a row split's are interleaved at
+        the all-reduces (each shard's nodes up to its next ``link_sum``, hub by hub), so that
+        both partials are published before either sum reads them."""
+        parts = [sh.build_graph(T, all_logits, slot) for sh in self.shares]
+        if len(parts) == 1:
+            return parts[0]
+        g = Graph(f"{self.file.name}:T{T}" + (f":s{slot}" if slot else ""), T=T)
+        if self.split.kind == "layer":
+            order = [n for part in parts for n in part.nodes]
+        else:
+            pieces: list[list[list[Any]]] = []
+            for part in parts:
+                cut: list[list[Any]] = [[]]
+                for n in part.nodes:
+                    if n.op == "link_sum":
+                        cut.append([])
+                    cut[-1].append(n)
+                pieces.append(cut)
+            order = [n for k in range(max(len(c) for c in pieces)) for c in pieces if k < len(c) for n in c[k]]
+        for n in order:
+            n.index = len(g.nodes)
+            g.nodes.append(n)
+        return g
 
     # -- plans and steps ----------------------------------------------------------------------
 
@@ -553,21 +505,26 @@ class Model(LanguageModel):
         return self._cost
 
     def _time_hub(self, graph: Graph) -> dict[int, float]:
-        """Hub seconds per node of ``graph``, run alone with timestamps. Positions are the last
-        ``T`` of the context: KV rows written there are rewritten before any step reads them."""
+        """Hub seconds per node of ``graph``, run alone with timestamps (over several hubs, each
+        hub's nodes on its own device). Positions are the last ``T`` of the context: KV rows
+        written there are rewritten before any step reads them."""
         T = graph.T
-
-        def before() -> None:
-            self.ids_buf.numpy(np.int32, (T,))[:] = 0
-            self.pos_buf.numpy(np.int32, (T,))[:] = np.arange(self.n_ctx - T, self.n_ctx, dtype=np.int32)
-
         # the calibration overwrites the outputs: keep what last_logits()/last_argmax() read
-        if self.logits_buf is None:  # a pipeline stage before the last: no outputs to keep
-            return hub_node_times(self.device, graph, before)
         keep_logits = self.logits_buf.numpy(np.float32, (self.hp.n_vocab,)).copy()
         keep_argmax = self.argmax_buf.numpy(np.int32, (1,)).copy()
         try:
-            return hub_node_times(self.device, graph, before)
+            out: dict[int, float] = {}
+            for h, sh in enumerate(self.shares):
+                nodes = [n for n in graph.nodes if n.hub == h]
+                part = graph if len(self.shares) == 1 else Graph(f"{graph.name}:hub{h}", nodes, T)
+
+                def before(sh: HubShare = sh) -> None:
+                    sh.ids_buf.numpy(np.int32, (T,))[:] = 0
+                    sh.pos_buf.numpy(np.int32, (T,))[:] = np.arange(self.n_ctx - T, self.n_ctx, dtype=np.int32)
+
+                if nodes:
+                    out.update(hub_node_times(self.hubs[h], part, before))
+            return out
         finally:
             self.logits_buf.numpy(np.float32, (self.hp.n_vocab,))[:] = keep_logits
             self.argmax_buf.numpy(np.int32, (1,))[:] = keep_argmax
@@ -588,19 +545,19 @@ class Model(LanguageModel):
         return self.planner.plan(g, self.split)
 
     def _executor(self, T: int, all_logits: bool, slot: int = 0) -> Executor:
-        if T > self.ubatch:
-            raise VkxError(f"a step of {T} tokens is more than ubatch {self.ubatch}")
+        if T > self.piece:
+            raise VkxError(f"a step of {T} tokens is more than ubatch {self.piece}")
         key = (T, all_logits, slot)
         hit = self._execs.get(key)
         if hit is not None:
             self._execs.move_to_end(key)
             return hit
         plan = self._make_plan(T, all_logits, slot)
-        ex = Executor(self.device, plan, self.backends, trace=self.tracing)
+        ex = Executor(self.device, plan, self.backends, trace=self.tracing, hubs=self.hubs, relay=self.relay)
         self.stats["recordings"] += ex.recordings
         self._execs[key] = ex
-        # bounded: prompts of many lengths must not pile up sequences (a pipeline stage keeps
-        # one per slot of its micro-batches in flight, plus decode)
+        # bounded: prompts of many lengths must not pile up sequences (a layer split over hubs
+        # keeps one per slot of its micro-batches in flight, plus decode)
         while len(self._execs) > max(8, 2 * self.slots + 1):
             _, old = self._execs.popitem(last=False)
             old.close()
@@ -608,8 +565,15 @@ class Model(LanguageModel):
 
     def set_split(self, split: Any) -> None:
         """Switch to another split spec over the same weights, backends and KV cache (plans and
-        converted weights of the previous spec are dropped)."""
+        converted weights of the previous spec are dropped). Over several hubs the split was
+        placed at load: only that spec."""
         spec = self.planner.check(split)
+        if len(self.hubs) > 1:
+            if str(spec) != str(self.split):
+                raise PlanError(f"split {str(spec)!r} after load is not supported on a model over {len(self.hubs)} "
+                                f"hubs: their weights were placed for {str(self.split)!r}",
+                                "load the model again with that split (--split-mode / --split)")
+            return
         self._drop_executors()
         if self.workspace is not None:
             self.workspace.release()
@@ -631,6 +595,8 @@ class Model(LanguageModel):
 
     def _run(self, ids: list[int], all_logits: bool) -> Step:
         """Append ``ids`` (at most ubatch) to the context and run the forward pass."""
+        if len(self.hubs) > 1:
+            return self._run_hubs(ids, all_logits)
         T = len(ids)
         if self.n_past + T > self.n_ctx:
             raise VkxError(f"the context is full: {self.n_past} + {T} tokens > n_ctx {self.n_ctx}",
@@ -649,15 +615,65 @@ class Model(LanguageModel):
         return ex.step(waits)
 
     def _write_inputs(self, ids: list[int], start: int, slot: int = 0) -> None:
-        """The step's token ids and positions ``start..`` into ``slot``'s rows."""
+        """The step's token ids and positions ``start..`` into ``slot``'s rows (every hub's)."""
+        for sh in self.shares:
+            sh.write_inputs(ids, start, slot)
+
+    def _run_hubs(self, ids: list[int], all_logits: bool) -> Step:
+        """One step over several hubs: its micro-batches (a layer split's pieces, each in its
+        own slot) all submitted up front through their executors, the relay carrying every
+        cross-hub wait; one wait, here, for the last piece's hubs."""
         T = len(ids)
-        views = self.__dict__.get("_io_views")
-        if views is None:  # zero-copy views of the per-step input buffers, made once
-            views = self._io_views = (self.ids_buf.numpy(np.int32), self.pos_buf.numpy(np.int32),
-                                      None if self.argmax_buf is None else self.argmax_buf.numpy(np.int32))
-        r0 = slot * self.slot_rows
-        views[0][r0:r0 + T] = ids
-        views[1][r0:r0 + T] = np.arange(start, start + T, dtype=np.int32)
+        self._check_step(T)
+        self._drain()
+        steps: list[Step] = []
+        try:
+            t0 = time.perf_counter()
+            for j, s in enumerate(range(0, T, self.piece)):
+                steps.append(self._submit(ids[s:s + self.piece], self.n_past + s, all_logits, slot=j))
+            self.last_submit_s = time.perf_counter() - t0  # host time spent queueing the step
+            for step in reversed(steps):  # (each hub runs its pieces in queue order)
+                step.wait(self.timeout)
+            assert self.relay is not None
+            with self.relay.submitting:  # (out of its last submit or signal of the step)
+                self.relay.check()
+        except BaseException:
+            self._failed = steps  # (what the failed step submitted: _drain)
+            if self.relay is not None:
+                self.relay.reset()
+            raise
+        crossed = 0
+        for step in steps:
+            self._count(step)
+            plan = step.executor.plan
+            crossed += plan.crossed_bytes
+            self.traffic["relays"] += len(plan.schedule.cross_waits())
+            self.traffic["all_reduces"] += sum(1 for n in plan.graph.nodes if n.op == "link_sum" and n.hub == 0)
+        self.n_past += T
+        self.last_traffic = crossed
+        self.traffic["crossed_bytes"] += crossed
+        self.traffic["steps"] += 1
+        return steps[-1]
+
+    def _drain(self) -> None:
+        """Before a step: what a failed step submitted must have finished (it reads the ids,
+        positions and activations the new step writes)."""
+        for step in self._failed:
+            for seq in step.executor._seqs:
+                try:
+                    seq.wait(min(5.0, self.timeout or 5.0))
+                except VkxError as exc:
+                    raise VkxError(f"a segment of a failed step is still running on {seq.device.name} ({exc})",
+                                   "wait for the stuck GPU, or close the model") from None
+        self._failed = []
+
+    def _read_logits(self, T: int) -> np.ndarray:
+        out = self._out()
+        if self.slots == 1:
+            return out.logits_buf.numpy(np.float32, (T, self.hp.n_vocab))
+        rows = out.logits_buf.numpy(np.float32, (self.slots * out.slot_rows, self.hp.n_vocab))
+        return np.concatenate([rows[j * out.slot_rows:j * out.slot_rows + min(self.piece, T - s)]
+                               for j, s in enumerate(range(0, T, self.piece))])
 
     def _count(self, step: Step) -> None:
         st = self.stats
@@ -670,36 +686,71 @@ class Model(LanguageModel):
         if self.tracing:
             self.last_trace = step.trace()
 
-    def _out(self) -> Model:
-        return self
+    def _out(self) -> HubShare:
+        """The share that makes the logits (the last layer's hub; shard 0 of a row split)."""
+        return next(sh for sh in self.shares if sh.makes_logits)
 
     def close(self) -> None:
-        self._io_views = None  # views of buffers freed below
+        if self.relay is not None:  # pending signals go out (no queue stays blocked), submits are dropped
+            self.relay.close()
+        if len(self.hubs) > 1:
+            # every submitted segment must have finished before its memory, the links' host
+            # pages and imports, or the hubs go; one still queued (a stuck GPU) keeps all of it
+            busy = self._busy()
+            if busy is not None:
+                log.error("model over %d hubs closed while a step is still queued on %s (a stuck GPU?): its "
+                          "hubs, memory and host pages are left allocated", len(self.hubs), busy)
+                self._close_file()
+                return
+        self._free()
+
+    def _busy(self) -> str | None:
+        """The device of a submitted segment that does not finish within a few seconds (the
+        model's timeout, at most 5 s), or None."""
+        for step in [*self._failed, *(ex._last for ex in self._execs.values() if ex._last is not None)]:
+            for seq in step.executor._seqs:
+                try:
+                    seq.wait(min(5.0, self.timeout or 5.0))
+                except VkxError:
+                    return seq.device.name
+        return None
+
+    def _free(self) -> None:
+        """Free everything: executors, backends' copies, memory, links, relay timelines, hubs."""
         self._drop_executors()
-        for be in self.backends.values():  # copies a backend made of weights the hub keeps private
-            if getattr(be, "private_weights", False) and be not in self._owned_backends and not be.closed:
-                for t in getattr(self, "weights", {}).values():
-                    if not t.shared:
-                        be.unload(t.buffer)
         if self.workspace is not None:
             self.workspace.close()
             self.workspace = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
-        for b in self._bufs:
-            b.close()
-        self._bufs.clear()
+        for sh in self.shares:
+            sh.close()
+        self.shares.clear()
+        for link in self.links:
+            link.close()
+        self.links.clear()
+        if self.relay is not None:
+            self.relay.close_timelines()
         for be in self._owned_backends:
             be.close()  # its timelines stay with the hub device (queued work may name them)
         self._owned_backends.clear()
-        if getattr(self, "_own_device", False) and getattr(self, "device", None) is not None:
+        if len(self.hubs) > 1:
+            for d in self.hubs:
+                d.close()
+            self.hubs.clear()
+            self.device = None  # type: ignore[assignment]
+        elif getattr(self, "_own_device", False) and getattr(self, "device", None) is not None:
             self.device.close()
             self.device = None  # type: ignore[assignment]
+        self._close_file()
+
+    def _close_file(self) -> None:
         if getattr(self, "file", None) is not None:
             self.file.close()
         if getattr(self, "_tokenizer", None) is not None:
             self._tokenizer.close()  # (taken from the model: unusable with it, ClosedError)
+
 
 def _nonfinite_logits(model: LanguageModel) -> ModelError:
     where = getattr(model, "path", None)
@@ -708,84 +759,21 @@ def _nonfinite_logits(model: LanguageModel) -> ModelError:
                       "check the file (e.g. gguf's dequantize of each tensor for NaN or inf) or fetch it again")
 
 
-class Sampler:
-    """Greedy, temperature, top-k, top-p, min-p sampling and the repeat penalty on the host (numpy).
-
-    Defaults: :mod:`vkxsplit.defaults` (shared with the command line). The repeat penalty is
-    llama.cpp's: each distinct token among the last ``repeat_last_n`` of ``history`` has its
-    logit divided by ``repeat_penalty`` where positive, multiplied where negative (also when
-    greedy). min-p keeps the tokens whose probability is at least ``min_p`` times the largest."""
-
-    def __init__(self, temperature: float = SAMPLING.temperature, top_k: int = SAMPLING.top_k,
-                 top_p: float = SAMPLING.top_p, seed: int | None = None, min_p: float = SAMPLING.min_p,
-                 repeat_penalty: float = SAMPLING.repeat_penalty, repeat_last_n: int = SAMPLING.repeat_last_n):
-        def number(v: Any, integer: bool = False) -> bool:
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-                return False
-            return float(v) == int(v) if integer and math.isfinite(v) else math.isfinite(v)
-
-        if not (number(temperature) and temperature >= 0 and number(top_p) and 0 < top_p <= 1
-                and number(top_k, integer=True) and top_k >= 0 and number(min_p) and 0 <= min_p <= 1
-                and number(repeat_penalty) and repeat_penalty > 0
-                and number(repeat_last_n, integer=True) and repeat_last_n >= -1):
-            raise VkxError(f"bad sampling parameters: temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}, "
-                           f"min_p={min_p!r}, repeat_penalty={repeat_penalty!r}, repeat_last_n={repeat_last_n!r}",
-                           "temperature: a finite number >= 0 (0 = greedy); top_k: a whole number >= 0 "
-                           "(0 = off); top_p: a number in (0, 1]; min_p: a number in [0, 1] (0 = off); "
-                           "repeat_penalty: a number > 0 (1 = off); repeat_last_n: a whole number >= -1 "
-                           "(-1 = the whole history)")
-        temperature, top_k, top_p = float(temperature), int(top_k), float(top_p)
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.min_p, self.repeat_penalty, self.repeat_last_n = float(min_p), float(repeat_penalty), int(repeat_last_n)
-        self.rng = np.random.default_rng(seed)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def needs_logits(self) -> bool:
-        """False when the GPU argmax gives the token (greedy without a repeat penalty)."""
-        return not self.greedy or self.repeat_penalty != 1.0
-
-    def penalize(self, logits: np.ndarray, history: list[int] | None) -> np.ndarray:
-        """``logits`` with the repeat penalty applied over the recent ``history`` (a copy)."""
-        if self.repeat_penalty == 1.0 or not history or self.repeat_last_n == 0:
-            return logits
-        recent = history if self.repeat_last_n < 0 else history[-self.repeat_last_n:]
-        ids = np.unique(np.asarray(recent, np.int64))
-        ids = ids[(ids >= 0) & (ids < len(logits))]
-        out = logits.astype(np.float64)
-        v = out[ids]
-        out[ids] = np.where(v > 0, v / self.repeat_penalty, v * self.repeat_penalty)
-        return out
-
-    def sample(self, logits: np.ndarray, history: list[int] | None = None) -> int:
-        logits = self.penalize(logits, history)
-        if self.greedy:
-            return int(np.argmax(logits))
-        z = logits.astype(np.float64) / self.temperature
-        idx = np.argsort(-z, kind="stable")
-        if self.top_k:
-            idx = idx[:self.top_k]
-        p = np.exp(z[idx] - z[idx[0]])
-        p /= p.sum()
-        if self.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
-            idx, p = idx[:keep], p[:keep] / p[:keep].sum()
-        if self.min_p > 0.0:
-            keep = max(1, int(np.count_nonzero(p >= self.min_p * p[0])))
-            idx, p = idx[:keep], p[:keep] / p[:keep].sum()
-        return int(idx[self.rng.choice(len(idx), p=p)])
-
-
 def load_model(path: str | Path | None = None, split: Any = None, backends: Any = None,
                device: Device | None = None, **kw: Any) -> Model:
     """Load a GGUF model (default: SmolLM2-135M-Instruct Q4_1) onto the hub.
 
     Without ``split``, the split is :func:`vkxsplit.defaults.split_for_machine`'s, the same as the
     command line's: ``auto`` over the given ``backends``; with neither, on a CPU hub (no GPU) the
-    cpu backend with ``mode:cpu`` when the hub is opened here (no ``device`` given), else ``none``."""
+    cpu backend with ``mode:cpu`` when the hub is opened here (no ``device`` given), else ``none``.
+    ``devices``: one hub per device (:class:`Model`), the split ``layer`` by default."""
+    if kw.get("devices") is not None:  # one hub per device, the split placed over them at load
+        if device is not None:
+            raise VkxError("device= and devices= both choose the hub", "give devices= (one hub each) or device=")
+        try:
+            return Model(path, split=split, backends=backends, **kw)
+        except FileNotFoundError as exc:
+            raise ModelError(f"model file not found: {path}") from exc
     own = device is None and split is None and not backends
     try:
         if own:

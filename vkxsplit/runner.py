@@ -123,6 +123,29 @@ def split_from_args(args: argparse.Namespace) -> str | None:
     return "layer:" + ",".join(items) if items else None
 
 
+def hub_split_from_args(args: argparse.Namespace) -> str:
+    """The split over the hubs of ``--devices``: ``--split`` (``layer[:R,..]`` or
+    ``tensor:1,1``), or llama.cpp's ``-sm layer|row`` with ``-ts``/``--layer-split`` as that
+    spec (:func:`vkxsplit.plan.spec.hub_split`); the planner checks it against the hubs."""
+    from .plan.spec import hub_split
+
+    if args.device is not None or args.backends or getattr(args, "override_tensor", None):
+        raise VkxError("--devices puts one hub on each device: it does not take --device, --backends or -ot",
+                       "attach backends to a model on one hub (no --devices)")
+    shares = getattr(args, "layer_split", None)
+    if args.tensor_split is not None:
+        if shares is not None:
+            raise VkxError("-ts and --layer-split both give the layers per device", "give one of them")
+        shares = ",".join(f"{r:g}" for r in args.tensor_split)
+    if args.split is not None:
+        if args.split_mode is not None or shares is not None:
+            raise VkxError("--split and -sm/-ts/--layer-split both give the split over the hubs", "give one of them")
+        return str(args.split)
+    if args.split_mode == "row" and getattr(args, "micro_batches", None) is not None:
+        raise VkxError("--layer-split/-ts and --micro-batches go with --split-mode layer")
+    return hub_split(args.split_mode or "layer", shares)
+
+
 def backends_from_args(args: argparse.Namespace) -> str | None:
     """``--backends``; without it, the backends ``-ot`` names (other than the hub)."""
     if args.backends is not None:
@@ -182,8 +205,9 @@ def add_model_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
                    "and --split/-ot/-ts")
     p.add_argument("--device", default=None, help="hub device index or name part (VKXSPLIT_DEVICE)")
     p.add_argument("--devices", default=None,
-                   help="split the layers over several GPUs, one hub each: comma-separated device indices "
-                        "or name parts (e.g. 0,1); a pipeline, like llama.cpp's --split-mode layer")
+                   help="one hub per GPU, each a participant of the planner: comma-separated device indices "
+                        "or name parts (e.g. 0,1); the split over them: --split-mode layer (a pipeline, "
+                        "default) or row, -ts shares, or --split layer:R,.. | tensor:1,1")
     p.add_argument("-sm", "--split-mode", default=None, choices=("none", "layer", "row"),
                    help="llama.cpp's split mode: with --devices, layer = a pipeline of whole layers per GPU, "
                         "row = every matrix split by rows over two GPUs; on one hub, with -ts: layer -> "
@@ -252,28 +276,11 @@ def load_from_args(args: argparse.Namespace) -> Any:
     progress.enable()
     devices = getattr(args, "devices", None)
     if devices:
-        if args.device is not None or args.backends or args.split not in (None, "none") or \
-                getattr(args, "override_tensor", None):
-            raise VkxError("--devices puts one hub on each device: it does not take --device, --backends, -ot "
-                           "or a --split other than none")
-        layer_split = args.layer_split
-        if args.tensor_split is not None:
-            if layer_split is not None:
-                raise VkxError("-ts and --layer-split both give the layers per device", "give one of them")
-            layer_split = ",".join(f"{r:g}" for r in args.tensor_split)
-        args.split_used, args.backends_used = None, None
+        split = hub_split_from_args(args)
+        args.split_used, args.backends_used = split, None
         with progress.task("loading", unit="B", delay=LOAD_DELAY_S) as bar:
-            if args.split_mode == "row":
-                if layer_split is not None or args.micro_batches is not None:
-                    raise VkxError("--layer-split/-ts and --micro-batches go with --split-mode layer")
-                from .tensor_split import TensorSplitModel
-
-                return TensorSplitModel(args.model, devices=devices, n_ctx=args.ctx_size or None,
-                                        ubatch=args.ubatch, progress=bar.callback())
-            from .pipeline import PipelineModel
-
-            return PipelineModel(args.model, devices=devices, layer_split=layer_split, n_ctx=args.ctx_size or None,
-                                 ubatch=args.ubatch, micro_batches=args.micro_batches, progress=bar.callback())
+            return load_model(args.model, split=split, devices=devices, n_ctx=args.ctx_size or None,
+                              ubatch=args.ubatch, micro_batches=args.micro_batches, progress=bar.callback())
     if args.layer_split is not None or args.micro_batches is not None:
         raise VkxError("--layer-split and --micro-batches go with --devices (a model split over several GPUs)")
     split = split_from_args(args)
@@ -302,8 +309,6 @@ def load_from_args(args: argparse.Namespace) -> Any:
 
 
 def _start_trace(model: Any, path: str | None) -> None:
-    if path and not hasattr(model, "set_trace"):
-        raise VkxError("--trace records one hub's steps: it does not go with --devices")
     if path:
         model.set_trace(True)
 
@@ -335,7 +340,7 @@ def timing_line(model: Any, split: str | None) -> str:
     t = model.timings
     pp = t["prompt_tokens"] / t["prompt_s"] if t.get("prompt_s") else 0.0
     tg = t["gen_tokens"] / t["gen_s"] if t.get("gen_s") else 0.0
-    devs = ", ".join(d.name for d in getattr(model, "devices", [model.device]))
+    devs = ", ".join(d.name for d in getattr(model, "hubs", [model.device]))
     line = (f"prompt: {t['prompt_tokens']} tokens, {pp:.1f} tok/s | generation: {t['gen_tokens']} tokens, "
             f"{tg:.1f} tok/s | device: {devs}")
     if split:
@@ -607,7 +612,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     splits = [a.split_used if s is None else s for s in splits]
     multi = bool(getattr(args, "devices", None))
     desc = model_desc(model.file)
-    backend = (f"vulkan x{len(model.devices)}" if multi else
+    backend = (f"vulkan x{len(model.hubs)}" if multi else
                "vulkan" + (f",{_backend_names(a.backends_used)}" if a.backends_used else ""))
     rows = []
     try:
@@ -628,13 +633,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                                                                else args.model),
                             "model_type": desc["model_type"], "model_size": desc["model_size"],
                             "model_n_params": desc["model_n_params"], "size_gib": desc["model_size"] / 2**30,
-                            "backends": backend, "split": model.split if multi else split, "test": r["test"],
+                            "backends": backend, "split": model.split_label if multi else split, "test": r["test"],
                             "n_prompt": r["n_prompt"], "n_gen": r["n_gen"], "n_ubatch": args.ubatch,
                             "avg_ns": int(statistics.fmean(r["seconds"]) * 1e9),
                             "stddev_ns": int(statistics.stdev(r["seconds"]) * 1e9) if len(tps) > 1 else 0,
                             "avg_ts": statistics.fmean(tps), "stddev_ts": statistics.stdev(tps) if len(tps) > 1 else 0.0,
                             "samples_ns": [int(s * 1e9) for s in r["seconds"]], "samples_ts": tps,
-                            "device": ", ".join(d.name for d in getattr(model, "devices", [model.device])),
+                            "device": ", ".join(d.name for d in model.hubs),
                         }
                         row["tps_mean"], row["tps_std"] = row["avg_ts"], row["stddev_ts"]
                         if multi:
@@ -743,12 +748,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise VkxError(f"--tokens wants token counts like 1 or 1,512, got {args.tokens!r}") from None
     if not Ts or min(Ts) < 1:
         raise VkxError("--tokens wants positive token counts")
+    ub = max(Ts)
+    n_ctx = args.ctx_size or max(ub + 1, 256)
+    if args.devices:  # one hub per device: each a participant (hub0, hub1, ...)
+        model = load_model(args.model, split=hub_split_from_args(args), devices=args.devices, n_ctx=n_ctx,
+                           ubatch=ub, micro_batches=1)
+        try:
+            plans = [model.plan(T, predict=True) for T in Ts]
+            if args.json:
+                print(json.dumps({"model": model.file.name, "devices": [d.name for d in model.hubs],
+                                  "split": str(model.split), "placed": model.split_label,
+                                  "plans": [p.to_dict() for p in plans]}, indent=1))
+            else:
+                print(f"split: {model.split_label}")
+                for p in plans:
+                    print(p.describe(points=args.verbose_points))
+                    print()
+                print(f"device profile: {model.cost.profile.path}")
+        finally:
+            model.close()
+        return 0
     backends = backends_from_args(args)
     # as run's: --backends without a split lets the planner choose over them
     split = split_from_args(args) or defaults.split_for_machine(None, backends, False).split or "none"
     dev = Device.open(args.device) if args.device is not None else None
-    ub = max(Ts)
-    n_ctx = args.ctx_size or max(ub + 1, 256)
     try:
         model = load_model(args.model, split=split, backends=backends, device=dev, n_ctx=n_ctx, ubatch=ub)
     except BaseException:
@@ -801,12 +824,15 @@ def _register_plan(sub: Any) -> None:
     p.add_argument("-c", "--ctx-size", type=int_at_least(0), default=None,
                    help="context size (default: max(T + 1, 256))")
     p.add_argument("--device", default=None, help="hub device index or name part (VKXSPLIT_DEVICE)")
+    p.add_argument("--devices", default=None,
+                   help="one hub per device (e.g. 0,1), each a participant: the plan over them "
+                        "(--split layer[:R,..] | tensor:1,1, or -sm layer|row with -ts)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--points", dest="verbose_points", action="store_true",
                    help="list every timeline point (hub segments and backend jobs)")
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="also run one step of the largest T and write its Chrome trace-event JSON")
-    p.set_defaults(func=cmd_plan, devices=None, split_used=None)
+    p.set_defaults(func=cmd_plan, split_used=None, layer_split=None, micro_batches=None)
 
 
 def register(sub: Any) -> None:

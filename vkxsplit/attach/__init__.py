@@ -59,7 +59,7 @@ from .handles import (
     negotiate_memory,
 )
 from .host import HostMapping, host_page_align, import_host_pages
-from .host import _memfd as _memfd  # (vkxsplit.pipeline makes the memfds of its stage links)
+from .host import _memfd as _memfd  # (vkxsplit.hubs makes the memfds of its links between hubs)
 
 __all__ = [
     "DEFAULT_CHUNK",

@@ -108,8 +108,8 @@ def host_page_align(device: Device) -> int:
 def import_host_pages(device: Device, addr: int, size: int, pool: str) -> Block:
     """``size`` bytes of host pages at ``addr`` (aligned to :func:`host_page_align`) imported
     into ``device`` as a host-coherent Block (VkImportMemoryHostPointerInfoEXT). Several devices
-    may import the same pages: the shared arena, a vulkan peer on another GPU, and the hidden
-    state links between pipeline stages (:mod:`vkxsplit.pipeline`) do. The pages must outlive
+    may import the same pages: the shared arena and the links between the hubs of a model over
+    several GPUs (:class:`vkxsplit.hubs.HostLink`) do. The pages must outlive
     the Block."""
     ptr = ffi.cast("void*", addr)
     props = new("VkMemoryHostPointerPropertiesEXT")

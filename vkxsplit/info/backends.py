@@ -135,9 +135,7 @@ def probe_backends(dev_root: str = "/dev", sys_root: str = "/sys") -> list[dict[
     cpu = _probe_cpu()
     emu = {"name": "npu-emu", "kind": "npu-emu", "available": True,
            "detail": "vkxsplit's NPU emulator process backend (always available)"}
-    peer = {"name": "vulkan-peer", "kind": "vulkan-peer", "available": True,
-            "detail": "another VkDevice: a second GPU, or a second logical device on the hub's"}
-    return [cpu, _probe_cuda(), _probe_hip(), *_probe_npus(dev_root, sys_root), emu, peer]
+    return [cpu, _probe_cuda(), _probe_hip(), *_probe_npus(dev_root, sys_root), emu]
 
 
 def device_nodes(dev_root: str = "/dev") -> dict[str, Any]:

@@ -104,9 +104,6 @@ def attach_matrix(physical: Any, backends: list[dict[str, Any]], interop: dict[s
             cands.append(("opaque_fd", ok, why))
         elif kind == "npu":
             cands.append(("dma_buf", *_mem_can(interop, "dma_buf", either=True)))
-        elif kind == "vulkan-peer":  # as a second logical device on the hub's own GPU
-            cands.append(("opaque_fd", *_mem_can(interop, "opaque_fd", export=True, import_=True)))
-            cands.append(("host_allocation", *_mem_can(interop, "host_allocation", import_=True)))
         else:
             cands.append(("dma_buf", False, f"unknown backend kind {kind!r}"))
         memory, mem_why = "staged_copy", []
@@ -124,11 +121,6 @@ def attach_matrix(physical: Any, backends: list[dict[str, Any]], interop: dict[s
             ok, why = _sem_can(interop, "opaque_fd", "timeline", export=True, import_=False)
             if ok:
                 ok, why = _same_device(physical, b)
-            event = "imported_timeline" if ok else None
-            if not ok:
-                ev_why.append(f"imported timeline: {why}")
-        elif kind == "vulkan-peer":
-            ok, why = _sem_can(interop, "opaque_fd", "timeline", export=True, import_=True)
             event = "imported_timeline" if ok else None
             if not ok:
                 ev_why.append(f"imported timeline: {why}")

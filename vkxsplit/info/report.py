@@ -50,7 +50,7 @@ ICD_DIRS = ("/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d", "/usr/share/vu
 
 
 def multi_gpu_report(devices: list[dict[str, Any]]) -> dict[str, Any]:
-    """Which devices can host a pipeline stage (``--devices``, :mod:`vkxsplit.pipeline`) and how
+    """Which devices can host a pipeline stage (``--devices``, :mod:`vkxsplit.hubs`) and how
     each pair would be linked: the hidden state through host pages both import by pointer
     (VK_EXT_external_memory_host; opaque-fd memory crosses only between equal deviceUUIDs and
     driverUUIDs), events through a host relay thread."""

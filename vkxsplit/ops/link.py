@@ -4,7 +4,7 @@ Two GPUs have different deviceUUIDs, so Vulkan lets neither import the other's m
 timeline semaphores; host pages (``VK_EXT_external_memory_host``) are what both can map.
 
 :func:`record_link_sum` is the second half of the tensor split's all-reduce
-(:mod:`vkxsplit.tensor_split`): ``dst = a + peer``, ``peer`` read with volatile loads. The
+(the row split over hubs, :mod:`vkxsplit.hubs`): ``dst = a + peer``, ``peer`` read with volatile loads. The
 other GPU's partial is there because the step's segment that reads it was submitted with a
 wait on a timeline the host relay signals after the other GPU's segment completed; each
 segment is its own ``vkQueueSubmit`` (on two H200s a segment queued in the same call as an

@@ -78,8 +78,7 @@ def record_node(seq: Sequence, node: Node) -> None:
 
 def record_tensor_convert(seq: Sequence, src: Tensor, dst: Tensor) -> None:
     """``src`` converted elementwise into ``dst``'s element type (f32/f16/bf16; the planner's
-    inserted conversions: x f32 -> bf16 for a bf16 backend, an activation to or from its
-    arena shadow)."""
+    inserted conversions: x f32 -> bf16 for a bf16 backend)."""
     record_convert(seq, src.buffer, dst.buffer, src.rows * src.cols, src.dtype, dst.dtype)
 
 
@@ -115,7 +114,7 @@ def weight_parts(seq: Sequence, w: Tensor, r0: int, r1: int) -> list[tuple[Binda
 @register("mul_mat")
 def _mul_mat(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None, y: Tensor | None = None) -> None:
     """Output rows ``[r0, r1)`` of a ``mul_mat`` node (all by default) into y's columns
-    ``[r0, r1)`` (y: the node's output, or a staging shadow of it). A node with an ``xq``
+    ``[r0, r1)`` (y: the node's output unless given). A node with an ``xq``
     param reads x as q8_1, written earlier by the node that made x or a ``quantize_q8_1``
     node (:class:`vkxsplit.model.DecodeQ8`): only the integer-dot-product kernel
     ``params["vecq"]`` is recorded."""
@@ -243,7 +242,7 @@ def _attention(seq: Sequence, n: Node) -> None:
 @register("cpy")
 def _cpy(seq: Sequence, n: Node) -> None:
     """An f32 tensor copied as is (a pipeline stage's hidden state into or out of the host
-    pages it shares with the next GPU: :mod:`vkxsplit.pipeline`)."""
+    pages it shares with the next hub of a layer split: :mod:`vkxsplit.hubs`)."""
     (src,) = n.inputs
     if src.dtype != n.output.dtype or src.shape != n.output.shape:
         raise KernelError(f"cpy {n.name}: {src.dtype}{list(src.shape)} -> {n.output.dtype}{list(n.output.shape)} "
@@ -254,7 +253,7 @@ def _cpy(seq: Sequence, n: Node) -> None:
 @register("link_sum")
 def _link_sum(seq: Sequence, n: Node) -> None:
     """A tensor-split shard's partial plus the other shard's, read from the host pages it
-    published to (:mod:`vkxsplit.tensor_split`): ``out = a + peer``."""
+    published to (the row split over hubs: :mod:`vkxsplit.hubs`): ``out = a + peer``."""
     a, peer = n.inputs
     if (a.shape != peer.shape or a.shape != n.output.shape or a.dtype != peer.dtype
             or a.dtype not in ("f32", "f16") or n.output.dtype != "f32"):

@@ -6,10 +6,13 @@
 - :mod:`.workspace`: memory the planner inserts (activation shadows, weights converted once);
 - :mod:`.profile`: the device profile (measured costs keyed by device, driver and kernels);
 - :mod:`.cost`: the cost model read from the profile, and :func:`simulate` (predicted step time);
-- :mod:`.planner`: :class:`Planner` and its :class:`Plan` (who runs which op and rows).
+- :mod:`.result`: the :class:`Plan` a planner returns and its description;
+- :mod:`.planner`: :class:`Planner` (who runs which op and rows: the hub and attached backends,
+  or the Vulkan hubs ``hub0``, ``hub1``, ... of a model over several GPUs).
 
-Imports go one way: ``vkxsplit.graph`` -> ``vkxsplit.plan.*`` -> ``vkxsplit.executor`` ->
-``vkxsplit.calibrate`` (the cost model's measurements: it runs executors) -> ``vkxsplit.model``.
+Imports go one way: ``vkxsplit.graph`` -> ``vkxsplit.plan.*`` -> ``vkxsplit.executor``,
+``vkxsplit.relay`` -> ``vkxsplit.calibrate`` (the cost model's measurements: it runs executors),
+``vkxsplit.hubs`` -> ``vkxsplit.model``.
 Nothing here imports the executor, the calibration or the model. ``vkxsplit plan`` (the
 command) lives in :mod:`vkxsplit.runner`. Design and grammar: ``docs/PLANNER.md``.
 

@@ -31,7 +31,10 @@ log = logging.getLogger("vkxsplit.plan")
 
 #: Used where nothing was measured (dry planning without a profile).
 DEFAULTS = {"hub_gflops": 100.0, "hub_gbs": 50.0, "backend_gflops": 10.0, "latency_s": 2e-4,
-            "submit_s": 3e-5, "convert_ns_per_elem": 0.1, "enqueue_s": 2e-5}
+            "submit_s": 3e-5, "convert_ns_per_elem": 0.1, "enqueue_s": 2e-5,
+            # one crossing between two hubs through the relay thread (GPU -> host -> GPU): the
+            # round trip tools/bench_link.py measures (docs/MULTI_GPU.md)
+            "relay_s": 1e-4}
 
 
 class CostModel:
@@ -94,6 +97,15 @@ class CostModel:
         if v is None:
             self.estimated.add("hub submit")
             return DEFAULTS["submit_s"]
+        return float(v)
+
+    def relay(self) -> float:
+        """Seconds from a hub's segment end to the start of another hub's segment waiting for it
+        (the relay thread's crossing)."""
+        v = self.profile.get("hub", "relay")
+        if v is None:
+            self.estimated.add("hub relay")
+            return DEFAULTS["relay_s"]
         return float(v)
 
     def convert(self, n: int) -> float:
@@ -215,10 +227,12 @@ class Prediction:
 
 
 def simulate(schedule: Schedule, cost: CostModel) -> Prediction:
-    """Predicted step time: hub segments run one after another, each backend runs its jobs in
-    order; a job starts half a round trip after its hub point, a segment half a round trip
-    after the jobs it waits for; each segment costs one submit. Participants on one hardware
-    resource (:meth:`CostModel.resource`) take it in submission order, without overlap. The
+    """Predicted step time: hub segments run one after another (over several hubs, each hub's
+    in order, a segment starting a relay crossing after the other hubs' segments it waits for),
+    each backend runs its jobs in order; a job starts half a round trip after its hub point, a
+    segment half a round trip after the jobs it waits for; each segment costs one submit.
+    Participants on one hardware resource (:meth:`CostModel.resource`) take it in submission
+    order, without overlap. The
     host enqueues the step in order, a backend job taking it :meth:`CostModel.enqueue`: a job
     starts no earlier than the host got to it (what bounds a step of small jobs on a backend
     driven from Python)."""
@@ -228,17 +242,21 @@ def simulate(schedule: Schedule, cost: CostModel) -> Prediction:
     res_free: dict[str, float] = {}  # per hardware resource
     seg_end: dict[int, float] = {}
     job_end: dict[int, float] = {}
-    busy: dict[str, float] = {HUB: 0.0}
+    multi = schedule.hubs > 1
+    busy: dict[str, float] = {} if multi else {HUB: 0.0}
     host = 0.0                       # the caller's thread, enqueueing the step
     for kind, i in schedule.order:
         if kind == "seg":
             s = schedule.segments[i]
-            start = max(free.get(HUB, 0.0), res_free.get(HUB, 0.0))
+            lane = f"hub{s.hub}" if multi else HUB  # (each hub its own GPU)
+            start = max(free.get(lane, 0.0), res_free.get(lane, 0.0))
             for j in s.waits:
                 start = max(start, job_end[j] + cost.latency(schedule.jobs[j].op.backend) / 2)
+            for j in s.hub_waits:
+                start = max(start, seg_end[j] + cost.relay())
             dur = cost.submit() + sum(cost.hub_item(op) for op in s.ops)
-            free[HUB] = res_free[HUB] = seg_end[i] = start + dur
-            busy[HUB] += dur
+            free[lane] = res_free[lane] = seg_end[i] = start + dur
+            busy[lane] = busy.get(lane, 0.0) + dur
         else:
             jb = schedule.jobs[i]
             b = jb.op.backend
@@ -248,7 +266,7 @@ def simulate(schedule: Schedule, cost: CostModel) -> Prediction:
             dur = cost.backend_item(jb.op)
             free[b] = res_free[res] = job_end[i] = start + dur
             busy[b] = busy.get(b, 0.0) + dur
-    total = max([free.get(HUB, 0.0), *job_end.values()])
+    total = max([*free.values(), *job_end.values(), 0.0])
     est = sorted(cost.estimated)
     cost.estimated |= before
     return Prediction(total, busy, est)

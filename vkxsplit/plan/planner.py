@@ -19,14 +19,14 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..backend import NODE_OPS as GLUE_OPS
 from ..backend import STEP_OPS
 from ..errors import PlanError
 from ..graph import Graph, Node, Span, Tensor, any_overlap, span
-from .cost import CostModel, Prediction, simulate
+from .cost import CostModel, simulate
+from .result import OFFLOADABLE_OPS, ROUTED_OPS, Part, Plan, _compress, out_rows
 from .schedule import BackendIdOp, BackendNodeOp, BackendOp, HubOp, Item, Schedule, build_schedule
 from .spec import HUB, HUB_ALIASES, Rule, SplitSpec, parse_spec
 from .workspace import Workspace
@@ -35,27 +35,12 @@ from .workspace import Workspace
 #: backend that lists them in ``caps.ops``)
 NODE_OPS = GLUE_OPS | STEP_OPS
 
-#: Ops the planner may hand a backend; every other op of the graph stays on the hub. The
-#: routed expert product ``mul_mat_id`` (a MoE FFN's gate/up/down experts) is placed like
-#: ``mul_mat`` (layer overrides such as ``layer:blk\..*\.ffn_.*_exps=cpu``, tensor split over
-#: the rows of every expert, mode rules) on backends that implement the ``mul_mat_id`` hook.
-OFFLOADABLE_OPS = frozenset({"mul_mat", "mul_mat_id"})
-ROUTED_OPS = frozenset({"mul_mat_id"})
 #: Ops whose inputs and outputs are f32 state (residual stream, norms, attention, positions):
 #: they have no bf16 form, so a backend that computes only in bf16 can never take them.
 F32_ONLY_OPS = frozenset({"get_rows", "rms_norm", "add_rms_norm", "add", "swiglu", "rope", "kv_store", "attention", "argmax",
                           "softmax", "norm", "mul", "scale", "silu", "gelu", "cpy"})
 GRANULE = 16  # tensor-split row boundaries are multiples of this (except the last)
-
-
-def out_rows(n: Node) -> int:
-    """Output features of a matrix node: the weight's rows (``mul_mat``), the rows of each
-    expert's matrix (``mul_mat_id``: weight (n_expert, N, K)); 0 for other ops."""
-    if n.op == "mul_mat":
-        return n.inputs[0].shape[0]
-    if n.op in ROUTED_OPS:
-        return n.inputs[0].shape[-2]
-    return 0
+_HUB_N = re.compile(r"hub(\d+)")  # the participant name of Vulkan hub N of a model over several hubs
 
 
 def _has_hook(b: Any, hook: str) -> bool:
@@ -68,156 +53,6 @@ def _has_hook(b: Any, hook: str) -> bool:
 def matrices(graph: Graph) -> list[Node]:
     """The nodes a backend may take as matrix products (:data:`OFFLOADABLE_OPS`)."""
     return [n for n in graph.nodes if n.op in OFFLOADABLE_OPS]
-
-
-@dataclass(frozen=True)
-class Part:
-    """Output rows ``[r0, r1)`` of a ``mul_mat`` on ``participant`` (``hub`` or a backend)."""
-
-    participant: str
-    r0: int
-    r1: int
-
-
-@dataclass(eq=False)
-class Plan:
-    """Where each node of ``graph`` runs, the inserted conversions, and the schedule."""
-
-    graph: Graph
-    spec: SplitSpec
-    family: str                           # none / layer / tensor / mode (what auto chose, too)
-    assign: dict[int, list[Part]]         # node index -> parts; nodes not listed run on the hub
-    items: list[Item]
-    schedule: Schedule
-    participants: list[str]
-    notes: list[str] = field(default_factory=list)
-    prediction: Prediction | None = None
-    candidates: list[tuple[str, float]] = field(default_factory=list)
-
-    @property
-    def T(self) -> int:
-        return self.graph.T
-
-    @property
-    def label(self) -> str:
-        return str(self.spec) + (f" -> {self.family}" if self.spec.kind == "auto" else "")
-
-    @property
-    def backend_jobs(self) -> int:
-        return len(self.schedule.jobs)
-
-    def parts(self, node: Node | str) -> list[Part]:
-        n = self.graph.node(node) if isinstance(node, str) else node
-        got = self.assign.get(n.index)
-        if got:
-            return got
-        return [Part(HUB, 0, out_rows(n))]
-
-    def runs_on(self, node: Node | str) -> list[str]:
-        return sorted({p.participant for p in self.parts(node)})
-
-    def conversions(self) -> dict[str, list[str]]:
-        step = [f"{it.src.name} {it.src.dtype}->{it.dst.dtype} ({it.src.rows}x{it.src.cols})"
-                for it in self.items if isinstance(it, HubOp) and it.kind == "convert"
-                and it.src is not None and it.dst is not None]
-        once = sorted({f"{op.weight.name} ({op.backend})" for op in self.items
-                       if isinstance(op, BackendOp) and op.converted_weight})
-        return {"per_step": step, "once": once}
-
-    def by_participant(self) -> dict[str, dict[str, list[str]]]:
-        out: dict[str, dict[str, list[str]]] = {p: {"ops": [], "mul_mat": []} for p in self.participants}
-        lowered = {id(it.node) for it in self.items if it.node is not None}
-        for n in self.graph.nodes:
-            if id(n) not in lowered:  # a q8_1 quantization nobody reads: not run
-                continue
-            for part in self.parts(n):
-                d = out.setdefault(part.participant, {"ops": [], "mul_mat": []})
-                if n.op in OFFLOADABLE_OPS:
-                    N = out_rows(n)
-                    rows = "" if (part.r0, part.r1) == (0, N) else f" rows {part.r0}:{part.r1}/{N}"
-                    d["mul_mat"].append(f"{n.name}{rows}")
-                else:
-                    d["ops"].append(n.name)
-        return out
-
-    def describe(self, points: bool = False) -> str:
-        lines = [f"plan {self.graph.name}  T={self.T}  split={self.spec}  ({self.family})"]
-        for p, d in self.by_participant().items():
-            mm = _compress(d["mul_mat"])
-            other = _compress(d["ops"])
-            lines.append(f"  {p}: {len(d['mul_mat'])} mul_mat{'s' if len(d['mul_mat']) != 1 else ''}"
-                         + (f", {len(d['ops'])} other ops" if d["ops"] else ""))
-            if mm:
-                lines.append("      mul_mat: " + ", ".join(mm))
-            if other and p == HUB and len(other) <= 12:
-                lines.append("      ops: " + ", ".join(other))
-        conv = self.conversions()
-        if conv["per_step"]:
-            lines.append("  per-step conversions on the hub: " + ", ".join(_compress(conv["per_step"])))
-        if conv["once"]:
-            lines.append("  weights converted once at load: " + ", ".join(_compress(conv["once"])))
-        lines.append(f"  timeline: {self.schedule.submits} hub submit{'s' if self.schedule.submits != 1 else ''}, "
-                     f"{self.backend_jobs} backend job{'s' if self.backend_jobs != 1 else ''} per step")
-        if points:
-            lines += ["      " + s for s in self.schedule.points()]
-        for n in self.notes:
-            lines.append(f"  note: {n}")
-        if self.candidates:
-            lines.append("  auto candidates: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.candidates))
-        if self.prediction is not None:
-            lines.append(f"  predicted: {self.prediction.describe()}")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        sch = self.schedule
-        return {
-            "graph": self.graph.name, "T": self.T, "split": str(self.spec), "family": self.family,
-            "participants": self.by_participant(),
-            "conversions": self.conversions(),
-            "segments": [{"index": s.index, "ops": [op.name for op in s.ops], "waits": s.waits} for s in sch.segments],
-            "jobs": [{"index": j.index, "backend": j.op.backend, "op": j.op.name, "rows": [j.op.r0, j.op.r1],
-                      **({"N": j.op.N, "K": j.op.K, "M": j.op.M, "w_type": j.op.weight.dtype, "x_type": j.op.x.dtype}
-                         if isinstance(j.op, BackendOp) else {"node_op": j.op.node.op}),
-                      "waits_segment": j.wait} for j in sch.jobs],
-            "order": [f"{k}{i}" for k, i in sch.order],
-            "notes": self.notes,
-            "predicted_s": self.prediction.total_s if self.prediction else None,
-            "busy_s": self.prediction.busy if self.prediction else None,
-            "estimated": self.prediction.estimated if self.prediction else None,
-            "candidates": [{"split": k, "predicted_s": v} for k, v in self.candidates],
-        }
-
-
-def _compress(names: list[str]) -> list[str]:
-    """``blk.0.attn_q, blk.1.attn_q`` -> ``blk.{0-1}.attn_q`` (order of first appearance)."""
-    groups: dict[str, list[int]] = {}
-    order: list[str] = []
-    for s in names:
-        m = re.match(r"^blk\.(\d+)\.(.*)$", s)
-        key, idx = (f"blk.{{}}.{m.group(2)}", int(m.group(1))) if m else (s, -1)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        if idx >= 0:
-            groups[key].append(idx)
-    out = []
-    for key in order:
-        idx = sorted(set(groups[key]))
-        if not idx:
-            out.append(key)
-            continue
-        runs = []
-        a = b = idx[0]
-        for i in idx[1:]:
-            if i == b + 1:
-                b = i
-            else:
-                runs.append((a, b))
-                a = b = i
-        runs.append((a, b))
-        rs = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-        out.append(key.replace("{}", rs if len(runs) == 1 and runs[0][0] == runs[0][1] else "{" + rs + "}"))
-    return out
 
 
 # =============================================================================================
@@ -233,13 +68,20 @@ class Planner:
     ``require_shared``: offload only ``mul_mat``\\ s whose memory backends can reach."""
 
     def __init__(self, backends: Iterable[Any] = (), *, cost: CostModel | None = None,
-                 workspace: Workspace | None = None, require_shared: bool = True, granule: int = GRANULE) -> None:
+                 workspace: Workspace | None = None, require_shared: bool = True, granule: int = GRANULE,
+                 hubs: int = 1) -> None:
         self.backends: dict[str, Any] = {}
         for b in backends:
-            if b.name in HUB_ALIASES:
-                raise PlanError(f"a backend cannot be named {b.name!r} (the hub's name)")
+            if b.name in HUB_ALIASES or _HUB_N.fullmatch(b.name):
+                raise PlanError(f"a backend cannot be named {b.name!r} (a hub's name)")
             self.backends[b.name] = b
-        self.names = [HUB, *self.backends]
+        self.hubs = int(hubs)
+        if self.hubs > 1 and self.backends:
+            raise PlanError(f"backends ({', '.join(self.backends)}) attached to a model over {self.hubs} hubs: "
+                            "with several hubs every participant is a Vulkan hub",
+                            "attach backends to a model on one hub (no --devices), or drop --backends")
+        # the participants: "hub" and the backends, or one "hubN" per Vulkan hub of the model
+        self.names = [HUB, *self.backends] if self.hubs == 1 else [f"hub{i}" for i in range(self.hubs)]
         self.cost = cost
         self.workspace = workspace or Workspace()
         self.require_shared = require_shared
@@ -249,7 +91,17 @@ class Planner:
 
     def _name(self, name: str, spec: SplitSpec) -> str:
         if name in HUB_ALIASES:
-            return HUB
+            return self.names[0]
+        m = _HUB_N.fullmatch(name)
+        if m:
+            i = int(m.group(1))
+            if i < self.hubs:
+                return self.names[i]
+            opened = ", ".join(f"hub{k}" for k in range(self.hubs))
+            raise PlanError(f"split '{spec}' names {name}, a Vulkan hub this model did not open "
+                            f"(it opened {self.hubs}: {opened})",
+                            "open one hub per device: --devices 0,1 (load_model(..., devices='0,1')), "
+                            "or name only the hubs there are")
         if name not in self.backends:
             attached = ", ".join(self.names)
             raise PlanError(f"unknown backend '{name}' in split '{spec}' (attached: {attached})",
@@ -264,8 +116,8 @@ class Planner:
                 raise PlanError(
                     f"split '{spec}' gives {len(spec.ratios)} ratio{'s' if len(spec.ratios) != 1 else ''} for "
                     f"{len(self.names)} participants ({', '.join(self.names)})",
-                    f"one ratio per participant, hub first ({spec.kind}:{','.join(['1'] * len(self.names))}), "
-                    f"or name them ({spec.kind}:{HUB}=1,{self.names[-1]}=1)")
+                    f"one ratio per participant, {self.names[0]} first ({spec.kind}:{','.join(['1'] * len(self.names))}), "
+                    f"or name them ({spec.kind}:{self.names[0]}=1,{self.names[-1]}=1)")
             r = {p: v for p, (_, v) in zip(self.names, spec.ratios)}
         else:
             r = {p: 0.0 for p in self.names}
@@ -316,6 +168,8 @@ class Planner:
         """Parse ``spec`` and check what needs only the backends (names, ratio counts, batch
         ranges); returns the parsed spec. Graph-level checks happen in :meth:`plan`."""
         s = parse_spec(spec)
+        if self.hubs > 1:
+            self.hub_shares(s)
         for n in s.names():
             self._name(n, s)
         if s.kind in ("tensor", "layer"):
@@ -386,10 +240,8 @@ class Planner:
         if soft and M < caps.min_batch:
             return "soft", f"M={M} is under {b.name}'s min_batch {caps.min_batch}"
         if self.require_shared:
-            own_copy = getattr(b, "private_weights", False) and w.host is not None  # loads its own rows
-            stage = getattr(b, "stages_activations", False)  # x and y go through shadows the hub copies
-            need = ([] if stage else [node.output]) + ([] if conv or own_copy else [w]) + (
-                [x] if caps.x_dtype == "f32" and not stage else []) + ([node.inputs[2]] if routed else [])
+            need = [node.output] + ([] if conv else [w]) + ([x] if caps.x_dtype == "f32" else []) + (
+                [node.inputs[2]] if routed else [])
             unshared = [t.name for t in need if not t.shared]
             if unshared:
                 return "soft", f"{', '.join(unshared)} not in memory shared with backends"
@@ -414,6 +266,8 @@ class Planner:
              commit: bool = True) -> Plan:
         """Plan ``graph`` under ``spec``; raises :class:`PlanError` naming what is wrong."""
         s = self.check(spec)
+        if self.hubs > 1:
+            return self._hubs_plan(graph, s)
         T = graph.T or max((n.inputs[1].rows for n in graph.mul_mats()), default=1)
         notes: list[str] = []
         candidates: list[tuple[str, float]] = []
@@ -444,6 +298,69 @@ class Planner:
         if (predict or s.kind == "auto") and self.cost is not None:
             self.cost.prepare(graph, self._job_needs(sch))
             plan.prediction = simulate(sch, self.cost)
+        return plan
+
+    # -- several Vulkan hubs ---------------------------------------------------------------
+
+    def hub_shares(self, spec: str | SplitSpec) -> list[float]:
+        """What each hub of a model over several hubs holds under ``spec``: the share of the
+        layers (``layer[:R,...]``: a pipeline of stages, equal shares by default) or of every
+        matrix's rows (``tensor:1,1``: shards with an all-reduce after each attention and FFN).
+        The model places weights and KV cache by it at load; raises :class:`PlanError` for a
+        spec the hubs cannot run."""
+        s = parse_spec(spec)
+        n = self.hubs
+        if s.kind not in ("layer", "tensor"):
+            raise PlanError(f"split '{s}' on a model over {n} hubs: several hubs split the model by layers "
+                            "(a pipeline) or by rows (shards)",
+                            f"use layer (equal shares) or layer:{','.join(['1'] * n)} (--split-mode layer), "
+                            "or tensor:1,1 over two hubs (--split-mode row)")
+        if s.overrides:
+            raise PlanError(f"split '{s}': a model over several hubs takes layer shares, not REGEX=NAME overrides",
+                            f"e.g. layer:{','.join(['1'] * n)}")
+        if s.kind == "tensor" and s.filter:
+            raise PlanError(f"split '{s}': the row split over hubs splits every matrix (no @REGEX)")
+        if s.kind == "tensor" and n != 2:
+            raise PlanError(f"split '{s}': the row split over hubs halves every layer's heads and FFN width "
+                            f"over two hubs (this model opened {n})", "open two hubs, or use the layer split")
+        shares = [1.0] * n if not s.ratios else [self._ratios(s)[p] for p in self.names]
+        if s.kind == "tensor" and len(set(shares)) != 1:
+            raise PlanError(f"split '{s}': the row split over hubs halves every layer's heads and FFN width "
+                            f"over two hubs (this model opened {n})",
+                            "give equal shares over two hubs (tensor:1,1), or use the layer split")
+        return shares
+
+    def _hubs_plan(self, graph: Graph, s: SplitSpec) -> Plan:
+        """A model over several hubs: each node runs on the hub that holds its buffers
+        (``Node.hub``, set where the model built that hub's part of the graph). The nodes that
+        cross hubs are those touching host pages several hubs import (the hidden-state links of
+        a layer split, the partials of a row split's all-reduces): the schedule cuts a segment
+        there and makes it wait for the other hub's (:func:`.schedule.build_schedule`), and the
+        executor's relay carries that wait (signalling for a layer split, submitting the next
+        segment for a row split: :mod:`vkxsplit.relay`)."""
+        assign = {n.index: [Part(self.names[n.hub], 0, out_rows(n))] for n in graph.nodes}
+        items: list[Item] = [HubOp("node", n.name, n.reads(), n.writes(), node=n, hub=n.hub) for n in graph.nodes]
+        sch = build_schedule(items)
+        keys: dict[Any, set[int]] = {}
+        for n in graph.nodes:
+            for t in (*n.reads(), *n.writes()):
+                keys.setdefault(span(t)[0], set()).add(n.hub)
+        cross = [n for n in graph.nodes if any(len(keys[span(t)[0]]) > 1 for t in (*n.reads(), *n.writes()))]
+        ops: dict[str, int] = {}
+        for n in cross:
+            ops[n.op] = ops.get(n.op, 0) + 1
+        notes = ["cross-hub nodes (host pages both hubs import): "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(ops.items()))
+                 + f"; {len(sch.cross_waits())} relay rounds per step, "
+                 + ("each submitting the next segment (row split)" if s.kind == "tensor"
+                    else "each signalling the next hub (layer split)")]
+        plan = Plan(graph, s, s.kind, assign, items, sch, list(self.names), notes)
+        plan.cross = "submit" if s.kind == "tensor" else "signal"
+        plan.cross_nodes = [n.name for n in cross]
+        # bytes written into the memory of several hubs per step: what crosses between them
+        esz = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
+        plan.crossed_bytes = sum(n.output.rows * n.output.cols * esz.get(n.output.dtype, 4) for n in graph.nodes
+                                 if len(keys[span(n.output)[0]]) > 1)
         return plan
 
     def _place(self, assign: dict[int, list[Part]], node: Node, p: str, notes: list[str], *, why: str,
@@ -658,20 +575,13 @@ class Planner:
             N = out_rows(n)
             routed = n.op in ROUTED_OPS
             group = n.index if len(parts) > 1 else None
-            # A backend that stages activations (a vulkan peer on another GPU: it reaches only
-            # host pages) gets x and y through shadows in the arena while the hub keeps its
-            # activations in device memory: the hub copies x out before the job and y back after
-            # it (all parts of a split node then write the shadow).
-            stage = not y.shared and any(getattr(self.backends[p.participant], "stages_activations", False)
-                                         for p in parts if p.participant != HUB)
-            yt = ws.shadow(y, "f32") if stage else y
             for part in parts:
                 if part.participant == HUB:
                     continue
                 b = self.backends[part.participant]
                 xd = b.caps.x_dtype
                 xt = x
-                if xd != "f32" or (not x.shared and getattr(b, "stages_activations", False)):
+                if xd != "f32":
                     key = (span(x), xd)
                     if key in fresh:
                         xt = fresh[key][1]
@@ -687,24 +597,22 @@ class Planner:
                     if conv:
                         raise PlanError(f"{n.name} on {b.name}: the hub converts no expert tensors ({w.name} "
                                         f"is {w.dtype}, {b.name} reads {', '.join(sorted(b.caps.weight_types))})")
-                    items.append(BackendIdOp(b.name, name, n, w, xt, yt, part.r0, part.r1, group))
+                    items.append(BackendIdOp(b.name, name, n, w, xt, y, part.r0, part.r1, group))
                     continue
                 if conv:
                     wtensor, w_row0 = ws.converted_weight(w, part.r0, part.r1, wt), part.r0
                 else:
                     wtensor, w_row0 = w, 0
                 items.append(BackendOp(b.name, n.name if group is None else f"{n.name}[{part.r0}:{part.r1}]",
-                                       n, wtensor, w_row0, xt, yt, part.r0, part.r1, group, conv))
+                                       n, wtensor, w_row0, xt, y, part.r0, part.r1, group, conv))
             for part in parts:
                 if part.participant != HUB:
                     continue
                 if (part.r0, part.r1) == (0, N):
                     items.append(HubOp("node", n.name, n.reads(), n.writes(), node=n))
                 else:
-                    items.append(HubOp("rows", f"{n.name}[{part.r0}:{part.r1}]", list(n.inputs), [yt], node=n,
-                                       r0=part.r0, r1=part.r1, group=group, dst=yt if stage else None))
-            if stage:
-                items.append(HubOp("convert", f"{y.name}<-{yt.name}", [yt], [y], src=yt, dst=y))
+                    items.append(HubOp("rows", f"{n.name}[{part.r0}:{part.r1}]", list(n.inputs), [y], node=n,
+                                       r0=part.r0, r1=part.r1, group=group))
             invalidate([y])
         return items
 

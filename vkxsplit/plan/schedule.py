@@ -31,10 +31,8 @@ from ..graph import Node, Span, Tensor, any_overlap, span
 @dataclass(eq=False)
 class HubOp:
     """One hub command: ``kind`` is ``node`` (a graph node), ``rows`` (output rows
-    ``[r0, r1)`` of a split ``mul_mat``, written into y's columns ``[r0, r1)``, or into
-    ``dst`` when set: the arena shadow of y for a backend that stages activations) or
-    ``convert`` (``src`` -> ``dst`` element type, e.g. x f32 -> bf16 for a bf16 backend, or an
-    f32 copy between an activation and its shadow)."""
+    ``[r0, r1)`` of a split ``mul_mat``, written into y's columns ``[r0, r1)``) or
+    ``convert`` (``src`` -> ``dst`` element type, e.g. x f32 -> bf16 for a bf16 backend)."""
 
     kind: str
     name: str
@@ -46,6 +44,7 @@ class HubOp:
     group: int | None = None  # parts of one split mul_mat share a group: disjoint y columns
     src: Tensor | None = None
     dst: Tensor | None = None
+    hub: int = 0  # which Vulkan hub records it (a model over several hubs)
 
     participant = "hub"
 
@@ -236,6 +235,8 @@ class Segment:
     index: int
     ops: list[HubOp] = field(default_factory=list)
     waits: list[int] = field(default_factory=list)
+    hub: int = 0  # the hub whose queue runs it
+    hub_waits: list[int] = field(default_factory=list)  # segments of other hubs it waits for (the relay)
 
 
 @dataclass
@@ -258,15 +259,26 @@ class Schedule:
     def submits(self) -> int:
         return len(self.segments)
 
+    @property
+    def hubs(self) -> int:
+        """How many Vulkan hubs the schedule's segments run on."""
+        return 1 + max((s.hub for s in self.segments), default=0)
+
+    def cross_waits(self) -> list[tuple[int, int]]:
+        """``(source segment, destination segment)`` of every cross-hub dependency."""
+        return [(j, s.index) for s in self.segments for j in s.hub_waits]
+
     def points(self) -> list[str]:
         """The timeline points between participants, in submission order, as text."""
         out = []
         for kind, i in self.order:
             if kind == "seg":
                 s = self.segments[i]
-                w = ", ".join(f"{self.jobs[j].op.backend}#{j}" for j in s.waits)
+                w = ", ".join([f"{self.jobs[j].op.backend}#{j}" for j in s.waits]
+                              + [f"hub{self.segments[j].hub}#{j}" for j in s.hub_waits])
                 first = s.ops[0].name if s.ops else "(join)"
-                out.append(f"hub#{i} [{first} .. {len(s.ops)} ops]" + (f" waits {w}" if w else ""))
+                who = f"hub{s.hub}" if self.hubs > 1 else "hub"
+                out.append(f"{who}#{i} [{first} .. {len(s.ops)} ops]" + (f" waits {w}" if w else ""))
             else:
                 jb = self.jobs[i]
                 out.append(f"{jb.op.backend}#{i} [{jb.op.name} rows {jb.op.r0}:{jb.op.r1}] waits hub#{jb.wait}")
@@ -285,7 +297,10 @@ def build_schedule(items: list[Item]) -> Schedule:
     """Cut ``items`` into hub segments and backend jobs (see the module docstring).
 
     The first event is always a segment (it carries the waits for the previous step's
-    unfinished jobs), and every job waits for some segment."""
+    unfinished jobs), and every job waits for some segment. Items of several hubs (a model
+    over several GPUs, no backends): :func:`_hub_schedule`."""
+    if any(isinstance(it, HubOp) and it.hub for it in items):
+        return _hub_schedule(items)
     segments: list[Segment] = []
     jobs: list[Job] = []
     order: list[tuple[str, int]] = []
@@ -375,6 +390,54 @@ def build_schedule(items: list[Item]) -> Schedule:
         cur = new_segment()
     close()
     return Schedule(segments, jobs, order, list(pending))
+
+
+def _hub_schedule(items: list[Item]) -> Schedule:
+    """Items of several hubs (all :class:`HubOp`) cut into segments, one hub each: a new segment
+    starts where the hub changes, or where an item touches bytes a segment of another hub
+    touched (only host pages several hubs import are memory of two hubs: their imports share one
+    span key) that this hub has not waited for yet; the segment then waits for the latest such
+    segment of each other hub (``hub_waits``). A hub's own segments run in queue order."""
+    segments: list[Segment] = []
+    order: list[tuple[str, int]] = []
+    # per memory key: the accesses (segment, hub, start, end, write) of keys two hubs touch;
+    # keys = every key seen, with the hubs that touched it
+    touch: dict[object, list[tuple[int, int, int, int, bool]]] = {}
+    hubs_of: dict[object, set[int]] = {}
+    covered: dict[tuple[int, int], int] = {}  # (hub, other hub) -> latest segment of other waited for
+    cur: Segment | None = None
+    for it in items:
+        if not isinstance(it, HubOp):
+            raise ValueError("a schedule over several hubs takes hub items only (no attached backends)")
+        h = it.hub
+        acc = [(s, False) for s in _spans(it.reads)] + [(s, True) for s in _spans(it.writes)]
+        deps: dict[int, int] = {}
+        for (key, a, b), wr in acc:
+            hubs_of.setdefault(key, set()).add(h)
+            if len(hubs_of[key]) < 2:
+                continue
+            for seg_i, hh, a2, b2, wr2 in touch.get(key, ()):
+                if hh != h and (wr or wr2) and a < b2 and a2 < b:
+                    deps[hh] = max(deps.get(hh, -1), seg_i)
+        need = {g: s for g, s in deps.items() if s > covered.get((h, g), -1)}
+        if cur is not None and (cur.hub != h or (need and cur.ops)):
+            order.append(("seg", cur.index))
+            cur = None
+        if cur is None:
+            cur = Segment(len(segments), hub=h)
+            segments.append(cur)
+        for g, s in need.items():
+            covered[(h, g)] = s
+            cur.hub_waits.append(s)
+        cur.hub_waits.sort()
+        cur.ops.append(it)
+        for (key, a, b), wr in acc:
+            touch.setdefault(key, []).append((cur.index, h, a, b, wr))
+    if cur is None:
+        cur = Segment(0)
+        segments.append(cur)
+    order.append(("seg", cur.index))
+    return Schedule(segments, [], order, [])
 
 
 __all__ = ["BackendIdOp", "BackendNodeOp", "BackendOp", "HubOp", "Item", "Job", "Schedule", "Segment", "build_schedule"]

@@ -268,6 +268,23 @@ def parse_spec(text: str | SplitSpec | None) -> SplitSpec:
     return SplitSpec("mode", raw, rules=rules)
 
 
+def hub_split(mode: str, shares: Any = None) -> str:
+    """llama.cpp's ``--split-mode layer|row`` (and ``-ts``) over the hubs of ``--devices`` as a
+    split spec: ``layer`` / ``layer:3,1`` (a pipeline of stages, shares hub first) or
+    ``tensor:1,1`` (rows over two hubs)."""
+    if isinstance(shares, str):
+        shares = [x for x in shares.replace("/", ",").split(",") if x.strip()]
+    if mode == "row":
+        if shares:
+            raise VkxError("--layer-split/-ts go with --split-mode layer (split_mode='layer')",
+                           "the row split halves every matrix over two hubs")
+        return "tensor:1,1"
+    if mode != "layer":
+        raise VkxError(f"split mode {mode!r} over several hubs is not 'layer' or 'row'")
+    return "layer" + (":" + ",".join(f"{r:g}" if isinstance(r, (int, float)) else str(r).strip() for r in shares)
+                      if shares else "")
+
+
 def parse_specs(text: str) -> list[SplitSpec]:
     """Several specs separated by ``;`` (``vkxsplit bench --split 'none;tensor:1,1'``)."""
     return [parse_spec(s) for s in text.split(";")] if text else [parse_spec(None)]
@@ -311,5 +328,6 @@ def _opt_value(v: str) -> Any:
     return {"true": True, "false": False}.get(v.lower(), v)
 
 
-__all__ = ["HUB", "HUB_ALIASES", "KINDS", "SPLIT_HELP", "Override", "Rule", "SplitSpec", "parse_backends", "parse_spec",
+__all__ = ["HUB", "HUB_ALIASES", "KINDS", "SPLIT_HELP", "Override", "Rule", "SplitSpec", "hub_split", "parse_backends",
+           "parse_spec",
            "parse_specs"]

@@ -1,7 +1,8 @@
-"""A model's layers split over several hubs (vkxsplit.pipeline): on lavapipe every hub is its own
-VkDevice on the one CPU device (devices "0,0"), so the whole path runs: per-stage weights and
-KV caches, the hidden state through host pages both devices import, relayed timelines,
-micro-batches in flight on different stages. Checked against the float64 reference forward
+"""A model's layers split over several hubs (``Model(devices=..., split="layer:...")``: hubs as
+participants of the one planner and executor, vkxsplit.hubs): on lavapipe every hub is its own
+VkDevice on the one CPU device (devices "0,0"), so the whole path runs: per-hub weights and
+KV caches, the hidden state through host pages both devices import, the relay signalling the
+next hub, micro-batches in flight on different hubs. Checked against the float64 reference forward
 pass (tests/reference.py: gguf's own dequantization) and a one-hub model."""
 
 from __future__ import annotations
@@ -10,9 +11,17 @@ import numpy as np
 import pytest
 from reference import reference_logits
 
-from vkxsplit.errors import VkxError, WaitTimeout
+from vkxsplit.errors import PlanError, VkxError, WaitTimeout
 from vkxsplit.gguf_model import load_model as load_gguf
-from vkxsplit.pipeline import PipelineModel, layer_ranges
+from vkxsplit.hubs import layer_ranges
+from vkxsplit.model import Model
+
+
+def layer_model(path, devices=(0, 1), layer_split=None, **kw):
+    """The layer split over ``devices`` as the one Model builds it (``layer:R,R`` shares)."""
+    from vkxsplit.plan.spec import hub_split
+
+    return Model(path, devices=devices, split=hub_split("layer", layer_split), **kw)
 
 
 def _device_lists():
@@ -32,7 +41,7 @@ def _bound(want):
 
 
 def _messages(m):
-    return [msg for d in m.devices for msg in d.instance.messages]
+    return [msg for d in m.hubs for msg in d.instance.messages]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +82,7 @@ def test_two_hubs_match_the_reference_and_one_hub(device, synth, micro, devices,
         want = reference_logits(mf, ids)
     with load_model(path, device=device, n_ctx=64, ubatch=16) as one:
         hub = one.logits(ids)
-    with PipelineModel(path, devices=devices, n_ctx=64, ubatch=16, micro_batches=micro) as m:
+    with layer_model(path, devices=devices, n_ctx=64, ubatch=16, micro_batches=micro) as m:
         assert m.ranges == [(0, 2), (2, 3)] and m.micro == micro and m.piece == -(-16 // micro)
         got = m.logits(ids)
         assert np.abs(got - want).max() <= _bound(want)
@@ -96,24 +105,23 @@ def test_two_hubs_match_the_reference_and_one_hub(device, synth, micro, devices,
         # test_model.test_decode_integer_dot_products' bound (3% of the logit scale)
         assert np.abs(last - ref[-1]).max() <= 3e-2 * np.abs(ref[-1]).max()
         assert m.last_traffic == m.hp.n_embd * 4
-        # every stage's steps submitted before the caller waits for any (the stages' order of
-        # work is the GPUs' and the relays', not the caller's)
+        # every hub's segments submitted before the caller waits for any (the hubs' order of
+        # work is the GPUs' and the relay's, not the caller's)
         from vkxsplit.executor import Step
+        from vkxsplit.vk.command import Sequence
 
         events = []
         wait = Step.wait
         monkeypatch.setattr(Step, "wait", lambda self, *a, **k: (events.append("wait"), wait(self, *a, **k))[1])
-        for st in m.stages:
-            sub = st._submit
-            st._submit = lambda *a, _sub=sub, **k: (events.append("submit"), _sub(*a, **k))[1]
+        submit = Sequence.submit
+        monkeypatch.setattr(Sequence, "submit",
+                            lambda self, *a, **k: (events.append("submit"), submit(self, *a, **k))[1])
         m.prefill(ids[:16])
         assert events.count("submit") == 2 * m.micro and "submit" not in events[events.index("wait"):]
         monkeypatch.undo()
-        for st in m.stages:
-            del st._submit
-        steps0 = m.stages[0].stats["steps"]
+        steps0 = m.stats["steps"]
         m._run([1], all_logits=False)
-        assert m.stages[0].stats["steps"] == steps0 + 1
+        assert m.stats["steps"] == steps0 + 1
         msgs = _messages(m)
     assert not msgs, msgs
 
@@ -124,13 +132,13 @@ def test_three_stages_hold_only_their_layers(synth):
     with load_gguf(path) as mf:
         want = reference_logits(mf, ids)
         tied = "output.weight" not in mf.tensors
-    with PipelineModel(path, devices=["0", "0", "0"], layer_split="1,2,1", n_ctx=32, ubatch=9) as m:
+    with layer_model(path, devices=["0", "0", "0"], layer_split="1,2,1", n_ctx=32, ubatch=9) as m:
         assert m.ranges == [(0, 1), (1, 3), (3, 4)]
-        for st, (a, b) in zip(m.stages, m.ranges):
+        for st, (a, b) in zip(m.shares, m.ranges):
             layers = {int(n.split(".")[1]) for n in st.weights if n.startswith("blk.")}
             assert layers == set(range(a, b))
             assert sorted(st.kv) == list(range(a, b))
-        first, mid, last = m.stages
+        first, mid, last = m.shares
         assert "token_embd.weight" in first.weights and "token_embd.weight" not in mid.weights
         assert ("token_embd.weight" in last.weights) == tied
         assert "output_norm.weight" in last.weights and "output_norm.weight" not in first.weights
@@ -147,17 +155,23 @@ def test_bad_input_is_refused(synth):
 
     path = synth[3]
     fds = open_fd_targets()
-    with pytest.raises(VkxError, match="at least two devices"):
-        PipelineModel(path, devices="0")
-    with pytest.raises(VkxError, match="2 devices|3 shares"):
-        PipelineModel(path, devices="0,0", layer_split="1,1,1")
+    with pytest.raises(PlanError, match="3 ratios for 2 participants"):
+        layer_model(path, devices="0,0", layer_split="1,1,1")
+    with pytest.raises(PlanError, match="(?s)names hub2, a Vulkan hub this model did not open.*--devices"):
+        Model(path, devices="0,0", split="layer:hub0=1,hub2=1")
+    with pytest.raises(PlanError, match="names hub1, a Vulkan hub this model did not open"):
+        Model(path, split="layer:hub0=1,hub1=1")  # one hub
+    with pytest.raises(PlanError, match="(?s)by layers.*or by rows"):
+        Model(path, devices="0,0", split="mode:hub1>=8")
+    with pytest.raises(PlanError, match="with several hubs every participant is a Vulkan hub"):
+        Model(path, devices="0,0", backends="cpu")
     with pytest.raises(VkxError, match="at least one layer"):
-        PipelineModel(path, devices="0,0,0,0")
+        layer_model(path, devices="0,0,0,0")
     with pytest.raises(VkxError, match="does not exist"):  # the first device opened is closed again
-        PipelineModel(path, devices="0,9")
+        layer_model(path, devices="0,9")
     # refused constructions leave no file, device or memfd open
     assert {fd: t for fd, t in open_fd_targets().items() if fds.get(fd) != t} == {}
-    with PipelineModel(path, devices="0,0", n_ctx=16, ubatch=8) as m:
+    with layer_model(path, devices="0,0", n_ctx=16, ubatch=8) as m:
         with pytest.raises(VkxError, match="more than ubatch"):
             m._run(list(range(9)), all_logits=False)
         m._run(list(range(8)), all_logits=False)
@@ -166,6 +180,7 @@ def test_bad_input_is_refused(synth):
             m._run([1], all_logits=False)
         with pytest.raises(VkxError, match="not supported"):
             m.set_split("tensor:1,1")
+        m.set_split("layer")  # the spec it was loaded with
 
 
 def test_a_stuck_stage_is_reported_not_run_silently(synth):
@@ -181,25 +196,23 @@ def test_a_stuck_stage_is_reported_not_run_silently(synth):
     with load_gguf(path) as mf:
         want = reference_logits(mf, ids)
     # two micro-batches: the relay of the second is still waiting when the step gives up
-    with PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5) as m:
-        gate = Gate(m.devices[0])
+    with layer_model(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5) as m:
+        gate = Gate(m.hubs[0])
         hold = gate.hold(watchdog_s=30)
-        st0 = m.stages[0]
-        orig = st0._submit
+        orig = m._submit
 
-        def held(*a, **k):
+        def held(*a, **k):  # hub 0's first segment of each piece waits for the gate
             return orig(*a, **dict(k, waits=[*k.get("waits", ()), hold.point]))
 
-        st0._submit = held
+        m._submit = held
         with pytest.raises(WaitTimeout):
             m._run(ids, all_logits=True)
         assert m.n_past == 0
-        time.sleep(1.0)  # the old relays' later waits time out too: that must not reach the next step
+        time.sleep(1.0)  # the old relay's later waits time out too: that must not reach the next step
         hold.release()
-        st0._submit = orig
+        del m._submit
         m.timeout = 60.0  # lavapipe with the validation layer: a step may take longer than 0.5 s
-        for r in m.relays:
-            r.timeout = 60.0
+        m.relay.timeout = 60.0
         got = m.logits(ids)
         assert np.abs(got - want).max() <= _bound(want)
         gate.close()
@@ -215,17 +228,19 @@ def test_close_leaves_no_fds(synth):
     path = synth[3]
     for _ in range(2):
         before = open_fd_targets()
-        with PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2) as m:
+        with layer_model(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2) as m:
             m.logits([1, 2, 3, 4, 5, 6, 7])
             assert m.links[0].mapping is not None
-        assert not m.links and not m.relays and not m.devices
+            thread = m.relay._worker.thread
+        assert not m.links and not thread.is_alive() and not m.hubs
     new = {fd: t for fd, t in open_fd_targets().items() if before.get(fd) != t}
     assert not new, f"fds left open: {sorted(new.values())}"
 
 
 def test_command_line_and_load_model(synth, tmp_path):
-    """``vkxsplit bench --devices 0,0`` runs the pipeline and reports it; options that do not go
-    with it are refused with the reason; ``vkxsplit.load_model(devices=...)`` gives a pipeline."""
+    """``vkxsplit bench --devices 0,0`` runs the layer split over two hubs and reports it; options
+    that do not go with it are refused with the reason; ``vkxsplit.load_model(devices=...)`` gives
+    a Model over two hubs; ``vkxsplit plan --devices 0,0`` prints one participant per hub."""
     import json
 
     from test_tools import run_tool
@@ -249,13 +264,24 @@ def test_command_line_and_load_model(synth, tmp_path):
     assert r.returncode != 0 and "--devices" in r.stderr and "Traceback" not in r.stderr
     r = cli("bench", "-m", path, "--layer-split", "1,1", "-p", "8", "-n", "0", "-r", "1")
     assert r.returncode != 0 and "go with --devices" in r.stderr
-    r = cli("bench", "-m", path, "--devices", "0,0", "--split", "tensor:1,1", "-p", "8", "-n", "0", "-r", "1")
-    assert r.returncode != 0 and "--split other than none" in r.stderr
+    r = cli("bench", "-m", path, "--devices", "0,0", "--split", "mode:cpu>=8", "-p", "8", "-n", "0", "-r", "1")
+    assert r.returncode != 0 and "several hubs split the model by layers" in r.stderr and "Traceback" not in r.stderr
+    r = cli("bench", "-m", path, "--devices", "0,0", "--split", "layer", "-ts", "1,1", "-p", "8", "-n", "0")
+    assert r.returncode != 0 and "both give the split over the hubs" in r.stderr
+    r = cli("bench", "-m", path, "--devices", "0,0", "-p", "8", "-n", "1", "-r", "1", "-c", "32",
+            "--trace", str(tmp_path / "tr.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    tr = json.loads((tmp_path / "tr.json").read_text())
+    tracks = {e["args"]["name"].split(" ")[0] for e in tr["traceEvents"] if e.get("name") == "thread_name"}
+    assert tracks == {"hub0", "hub1"} and any(e.get("name") == "link_in" for e in tr["traceEvents"])
+    r = cli("plan", "-m", path, "--devices", "0,0", "-ts", "2,1", "-t", "4", "--points")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "split: layer:2,1: layers 0-1,2-2" in r.stdout and "  hub0: " in r.stdout and "  hub1: " in r.stdout
+    assert "hub1#1 [link_in .. " in r.stdout and "waits hub0#0" in r.stdout and "cpy 2" in r.stdout
     with vkxsplit.load_model(path, devices="0,0", n_ctx=32, ubatch=8) as m:
-        assert isinstance(m, PipelineModel) and len(m.stages) == 2
-    for kw in ({"split": "tensor:1,1"}, {"device": None}):
-        with pytest.raises(VkxError, match="no split, backends or device"):
-            vkxsplit.load_model(path, devices="0,0", **kw)
+        assert isinstance(m, Model) and len(m.hubs) == 2 and len(m.shares) == 2 and str(m.split) == "layer"
+    with pytest.raises(VkxError, match="no backends or device"):
+        vkxsplit.load_model(path, devices="0,0", device=None)
 
 
 def test_close_with_a_stuck_stage_frees_nothing_in_use(synth, caplog):
@@ -268,17 +294,16 @@ def test_close_with_a_stuck_stage_frees_nothing_in_use(synth, caplog):
     from vkxsplit.vk.event import Gate
 
     path = synth[3]
-    m = PipelineModel(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5)
-    gate = Gate(m.devices[0])
+    m = layer_model(path, devices="0,0", n_ctx=32, ubatch=8, micro_batches=2, timeout=0.5)
+    gate = Gate(m.hubs[0])
     hold = gate.hold(watchdog_s=30)
-    st0 = m.stages[0]
-    orig = st0._submit
-    st0._submit = lambda *a, **k: orig(*a, **dict(k, waits=[*k.get("waits", ()), hold.point]))
+    orig = m._submit
+    m._submit = lambda *a, **k: orig(*a, **dict(k, waits=[*k.get("waits", ()), hold.point]))
     with pytest.raises(WaitTimeout):
         m._run([3, 1, 4, 1, 5, 9, 2, 6], all_logits=True)
-    stages, links, tls, devices = list(m.stages), list(m.links), list(m.link_timelines), list(m.devices)
+    links, devices = list(m.links), list(m.hubs)
     m.timeout = 0.3
-    with caplog.at_level(logging.ERROR, logger="vkxsplit.pipeline"):
+    with caplog.at_level(logging.ERROR, logger="vkxsplit.model"):
         m.close()
     assert "still queued" in caplog.text
     assert all(d.handle is not None for d in devices) and all(link.mapping is not None for link in links)
@@ -286,11 +311,5 @@ def test_close_with_a_stuck_stage_frees_nothing_in_use(synth, caplog):
     for d in devices:
         d.wait_idle()  # the held work ran (on memory still allocated)
     gate.close()
-    for st in stages:
-        st.close()
-    for link in links:
-        link.close()
-    for tl in tls:
-        tl.close()
-    for d in devices:
-        d.close()
+    m._free()  # now everything goes, in the usual order
+    assert all(d.handle is None for d in devices) and all(link.mapping is None for link in links)

@@ -1,5 +1,6 @@
-"""A model's matrices split by rows over two hubs (vkxsplit.tensor_split), an all-reduce of the
-output projections' partial sums on the GPUs. On lavapipe both hubs are VkDevices on the one CPU
+"""A model's matrices split by rows over two hubs (``Model(devices=..., split="tensor:1,1")``,
+vkxsplit.hubs), an all-reduce of the output projections' partial sums on the GPUs, the relay
+submitting each hub's next segment. On lavapipe both hubs are VkDevices on the one CPU
 device (devices "0,0"); on a machine with two devices also one hub per GPU. Checked against the
 float64 reference forward pass (tests/reference.py), a one-hub model, and, for the weight
 slices, gguf's own dequantization of the whole tensor."""
@@ -12,9 +13,15 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from reference import reference_logits
 
-from vkxsplit.errors import ModelError, VkxError, WaitTimeout
+from vkxsplit.errors import ModelError, PlanError, VkxError, WaitTimeout
 from vkxsplit.gguf_model import load_model as load_gguf
-from vkxsplit.tensor_split import TensorSplitModel, shard_hparams, shard_slices, slice_weight
+from vkxsplit.hubs import shard_hparams, shard_slices, slice_weight
+from vkxsplit.model import Model
+
+
+def row_model(path, devices=(0, 1), **kw):
+    """The row split over ``devices`` as the one Model builds it."""
+    return Model(path, devices=devices, split="tensor:1,1", **kw)
 
 
 def _device_lists():
@@ -129,21 +136,21 @@ def test_tensor_split_matches_the_reference_and_one_hub(device, tiny, devices, p
     with load_model(tiny, device=device, n_ctx=64, ubatch=16) as one:
         hub = one.logits(ids)
         hub_tokens = list(one.generate_ids(ids[:6], 8, stop_ids=set()))
-    with TensorSplitModel(tiny, devices=devices, n_ctx=64, ubatch=16, partials=partials) as m:
+    with row_model(tiny, devices=devices, n_ctx=64, ubatch=16, partials=partials) as m:
         got = m.logits(ids)
         assert np.abs(got - want).max() <= bound(want)
         assert np.abs(got - hub).max() <= bound(want)
-        assert np.array_equal(_hidden(m.shards[0], 5), _hidden(m.shards[1], 5))
+        assert np.array_equal(_hidden(m.shares[0], 5), _hidden(m.shares[1], 5))
         # each shard holds half of every split matrix (and whole norms and embeddings)
-        names = m.shards[1].weights
+        names = m.shares[1].weights
         assert names["blk.0.attn_q.weight"].shape == (128, 256) and names["blk.0.ffn_down.weight"].shape == (256, 512)
-        assert "output.weight" not in names and m.shards[1].logits_buf is None
+        assert "output.weight" not in names and m.shares[1].logits_buf is None
         assert m.traffic["all_reduces"] == 2 * 2 * 3  # two steps, attention and FFN of 3 layers
         assert m.traffic["crossed_bytes"] == (16 + 5) * 256 * isz * 2 * 2 * 3
         assert list(m.generate_ids(ids[:6], 8, stop_ids=set())) == hub_tokens
         assert m.last_traffic == 256 * isz * 2 * 2 * 3  # a decode step: one row per all-reduce
-        assert np.array_equal(_hidden(m.shards[0], 1), _hidden(m.shards[1], 1))
-        msgs = [msg for d in m.devices for msg in d.instance.messages]
+        assert np.array_equal(_hidden(m.shares[0], 1), _hidden(m.shares[1], 1))
+        msgs = [msg for d in m.hubs for msg in d.instance.messages]
     assert not msgs, msgs
 
 
@@ -155,24 +162,25 @@ def test_bad_input_is_refused(tiny, tmp_path):
 
     odd = write_synthetic(tmp_path / "odd.gguf", "smol135m", "q8_0", seed=1, n_vocab=300, n_layer=1)
     with pytest.raises(ModelError, match="n_head 9"):
-        TensorSplitModel(odd, devices="0,0", n_ctx=32, ubatch=8)
-    for bad in ("0,0,0", "0"):
-        with pytest.raises(VkxError, match="over 2 devices"):
-            TensorSplitModel(tiny, devices=bad, n_ctx=32, ubatch=8)
-    with pytest.raises(VkxError, match="go with split_mode='layer'"):
+        row_model(odd, devices="0,0", n_ctx=32, ubatch=8)
+    with pytest.raises(PlanError, match="over two hubs"):
+        row_model(tiny, devices="0,0,0", n_ctx=32, ubatch=8)
+    with pytest.raises(PlanError, match="give equal shares over two hubs"):
+        Model(tiny, devices="0,0", split="tensor:3,1", n_ctx=32, ubatch=8)
+    with pytest.raises(VkxError, match="go with --split-mode layer"):
         vkxsplit.load_model(tiny, devices="0,0", split_mode="row", layer_split="1,1")
-    with pytest.raises(VkxError, match="goes with devices"):
+    with pytest.raises(VkxError, match="go with devices"):
         vkxsplit.load_model(tiny, split_mode="row")
     with pytest.raises(VkxError, match="f32 or f16"):
-        TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, partials="bf16")
+        row_model(tiny, devices="0,0", n_ctx=32, ubatch=8, partials="bf16")
     with pytest.raises(VkxError, match="is not 'layer' or 'row'"):
         vkxsplit.load_model(tiny, devices="0,0", split_mode="rows")
     with vkxsplit.load_model(tiny, devices="0,0", split_mode="row", n_ctx=32, ubatch=8) as m:
-        assert isinstance(m, TensorSplitModel)
+        assert isinstance(m, Model) and str(m.split) == "tensor:1,1" and len(m.shares) == 2
         with pytest.raises(VkxError, match="more than ubatch"):
             m._run(list(range(9)), all_logits=False)
-        with pytest.raises(VkxError, match="inside a tensor-split shard"):
-            m.set_split("tensor:1,1")
+        with pytest.raises(VkxError, match="not supported"):
+            m.set_split("layer")
 
 
 class _HeldQueue:
@@ -212,25 +220,28 @@ def test_a_stuck_shard_is_reported_not_run_silently(tiny):
     other = [7, 7, 2, 9, 1]
     with load_gguf(tiny) as mf:
         want = reference_logits(mf, other)
-    with TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.5) as m:
-        held = _HeldQueue(m.devices[1])  # shard 1's step queues behind it
-        submits = [sum(q.submits for q in s.segments(8, True)) for s in m.shards]
-        with pytest.raises(WaitTimeout, match="tensor-split:done1 did not reach"):
+    with row_model(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.5) as m:
+        held = _HeldQueue(m.hubs[1])  # shard 1's step queues behind it
+        ex = m._executor(8, True)
+
+        def submits():
+            return [sum(q.submits for q, s in zip(ex._seqs, ex.schedule.segments) if s.hub == h) for h in (0, 1)]
+
+        before = submits()
+        with pytest.raises(WaitTimeout, match="relay: hub1 .*did not reach"):
             m._run(ids, all_logits=True)
         assert m.n_past == 0
-        after = [sum(q.submits for q in s.segments(8, True)) for s in m.shards]
-        assert [x - y for x, y in zip(after, submits)] == [1, 1]  # segment 0 only, on each shard
+        assert [x - y for x, y in zip(submits(), before)] == [1, 1]  # segment 0 only, on each shard
         m.timeout = 0.2
         with pytest.raises(VkxError, match="still running"):
             m.logits(other)
         held.release()
         m.timeout = 60.0
-        for r in m.relays:
-            r.timeout = 60.0
+        m.relay.timeout = 60.0
         got = m.logits(other)
         assert np.abs(got - want).max() <= _bound(want)
         held.close()
-        msgs = [msg for d in m.devices for msg in d.instance.messages]
+        msgs = [msg for d in m.hubs for msg in d.instance.messages]
     assert not msgs, msgs
 
 
@@ -249,7 +260,7 @@ def test_command_line(tiny, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(r.stdout)
     assert {row["test"] for row in rows} == {"pp8", "tg2"} and all(row["tps_mean"] > 0 for row in rows)
-    assert all(row["backends"] == "vulkan x2" and "tensor split" in row["split"] for row in rows)
+    assert all(row["backends"] == "vulkan x2" and row["split"].startswith("tensor:1,1: tensor split") for row in rows)
     per = {row["test"]: row["crossed_bytes_per_step"] for row in rows}
     assert per == {"pp8": 8 * 256 * 4 * 2 * 6, "tg2": 256 * 4 * 2 * 6}
     r = cli("bench", "-m", str(tiny), "--devices", "0,0", "-sm", "row", "--layer-split", "1,1", "-p", "8", "-n", "0")
@@ -262,12 +273,12 @@ def test_close_with_a_stuck_shard_frees_nothing_in_use(tiny, caplog):
     and leaves them allocated; once the GPU moves on they can be freed in the usual order."""
     import logging
 
-    m = TensorSplitModel(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.3)
-    held = _HeldQueue(m.devices[1])
+    m = row_model(tiny, devices="0,0", n_ctx=32, ubatch=8, timeout=0.3)
+    held = _HeldQueue(m.hubs[1])
     with pytest.raises(WaitTimeout):
         m._run([3, 1, 4], all_logits=False)
-    shards, pages, devices = list(m.shards), m.pages, list(m.devices)
-    with caplog.at_level(logging.ERROR, logger="vkxsplit.tensor_split"):
+    pages, devices = m.links[0], list(m.hubs)
+    with caplog.at_level(logging.ERROR, logger="vkxsplit.model"):
         m.close()
     assert "still queued" in caplog.text
     assert all(d.handle is not None for d in devices) and pages.mapping is not None  # nothing freed
@@ -275,8 +286,5 @@ def test_close_with_a_stuck_shard_frees_nothing_in_use(tiny, caplog):
     for d in devices:
         d.wait_idle()  # the held segment ran (on memory still allocated)
     held.close()
-    for s in shards:
-        s.close()
-    pages.close()
-    for d in devices:
-        d.close()
+    m._free()  # now everything goes, in the usual order
+    assert all(d.handle is None for d in devices) and pages.mapping is None

@@ -1,0 +1,213 @@
+"""Vulkan hubs as participants of the one planner (vkxsplit.plan, vkxsplit.hubs): the plan of a
+model over two hubs names one participant per hub and the nodes that cross between them; the
+schedule cuts per-hub segments with cross-hub waits derived from the bytes each node touches
+(the two imports of one host link are one memory); a spec naming a hub the model did not open
+is refused; the one-hub graph and plan are the one-hub forward, node for node."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vkxsplit.errors import PlanError
+from vkxsplit.graph import Tensor
+from vkxsplit.plan.planner import Planner
+from vkxsplit.plan.schedule import HubOp, build_schedule
+
+
+def _t(name):
+    return Tensor(name, (4, 8), "f32")  # no buffer: dry tensors are their own memory, by name
+
+
+def _op(hub, name, reads, writes):
+    return HubOp("node", name, [_t(r) for r in reads], [_t(w) for w in writes], hub=hub)
+
+
+def test_schedule_over_hubs_waits_where_a_hub_reads_what_another_wrote():
+    """Two hubs: hub 1's first item reads the link hub 0 wrote (a wait, RAW); hub 0's second
+    round writes the page hub 1 read (a wait, WAR); hub-local work never waits across. Built by
+    hand: the segments and their waits."""
+    items = [_op(0, "a0", ["x0"], ["x0"]), _op(0, "out0", ["x0"], ["link"]),
+             _op(1, "in1", ["link"], ["x1"]), _op(1, "b1", ["x1"], ["x1"]),
+             _op(0, "c0", ["x0"], ["x0"]),                     # hub 0 again: a new segment, no wait
+             _op(0, "out0b", ["x0"], ["link"]),                # rewrites what in1 read: waits hub 1
+             _op(1, "in1b", ["link"], ["x1"])]                 # reads the new link: waits hub 0
+    sch = build_schedule(items)
+    got = [(s.hub, [op.name for op in s.ops], s.hub_waits) for s in sch.segments]
+    assert got == [(0, ["a0", "out0"], []), (1, ["in1", "b1"], [0]), (0, ["c0"], []),
+                   (0, ["out0b"], [1]), (1, ["in1b"], [3])]
+    assert sch.order == [("seg", i) for i in range(5)] and sch.hubs == 2
+    assert sch.cross_waits() == [(0, 1), (1, 3), (3, 4)]
+    # the same items with hub-private links (nothing shared): no cross-hub wait at all
+    private = [_op(it.hub, it.name, [t.name + str(it.hub) for t in it.reads], [t.name + str(it.hub) for t in it.writes])
+               for it in items]
+    assert build_schedule(private).cross_waits() == []
+    # one hub: the schedule of before (one segment, no hub waits), whatever the tensors
+    one = build_schedule([HubOp("node", it.name, it.reads, it.writes) for it in items])
+    assert [len(s.ops) for s in one.segments] == [len(items)] and one.cross_waits() == []
+
+
+def test_simulate_runs_each_hub_in_parallel_with_relay_crossings():
+    """The cost model's step time over two hubs, worked by hand on the schedule above: each
+    item 10 s, a relay crossing 1 s, no submit cost. Hub 0: [a0 out0] 0-20, [c0] 20-30, [out0b]
+    waits hub 1's [in1 b1] (21-41): 42-52; hub 1: [in1b] waits [out0b]: 53-63. One lane (the
+    hubs' segments one after another) would give 70 and more."""
+    from vkxsplit.plan.cost import simulate
+
+    items = [_op(0, "a0", ["x0"], ["x0"]), _op(0, "out0", ["x0"], ["link"]),
+             _op(1, "in1", ["link"], ["x1"]), _op(1, "b1", ["x1"], ["x1"]),
+             _op(0, "c0", ["x0"], ["x0"]), _op(0, "out0b", ["x0"], ["link"]), _op(1, "in1b", ["link"], ["x1"])]
+
+    class Cost:
+        estimated: set = set()
+
+        def submit(self):
+            return 0.0
+
+        def relay(self):
+            return 1.0
+
+        def hub_item(self, it):
+            return 10.0
+
+    pred = simulate(build_schedule(items), Cost())
+    assert pred.total_s == 63.0 and pred.busy == {"hub0": 40.0, "hub1": 30.0}
+
+
+def test_planner_spec_checks_over_hubs():
+    """Specs the hubs can run (layer shares, tensor:1,1 over two), and the rest refused with
+    the reason: a hub not opened (named), other kinds, unequal row shares, backends."""
+    two = Planner(hubs=2)
+    assert two.names == ["hub0", "hub1"]
+    assert two.hub_shares("layer") == [1.0, 1.0] and two.hub_shares("layer:3,1") == [3.0, 1.0]
+    assert two.hub_shares("layer:hub1=1,hub0=2") == [2.0, 1.0] and two.hub_shares("tensor:1,1") == [1.0, 1.0]
+    with pytest.raises(PlanError, match="(?s)names hub2, a Vulkan hub this model did not open.*opened 2: hub0, hub1"):
+        two.check("layer:hub0=1,hub2=1")
+    with pytest.raises(PlanError, match="names hub1, a Vulkan hub this model did not open"):
+        Planner().check("tensor:hub=1,hub1=1")
+    for bad, why in (("none", "by layers"), ("auto", "by layers"), ("mode:hub1>=2", "by layers"),
+                     ("tensor:3,1", "equal shares"), ("tensor:1,1@attn", "no @REGEX"),
+                     ("layer:blk\\.0\\..*=hub1", "not REGEX=NAME"), ("layer:1,1,1", "3 ratios for 2")):
+        with pytest.raises(PlanError, match=why):
+            two.check(bad)
+    with pytest.raises(PlanError, match="over two hubs"):
+        Planner(hubs=3).check("tensor:1,1,1")
+
+    class Cpu:
+        name, caps = "cpu", None
+
+    with pytest.raises(PlanError, match="every participant is a Vulkan hub"):
+        Planner([Cpu()], hubs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from vkxsplit.synth import write_synthetic
+
+    return write_synthetic(tmp_path_factory.mktemp("hubplan") / "tiny.gguf", "tiny", "q8_0", seed=3, n_layer=3)
+
+
+def _sig(n):
+    from vkxsplit.graph import span
+
+    return (n.op, n.name, tuple((t.name, t.shape, t.dtype, span(t)) for t in (*n.inputs, n.output)))
+
+
+def test_one_hub_plan_is_the_forward_node_for_node(device, tiny):
+    """Split none on one hub: the graph is the architecture's forward over the hub's buffers
+    (archs.build_graph, built again here), every node lowered once, in order, on the hub, in
+    one segment; participants ``hub``."""
+    from vkxsplit.archs import build_graph
+    from vkxsplit.model import load_model
+
+    with load_model(tiny, split="none", device=device, n_ctx=32, ubatch=8) as m:
+        for T in (1, 8):
+            plan = m.plan(T)
+            ref = build_graph(m.shares[0], T, False)
+            assert [_sig(n) for n in plan.graph.nodes] == [_sig(n) for n in ref.nodes]
+            assert all(n.hub == 0 for n in plan.graph.nodes)
+            assert [(it.kind, it.name, it.hub) for it in plan.items] == [("node", n.name, 0) for n in plan.graph.nodes]
+            assert len(plan.schedule.segments) == 1 and plan.participants == ["hub"]
+            assert plan.schedule.cross_waits() == [] and plan.cross_nodes == []
+
+
+def test_layer_split_plan_names_each_hub_and_its_cross_nodes(device, tiny):
+    """``layer:2,1`` over two hubs: each node of the one-hub forward runs on the hub holding its
+    layer (the same nodes in the same order, but for the link copies and the residual add that
+    no longer fuses the next hub's first norm), one participant per hub, the link copies as
+    the cross-hub nodes, one relay round; ``describe`` says so."""
+    from vkxsplit.model import Model, load_model
+
+    with load_model(tiny, split="none", device=device, n_ctx=32, ubatch=8) as one:
+        ref = [(n.op, n.name) for n in one.plan(8).graph.nodes]
+    with Model(tiny, devices="0,0", split="layer:2,1", n_ctx=32, ubatch=8, micro_batches=1) as m:
+        plan = m.plan(8)
+        g = plan.graph
+        assert plan.participants == ["hub0", "hub1"] and list(plan.by_participant()) == ["hub0", "hub1"]
+        assert plan.cross_nodes == ["link_out", "link_in"] and plan.cross == "signal"
+        hub_of = {n.name: n.hub for n in g.nodes}
+        assert {hub_of[f"blk.{i}.attn_q"] for i in (0, 1)} == {0} and hub_of["blk.2.attn_q"] == 1
+        assert hub_of["embd"] == 0 and hub_of["output"] == 1
+        got = [(n.op, n.name) for n in g.nodes if n.name not in ("link_out", "link_in")]
+        # hub 0 ends its last layer with a plain residual add; hub 1 norms its first input itself
+        want = [x for x in ref if x != ("add_rms_norm", "blk.2.attn_norm")]
+        k = want.index(("add_rms_norm", "blk.1.ffn_norm")) + 1
+        want = want[:k] + [x for x in want[k:] if x[1].startswith("blk.1.")] + [("add", "blk.1.ffn_residual"),
+               ("rms_norm", "blk.2.attn_norm")] + [x for x in want[k:] if not x[1].startswith("blk.1.")]
+        assert got == want
+        sch = plan.schedule
+        assert [(s.hub, s.hub_waits) for s in sch.segments] == [(0, []), (1, [0])]
+        assert sch.segments[1].ops[0].name == "link_in" and sch.segments[0].ops[-1].name == "link_out"
+        assert plan.crossed_bytes == 8 * m.hp.n_embd * 4
+        text = plan.describe(points=True)
+        assert "  hub0: " in text and "  hub1: " in text and "hub1#1 [link_in" in text and "waits hub0#0" in text
+        assert "cpy 2; 1 relay rounds per step, each signalling the next hub" in text
+        d = plan.to_dict()
+        assert set(d["participants"]) == {"hub0", "hub1"}
+
+
+def test_row_split_plan_has_an_all_reduce_per_block(device, tiny):
+    """``tensor:1,1`` over two hubs: both shards' nodes, interleaved at each all-reduce; the
+    cross-hub nodes are each shard's publish and sum of every attention and FFN output; every
+    segment after the first of each hub waits for the other hub (the relay submits it)."""
+    from vkxsplit.model import Model
+
+    with Model(tiny, devices="0,0", split="tensor:1,1", n_ctx=32, ubatch=8) as m:
+        plan = m.plan(4)
+        L = m.hp.n_layer
+        assert plan.participants == ["hub0", "hub1"] and plan.cross == "submit"
+        sums = [n for n in plan.graph.nodes if n.op == "link_sum"]
+        assert len(sums) == 2 * 2 * L and {n.hub for n in sums} == {0, 1}
+        assert sorted(plan.cross_nodes) == sorted([n.name for n in sums]
+                                                  + [n.name for n in plan.graph.nodes if n.name.endswith("_publish")])
+        segs = plan.schedule.segments
+        assert len(segs) == 2 * (2 * L + 1) and [s.hub for s in segs] == [0, 1] * (2 * L + 1)
+        assert all(s.hub_waits == [] for s in segs[:2]) and all(len(s.hub_waits) == 1 for s in segs[2:])
+        assert all(segs[j].hub != s.hub for s in segs for j in s.hub_waits)
+        assert plan.crossed_bytes == 4 * m.hp.n_embd * 4 * 2 * 2 * L  # both partials of every all-reduce
+        # both shards publish before the first sum reads (hub 0's whole graph first, then hub
+        # 1's, would put hub 0's sums before hub 1's partials exist)
+        first_sum = next(i for i, n in enumerate(plan.graph.nodes) if n.op == "link_sum")
+        published = {n.hub for n in plan.graph.nodes[:first_sum] if n.name.endswith("_publish")}
+        assert published == {0, 1}
+        logits = m.logits([1, 2, 3, 4])
+        assert np.isfinite(logits).all()
+
+
+def test_trace_of_a_step_over_hubs_has_a_track_per_hub(tiny):
+    """``trace=True`` over two hubs (layer split): the step's Chrome trace has one track per hub,
+    every node on its hub's track, once, with GPU durations; the row split's too, the relay
+    submitting its segments (their completions watched as the relay fills the values in)."""
+    from vkxsplit.model import Model
+
+    for split in ("layer:2,1", "tensor:1,1"):
+        with Model(tiny, devices="0,0", split=split, n_ctx=32, ubatch=8, micro_batches=1, trace=True) as m:
+            m.logits([1, 2, 3, 4, 5])
+            tr = m.last_trace
+            names = {e["args"]["name"] for e in tr["traceEvents"] if e.get("name") == "thread_name"}
+            assert {n.split(" ")[0] for n in names} == {"hub0", "hub1"}, names
+            graph = m.plan(5).graph
+            got = sorted((e["tid"], e["name"]) for e in tr["traceEvents"] if e["ph"] == "X")
+            assert got == sorted((n.hub, n.name) for n in graph.nodes)
+            assert all(e["dur"] >= 0 for e in tr["traceEvents"] if e["ph"] == "X")
+            assert tr["otherData"]["submits"] == len(m.plan(5).schedule.segments)
