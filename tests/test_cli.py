@@ -394,7 +394,7 @@ def test_run_trace(tiny: Path, capsys, tmp_path: Path) -> None:
 
 
 def test_bench_as_llama_bench(tiny: Path, capsys, tmp_path: Path) -> None:
-    from vkxsplit.runner import BENCH_FIELDS, print_bench
+    from vkxsplit.bench import BENCH_FIELDS, print_bench
 
     rc, out, err = run_cli(capsys, "bench", "-m", str(tiny), "-p", "8", "-n", "2", "-r", "2", "-c", "32",
                            "-ub", "8", "--split", "none", "-o", "json", "--trace", str(tmp_path / "b.json"))
@@ -433,8 +433,8 @@ def test_model_description() -> None:
     """llama-bench's `arch size-label type`: the file's general.size_label, else the count."""
     from conftest import smol_path
 
+    from vkxsplit.bench import model_desc, size_label
     from vkxsplit.gguf_model import load_model as load_gguf
-    from vkxsplit.runner import model_desc, size_label
 
     assert [size_label(n) for n in (134_515_008, 1_235_814_400, 8_030_261_248, 360_000_000)] == \
         ["135M", "1.2B", "8B", "360M"]

@@ -81,9 +81,11 @@ def test_levels_are_the_recorded_barriers_and_hold_every_node_once_in_dependency
             assert seq.barriers == own.barriers and seq.dispatches == own.dispatches
             assert sum(seq.level_cmds) == own.dispatches
             assert seq.n_stamps == len(seq.levels) + 1
-            # every graph node in exactly one level (each is one dispatch here), all of them
+            # every graph node in exactly one level (each is one dispatch here, but an attention
+            # writing q8_1 x without a KV split, which quantizes in a second one), all of them
             assert sorted(where) == list(range(len(seg.ops)))
-            assert all(len(v) == 1 for v in where.values())
+            assert all(len(v) == 1 for k, v in where.items()
+                       if not (seg.ops[k].node.op == "attention" and "xq" in seg.ops[k].node.params))
             ok, pairs = _in_dependency_order(seg.ops, where)
             assert ok and pairs > len(seg.ops) // 2
             # the check can fail: the same items squeezed into one level are out of order

@@ -145,8 +145,8 @@ def test_bench_warm_up_runs_until_the_gpu_is_warm(monkeypatch):
     WARMUP_S on a GPU (a short step after an idle phase runs at low clocks)."""
     import types
 
-    from vkxsplit import runner
-    monkeypatch.setattr(runner, "WARMUP_S", 0.05)
+    from vkxsplit import bench
+    monkeypatch.setattr(bench, "WARMUP_S", 0.05)
     for cpu, at_least in ((True, 1), (False, 3)):
         model = types.SimpleNamespace(device=types.SimpleNamespace(is_cpu=cpu))
         calls = []
@@ -155,7 +155,7 @@ def test_bench_warm_up_runs_until_the_gpu_is_warm(monkeypatch):
             calls.append(time.perf_counter())
             time.sleep(0.01)
 
-        runner._warm(model, run)
+        bench._warm(model, run)
         assert len(calls) >= at_least and (not cpu or len(calls) == 1)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A/B of kill switches on whole models: pp / tg tok/s of one synthetic GGUF per shape, loaded
 once per setting (env assignments, or none), median of the runs after warm-up
-(``vkxsplit.runner.bench_model``). For measuring what a kernel choice is worth to a model, e.g.
+(``vkxsplit.bench.bench_model``). For measuring what a kernel choice is worth to a model, e.g.
 
     python tools/bench_ab.py --shapes llama8b:q4_0 --settings 'none;VKXSPLIT_DISABLE=splitk;VKXSPLIT_DISABLE=dq16,splitk'
 
@@ -34,8 +34,8 @@ def main() -> int:
     ap.add_argument("-r", type=int, default=3)
     args = ap.parse_args()
 
+    from vkxsplit.bench import bench_model
     from vkxsplit.model import load_model
-    from vkxsplit.runner import bench_model
     from vkxsplit.synth import write_synthetic
 
     settings = []

@@ -2,7 +2,7 @@
 """pp512 / tg128 of vkxsplit beside llama.cpp's Vulkan llama-server, on the same GGUF files.
 
 Run on the device (tools/device_bench.sh): for each shape, writes a synthetic GGUF with
-`vkxsplit synth`, measures vkxsplit (hub only) with `vkxsplit.runner.bench_model`, then starts
+`vkxsplit synth`, measures vkxsplit (hub only) with `vkxsplit.bench.bench_model`, then starts
 llama-server on the same file (-ngl 99 -c 4096 -b 2048 -ub 512), sends the same 512 prompt
 token ids with n_predict 128 (median of the runs after a warm-up) and reads its timings.
 Prints one markdown table.
@@ -42,8 +42,8 @@ def main() -> int:
     ap.add_argument("--splits", default="none",
                     help="split specs measured per shape, ';'-separated, e.g. 'none;mode:cuda>=32'")
     args = ap.parse_args()
+    from vkxsplit.bench import bench_model
     from vkxsplit.model import load_model
-    from vkxsplit.runner import bench_model
     from vkxsplit.synth import write_synthetic
 
     rows = []

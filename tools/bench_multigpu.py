@@ -14,7 +14,7 @@ Configurations (``--splits``, separated by ``;``):
   (crossed bytes: both partials of every all-reduce; "rounds": all-reduces per step;
   ``:f16``: the partials cross as f16).
 
-pp and tg are ``runner.bench_model``'s (median t/s over the repetitions). Prints one markdown
+pp and tg are ``bench.bench_model``'s (median t/s over the repetitions). Prints one markdown
 table.
 
   python tools/bench_multigpu.py                      # the 2-GPU machine: llama8b q4_0 synth
@@ -38,8 +38,8 @@ from vkxsplit.errors import VkxError  # noqa: E402
 def _bench(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int, reps: int) -> None:
     """One GPU alone, or the model over hubs on device 0 and the peer device: pp, tg and the
     bytes that cross between the GPUs in one prefill and one decode step."""
+    from vkxsplit.bench import bench_model
     from vkxsplit.model import load_model
-    from vkxsplit.runner import bench_model
 
     kind, *rest = split.split(":")
     common = {"ubatch": max(n_p, 1), "n_ctx": n_p + n_g + 16}

@@ -23,6 +23,7 @@ from .errors import VkxError
 COMMAND_MODULES = (
     "vkxsplit.info",
     "vkxsplit.runner",
+    "vkxsplit.bench",
     "vkxsplit.server",
     "vkxsplit.synth",
 )
