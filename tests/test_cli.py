@@ -280,6 +280,39 @@ def test_plan_shows_the_mapped_split(tiny: Path, capsys, monkeypatch, tmp_path: 
     assert out.startswith(r"split: layer:blk\.1\.ffn_.*=cpu") and "cpu:" in out
 
 
+def test_plan_measures_each_step_and_says_when_the_prediction_misses(tiny: Path, capsys, monkeypatch,
+                                                                      tmp_path: Path) -> None:
+    """``plan`` runs each planned step and prints the measured time beside the prediction; a
+    prediction off by more than 20% is called out (here made tiny on purpose); --no-measure
+    skips the runs."""
+    import json
+
+    from vkxsplit import runner
+    from vkxsplit.plan.cost import Prediction
+
+    monkeypatch.setenv("VKXSPLIT_CACHE_DIR", str(tmp_path))
+    assert main(["plan", "-m", str(tiny), "--split", "none", "-t", "1,4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    meas = [p["measured"] for p in doc["plans"]]
+    assert [m["T"] for m in meas] == [1, 4] and all(m["measured_s"] > 0 and m["predicted_s"] > 0 for m in meas)
+    assert all(m["miss"] == (abs(m["measured_s"] / m["predicted_s"] - 1) > runner.PREDICTION_OFF) for m in meas)
+    from vkxsplit.model import Model
+
+    orig = Model.plan
+
+    def tiny_prediction(self, T, all_logits=False, predict=False):
+        p = orig(self, T, all_logits, predict)
+        p.prediction = Prediction(1e-9, {"hub": 1e-9}, [])
+        return p
+
+    monkeypatch.setattr(Model, "plan", tiny_prediction)
+    assert main(["plan", "-m", str(tiny), "--split", "none", "-t", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "measured:" in out and "off by more than 20%" in out
+    assert main(["plan", "-m", str(tiny), "--split", "none", "-t", "1", "--no-measure"]) == 0
+    assert "measured:" not in capsys.readouterr().out
+
+
 # ---- runs -----------------------------------------------------------------------------------
 
 

@@ -15,7 +15,9 @@ import json
 import logging
 import math
 import signal
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -491,6 +493,47 @@ DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 # -- plan -----------------------------------------------------------------------------------
 
 
+#: a measured step this much slower or faster than predicted is reported as a cost-model miss
+PREDICTION_OFF = 0.20
+
+
+def measure_plans(model: Any, plans: list[Any], reps: int = 3, seed: int = 0) -> list[dict[str, Any]]:
+    """Each plan's step run for real on random ids from an empty context (once to record and
+    warm, then ``reps`` times): the median wall time beside the prediction, and whether the
+    prediction is off by more than :data:`PREDICTION_OFF` (then ``auto``, which compares plans by
+    their predictions, may not have picked the fastest)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p in plans:
+        ids = rng.integers(0, model.hp.n_vocab, p.T).tolist()
+        times = []
+        for r in range(reps + 1):
+            model.reset()
+            t0 = time.perf_counter()
+            model.run_step(ids)
+            if r:
+                times.append(time.perf_counter() - t0)
+        measured = statistics.median(times)
+        predicted = p.prediction.total_s if p.prediction is not None else None
+        off = measured / predicted - 1 if predicted else None
+        out.append({"T": p.T, "measured_s": measured, "predicted_s": predicted, "off": off,
+                    "miss": off is not None and abs(off) > PREDICTION_OFF})
+    model.reset()
+    return out
+
+
+def measured_line(m: dict[str, Any]) -> str:
+    if m["predicted_s"] is None:
+        return f"  measured: {m['measured_s'] * 1e3:.3f} ms (no prediction)"
+    line = (f"  measured: {m['measured_s'] * 1e3:.3f} ms (median of the steps run; predicted "
+            f"{m['predicted_s'] * 1e3:.3f} ms, {m['off']:+.0%})")
+    if m["miss"]:
+        line += (f"\n  the prediction is off by more than {PREDICTION_OFF:.0%}: the cost model does not know this "
+                 "step well, so `auto` may not pick the fastest plan here (the device profile's measurements "
+                 "are per kernel and shape: a fresh profile may help, VKXSPLIT_CACHE_DIR)")
+    return line
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """``vkxsplit plan``: the plan of each ``-t`` batch size (who runs which ops and rows, the
     conversions, the timeline) with its predicted step time, measuring what the device
@@ -513,14 +556,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            ubatch=ub, micro_batches=1)
         try:
             plans = [model.plan(T, predict=True) for T in Ts]
+            meas = measure_plans(model, plans) if args.measure else [None] * len(plans)
             if args.json:
                 print(json.dumps({"model": model.file.name, "devices": [d.name for d in model.hubs],
                                   "split": str(model.split), "placed": model.split_label,
-                                  "plans": [p.to_dict() for p in plans]}, indent=1))
+                                  "plans": [{**p.to_dict(), "measured": m} for p, m in zip(plans, meas)]}, indent=1))
             else:
                 print(f"split: {model.split_label}")
-                for p in plans:
+                for p, m in zip(plans, meas):
                     print(p.describe(points=args.verbose_points))
+                    if m is not None:
+                        print(measured_line(m))
                     print()
                 print(f"device profile: {model.cost.profile.path}")
         finally:
@@ -540,6 +586,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model.owns_device = True
     try:
         plans = [model.plan(T, predict=True) for T in Ts]
+        meas = measure_plans(model, plans) if args.measure else [None] * len(plans)
         if args.trace:
             model.set_trace(True)
             rng = np.random.default_rng(0)
@@ -551,11 +598,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"model": model.file.name, "device": model.device.name, "split": str(model.split),
                               "backends": list(model.backends), "profile": str(model.cost.profile.path),
-                              "plans": [p.to_dict() for p in plans]}, indent=1))
+                              "plans": [{**p.to_dict(), "measured": m} for p, m in zip(plans, meas)]}, indent=1))
         else:
             print(f"split: {model.split}")
-            for p in plans:
+            for p, m in zip(plans, meas):
                 print(p.describe(points=args.verbose_points))
+                if m is not None:
+                    print(measured_line(m))
                 print()
             print(f"device profile: {model.cost.profile.path}")
     finally:
@@ -590,6 +639,9 @@ def _register_plan(sub: Any) -> None:
                    help="list every timeline point (hub segments and backend jobs)")
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="also run one step of the largest T and write its Chrome trace-event JSON")
+    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each planned step (median of 3) and print the measured time beside the "
+                        f"prediction, saying so when they differ by more than {PREDICTION_OFF:.0%} (default: on)")
     p.set_defaults(func=cmd_plan, split_used=None, layer_split=None, micro_batches=None)
 
 
