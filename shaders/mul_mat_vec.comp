@@ -16,9 +16,12 @@
 // loop) and are not written. Partial sums are reduced with subgroupAdd and then across
 // subgroups in shared memory (any subgroup size).
 //
-// Defines: WTYPE, WG (threads), NR (rows per workgroup), UNR (units per thread per
-// iteration), MAXM (most columns handled: fewer columns, fewer registers), DQX_L (lanes per
-// block, see dequant.glsl).
+// Defines (one SPIR-V module each): WTYPE, DQX_L (lanes per block, see dequant.glsl).
+// Specialization constants (the shape; one module serves every shape of its type):
+// WG (threads; constant_id 0, also the workgroup size), NR (rows per workgroup), UNR (units
+// per thread per iteration), MAXM (most columns handled: fewer columns, fewer registers).
+// The final reduction needs a thread per (row, column): NR * MAXM <= WG (the variant maker,
+// vkxsplit.ops.mul_mat_kernels.make_vec_variant, refuses other shapes).
 //
 // Push constants (elements, not bytes): M, N, K, x_stride, y_stride, x_offset, y_offset,
 // w_row0 (first W row), y_col0 (first y column), flags (bit 0: x rows are vec4-aligned;
@@ -33,24 +36,13 @@
 #define W_BINDING 0
 #include "dequant.glsl"
 
-#ifndef WG
-#define WG 128
-#endif
-#ifndef NR
-#define NR 2
-#endif
-#ifndef UNR
-#define UNR 1
-#endif
-#ifndef MAXM
-#define MAXM 8  // columns of x handled per pass
-#endif
+layout(constant_id = 0) const uint WG = 128;
+layout(constant_id = 1) const uint NR = 2;
+layout(constant_id = 2) const uint UNR = 1;
+layout(constant_id = 3) const uint MAXM = 8;  // columns of x handled per pass
 #define RPG (DQX_NV / DQX_G)  // runs per scale group
-#if NR * MAXM > WG
-#error "the final reduction needs a thread per (row, column): NR * MAXM <= WG"
-#endif
 
-layout(local_size_x = WG) in;
+layout(local_size_x_id = 0) in;
 
 layout(std430, binding = 1) readonly buffer X { float x[]; };
 layout(std430, binding = 1) readonly buffer X4 { vec4 x4[]; };
@@ -120,11 +112,11 @@ void units(uint tid, const bool xvec) {
             unit(u + i * WG, xvec);
         }
     }
-#if UNR > 1
-    for (; u < nu; u += WG) {
-        unit(u, xvec);
+    if (UNR > 1u) {  // a constant once specialized
+        for (; u < nu; u += WG) {
+            unit(u, xvec);
+        }
     }
-#endif
 }
 
 void main() {

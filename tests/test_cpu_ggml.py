@@ -9,6 +9,8 @@ blocks, q8_K for K-quants and iq4_xs, f16 / bf16 for those weights, f32 as is): 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import WAIT_S
@@ -390,3 +392,323 @@ def test_graph_cache_is_bounded(device, rng, monkeypatch):
     finally:
         b.close()
         arena.close()
+
+
+# --------------------------------------------------------------------------------------------
+# the rest of a step (backend.STEP_OPS, cpu:step=1): each op against float64 numpy written from
+# llama.cpp's conventions (ggml.h's rope_ext pseudo-code, llama.cpp's GQA mapping), then a run of
+# jobs as one graph
+
+
+@pytest.fixture(scope="module")
+def cpu_step(device):
+    b = create_backend("cpu", device, step=1, threads=1, timeout=WAIT_S)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def step_arena(device, cpu_step):
+    a = SharedArena(device, [cpu_step], name="ggml-step-test")
+    yield a
+    a.close()
+
+
+def run_op(b, job):
+    p = b.next_point()
+    b.run_op(job.op, job, None, p)
+    b.wait(p)
+
+
+def rope_ref(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: str, base: float, scale: float = 1.0,
+             ff: np.ndarray | None = None, yarn: dict | None = None) -> np.ndarray:
+    """RoPE in float64 as llama.cpp defines it (ggml.h, docs/ARCHITECTURE.md): pair i of the first
+    n_dims of each head turns by theta = p base^(-2i/n_dims) / ff_i, scaled by freq_scale, with
+    YaRN's ramp and magnitude when ext_factor != 0; pairs (2i, 2i+1) for ``norm``, (i, i + n_dims/2)
+    for ``neox``. x: [T, heads, head_dim]."""
+    out = np.array(x, np.float64)
+    i = np.arange(n_dims // 2, dtype=np.float64)
+    th_ex = pos[:, None].astype(np.float64) * base ** (-2 * i / n_dims) / (1.0 if ff is None else ff)
+    th = scale * th_ex
+    mag = 1.0
+    if yarn is not None:
+        nco, ext, attn, bf, bs = (yarn[k] for k in ("n_ctx_orig", "ext_factor", "attn_factor", "beta_fast",
+                                                   "beta_slow"))
+
+        def d(beta: float) -> float:
+            return n_dims * np.log(nco / (2 * np.pi * beta)) / (2 * np.log(base))
+
+        lo, hi = max(0.0, np.floor(d(bf))), min(n_dims - 1.0, np.ceil(d(bs)))
+        r = ext * (1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1))
+        th = th * (1 - r) + th_ex * r
+        mag = attn * (1 + 0.1 * np.log(1 / scale))
+    c, s = np.cos(th)[:, None, :] * mag, np.sin(th)[:, None, :] * mag
+    if mode == "norm":
+        a, b = out[..., 0:n_dims:2].copy(), out[..., 1:n_dims:2].copy()
+        out[..., 0:n_dims:2], out[..., 1:n_dims:2] = a * c - b * s, a * s + b * c
+    else:
+        h = n_dims // 2
+        a, b = out[..., :h].copy(), out[..., h:n_dims].copy()
+        out[..., :h], out[..., h:n_dims] = a * c - b * s, a * s + b * c
+    return out
+
+
+YARN = {"n_ctx_orig": 64, "ext_factor": 1.0, "attn_factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+@pytest.mark.parametrize("extra", ["plain", "freq_factors", "yarn"])
+def test_rope_against_float64(cpu_step, step_arena, rng, mode, extra):
+    """ggml's rope_ext on the backend, in place as the hub's rope node: both orderings, n_dims
+    below head_dim (the rest copied), frequency factors, YaRN; f32 sin/cos over angles up to
+    ~100 rad: 2e-5 of |x|. The other ordering misses the same bound."""
+    from vkxsplit.backend import OpJob
+
+    T, nh, hd, nd = 3, 2, 16, 12
+    x = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    pos = np.array([3, 40, 97], np.int32)
+    ff = rng.uniform(1, 4, nd // 2).astype(np.float32) if extra == "freq_factors" else None
+    params = {"n_heads": nh, "head_dim": hd, "n_dims": nd, "mode": mode, "freq_base": 10000.0,
+              "freq_scale": 0.25 if extra == "yarn" else 1.0, **(YARN if extra == "yarn" else {})}
+    xb, pb = put(step_arena, x), put(step_arena, pos)
+    ins = (xb.view(), pb.view()) + ((put(step_arena, ff).view(),) if ff is not None else ())
+    run_op(cpu_step, OpJob("rope", ins, (xb.view(),), T, nh * hd, params=params))
+    got = xb.numpy(np.float32)[:T * nh * hd].reshape(T, nh, hd)
+    yarn = YARN if extra == "yarn" else None
+    want = rope_ref(x, pos, nd, mode, 10000.0, params["freq_scale"], ff, yarn)
+    bound = 2e-5 * np.abs(x).max()
+    assert np.abs(got - want).max() <= bound
+    other = rope_ref(x, pos, nd, "neox" if mode == "norm" else "norm", 10000.0, params["freq_scale"], ff, yarn)
+    assert np.abs(got - other).max() > 100 * bound
+    assert np.array_equal(got[..., nd:], x[..., nd:])  # the dims past n_dims are not turned
+
+
+def test_kv_store_ropes_k_into_the_f16_cache(cpu_step, step_arena, rng):
+    """K roped (neox, with factors) and V stored as f16 at cache rows pos[t], every other row
+    untouched: equal to the float64 result rounded to f16 within one f16 ulp."""
+    from vkxsplit.backend import OpJob
+
+    T, nkv, hd, n_ctx = 3, 2, 16, 12
+    k = rng.standard_normal((T, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((T, nkv, hd)).astype(np.float32)
+    pos = np.array([4, 5, 9], np.int32)
+    ff = rng.uniform(1, 2, hd // 2).astype(np.float32)
+    rope = {"n_dims": hd, "mode": "neox", "freq_base": 500.0, "freq_scale": 1.0}
+    ck = np.full((n_ctx, nkv * hd), 7.0, np.float16)
+    cv = np.full((n_ctx, nkv * hd), 7.0, np.float16)
+    kb, vb, pb, fb, ckb, cvb = (put(step_arena, a) for a in (k, v, pos, ff, ck, cv))
+    run_op(cpu_step, OpJob("kv_store", (kb.view(), vb.view(), pb.view(), fb.view()), (ckb.view(), cvb.view()), T,
+                           nkv * hd, params={"n_kv_heads": nkv, "head_dim": hd, "n_ctx": n_ctx, "rope_k": rope}))
+    gk = ckb.numpy(np.float16)[:n_ctx * nkv * hd].reshape(n_ctx, nkv * hd).astype(np.float64)
+    gv = cvb.numpy(np.float16)[:n_ctx * nkv * hd].reshape(n_ctx, nkv * hd).astype(np.float64)
+    wk = rope_ref(k, pos, hd, "neox", 500.0, 1.0, ff).reshape(T, -1)
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(wk), 2.0**-14))) - 10)
+    assert (np.abs(gk[pos] - wk) <= ulp + 1e-6).all()
+    assert (gv[pos] == v.reshape(T, -1).astype(np.float16)).all()
+    rest = np.setdiff1d(np.arange(n_ctx), pos)
+    assert (gk[rest] == 7).all() and (gv[rest] == 7).all()
+
+
+def attention_ref(q, ck, cv, pos0, nkv, scale=None):
+    """Causal GQA attention in float64 (llama.cpp: head h reads KV head h // (n_head / n_kv_head);
+    query t at pos0 + t sees cache rows 0 .. pos0 + t). q: [T, nh, hd]; caches [n_ctx, nkv, hd]."""
+    T, nh, hd = q.shape
+    scale = 1 / np.sqrt(hd) if scale is None else scale
+    out = np.zeros((T, nh, hd))
+    for t in range(T):
+        n = pos0 + t + 1
+        for h in range(nh):
+            g = h // (nh // nkv)
+            s = ck[:n, g].astype(np.float64) @ q[t, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[t, h] = p @ cv[:n, g].astype(np.float64) / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("T,pos0", [(1, 0), (1, 21), (4, 0), (5, 9)])
+def test_attention_causal_gqa(cpu_step, step_arena, rng, T, pos0):
+    """ggml's flash_attn_ext over the f16 cache: decode and prefill, GQA (4 heads on 2 KV heads),
+    the KV length of each step from the positions (the graph built once, replayed at another
+    position). Bound: ggml converts q to f16 and keeps the running V sum in f16 (llama.cpp's CPU
+    path), one f16 rounding (2^-11 of at most max |v|) per cache row: over n_kv <= 32 rows of
+    random signs ~sqrt(32) 2^-11 = 2.8e-3, so 3e-3 of max |v| (the worst case, every rounding
+    the same way, would be 32 2^-11). A reference that sees more rows or groups heads as
+    h % n_kv misses it."""
+    from vkxsplit.backend import OpJob
+
+    nh, nkv, hd, n_ctx = 4, 2, 32, 32
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    ck = rng.standard_normal((n_ctx, nkv, hd)).astype(np.float16)
+    cv = rng.standard_normal((n_ctx, nkv, hd)).astype(np.float16)
+    qb, ckb, cvb, ob = put(step_arena, q), put(step_arena, ck), put(step_arena, cv), step_arena.alloc(T * nh * hd * 4)
+    pb = put(step_arena, np.arange(pos0, pos0 + T, dtype=np.int32))
+    job = OpJob("attention", (qb.view(), ckb.view(), cvb.view(), pb.view()), (ob.view(),), T, nh * hd,
+                params={"n_heads": nh, "n_kv_heads": nkv, "head_dim": hd, "n_ctx": n_ctx})
+    bound = 3e-3 * np.abs(cv).astype(np.float64).max()
+    built = cpu_step.graphs_built
+    for p0 in (pos0, pos0 + 3):  # the same job replayed at a later position
+        pb.numpy(np.int32)[:T] = np.arange(p0, p0 + T)
+        run_op(cpu_step, job)
+        got = ob.numpy(np.float32)[:T * nh * hd].reshape(T, nh, hd)
+        want = attention_ref(q, ck, cv, p0, nkv)
+        assert np.abs(got - want).max() <= bound, (p0, np.abs(got - want).max())
+    assert cpu_step.graphs_built == built + 1
+    assert np.abs(got - attention_ref(q, ck, cv, n_ctx - 1 - T, nkv)).max() > 10 * bound  # (sees more rows)
+    wrong = np.stack([attention_ref(q[:, h:h + 1], ck[:, [h % nkv]], cv[:, [h % nkv]], pos0 + 3, 1)[:, 0]
+                      for h in range(nh)], 1)
+    assert np.abs(got - wrong).max() > 10 * bound  # (h % n_kv: not llama.cpp's grouping)
+
+
+@pytest.mark.parametrize("wtype", list(TYPES))
+def test_get_rows_every_type(cpu_step, step_arena, rng, wtype):
+    """The embedding lookup of every hub weight type: rows dequantized by ggml equal gguf-py's
+    dequantization (to f32 rounding); a token id outside the table is a KernelError, not an abort."""
+    from vkxsplit.backend import OpJob
+
+    n_rows, K, T = 10, 256, 4
+    wq, wd = make_weight(rng, wtype, n_rows, K)
+    ids = np.array([3, 0, 9, 3], np.int32)
+    wb, ib, ob = put(step_arena, wq), put(step_arena, ids), step_arena.alloc(T * K * 4)
+    job = OpJob("get_rows", (wb.view(), ib.view()), (ob.view(),), T, K, params={"w_type": wtype, "n_rows": n_rows})
+    run_op(cpu_step, job)
+    got = ob.numpy(np.float32)[:T * K].reshape(T, K)
+    assert np.abs(got - wd[ids]).max() <= 1e-6 * np.abs(wd).max()
+    ib.numpy(np.int32)[1] = n_rows
+    with pytest.raises(KernelError, match="token id 10 outside"):
+        run_op(cpu_step, job)
+
+
+def test_argmax_ties_nan_and_inf(cpu_step, step_arena):
+    """The first index of the maximum (ties to the lowest, as the hub's argmax), -1 for a row
+    with a NaN or +inf, -inf allowed."""
+    from vkxsplit.backend import OpJob
+
+    x = np.array([[1, 5, 5, 2], [0, np.nan, 9, 1], [np.inf, 1, 2, 3], [-np.inf, -1, -3, -1]], np.float32)
+    xb, ob = put(step_arena, x), step_arena.alloc(16)
+    run_op(cpu_step, OpJob("argmax", (xb.view(),), (ob.view(),), 4, 4))
+    assert ob.numpy(np.int32)[:4].tolist() == [1, -1, -1, 1]
+
+
+def test_chain_runs_as_one_graph(cpu_step, step_arena, rng):
+    """A run of jobs (norm -> product -> SwiGLU -> product, then the argmax) through run_chain: one
+    graph for the four ggml jobs plus the host argmax, built once and replayed, the same results
+    as the jobs one by one; the run signals its last point."""
+    from vkxsplit.backend import OpJob
+
+    K, F, M = 64, 96, 3
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    wg, _ = make_weight(rng, "q8_0", 2 * F, K)
+    wd, _ = make_weight(rng, "q4_0", K, F)
+    xb, nb, gb, db = (put(step_arena, a) for a in (x, nw, wg, wd))
+    h, gu, y, am = (step_arena.alloc(n) for n in (M * K * 4, M * 2 * F * 4, M * K * 4, M * 4))
+
+    def jobs():
+        return [OpJob("rms_norm", (xb.view(), nb.view()), (h.view(),), M, K, eps=1e-5),
+                MatMulJob(gb.view(), "q8_0", h.view(), gu.view(), M, 2 * F, K),
+                OpJob("swiglu", (gu.view(0, M * 2 * F * 4), gu.view(0, M * 2 * F * 4)), (gu.view(0, M * 2 * F * 4),),
+                      M, 2 * F),
+                MatMulJob(db.view(), "q4_0", gu.view(), y.view(), M, K, F, x_stride=2 * F),
+                OpJob("argmax", (y.view(),), (am.view(),), M, K)]
+
+    one = []
+    for j in jobs():
+        p = cpu_step.next_point()
+        if isinstance(j, MatMulJob):
+            cpu_step.mul_mat(j, None, p)
+        else:
+            cpu_step.run_op(j.op, j, None, p)
+        cpu_step.wait(p)
+        one.append(y.numpy(np.float32)[:M * K].copy())
+    want_am = am.numpy(np.int32)[:M].copy()
+    run = jobs()
+    built = cpu_step.graphs_built
+    for _ in range(2):
+        y.numpy(np.float32)[:] = 0
+        am.numpy(np.int32)[:] = 7
+        pts = [cpu_step.next_point() for _ in run]
+        cpu_step.run_chain(run, None, pts[-1])
+        cpu_step.wait(pts[-1])
+        assert np.array_equal(y.numpy(np.float32)[:M * K], one[-1])
+        assert np.array_equal(am.numpy(np.int32)[:M], want_am)
+    assert cpu_step.graphs_built == built + 1  # the run (its graph and its argmax), once
+    from vkxsplit.backends.cpu import _job_key
+
+    c = cpu_step.graphs[tuple(_job_key(j) for j in run)]
+    assert [p.host is not None for p in c.pieces] == [False, True] and c.pieces[0].graph.n_nodes == 5  # norm, scale, product, SwiGLU, product
+
+
+def test_step_ops_refused_before_ggml(cpu, cpu_step, step_arena):
+    """Shapes ggml would abort on are KernelErrors naming the cause: positions outside the cache
+    (recorded by the asynchronous run, the hub's point still signalled), non-consecutive
+    attention positions, heads that do not fill q; and without step=1 the backend takes none of
+    the step ops."""
+    from vkxsplit.backend import OpJob
+
+    q, c, p, o = step_arena.alloc(4096), step_arena.alloc(8192), step_arena.alloc(64), step_arena.alloc(4096)
+    prm = {"n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "n_ctx": 8}
+    p.numpy(np.int32)[:3] = [7, 8, 9]
+    job = OpJob("kv_store", (q.view(), q.view(), p.view()), (c.view(), c.view()), 3, 16,
+                params={"n_kv_heads": 1, "head_dim": 16, "n_ctx": 8})
+    with pytest.raises(KernelError, match="positions 7..9 outside the cache"):
+        run_op(cpu_step, job)
+    p.numpy(np.int32)[:3] = [0, 2, 3]
+    att = OpJob("attention", (q.view(), c.view(), c.view(), p.view()), (o.view(),), 3, 32, params=prm)
+    with pytest.raises(KernelError, match="not consecutive"):
+        run_op(cpu_step, att)
+    with pytest.raises(KernelError, match="must fill q"):
+        cpu_step.run_op("attention", OpJob("attention", att.inputs, att.outputs, 3, 48, params=prm), None,
+                        cpu_step.next_point())
+    with pytest.raises(KernelError, match="without step=1"):
+        cpu.run_op("attention", att, None, cpu.next_point())
+    cpu_step.check()
+    cpu.check()
+
+
+def test_chain_store_then_attend_is_one_graph(cpu_step, step_arena, rng):
+    """A layer's KV store followed by its attention (which reads the cache the store writes) stay
+    one graph: the attention's per-step setting reads only the positions, which no job of the
+    run writes. Results equal the two jobs run one by one, at two positions."""
+    from vkxsplit.backend import OpJob
+
+    T, nh, nkv, hd, n_ctx = 2, 4, 2, 16, 16
+    k, v = (rng.standard_normal((T, nkv * hd)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((T, nh * hd)).astype(np.float32)
+    kb, vb, qb = put(step_arena, k), put(step_arena, v), put(step_arena, q)
+    pb, ob = step_arena.alloc(T * 4), step_arena.alloc(T * nh * hd * 4)
+    ck, cv = (put(step_arena, rng.standard_normal((n_ctx, nkv * hd)).astype(np.float16)) for _ in range(2))
+    rope = {"n_dims": hd, "mode": "norm", "freq_base": 10000.0, "freq_scale": 1.0}
+    run = [OpJob("kv_store", (kb.view(), vb.view(), pb.view()), (ck.view(), cv.view()), T, nkv * hd,
+                 params={"n_kv_heads": nkv, "head_dim": hd, "n_ctx": n_ctx, "rope_k": rope}),
+           OpJob("attention", (qb.view(), ck.view(), cv.view(), pb.view()), (ob.view(),), T, nh * hd,
+                 params={"n_heads": nh, "n_kv_heads": nkv, "head_dim": hd, "n_ctx": n_ctx})]
+    for p0 in (3, 9):
+        pb.numpy(np.int32)[:T] = [p0, p0 + 1]
+        for j in run:
+            run_op(cpu_step, j)
+        want = ob.numpy(np.float32)[:T * nh * hd].copy()
+        ob.numpy(np.float32)[:] = 0
+        pts = [cpu_step.next_point() for _ in run]
+        cpu_step.run_chain(run, None, pts[-1])
+        cpu_step.wait(pts[-1])
+        assert np.array_equal(ob.numpy(np.float32)[:T * nh * hd], want)
+    from vkxsplit.backends.cpu import _job_key
+
+    c = cpu_step.graphs[tuple(_job_key(j) for j in run)]
+    assert len(c.pieces) == 1 and c.pieces[0].graph.n_nodes >= 4  # rope, reshape, set_rows x2, attention
+
+
+def test_step_threads_leave_busy_cores(device, monkeypatch):
+    """With step=1 (the hub has nothing to run) the default is every physical core others do not
+    keep busy, at least 1; busy_cores reads a plausible figure from /proc."""
+    from vkxsplit.backends import cpu as cpu_mod
+
+    cores = ggml_cpu.physical_cores()
+    monkeypatch.setattr(cpu_mod, "busy_cores", lambda sample_s=0.2: 0.2)
+    assert cpu_mod.default_threads(device, step=True) == cores
+    monkeypatch.setattr(cpu_mod, "busy_cores", lambda sample_s=0.2: cores + 3.0)
+    assert cpu_mod.default_threads(device, step=True) == 1
+    monkeypatch.undo()
+    assert 0.0 <= cpu_mod.busy_cores(0.05) <= 4 * (os.cpu_count() or 1)
+    with pytest.raises(Exception, match="step must be 0 or 1"):
+        create_backend("cpu", device, step=2)

@@ -8,6 +8,13 @@
 - Per pass: its kill switch leaves exactly that pass's nodes unfused, and the fused graph's
   logits are the unfused graph's within a stated bound (hub only, tiny models).
 
+One deliberate change since that record: the MoE decode graph (``qwen3moe:T1``) has its routed
+expert products read the q8_1 x their producers write (the q8_1 pass over ``mul_mat_id``:
+params ``xq``/``vecq`` on the three products, ``xq``/``q8`` on the FFN norm and the MoE SwiGLU),
+where the hand-fusing builder left each product to quantize its own x inside its recorder;
+:func:`test_moe_decode_entry_differs_only_by_the_q8_x` checks that this is the entry's only
+difference from the graph the pass makes without it.
+
 ``VKXSPLIT_WRITE_FUSION_FIXTURE=1`` rewrites the fixture from the current builder instead of
 comparing (only for a deliberate change of the graphs; review the diff).
 """
@@ -152,6 +159,38 @@ def test_passes_give_the_hand_fused_graphs(device, tmp_path, monkeypatch):
     fused, plain = want["llama:T1"], want["llama:T1:unfused"]
     assert {n[0] for n in fused} - {n[0] for n in plain} == {"add_rms_norm"}
     assert "blk.0.rope_k" in {n[1] for n in plain} - {n[1] for n in fused} and len(fused) < len(plain)
+
+
+def test_moe_decode_entry_differs_only_by_the_q8_x(device, tmp_path, monkeypatch):
+    """The fixture's MoE decode graph against the same graph with the routed products left out
+    of the q8_1 pass (ops.moe.vecq_id_decode giving nothing: the graph the hand-fusing builder
+    made): node for node the same but for the q8_1 x the pass adds, ``xq``/``vecq`` on each
+    ``mul_mat_id``, ``xq``/``q8`` on the FFN norm and the MoE SwiGLU that write it; no node
+    added or removed (the products' own quantize dispatches were never graph nodes)."""
+    from test_moe_model import write_moe_gguf
+
+    from vkxsplit.model import load_model
+    from vkxsplit.ops import moe
+
+    _with_disabled(device, monkeypatch, set())
+    if "q8_0" not in moe.vecq_id_decode(device):
+        pytest.skip(f"{device.name}: the routed decode of Q8_0 does not take the q8_1 path")
+    monkeypatch.setattr(moe, "vecq_id_decode", lambda dev: {})
+    with load_model(write_moe_gguf(tmp_path / "moe.gguf", "qwen3moe", Q.Q8_0), device=device, n_ctx=32,
+                    ubatch=8) as m:
+        plain = json.loads(json.dumps(dump(m._build_graph(1, False))))
+    want = json.loads(FIXTURE.read_text())["qwen3moe:T1"]
+    assert [n[:4] for n in plain] == [n[:4] for n in want]
+    added = {"mul_mat_id": {"xq", "vecq"}, "add_rms_norm": {"xq", "q8"}, "swiglu": {"xq", "q8"}}
+    changed = 0
+    for a, b in zip(plain, want, strict=True):
+        if a[4] != b[4]:
+            changed += 1
+            extra = set(b[4]) - set(a[4])
+            assert extra == added[a[0]] and {k: v for k, v in b[4].items() if k not in extra} == a[4], (a, b)
+            assert a[1].rsplit(".", 1)[-1] in ("ffn_norm", "ffn_gate_exps", "ffn_up_exps", "ffn_moe_swiglu",
+                                               "ffn_down_exps"), a[1]
+    assert changed == 5 * 2  # (both layers of the tiny file)
 
 
 # -- each pass and its kill switch ---------------------------------------------------------

@@ -211,6 +211,72 @@ def test_smollm2_split_with_cpu_matches_reference(device, split):
     assert st["host_waits_in_step"] == 0 and st["backend_jobs"] > 0, st
 
 
+def test_smollm2_whole_step_on_cpu_matches_reference(device):
+    """The CPU-hub default (``mode:cpu`` with ``--backends cpu:step=1``): the cpu backend runs the
+    whole step (embedding, RoPE, KV store, attention over the f16 cache, products, glue,
+    argmax), the hub nothing but the step's first (empty) submit; the executor hands each step
+    over as one run. Prefill (two ubatches: the second attends to the first's cache) and decode
+    match the reference's top-1 and are within CPU_Q8_MAX_ABS_ERR (ggml's 8-bit x, plus its f16
+    q and V sums in attention: within the same bound)."""
+    if not device.is_cpu:
+        pytest.skip("the state is shared with the cpu backend beside a CPU hub only")
+    from conftest import smol_path
+
+    from vkxsplit.model import load_model
+
+    with load_model(smol_path(), device=device, n_ctx=64, ubatch=8, split="mode:cpu", backends="cpu:step=1") as m:
+        ids = m.tokenize("The capital of France is Paris. The capital of Italy is")
+        want = reference_logits(m.file, ids)
+        got = m.logits(ids)
+        for T in (8, 1):
+            plan = m.plan(T)
+            assert plan.by_participant()["hub"] == {"ops": [], "mul_mat": []}, T
+            assert plan.schedule.submits == 1
+        ex = next(iter(m._execs.values()))
+        assert list(ex._chains.values()) == [list(range(len(ex.schedule.jobs)))]  # one run per step
+        runs = [c for c in m.backends["cpu"].graphs.values() if hasattr(c, "pieces")]
+        assert runs and all(len(c.pieces) == 2 for c in runs)  # one ggml graph, then the argmax
+        m.reset()
+        m.ubatch = 1
+        dec = m.logits(ids)
+        st = dict(m.stats)
+    for out in (got, dec):
+        assert (out.argmax(1) == want.argmax(1)).all()
+        assert np.abs(out - want).max() < CPU_Q8_MAX_ABS_ERR
+    assert st["host_waits_in_step"] == 0 and st["staged_bytes"] == 0, st
+
+
+@pytest.mark.parametrize("arch,bias,ff", [("llama", False, False), ("qwen2", True, False), ("llama", False, True)])
+def test_architectures_whole_step_on_cpu(device, tmp_path, arch, bias, ff):
+    """The whole step on the cpu backend (``cpu:step=1``) for tiny f32 files: llama (RoPE in
+    pairs), qwen2 (q/k/v biases, NeoX RoPE), llama 3.x frequency factors; prefill in ubatches of
+    8 and decode against the float64 reference. f32 weights: ggml keeps x in f32, so the
+    roundings are the f16 KV cache and flash attention's f16 q and f16 V sums (the hub's bound
+    of 2e-3 of the logit scale, doubled)."""
+    if not device.is_cpu:
+        pytest.skip("the state is shared with the cpu backend beside a CPU hub only")
+    from test_gguf_model import write_tiny
+
+    from vkxsplit.gguf_model import load_model as load_gguf
+    from vkxsplit.model import load_model
+
+    freqs = np.random.default_rng(3).uniform(1, 8, 8).astype(np.float32) if ff else None
+    path = write_tiny(tmp_path / f"{arch}.gguf", arch=arch, bias=bias, tied=arch == "llama", n_vocab=64, scale=0.3,
+                      rope_freqs=freqs)
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, 64, 20)]
+    with load_gguf(path) as mf:
+        want = reference_logits(mf, ids)
+    bound = 4e-3 * np.abs(want).max() + 1e-4
+    with load_model(path, device=device, n_ctx=32, ubatch=8, split="mode:cpu", backends="cpu:step=1") as m:
+        assert m.plan(8).schedule.submits == 1 and not m.plan(8).by_participant()["hub"]["ops"]
+        pp = m.logits(ids)
+        m.reset()
+        m.ubatch = 1
+        dec = m.logits(ids)
+    for what, got in (("prefill", pp), ("decode", dec)):
+        assert np.abs(got - want).max() <= bound, (what, np.abs(got - want).max(), bound)
+
+
 def test_fusion_kill_switch_gives_the_same_logits(device, tmp_path, monkeypatch):
     """VKXSPLIT_DISABLE=fusion builds the unfused graph (more nodes) with the same results."""
     from vkxsplit.model import load_model
@@ -285,10 +351,10 @@ def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
             q_nodes = [n for n in g.nodes if n.op == "quantize_q8_1"]
             norms = [n for n in g.nodes if "xq" in n.params and n.op != "mul_mat"]
             # one per x: the attention input, the ffn input and the ffn_down input (written by
-            # their norm / SwiGLU as q8_1 too), the attention output (a quantize node), the
-            # output norm's
-            assert {n.op for n in norms} == {"rms_norm", "add_rms_norm", "swiglu"} and len(q_nodes) == L
-            assert len(norms) == 3 * L + ("output" in quantized[off])
+            # their norm / SwiGLU as q8_1 too), the attention output (by the attention: its
+            # KV-split combine, or a quantize dispatch after it), the output norm's; no quantize node
+            assert {n.op for n in norms} == {"rms_norm", "add_rms_norm", "swiglu", "attention"} and not q_nodes
+            assert len(norms) == 4 * L + ("output" in quantized[off])
             assert len({n.name for n in q_nodes}) == len(q_nodes)
             for mm_node in (n for n in g.mul_mats() if "xq" in n.params):  # the q8_1 of its own x, made before
                 src = next(n for n in g.nodes if n.index < mm_node.index and n.op != "mul_mat"
@@ -349,8 +415,9 @@ def test_decode_q8_placement_rules():
     mms = g.mul_mats()
     assert norm.params.get("xq") is not None and "quantize_q8_1" not in g.ops()
     assert mms[0].params["xq"] is mms[1].params["xq"] is norm.params["xq"] and "xq" not in mms[2].params
-    # a producer that cannot write q8_1 (attention): a quantize node after it
-    g.add("attention", "blk.0.attn", [t("q")], a)
+    # a producer that cannot write q8_1 (attention with heads of 40: its q8_1 blocks would
+    # straddle heads): a quantize node after it
+    g.add("attention", "blk.0.attn", [t("q")], a, head_dim=40)
     q8.mul_mat("blk.0.attn_output", wq, a, o)
     qn = [n for n in g.nodes if n.op == "quantize_q8_1"]
     assert len(qn) == 1 and qn[0].inputs[0] is a and g.mul_mats()[-1].params["xq"] is qn[0].output
@@ -379,6 +446,12 @@ def test_decode_q8_placement_rules():
                 Tensor("d", (1, 4096), "f32"))
     up, down = g3.mul_mats()
     assert up.params["vecq"] == mm.vecq_for_shape(gpu, "q4_0", 14336, 4096) != gpu and down.params["vecq"] == gpu
+    # attention with heads of a multiple of 32 writes the q8_1 of its output itself
+    g4 = Graph("t4", T=1)
+    q84 = DecodeQ8(g4, {"q4_0": "vq4"}, lambda nbytes: None)
+    g4.add("attention", "blk.0.attn", [t("q")], a, head_dim=64)
+    q84.mul_mat("blk.0.attn_output", wq, a, o)
+    assert "quantize_q8_1" not in g4.ops() and g4.nodes[0].params["xq"] is g4.mul_mats()[0].params["xq"]
     # fuse off (VKXSPLIT_DISABLE=fusion): quantize nodes only
     g2 = Graph("t2", T=1)
     q82 = DecodeQ8(g2, {"q4_0": "vq4"}, lambda nbytes: None, fuse=False)

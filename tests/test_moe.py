@@ -596,6 +596,58 @@ def test_mul_mat_id_vecq_row_range_and_bad_ids(device, bufs, rng):
     check(y[1, 1], mul_mat_id(W, x, good)[1, 1], vecq_id_bound(x, A, good)[1, 1])
 
 
+def test_mul_mat_id_vecq_reads_the_producers_q8_1(device, bufs, rng):
+    """The decode's down product as the q8_1 pass records it: the MoE SwiGLU over the T *
+    n_used rows of gate/up also writes them as q8_1 (record_swiglu_q8_1), and the routed
+    product reads that scratch with ``quantize=False`` (no quantize dispatch of its own):
+    the scratch's rows are the product's x rows per (token, slot) (n_xb = n_used), so y is
+    bit for bit the self-quantizing product's of the SwiGLU's output, and within the vecq
+    bound of the float64 product. Reading the q8_1 of another x (gate's, not the SwiGLU's)
+    fails that check; ``quantize=False`` without a scratch, or off the q8_1 path, is refused."""
+    from vkxsplit.ops.mul_mat import record_swiglu_q8_1, vecq_scratch_bytes
+
+    t, T, n_used, F, N = "q8_0", 1, 2, 96, 40
+    if moe.vec_path(device, t) != "vec_q8_1":
+        pytest.skip(f"'{device.name}' takes the f32-x decode for {t}")
+    raw, W, A = expert_weights(rng, t, N, F)
+    wb = bufs(raw.nbytes, raw)
+    ids = routed_ids(rng, T, n_used)
+    ib = bufs(ids.nbytes, ids)
+    g = rng.standard_normal((T, n_used, F)).astype(np.float32)
+    u = rng.standard_normal((T, n_used, F)).astype(np.float32)
+    gb, ub, hb = bufs(g.nbytes, g), bufs(u.nbytes, u), bufs(g.nbytes, nan=True)
+    xq = bufs(vecq_scratch_bytes(T * n_used, F))
+    kw = dict(n_expert=E, N=N, K=F, T=T, n_used=n_used, n_xb=n_used)
+    y_given, y_own, y_wrong = (bufs(4 * T * n_used * N, nan=True) for _ in range(3))
+
+    def rec(seq):
+        record_swiglu_q8_1(seq, gb, ub, hb, xq, T * n_used, F)
+        moe.record_mul_mat_id(seq, wb, t, hb, ib, y_given, path="vec_q8_1", xq_scratch=xq, quantize=False, **kw)
+        moe.record_mul_mat_id(seq, wb, t, hb, ib, y_own, path="vec_q8_1", **kw)
+
+    run(device, rec)
+    h = hb.numpy(np.float32, g.shape).astype(np.float64)
+    gg, uu = g.astype(np.float64), u.astype(np.float64)
+    np.testing.assert_allclose(h, gg / (1 + np.exp(-gg)) * uu, rtol=1e-5, atol=1e-6)
+    got = y_given.numpy(np.float32, (T, n_used, N)).copy()
+    assert np.array_equal(got, y_own.numpy(np.float32, (T, n_used, N)))
+    check(got, mul_mat_id(W, h, ids), vecq_id_bound(h, A, ids))
+    # the q8_1 of gate's rows instead of the SwiGLU's: far outside the bound
+    run(device, lambda seq: (mul_mat.record_quantize_q8_1(seq, gb, xq, T * n_used, F, F, 0),
+                             moe.record_mul_mat_id(seq, wb, t, hb, ib, y_wrong, path="vec_q8_1", xq_scratch=xq,
+                                                   quantize=False, **kw)))
+    with pytest.raises(AssertionError):
+        check(y_wrong.numpy(np.float32, (T, n_used, N)), mul_mat_id(W, h, ids), vecq_id_bound(h, A, ids))
+    seq = Sequence(device, "moe-given-q8")
+    try:
+        with pytest.raises(KernelError, match="quantize=False reads x as q8_1 from the given xq_scratch"):
+            moe.record_mul_mat_id(seq, wb, t, hb, ib, y_wrong, path="vec_q8_1", quantize=False, **kw)
+        with pytest.raises(KernelError, match="needs path 'vec_q8_1' .not 'vec_f32'."):
+            moe.record_mul_mat_id(seq, wb, t, hb, ib, y_wrong, path="vec_f32", xq_scratch=xq, quantize=False, **kw)
+    finally:
+        seq.close()
+
+
 def test_vec_path_choice(device, bufs, rng):
     """``vec`` takes the q8_1 kernel at T = 1 exactly for the types the dense decode does (Q4_0,
     Q4_1, Q8_0, Q4_K on GPUs; Q6_K too on CPU devices; none without integer dot products), the

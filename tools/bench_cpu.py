@@ -14,7 +14,11 @@ Q4_0 file written with `vkxsplit synth`), in one invocation:
 
 Prints one markdown table: tokens per second, their ratios, vkxsplit's peak resident memory beside
 the file size plus the KV cache (f16, n_ctx tokens). The machine may be shared: the load average
-before and after is printed with it.
+before and after is printed with it. The default configurations: the command line's default (on
+a CPU hub `--split mode:cpu --backends cpu:step=1`, the whole step on the cpu backend) and the
+products-and-glue split it replaced (`mode:cpu@cpu`); `--splits` names others (thread counts:
+`mode:cpu@cpu:step=1:threads=2`). `VKXSPLIT_GGML_LIBDIR=DIR` in the environment runs vkxsplit on
+another build of ggml's libraries (the table's header names the one used).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def server_path(dest: Path) -> Path:
     return exe
 
 
-def llama_cpp(server: Path, model: Path, ids: list[int], n_gen: int, reps: int, threads: int, n_ctx: int,
+def llama_cpp(server: Path | None, model: Path, ids: list[int], n_gen: int, reps: int, threads: int, n_ctx: int,
               port: int) -> dict[str, float]:
     """Median prompt and generation tokens/s of llama-server on the CPU (-ngl 0)."""
     return llama_peer.peer_bench(server, model, ids, n_gen, reps,
@@ -83,6 +87,7 @@ def vkxsplit(model: Path, split: str | None, backends: str | None, p: int, n: in
     for r in json.loads(proc.stdout):
         res[r["test"]] = statistics.median(r["samples_ts"])
         res["split"] = r.get("split", split)
+        res["backends"] = r.get("backends", backends)
     return res
 
 
@@ -106,15 +111,19 @@ def main() -> int:
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("-c", type=int, default=4096, help="context size for both (the KV cache of the memory column)")
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="llama-server threads")
-    ap.add_argument("--splits", default="default",
-                    help="';'-separated vkxsplit splits: 'default' (the command line's, no --split), or a spec "
-                         "run with --backends cpu")
+    ap.add_argument("--splits", default="default;mode:cpu@cpu",
+                    help="';'-separated vkxsplit configurations: 'default' (the command line's: no --split, no "
+                         "--backends), or SPEC[@BACKENDS] (--split SPEC --backends BACKENDS, default cpu), e.g. "
+                         "'mode:cpu@cpu' (products and glue on the cpu backend), 'mode:cpu@cpu:step=1:threads=2'")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (vkxsplit's columns only)")
     ap.add_argument("--port", type=int, default=18091)
     args = ap.parse_args()
+    from vkxsplit.backends import ggml_cpu
+    from vkxsplit.defaults import CPU_HUB_BACKENDS
     from vkxsplit.gguf_model import default_model_path
     from vkxsplit.synth import write_synthetic
 
-    server = server_path(Path(args.server_dir))
+    server = None if args.no_llama else server_path(Path(args.server_dir))
     load0 = os.getloadavg()
     rows = []
     for spec in (s.strip() for s in args.models.split(",") if s.strip()):
@@ -131,19 +140,23 @@ def main() -> int:
         n_vocab, kv = model_facts(path, args.c)
         size = path.stat().st_size
         ids = [int(i) for i in np.random.default_rng(1).integers(10, n_vocab, args.p)]
-        peer = llama_cpp(server, path, ids, args.n, args.r, args.threads, args.c, args.port)
+        peer = ({"pp": float("nan"), "tg": float("nan")} if args.no_llama else
+                llama_cpp(server, path, ids, args.n, args.r, args.threads, args.c, args.port))
         for sp in (s.strip() for s in args.splits.split(";") if s.strip()):
-            vk = vkxsplit(path, None if sp == "default" else sp, None if sp == "default" else "cpu",
-                          args.p, args.n, args.r, args.c)
-            row = {"model": path.name, "split": vk.get("split", sp), "size": size, "kv": kv, **peer,
-                   **{k: v for k, v in vk.items() if k != "split"}}
+            spec, _, be = sp.partition("@")
+            default = spec == "default"
+            be = None if default else (be or "cpu")
+            vk = vkxsplit(path, None if default else spec, be, args.p, args.n, args.r, args.c)
+            label = f"{vk.get('split', spec)} ({'default: ' + CPU_HUB_BACKENDS if default else be})"
+            row = {"model": path.name, "split": label, "size": size, "kv": kv, **peer,
+                   **{k: v for k, v in vk.items() if k not in ("split", "backends")}}
             print(json.dumps(row), flush=True)
             rows.append(row)
     load1 = os.getloadavg()
     p, n = args.p, args.n
     print(f"\nload average before {load0[0]:.2f}, after {load1[0]:.2f} ({os.cpu_count()} CPUs); llama-server -ngl 0 "
-          f"-t {args.threads}; -c {args.c}; median of {args.r} runs\n")
-    print(f"| model | vkxsplit split | vkxsplit pp{p} | llama.cpp pp{p} | ratio | vkxsplit tg{n} | llama.cpp tg{n} "
+          f"-t {args.threads}; -c {args.c}; median of {args.r} runs; vkxsplit's ggml: {ggml_cpu.version()}\n")
+    print(f"| model | vkxsplit split (backends) | vkxsplit pp{p} | llama.cpp pp{p} | ratio | vkxsplit tg{n} | llama.cpp tg{n} "
           "| ratio | vkxsplit VmHWM | file + KV | VmHWM / (file + KV) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -37,8 +37,9 @@ def main() -> int:
         print(f"{len(vs) - len(problems)} of {len(vs)} experiment kernels built and fresh in {args.out}")
         return 1 if problems else 0
     built, skipped = kernels.build(args.only, args.out, force=args.force)
-    size = sum((args.out / f"{n}.spv").stat().st_size for n in built)
-    print(f"{len(built)} experiment kernels in {args.out} ({size / 2**20:.1f} MiB)")
+    size = sum(f.stat().st_size for f in args.out.glob("*.spv"))
+    print(f"{len(built)} experiment kernels in {args.out} ({size / 2**20:.1f} MiB of modules of their own; "
+          "the others specialize shipped modules)")
     if skipped:
         print(f"skipped {len(skipped)} (compiler missing here): {' '.join(skipped[:8])}"
               + (" ..." if len(skipped) > 8 else ""))

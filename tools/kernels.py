@@ -15,7 +15,10 @@ Each table holds the shipped shapes of its family too (a sweep compares against 
 (:func:`vkxsplit.shaders.build_into`) into ``build/tool-spv`` (git-ignored; env
 ``VKXSPLIT_TOOL_SPV`` overrides it), incrementally (a variant is rebuilt when its source, an
 include or its defines change), and loaded by name after the shipped kernels
-(:func:`vkxsplit.shaders.add_kernel_dir`). :func:`ensure` does both and returns the names
+(:func:`vkxsplit.shaders.add_kernel_dir`). A sweep shape of a source whose shapes are
+specialization constants (``mul_mat_vec.comp``) names the shipped module of its type and
+differs only in spec values: it compiles nothing and its manifest entry points at the shipped
+SPIR-V (``build_into(reuse_shipped=True)``). :func:`ensure` does both and returns the names
 available: where a compiler is missing (a GPU machine without one; glslang15 for the
 VK_NV_cooperative_matrix2 ones), only what was built before (and is still fresh) is there.
 
@@ -295,7 +298,7 @@ def build(select: str | Callable[[str], bool] | None = None, out: Path = OUT_DIR
     ok = {n: v for n, v in vs.items() if compiler_available(v)}
     skipped = sorted(set(vs) - set(ok))
     # (pruned only when everything was built: a skipped variant keeps what was built before)
-    shaders.build_into(ok, out, force=force, log=log, prune=select is None and not skipped)
+    shaders.build_into(ok, out, force=force, log=log, prune=select is None and not skipped, reuse_shipped=True)
     return sorted(ok), skipped
 
 
@@ -320,7 +323,7 @@ def ensure(select: str | Callable[[str], bool] | None = None, out: Path = OUT_DI
     stale_names = {p.split(":", 1)[0] for p in stale}
     todo = {n: v for n, v in vs.items() if n in stale_names and compiler_available(v)}
     if todo:
-        shaders.build_into(todo, out, log=log)
+        shaders.build_into(todo, out, log=log, reuse_shipped=True)
     shaders.add_kernel_dir(out)
     have = (set(vs) - stale_names) | set(todo)
     return have | {n for n in all_declared() if pick(n) and n in shaders.all_variants()}

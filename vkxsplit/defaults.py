@@ -53,6 +53,12 @@ def chat_default(tokenizer: Any) -> bool:
 #: kernels, reading the weights in place) takes every matrix product, decode included
 #: (docs/PERFORMANCE.md, "CPU machine", has the measurements behind it)
 CPU_HUB_SPLIT = "mode:cpu"
+#: the backends beside a CPU hub: the cpu backend also taking the rest of the step (``step=1``:
+#: embedding, RoPE, KV store, attention, argmax), so that under :data:`CPU_HUB_SPLIT` the whole
+#: step is one run of ggml graphs on the cpu backend and the hub (itself on the same cores) is
+#: left nothing; measured against the products-and-glue split (``cpu`` without ``step``) and
+#: everything on the hub by ``tools/bench_cpu.py`` (docs/PERFORMANCE.md)
+CPU_HUB_BACKENDS = "cpu:step=1"
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,9 @@ def split_for_machine(split: Any, backends: Any, is_cpu_hub: bool, model_path: s
     - a split given: kept as it is;
     - backends given without a split: ``auto`` over what is attached (the planner decides; it
       measures what the device profile lacks on the first steps);
-    - neither, on a CPU hub (no GPU: lavapipe): the cpu backend with :data:`CPU_HUB_SPLIT` (it
-      reads the hub's weights in place: no memory of its own beyond a scratch buffer);
+    - neither, on a CPU hub (no GPU: lavapipe): the cpu backend (:data:`CPU_HUB_BACKENDS`) with
+      :data:`CPU_HUB_SPLIT` (it reads the hub's weights in place: no memory of its own beyond a
+      scratch buffer);
     - neither, on a GPU: ``none`` (everything on the hub).
     """
     if split is not None:
@@ -87,11 +94,11 @@ def split_for_machine(split: Any, backends: Any, is_cpu_hub: bool, model_path: s
                            "(--split auto over the attached backends)")
     if not is_cpu_hub:
         return SplitChoice(None, backends)
-    return SplitChoice(CPU_HUB_SPLIT, "cpu", f"vkxsplit: '{hub_name}' is a CPU device: the cpu backend takes "
-                       f"the matrix products (--split {CPU_HUB_SPLIT} --backends cpu; --split none keeps "
-                       "them on the hub)")
+    return SplitChoice(CPU_HUB_SPLIT, CPU_HUB_BACKENDS, f"vkxsplit: '{hub_name}' is a CPU device: the cpu backend "
+                       f"runs the step (--split {CPU_HUB_SPLIT} --backends {CPU_HUB_BACKENDS}; --split none keeps "
+                       "it on the hub)")
 
 
-__all__ = ["CLI_N_PREDICT", "CPU_HUB_SPLIT", "MIN_P", "N_PREDICT", "REPEAT_LAST_N",
+__all__ = ["CLI_N_PREDICT", "CPU_HUB_BACKENDS", "CPU_HUB_SPLIT", "MIN_P", "N_PREDICT", "REPEAT_LAST_N",
            "REPEAT_PENALTY", "SAMPLING", "SamplingDefaults", "SplitChoice", "TEMPERATURE", "TOP_K", "TOP_P",
            "UBATCH", "chat_default", "split_for_machine"]

@@ -13,6 +13,18 @@ plus ``vkxsplit/spv/manifest.json`` (variant name, source, defines, hash of the 
 everything it includes, SPIR-V hash, compiler versions, binding and push-constant layout).
 The installed package reads only the manifest and the .spv files: it needs no compiler.
 
+A variant may name a *module* (``Variant.module``: a source and its defines, compiled once)
+and give values to the module's specialization constants (``spec``, by name; the constant ids
+in ``spec_ids``, as the GLSL's ``layout(constant_id = N) const``): variants that differ only
+in workgroup and tile sizes then share one SPIR-V module, and the driver specializes it when
+the pipeline is made (``vkxsplit.vk.kernel.Kernel``, VkSpecializationInfo). The manifest
+(format :data:`MANIFEST_FORMAT`) lists every module once (``modules``: source, defines, hashes)
+and every variant as its module plus spec values and binding layout (``variants``);
+:func:`load_manifest` and :func:`variant_meta` return each variant resolved (its module's
+fields, and ``defines`` holding the module's defines plus the spec values as strings, as a
+define-built variant of the same shape would have them). A variant without a module is a
+module of its own, named after it.
+
 Only kernels a default path can choose ship. Experiment kernels (benchmark sweeps, probes,
 emulations and checks for tests) are declared outside the package (``tools/kernels.py``) and
 compiled on demand with :func:`build_into` into a directory of their own (a ``manifest.json``
@@ -30,6 +42,7 @@ import os
 import pkgutil
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +57,8 @@ from .errors import EnvironmentProblem, ShaderBuildError
 PACKAGE_DIR = Path(__file__).resolve().parent
 SPV_DIR = PACKAGE_DIR / "spv"
 MANIFEST = SPV_DIR / "manifest.json"
+#: the manifest layout: 2 = modules plus variants of (module, specialization constants)
+MANIFEST_FORMAT = 2
 
 
 def source_dir() -> Path:
@@ -53,7 +68,8 @@ def source_dir() -> Path:
 
 @dataclass(frozen=True)
 class Variant:
-    """One compiled kernel: a source file plus defines, and how to bind it."""
+    """One kernel: a module (a source file plus defines) and its specialization constant
+    values, and how to bind it."""
 
     name: str
     source: str
@@ -66,13 +82,55 @@ class Variant:
     compiler: str = "glslc"  # or "glslang" / "glslang15" for newer GLSL extensions
     requires: tuple[str, ...] = ()  # device features (PhysicalDeviceInfo.features keys)
     subgroup_size: int = 0  # required subgroup size (VK_EXT_subgroup_size_control), 0 = any
+    module: str = ""  # the SPIR-V module it shares with other variants ("" = its own, named after it)
+    spec: dict[str, int] = field(default_factory=dict)  # specialization constant values by name
+    spec_ids: dict[str, int] = field(default_factory=dict)  # the module's constant_id per name
+    local_size_spec: str = ""  # the spec constant that is the workgroup size (local_size_x_id)
+
+    def __post_init__(self) -> None:
+        if set(self.spec) != set(self.spec_ids):
+            raise ShaderBuildError(f"variant {self.name}: spec values {sorted(self.spec)} do not match the "
+                                   f"module's specialization constants {sorted(self.spec_ids)}",
+                                   "give a value for every constant the module declares, and only those")
+        for k, val in self.spec.items():
+            if not isinstance(val, int) or isinstance(val, bool) or not -2**31 <= val < 2**32:
+                raise ShaderBuildError(f"variant {self.name}: spec value {k}={val!r} is not a 32-bit integer")
+        if len(set(self.spec_ids.values())) != len(self.spec_ids):
+            raise ShaderBuildError(f"variant {self.name}: two specialization constants share an id: {self.spec_ids}")
+        if self.local_size_spec and self.spec.get(self.local_size_spec) != self.local_size[0]:
+            raise ShaderBuildError(f"variant {self.name}: workgroup size local_size[0]={self.local_size[0]} "
+                                   f"differs from its spec constant {self.local_size_spec}="
+                                   f"{self.spec.get(self.local_size_spec)}")
+
+    @property
+    def module_name(self) -> str:
+        return self.module or self.name
+
+    def module_meta(self) -> dict[str, Any]:
+        """What makes the module: variants of one module agree on all of it."""
+        return {"source": self.source, "defines": dict(sorted(self.defines.items())),
+                "target_env": self.target_env, "compiler": self.compiler,
+                "spec_ids": dict(sorted(self.spec_ids.items()))}
+
+    def entry(self) -> dict[str, Any]:
+        """The variant's manifest entry: its module, spec values and binding layout."""
+        return {"module": self.module_name, "spec": dict(sorted(self.spec.items())),
+                "bindings": self.bindings, "writes": list(self.writes), "push": self.push,
+                "local_size": list(self.local_size), "requires": list(self.requires),
+                "subgroup_size": self.subgroup_size}
 
     def meta(self) -> dict[str, Any]:
-        return {"source": self.source, "defines": dict(sorted(self.defines.items())),
-                "bindings": self.bindings, "writes": list(self.writes), "push": self.push,
-                "local_size": list(self.local_size), "target_env": self.target_env,
-                "compiler": self.compiler, "requires": list(self.requires),
-                "subgroup_size": self.subgroup_size}
+        """The resolved manifest view of the variant (what :func:`variant_meta` returns, less the hashes)."""
+        return _resolve(self.entry(), self.module_meta())
+
+
+def _resolve(entry: dict[str, Any], module: dict[str, Any]) -> dict[str, Any]:
+    """A variant's manifest entry merged with its module's: ``defines`` holds the module's
+    defines plus the spec values as strings (``module_defines`` the module's alone)."""
+    defines = dict(module.get("defines") or {})
+    spec = entry.get("spec") or {}
+    return {**module, **entry, "module_defines": defines,
+            "defines": dict(sorted({**defines, **{k: str(v) for k, v in spec.items()}}.items()))}
 
 
 def all_variants() -> dict[str, Variant]:
@@ -108,12 +166,13 @@ def _source_closure(src: Path, seen: set[Path] | None = None) -> list[Path]:
 
 
 def source_hash(v: Variant, src_dir: Path | None = None) -> str:
-    """sha256 over the source, every file it includes, the defines and the target."""
+    """sha256 over the variant's module: the source, every file it includes, the defines, the
+    specialization constant ids, the compiler and the target."""
     src_dir = src_dir or source_dir()
     h = hashlib.sha256()
     for f in _source_closure(src_dir / v.source):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    h.update(json.dumps(v.meta(), sort_keys=True).encode())
+    h.update(json.dumps(v.module_meta(), sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -167,7 +226,7 @@ def _compile(v: Variant, src_dir: Path, out: Path) -> None:
         raise ShaderBuildError(f"variant {v.name}: unknown compiler {v.compiler!r}")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise ShaderBuildError(f"compiling {v.name} failed:\n{r.stdout}{r.stderr}".rstrip())
+        raise ShaderBuildError(f"compiling {v.module_name} failed:\n{r.stdout}{r.stderr}".rstrip())
 
 
 def spirv_validate(path: Path, target_env: str) -> None:
@@ -179,14 +238,78 @@ def spirv_validate(path: Path, target_env: str) -> None:
         raise ShaderBuildError(f"spirv-val rejected {path.name}:\n{r.stdout}{r.stderr}".rstrip())
 
 
-def load_manifest(path: Path = MANIFEST) -> dict[str, Any]:
+def spec_constants(code: bytes) -> dict[int, str]:
+    """The specialization constants a SPIR-V module declares: constant id -> the name the
+    compiler gave it ("" where it gave none)."""
+    if len(code) < 20 or len(code) % 4:
+        raise ShaderBuildError("not a SPIR-V module (length)")
+    words = struct.unpack(f"<{len(code) // 4}I", code)
+    if words[0] != 0x07230203:
+        raise ShaderBuildError("not a little-endian SPIR-V module (magic number)")
+    names: dict[int, str] = {}
+    ids: dict[int, int] = {}  # result id -> SpecId
+    i = 5
+    while i < len(words):
+        n, op = words[i] >> 16, words[i] & 0xFFFF
+        if n == 0:
+            raise ShaderBuildError("malformed SPIR-V module (zero-length instruction)")
+        if op == 5:  # OpName %target "name"
+            raw = struct.pack(f"<{n - 2}I", *words[i + 2:i + n])
+            names[words[i + 1]] = raw.split(b"\0", 1)[0].decode(errors="replace")
+        elif op == 71 and n >= 4 and words[i + 2] == 1:  # OpDecorate %target SpecId N
+            ids[words[i + 1]] = words[i + 3]
+        i += n
+    return {sid: names.get(rid, "") for rid, sid in ids.items()}
+
+
+def _check_spec_ids(v: Variant, code: bytes) -> None:
+    """The module declares every constant id the variant's ``spec_ids`` name, under that name
+    where the compiler kept it: a Python table out of step with the GLSL fails the build."""
+    have = spec_constants(code)
+    for name, sid in v.spec_ids.items():
+        if sid not in have:
+            raise ShaderBuildError(f"module {v.module_name}: {v.source} declares no specialization constant "
+                                   f"with constant_id {sid} (the variants call it {name})",
+                                   f"declare layout(constant_id = {sid}) const ... {name} in {v.source}, "
+                                   "or fix the op module's spec ids")
+        if have[sid] and have[sid] != name:
+            raise ShaderBuildError(f"module {v.module_name}: constant_id {sid} is {have[sid]} in {v.source}, "
+                                   f"but the variants call it {name}")
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest file as stored (empty when absent)."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        return {"variants": {}}
+        return {"format": MANIFEST_FORMAT, "modules": {}, "variants": {}}
     except (OSError, ValueError) as exc:
         raise ShaderBuildError(f"the shader manifest {path} is unreadable: {exc}",
                                "rebuild it: vkxsplit build-shaders") from exc
+
+
+def _current(man: dict[str, Any]) -> bool:
+    return man.get("format") == MANIFEST_FORMAT or not man.get("variants")
+
+
+def load_manifest(path: Path = MANIFEST) -> dict[str, Any]:
+    """The manifest at ``path`` with every variant resolved (:func:`_resolve`: its module's
+    source, defines and hashes merged in); raw modules under ``modules``."""
+    man = _read_manifest(path)
+    if not _current(man):
+        raise ShaderBuildError(
+            f"the shader manifest {path} has format {man.get('format', 1)}; this vkxsplit reads format "
+            f"{MANIFEST_FORMAT} (modules shared through specialization constants)",
+            "rebuild it: vkxsplit build-shaders (for experiment kernels: python tools/build_tool_shaders.py)")
+    modules = man.get("modules", {})
+    variants: dict[str, Any] = {}
+    for name, e in man.get("variants", {}).items():
+        mod = modules.get(e.get("module"))
+        if mod is None:
+            raise ShaderBuildError(f"the shader manifest {path} names module {e.get('module')!r} for {name} "
+                                   "but does not list it", "rebuild it: vkxsplit build-shaders")
+        variants[name] = _resolve(e, mod)
+    return {**man, "variants": variants}
 
 
 def build(only: str | None = None, force: bool = False, jobs: int | None = None,
@@ -200,13 +323,17 @@ def build(only: str | None = None, force: bool = False, jobs: int | None = None,
 
 def build_into(variants: dict[str, Variant] | list[Variant], out_dir: Path, *, only: str | None = None,
                force: bool = False, jobs: int | None = None, log: Any = print, prune: bool = False,
-               src_dir: Path | None = None) -> dict[str, Any]:
-    """Compile ``variants`` (those whose name matches the regex ``only``, when given) into
-    ``out_dir`` as NAME.spv plus ``manifest.json``: incremental (a variant whose source hash and
-    SPIR-V hash match its manifest entry is not recompiled), each module validated with
-    spirv-val. Entries of other names already in the manifest are kept, unless ``prune`` (then
-    only ``variants`` stay; without ``only``, stray .spv files are removed too). Several
-    builders may share ``out_dir`` (a lock file serialises them). Returns the manifest."""
+               src_dir: Path | None = None, reuse_shipped: bool = False) -> dict[str, Any]:
+    """Compile the modules of ``variants`` (those whose name matches the regex ``only``, when
+    given) into ``out_dir`` as MODULE.spv plus ``manifest.json``: incremental (a module whose
+    source hash and SPIR-V hash match its manifest entry is not recompiled), each module
+    validated with spirv-val and its specialization constant ids checked. Entries of other
+    names already in the manifest are kept, unless ``prune`` (then only ``variants`` stay;
+    without ``only``, stray .spv files are removed too). A manifest of an older format is
+    rebuilt whole. ``reuse_shipped``: a module the package ships, built from the same source
+    and defines, is not compiled again: the entry points at the shipped file (``"shipped":
+    true``), so experiment shapes of a shipped module are spec values only. Several builders
+    may share ``out_dir`` (a lock file serialises them). Returns the manifest as stored."""
     src_dir = src_dir or source_dir()
     if not src_dir.is_dir():
         raise EnvironmentProblem(f"shader sources not found at {src_dir}",
@@ -222,7 +349,7 @@ def build_into(variants: dict[str, Variant] | list[Variant], out_dir: Path, *, o
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / ".build.lock", "w") as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)  # several builders may share a directory
-        man = _build_locked(variants, out_dir, src_dir, only, force, jobs, log, prune)
+        man = _build_locked(variants, out_dir, src_dir, only, force, jobs, log, prune, reuse_shipped)
     _dir_manifest.cache_clear()
     return man
 
@@ -232,61 +359,102 @@ def _fresh(prev: dict[str, Any] | None, h: str, spv: Path) -> bool:
             and hashlib.sha256(spv.read_bytes()).hexdigest() == prev.get("spv_sha256"))
 
 
+def modules_of(variants: dict[str, Variant]) -> dict[str, Variant]:
+    """One representative variant per module; variants that name one module must agree on
+    what makes it (source, defines, compiler, target, constant ids)."""
+    out: dict[str, Variant] = {}
+    for v in variants.values():
+        m = out.setdefault(v.module_name, v)
+        if m.module_meta() != v.module_meta():
+            raise ShaderBuildError(f"variants {m.name} and {v.name} name module {v.module_name} but differ in "
+                                   f"what makes it: {m.module_meta()} vs {v.module_meta()}",
+                                   "give them modules of their own names")
+    return out
+
+
 def _build_locked(variants: dict[str, Variant], out_dir: Path, src_dir: Path, only: str | None, force: bool,
-                  jobs: int | None, log: Any, prune: bool) -> dict[str, Any]:
-    old_man = load_manifest(out_dir / "manifest.json")
-    old = old_man.get("variants", {})
+                  jobs: int | None, log: Any, prune: bool, reuse_shipped: bool = False) -> dict[str, Any]:
+    old_man = _read_manifest(out_dir / "manifest.json")
+    if not _current(old_man):
+        log(f"{out_dir / 'manifest.json'} has an older format: rebuilding every module")
+        old_man, only = {}, None
+    old_vars = old_man.get("variants", {})
+    old_mods = old_man.get("modules", {})
     pat = re.compile(only) if only else None
+    modules_of(variants)  # variants that name one module agree on what makes it
+    chosen = {n: v for n, v in variants.items() if pat is None or pat.search(n)}
+    chosen_mods = modules_of(chosen)
+    var_entries: dict[str, Any] = {} if prune else dict(old_vars)
+    for name, v in variants.items():
+        if name in chosen:
+            var_entries[name] = v.entry()
+        elif name in old_vars:
+            var_entries[name] = old_vars[name]
     todo: list[Variant] = []
-    entries: dict[str, Any] = {} if prune else dict(old)
-    for name, v in sorted(variants.items()):
-        prev = old.get(name)
-        if pat is not None and not pat.search(name):
-            if prev is not None:
-                entries[name] = prev
-            continue
+    mod_entries: dict[str, Any] = {}
+    ship = _read_manifest(MANIFEST) if reuse_shipped and out_dir.resolve() != SPV_DIR else {}
+    ship_mods = ship.get("modules", {}) if _current(ship) else {}
+    for mname, v in sorted(chosen_mods.items()):
         h = source_hash(v, src_dir)
-        spv = out_dir / f"{name}.spv"
-        if force or not _fresh(prev, h, spv):
+        prev = old_mods.get(mname)
+        if _fresh(ship_mods.get(mname), h, SPV_DIR / f"{mname}.spv"):
+            mod_entries[mname] = dict(ship_mods[mname], shipped=True)
+        elif force or not _fresh(prev, h, out_dir / f"{mname}.spv") or prev.get("shipped"):
             todo.append(v)
-            entries[name] = dict(v.meta(), source_sha256=h)
+            mod_entries[mname] = dict(v.module_meta(), source_sha256=h)
         else:
-            entries[name] = prev
+            mod_entries[mname] = prev
+    for e in var_entries.values():  # the modules of kept entries stay as they were
+        m = e.get("module")
+        if m not in mod_entries and m in old_mods:
+            mod_entries[m] = old_mods[m]
 
     def work(v: Variant) -> None:
-        out = out_dir / f"{v.name}.spv"
+        out = out_dir / f"{v.module_name}.spv"
         tmp = out.with_suffix(f".spv.tmp{os.getpid()}")  # the build holds a lock; still, one per process
         _compile(v, src_dir, tmp)
         spirv_validate(tmp, v.target_env)
+        _check_spec_ids(v, tmp.read_bytes())
         tmp.replace(out)
 
     if todo:
-        log(f"building {len(todo)} of {len(variants)} shader variants into {out_dir}")
+        log(f"building {len(todo)} of {len(chosen_mods)} shader modules ({len(variants)} variants) into {out_dir}")
         from . import progress
 
-        with progress.task("building shaders", len(todo), "variants") as bar, \
+        with progress.task("building shaders", len(todo), "modules") as bar, \
                 ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as ex:
             for _ in ex.map(work, todo):
                 bar.update(1)
         for v in todo:
-            entries[v.name]["spv_sha256"] = hashlib.sha256((out_dir / f"{v.name}.spv").read_bytes()).hexdigest()
-    for name in entries:
-        if not (out_dir / f"{name}.spv").exists():
-            raise ShaderBuildError(f"{out_dir / name}.spv is missing after the build")
+            spv = out_dir / f"{v.module_name}.spv"
+            mod_entries[v.module_name]["spv_sha256"] = hashlib.sha256(spv.read_bytes()).hexdigest()
+    for name, e in var_entries.items():
+        m = e.get("module")
+        if m not in mod_entries or not _module_file(out_dir, m, mod_entries[m]).exists():
+            raise ShaderBuildError(f"{out_dir / str(m)}.spv (module of {name}) is missing after the build")
+    mod_entries = {m: mod_entries[m] for m in sorted({e["module"] for e in var_entries.values()})}
     if prune and pat is None:
         for stale in out_dir.glob("*.spv"):
-            if stale.stem not in entries:
+            if stale.stem not in mod_entries or mod_entries[stale.stem].get("shipped"):
                 stale.unlink()
     manifest = {
+        "format": MANIFEST_FORMAT,
         "compilers": {"glslc": tool_version("glslc"), "glslang": tool_version("glslang"),
                       "glslang15": tool_version("glslang15")},
-        "variants": dict(sorted(entries.items())),
+        "modules": mod_entries,
+        "variants": dict(sorted(var_entries.items())),
     }
-    if not todo and old_man.get("variants") == manifest["variants"]:
+    if (not todo and old_man.get("variants") == manifest["variants"]
+            and old_man.get("modules") == manifest["modules"]):
         return old_man  # nothing changed: the manifest (and its compiler versions) stay as they are
     atomic_write(out_dir / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    log(f"manifest: {len(entries)} variants in {out_dir / 'manifest.json'}")
+    log(f"manifest: {len(var_entries)} variants of {len(mod_entries)} modules in {out_dir / 'manifest.json'}")
     return manifest
+
+
+def _module_file(out_dir: Path, module: str, entry: dict[str, Any]) -> Path:
+    """Where a module's SPIR-V lies: in the package for a reused shipped one, else in ``out_dir``."""
+    return (SPV_DIR if entry.get("shipped") else Path(out_dir)) / f"{module}.spv"
 
 
 def check_manifest() -> list[str]:
@@ -298,19 +466,33 @@ def check_dir(variants: dict[str, Variant], out_dir: Path, exact: bool = False) 
     """Differences between ``variants``' sources and the SPIR-V in ``out_dir`` (empty when
     every one is built and fresh; ``exact``: also entries no longer declared)."""
     problems: list[str] = []
-    man = load_manifest(Path(out_dir) / "manifest.json").get("variants", {})
+    path = Path(out_dir) / "manifest.json"
+    raw = _read_manifest(path)
+    if not _current(raw):
+        why = f"{path} has the older manifest format {raw.get('format', 1)}: rebuild every module"
+        return [f"{name}: {why}" for name in sorted(variants)] or [why]
+    man, mods = raw.get("variants", {}), raw.get("modules", {})
     src_dir = source_dir()
+    hashes: dict[str, str] = {}
     for name, v in sorted(variants.items()):
         e = man.get(name)
         if e is None:
             problems.append(f"{name}: declared but not built")
             continue
-        if e.get("source_sha256") != source_hash(v, src_dir):
+        if e != v.entry():
+            problems.append(f"{name}: its module, spec values or binding layout changed since the build")
+        m = mods.get(v.module_name)
+        if m is None:
+            problems.append(f"{name}: module {v.module_name} is not in the manifest")
+            continue
+        if v.module_name not in hashes:
+            hashes[v.module_name] = source_hash(v, src_dir)
+        if m.get("source_sha256") != hashes[v.module_name]:
             problems.append(f"{name}: source or defines changed since its SPIR-V was built")
-        spv = Path(out_dir) / f"{name}.spv"
+        spv = _module_file(out_dir, v.module_name, m)
         if not spv.exists():
             problems.append(f"{name}: {spv.name} missing")
-        elif hashlib.sha256(spv.read_bytes()).hexdigest() != e.get("spv_sha256"):
+        elif hashlib.sha256(spv.read_bytes()).hexdigest() != m.get("spv_sha256"):
             problems.append(f"{name}: {spv.name} differs from the manifest")
     if exact:
         for name in man:
@@ -321,7 +503,7 @@ def check_dir(variants: dict[str, Variant], out_dir: Path, exact: bool = False) 
 
 @cache
 def shipped() -> dict[str, Any]:
-    """The manifest of the installed package (variant name -> metadata)."""
+    """The manifest of the installed package (variant name -> resolved metadata)."""
     man = load_manifest()
     if not man.get("variants"):
         raise ShaderBuildError("no compiled shaders ship with this installation",
@@ -330,10 +512,12 @@ def shipped() -> dict[str, Any]:
 
 
 def manifest_ident() -> str:
-    """sha256 over every shipped module's name and SPIR-V hash: other kernels, another ident."""
+    """sha256 over every shipped variant's name, module SPIR-V hash and spec values: other
+    kernels, another ident."""
     h = hashlib.sha256()
     for name, meta in sorted(shipped().items()):
-        h.update(f"{name}:{meta.get('spv_sha256', '')}\n".encode())
+        spec = json.dumps(meta.get("spec") or {}, sort_keys=True)
+        h.update(f"{name}:{meta.get('spv_sha256', '')}:{spec}\n".encode())
     return h.hexdigest()
 
 
@@ -384,10 +568,12 @@ def variant_meta(name: str) -> dict[str, Any] | None:
 
 
 def spirv(name: str) -> bytes:
+    """The SPIR-V of kernel ``name``'s module."""
     got = _lookup(name)
-    d = SPV_DIR if got is None else got[1]
     try:
-        return (d / f"{name}.spv").read_bytes()
+        if got is None:
+            return (SPV_DIR / f"{name}.spv").read_bytes()
+        return _module_file(got[1], got[0]["module"], got[0]).read_bytes()
     except OSError as exc:
         raise ShaderBuildError(f"SPIR-V for kernel {name} is missing: {exc}",
                                "rebuild the shaders: vkxsplit build-shaders") from exc

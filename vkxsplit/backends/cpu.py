@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -71,10 +72,40 @@ def default_threads(hub: Device | None = None, step: bool = False) -> int:
     an otherwise idle machine and several times slower as soon as anything else runs
     (docs/PERFORMANCE.md: the cpu backend's thread table, 1 vs 2 threads on the 2-core machine).
     ``threads=N`` (``--backends cpu:threads=N``, ``-t N``) overrides it. With ``step`` (the
-    backend takes the whole step: the hub has nothing left to run) every physical core."""
+    backend takes the whole step: the hub has nothing left to run) every physical core that
+    other processes do not keep busy when the backend starts (:func:`busy_cores`, rounded), at
+    least 1: on the 2-core machine 2 threads when it is quiet, 1 beside another job, where 2
+    run several times slower (docs/PERFORMANCE.md)."""
     cores = ggml_cpu.physical_cores()
     cpu_hub = hub is not None and bool(getattr(hub, "is_cpu", False))
-    return max(1, cores - 1) if cpu_hub and not step else cores
+    if step:
+        return max(1, cores - int(busy_cores() + 0.5))
+    return max(1, cores - 1) if cpu_hub else cores
+
+
+def busy_cores(sample_s: float = 0.2) -> float:
+    """How many cores other processes keep busy now: the machine's busy CPU time over
+    ``sample_s`` less this process's, per second (/proc/stat, /proc/self/stat); 0 where they
+    cannot be read. (The load average lags by a minute: right after another job ends it still
+    counts it.)"""
+    def machine() -> float:
+        with open("/proc/stat") as f:
+            v = [float(x) for x in f.readline().split()[1:]]
+        return sum(v) - v[3] - (v[4] if len(v) > 4 else 0.0)  # all but idle and iowait
+
+    def mine() -> float:
+        with open("/proc/self/stat") as f:
+            v = f.read().rsplit(")", 1)[1].split()
+        return float(v[11]) + float(v[12])  # utime + stime
+
+    try:
+        m0, s0, t0 = machine(), mine(), time.monotonic()
+        time.sleep(sample_s)
+        m1, s1, t1 = machine(), mine(), time.monotonic()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return max(0.0, ((m1 - m0) - (s1 - s0)) / hz / max(t1 - t0, 1e-3))
 
 
 class _Cached:
@@ -487,8 +518,8 @@ class CpuBackend(Backend):
 
     def _emit_op(self, g: ggml_cpu.Graph, job: OpJob, before: list[Any], keep: list[Any]) -> list[Any]:
         """Add ``job``'s nodes to ``g``; returns the tensors to expand, in order. Checks and
-        settings that must run before each compute go to ``before``, memory of the backend's
-        own the graph points into to ``keep``."""
+        settings that must run before each compute go to ``before`` as (function, the view it
+        reads), memory of the backend's own the graph points into to ``keep``."""
         lib = self.ggml.base
         R, C = job.rows, job.cols
         if job.op in STEP_OPS:
@@ -558,7 +589,7 @@ class CpuBackend(Backend):
                     raise KernelError(f"{what}: token id {bad} outside the table's {n_rows} rows",
                                       "ids must come from this model's vocabulary")
 
-            before.append(check_ids)
+            before.append((check_ids, job.inputs[1]))
             return [g.place(lib.ggml_get_rows(g.ctx, table, ids), _addr(job.outputs[0], R * C * 4), C * 4)]
         if job.op == "rope":
             nh, hd = p["n_heads"], p["head_dim"]
@@ -569,7 +600,7 @@ class CpuBackend(Backend):
         if job.op == "kv_store":
             nkv, hd, n_ctx = p["n_kv_heads"], p["head_dim"], p["n_ctx"]
             pos = g.strided(I32, _addr(job.inputs[2], R * 4), R, 1, R * 4)
-            before.append(self._positions(job, n_ctx, consecutive=False))
+            before.append((self._positions(job, n_ctx, consecutive=False), job.inputs[2]))
             k = g.strided(F32, _addr(job.inputs[0], R * C * 4), C, R, C * 4)
             if p.get("rope_k") is not None:  # K roped into the backend's scratch on its way to the cache
                 scratch = np.zeros(R * C, np.float32)
@@ -612,7 +643,7 @@ class CpuBackend(Backend):
                         m[:, n_kv - R:] = tri
                         state[0] = n_kv
 
-            before.append(set_kv)
+            before.append((set_kv, job.inputs[3]))
             sc = p.get("scale")
             out = lib.ggml_flash_attn_ext(g.ctx, q, K, V, mask, float(1.0 / math.sqrt(hd) if sc is None else sc),
                                           0.0, 0.0)  # [hd, heads, T]: the rows of the output
@@ -641,6 +672,7 @@ class CpuBackend(Backend):
         keep: list[Any] = []
         for out in self._emit_op(g, job, before, keep):
             g.expand(out)
+        before = [fn for fn, _v in before]
         flops = 8 * job.rows * job.cols  # a few flops per element
         if job.op == "attention":
             flops = 4 * job.rows * job.cols * job.params["n_ctx"]
@@ -678,14 +710,14 @@ class CpuBackend(Backend):
                 outs_t = self._emit_op(g, job, mine, keep)
             else:
                 outs_t = [self._emit_mul_mat(g, job)]
-            if mine and _overlaps([_rng(v) for v in ins], written):  # its checks need the graph so far run
+            if _overlaps([_rng(v) for _fn, v in mine], written):  # its checks read what the graph so far writes
                 close()
                 g = ggml_cpu.Graph(self.ggml, TENSORS_PER_JOB * len(jobs) + 16)
                 mine = []
                 outs_t = self._emit_op(g, job, mine, keep) if isinstance(job, OpJob) else [self._emit_mul_mat(g, job)]
             for t in outs_t:
                 g.expand(t)
-            before += mine
+            before += [fn for fn, _v in mine]
             bufs += [v.shared for v in (*ins, *outs)]
             written += [_rng(v) for v in outs]
         close()

@@ -184,8 +184,8 @@ class Ggml:
         self.ffi = cffi.FFI()
         self.ffi.cdef(_CDEF)
         flags = self.ffi.RTLD_NOW | self.ffi.RTLD_GLOBAL
-        self.base = self.ffi.dlopen(os.path.join(libdir, "libggml-base.so"), flags)
-        self.cpu = self.ffi.dlopen(os.path.join(libdir, "libggml-cpu.so"), flags)
+        self.base = self.ffi.dlopen(_lib(libdir, "libggml-base"), flags)
+        self.cpu = self.ffi.dlopen(_lib(libdir, "libggml-cpu"), flags)
         self.cpu.ggml_cpu_init()
         _check_layout(self)
 
@@ -199,6 +199,18 @@ class Ggml:
 
     def features(self) -> dict[str, bool]:
         return {f: bool(getattr(self.cpu, f"ggml_cpu_has_{f}")()) for f in FEATURES}
+
+
+def _lib(libdir: str, name: str) -> str:
+    """``name.so`` in ``libdir``, else its soname ``name.so.0`` (a llama.cpp build's)."""
+    p = os.path.join(libdir, name + ".so")
+    return p if os.path.exists(p) or not os.path.exists(p + ".0") else p + ".0"
+
+
+#: a directory holding another build of ggml's libraries (libggml-base, libggml-cpu) to load
+#: instead of the wheel's, e.g. a llama.cpp build with its CPU variant for this machine (the
+#: wheel's is a generic AVX2 build without llamafile's sgemm); its struct layout is checked
+LIBDIR_ENV = "VKXSPLIT_GGML_LIBDIR"
 
 
 def _check_layout(g: Ggml) -> None:
@@ -236,6 +248,16 @@ _lock = threading.Lock()
 
 @lru_cache(maxsize=1)
 def _load() -> Ggml:
+    own = os.environ.get(LIBDIR_ENV)
+    if own:
+        if not os.path.exists(_lib(own, "libggml-cpu")):
+            raise EnvironmentProblem(f"{LIBDIR_ENV}={own}: no libggml-cpu.so there",
+                                     f"unset {LIBDIR_ENV} to use the {PACKAGE} wheel's ggml")
+        try:
+            return Ggml(own, f"{LIBDIR_ENV}={own}")
+        except OSError as exc:
+            raise EnvironmentProblem(f"{LIBDIR_ENV}={own}: cannot load ggml's libraries ({exc})",
+                                     f"unset {LIBDIR_ENV} to use the {PACKAGE} wheel's ggml") from None
     try:
         import libggml
     except ImportError as exc:

@@ -137,6 +137,16 @@ def vec_path(device: object, t: str, T: int = 1) -> str:
     return "vec_q8_1" if T == 1 and kernels_for(device).vecq(t, 1) is not None else "vec_f32"
 
 
+def vecq_id_decode(device: object) -> dict[str, str]:
+    """weight type -> the routed decode kernel (``mul_mat_id_vecq_*``) a decode graph's
+    ``mul_mat_id`` of that type runs on ``device``: the types whose routed decode takes the
+    q8_1 path (:func:`vec_path` at T = 1). The q8_1 pass of :mod:`vkxsplit.fusion` gives such
+    a node the q8_1 x its producer writes (params ``xq``, ``vecq``)."""
+    kc = kernels_for(device)
+    return {t: vecq_id_name(t, vecq_id_config(t, kc.is_cpu)) for t in kc.vecq_decode()
+            if vec_path(device, t, 1) == "vec_q8_1"}
+
+
 def coop_id_name(t: str, tile: str | None = None, emulate: bool = False) -> str:
     """mul_mat_id_coopmat[_emu]_<type>_f32[_<tile>] (no tile: COOP_ID_TILE)."""
     return f"mul_mat_id_coopmat{'_emu' if emulate else ''}_{t}_f32" + (f"_{tile}" if tile else "")
@@ -298,7 +308,7 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
                       w_rows: int | None = None, w_row0: int = 0, y_stride: int | None = None,
                       groups: Bindable | None = None, grouped: bool = False, path: str | None = None,
                       coop_variant: str | None = None, vec_variant: str | None = None,
-                      xq_scratch: Bindable | None = None, xq_slot: str = "") -> str:
+                      xq_scratch: Bindable | None = None, xq_slot: str = "", quantize: bool = True) -> str:
     """The routed product ``y[t, s, w_row0 + n] = sum_k W[ids[t, s], w_row0 + n, k] * x[t, s', k]``
     (``s' = s`` if ``n_xb > 1`` else 0; ``0 <= n < N``).
 
@@ -313,7 +323,10 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     built routed q8_1 variant of the type, e.g. a shape of tools/kernels.py's sweep;
     ``xq_scratch``: the q8_1 x, at least ops.mul_mat.vecq_scratch_bytes(T n_xb, K) bytes,
     default a scratch buffer of the device, one per ``xq_slot``: products of different slots,
-    such as a layer's gate and up, do not wait for each other's scratch). ``"grouped"`` runs the
+    such as a layer's gate and up, do not wait for each other's scratch; ``quantize=False``: the
+    given ``xq_scratch`` already holds x as q8_1, T n_xb rows of K as ``quantize_q8_1`` writes
+    them, made by x's producer in the graph (the decode's q8_1 pass, :mod:`vkxsplit.fusion`):
+    no quantize dispatch is recorded). ``"grouped"`` runs the
     cooperative-matrix tiles where the device has them (:func:`grouped_path`), else the f32
     tiles; ``"tiled"`` / ``"coopmat"`` pin one of the two. The grouped paths need ``groups``,
     a buffer of :func:`group_bytes`: the grouping is recorded here unless ``grouped`` says an
@@ -379,6 +392,9 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     for what, b in (("x", x), ("the weights", w), ("ids", ids)):
         if bindings_overlap(y, b):
             raise KernelError(f"{name}: y overlaps {what}")
+    if not quantize and (path != "vec_q8_1" or xq_scratch is None):
+        raise KernelError(f"{name}: quantize=False reads x as q8_1 from the given xq_scratch: it needs path "
+                          f"'vec_q8_1' (not {path!r}) and an xq_scratch")
     if path == "vec_q8_1":
         if xq_scratch is None:
             xq_scratch = _Scratch.get(seq.device, f"xq_id_{xq_slot}", vecq_scratch_bytes(T * n_xb, K))
@@ -408,7 +424,8 @@ def record_mul_mat_id(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType,
     if path == "vec_q8_1":
         assert vec_variant is not None and xq_scratch is not None
         kd = Kernel.get(seq.device, vec_variant)   # (raises where the device lacks a feature)
-        record_quantize_q8_1(seq, x, xq_scratch, T * n_xb, K, K, 0)
+        if quantize:
+            record_quantize_q8_1(seq, x, xq_scratch, T * n_xb, K, K, 0)
         seq.dispatch(kd, [w, xq_scratch, y, ids], (N, K, n_used, n_xb, n_expert, T, w_rows, w_row0, y_stride, 0),
                      (-(-N // vq_rows), P, 1))
         return path
@@ -484,7 +501,9 @@ def record_moe_combine(seq: Sequence, e: Bindable, weights: Bindable, y: Bindabl
 #                (T, n_used) f32 tensor it also writes), n_expert, n_used, gating, norm, scale
 #   moe_group    inputs [ids] -> groups (group_words,) u32; params: n_expert
 #   mul_mat_id   inputs [W (n_expert, N, K), x (T, n_xb, K) f32, ids, and groups for the
-#                grouped path (use_grouped)] -> (T, n_used, N) f32
+#                grouped path (use_grouped)] -> (T, n_used, N) f32; params (decode, the q8_1
+#                pass): xq (x as q8_1, T n_xb rows of K, written by x's producer or a
+#                quantize_q8_1 node), vecq (the routed q8_1 kernel, vecq_id_decode)
 #   moe_combine  inputs [e (T, n_used, N) f32, weights (T, n_used) f32] -> (T, N) f32
 
 
@@ -496,6 +515,12 @@ def _node_mul_mat_id(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None,
     n_expert, N, K = w.shape
     T, n_used = ids.shape
     r1 = N if r1 is None else r1
+    xq = n.params.get("xq")
+    if xq is not None:  # x as q8_1 already (written by x's producer: the q8_1 pass), no quantize dispatch
+        record_mul_mat_id(seq, w.buffer, w.dtype, x.buffer, ids.buffer, y.buffer, n_expert=n_expert, N=r1 - r0,
+                          K=K, T=T, n_used=n_used, n_xb=x.shape[1], w_rows=N, w_row0=r0, y_stride=N,
+                          path="vec_q8_1", vec_variant=n.params["vecq"], xq_scratch=xq.buffer, quantize=False)
+        return
     record_mul_mat_id(seq, w.buffer, w.dtype, x.buffer, ids.buffer, y.buffer, n_expert=n_expert, N=r1 - r0, K=K,
                       T=T, n_used=n_used, n_xb=x.shape[1], w_rows=N, w_row0=r0, y_stride=N,
                       groups=grp[0].buffer if grp else None, grouped=True, path=None if grp else "vec",
@@ -528,5 +553,5 @@ NODE_RECORDERS = {"mul_mat_id": _node_mul_mat_id, "moe_topk": _node_moe_topk, "m
 
 __all__ = ["COOP_ID_TILE", "GROUPED_PAIRS_PER_EXPERT", "GROUPED_PATHS", "NODE_RECORDERS", "VEC_PATHS",
            "coop_id_name", "default_path", "grouped_path", "make_coop_id_variant", "make_vecq_id_variant", "use_grouped", "vec_path",
-           "vecq_id_config", "vecq_id_name", "GATING", "GATING_BY_ID", "NORM_CLAMP", "VARIANTS", "check_mul_mat_id", "group_bytes", "group_words",
+           "vecq_id_config", "vecq_id_decode", "vecq_id_name", "GATING", "GATING_BY_ID", "NORM_CLAMP", "VARIANTS", "check_mul_mat_id", "group_bytes", "group_words",
            "max_tiles", "record_moe_combine", "record_moe_group", "record_moe_topk", "record_mul_mat_id"]

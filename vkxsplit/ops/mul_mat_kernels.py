@@ -145,11 +145,36 @@ def _vec_rows(name: str) -> int:
     return int(d["NR"]) * int(d.get("RPT", 1))
 
 
+#: mul_mat_vec.comp's specialization constants (its ``layout(constant_id = N)``; WG is also
+#: the workgroup size, ``local_size_x_id = 0``)
+VEC_SPEC_IDS = {"WG": 0, "NR": 1, "UNR": 2, "MAXM": 3}
+
+
+def vec_module_name(t: str, lanes: int = 0) -> str:
+    """The SPIR-V module every mat-vec (f32 x) shape of weight type ``t`` with ``lanes`` per
+    block (0: the type's default) specializes: mod_mul_mat_vec_<type>[_l<lanes>]."""
+    return f"mod_mul_mat_vec_{t}" + (f"_l{lanes}" if lanes else "")
+
+
 def make_vec_variant(name: str, t: str, cfg: VecConfig, maxm: int) -> Variant:
-    """The Variant of a mat-vec (f32 x) kernel of weight type ``t``, shape ``cfg``, ``maxm`` columns."""
-    return Variant(name=name, source="mul_mat_vec.comp",
-                   defines={"WTYPE": str(TYPES[t].id), "MAXM": str(maxm), **cfg.defines()},
-                   bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1), requires=_STORAGE)
+    """The Variant of a mat-vec (f32 x) kernel of weight type ``t``, shape ``cfg``, ``maxm``
+    columns: the type's module (per lane count) with the shape as specialization constants.
+    Raises KernelError for a shape the kernel cannot run (its final reduction takes one
+    thread per row and column: ``nr * maxm <= wg``)."""
+    if min(cfg.wg, cfg.nr, cfg.unr, maxm) < 1 or not 1 <= maxm <= MAX_VEC_M:
+        raise KernelError(f"mat-vec shape {cfg} with {maxm} columns: sizes must be positive and at most "
+                          f"{MAX_VEC_M} columns")
+    if cfg.nr * maxm > cfg.wg:
+        raise KernelError(f"mat-vec shape {cfg.tag} with {maxm} columns: the final reduction needs a "
+                          f"thread per row and column, {cfg.nr} x {maxm} > {cfg.wg} threads",
+                          "take more threads per workgroup (wg) or fewer rows (nr)")
+    defines = {"WTYPE": str(TYPES[t].id)}
+    if cfg.lanes:
+        defines["DQX_L"] = str(cfg.lanes)
+    return Variant(name=name, source="mul_mat_vec.comp", defines=defines, module=vec_module_name(t, cfg.lanes),
+                   spec={"WG": cfg.wg, "NR": cfg.nr, "UNR": cfg.unr, "MAXM": maxm}, spec_ids=VEC_SPEC_IDS,
+                   local_size_spec="WG", bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1),
+                   requires=_STORAGE)
 
 
 @dataclass(frozen=True)

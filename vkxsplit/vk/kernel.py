@@ -1,5 +1,9 @@
 """Kernels: compute pipelines made from the shipped SPIR-V.
 
+A variant that shares its module with others (``vkxsplit.shaders``: specialization constants
+for workgroup and tile sizes) gets its spec values through VkSpecializationInfo; each variant
+name is its own pipeline, and the driver's pipeline cache keys on the values with the module.
+
 ``Kernel.get(device, "convert_f32_bf16")`` returns the device's one pipeline for a variant
 (created on first use through the device's pipeline cache): a shipped one, or one of a
 directory of experiment kernels made loadable with :func:`vkxsplit.shaders.add_kernel_dir`
@@ -61,6 +65,30 @@ def bindings_overlap(a: Bindable, b: Bindable) -> bool:
     return spans_overlap((ba, oa, oa + sa), (bb, ob, ob + sb))
 
 
+def _specialization(name: str, spec: dict[str, int], ids: dict[str, int]) -> tuple[Any, list[Any]]:
+    """VkSpecializationInfo for ``spec`` (name -> value; ``ids`` name -> constant_id): one
+    VkSpecializationMapEntry of 4 bytes per constant; NULL for none. The second value holds
+    the arrays the struct points to (keep it alive until the pipeline is made)."""
+    if not spec:
+        return NULL, []
+    if set(spec) != set(ids):
+        raise KernelError(f"kernel {name}: spec values {sorted(spec)} do not match its module's constants "
+                          f"{sorted(ids)}", "rebuild the shaders: vkxsplit build-shaders")
+    names = sorted(spec, key=lambda k: ids[k])
+    entries = ffi.new(f"VkSpecializationMapEntry[{len(names)}]")
+    data = bytearray()
+    for i, k in enumerate(names):
+        entries[i].constantID = int(ids[k])
+        entries[i].offset = len(data)
+        entries[i].size = 4
+        v = int(spec[k])
+        data += struct.pack("=i" if v < 0 else "=I", v)
+    buf = ffi.new("char[]", bytes(data))
+    info = new("VkSpecializationInfo", mapEntryCount=len(names), pMapEntries=entries, dataSize=len(data),
+               pData=buf)
+    return info, [entries, buf]
+
+
 class Kernel:
     def __init__(self, device: Device, name: str) -> None:
         meta = shaders.variant_meta(name)
@@ -80,6 +108,14 @@ class Kernel:
         self.push_format = "=" + meta.get("push", "")
         self.push_size = struct.calcsize(self.push_format)
         self.local_size = tuple(meta["local_size"])
+        lim = device.physical.limits
+        most = lim.get("maxComputeWorkGroupSize") or (2**31,) * 3
+        inv = int(lim.get("maxComputeWorkGroupInvocations") or 2**31)
+        ls = self.local_size
+        if any(a > b for a, b in zip(ls, most)) or ls[0] * ls[1] * ls[2] > inv:
+            raise KernelError(f"kernel {name}: workgroup {ls[0]}x{ls[1]}x{ls[2]} is over '{device.name}''s "
+                              f"limits ({most[0]}x{most[1]}x{most[2]}, {inv} invocations)",
+                              "choose a smaller workgroup size (spec value) for this device")
         self._serial = next_serial()
         self._sets: dict[tuple[Any, ...], Any] = {}
         self._pools: list[Any] = []
@@ -114,8 +150,10 @@ class Kernel:
         self.layout = pl[0]
 
         entry = ffi.new("char[]", b"main")
+        self.spec = {k: int(v) for k, v in (meta.get("spec") or {}).items()}
+        spec_info, _keep = _specialization(name, self.spec, meta.get("spec_ids") or {})
         stage = new("VkPipelineShaderStageCreateInfo", stage=vk.VK_SHADER_STAGE_COMPUTE_BIT,
-                    module=self.module, pName=entry)
+                    module=self.module, pName=entry, pSpecializationInfo=spec_info)
         sg = int(meta.get("subgroup_size", 0))
         rss = None
         if sg:
