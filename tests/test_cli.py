@@ -236,7 +236,8 @@ def test_split_for_machine(tiny: Path, monkeypatch) -> None:
     assert (c.split, c.backends) == ("auto", "npu-emu")
     assert (f(None, None, False, tiny).split, f(None, None, False, tiny).backends) == (None, None)
     c = f(None, None, True, tiny, "lavapipe")
-    assert (c.split, c.backends) == (defaults.CPU_HUB_SPLIT, "cpu") and "CPU device" in c.note
+    assert (c.split, c.backends) == (defaults.CPU_HUB_SPLIT, defaults.CPU_HUB_BACKENDS) == ("mode:cpu", "cpu:step=1")
+    assert "CPU device" in c.note
 
 
 def test_backends_without_split_let_the_planner_choose(tiny: Path) -> None:
