@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -136,9 +137,27 @@ def test_old_manifest_format_gives_a_rebuild_message(tmp_path):
     if not shaders.have_tool("glslc") or not shaders.have_tool("spirv-val"):
         return
     logs: list[str] = []
-    man = shaders.build_into([shaders.all_variants()["convert_f32_f32"]], old, log=logs.append)
+    v = shaders.all_variants()["convert_f32_f32"]
+    man = shaders.build_into([v], old, log=logs.append)
     assert man["format"] == shaders.MANIFEST_FORMAT and any("older format" in m for m in logs)
+    assert any(m.startswith("building 1 ") for m in logs)  # its format-1 hashes were wrong: rebuilt
     assert shaders.load_manifest(old / "manifest.json")["variants"]["convert_f32_f32"]["source"] == "convert.comp"
+    # a format-1 entry that is still fresh (format 1's hash: the source closure, then the
+    # variant's source, defines, layout and target as JSON) is kept, not recompiled
+    legacy = {"source": v.source, "defines": v.defines, "bindings": v.bindings, "writes": list(v.writes),
+              "push": v.push, "local_size": list(v.local_size), "target_env": v.target_env,
+              "compiler": v.compiler, "requires": list(v.requires), "subgroup_size": v.subgroup_size}
+    h = hashlib.sha256()
+    for f in (shaders.source_dir() / "convert.comp", shaders.source_dir() / "common.glsl"):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(json.dumps(legacy, sort_keys=True).encode())
+    spv = (old / "convert_f32_f32.spv").read_bytes()
+    (old / "manifest.json").write_text(json.dumps({"compilers": {}, "variants": {"convert_f32_f32": {
+        **legacy, "source_sha256": h.hexdigest(), "spv_sha256": hashlib.sha256(spv).hexdigest()}}}))
+    logs.clear()
+    shaders.build_into([v], old, log=logs.append)
+    assert any("1 of 1 variants' SPIR-V still fresh" in m for m in logs), logs
+    assert not any(m.startswith("building") for m in logs) and not shaders.check_dir({v.name: v}, old)
 
 
 def test_only_what_default_paths_choose_ships():
@@ -292,3 +311,49 @@ def test_sweep_shape_of_a_shipped_module_compiles_nothing(tmp_path):
         own = tmp_path / "own"
         shaders.build_into([v], own, log=lambda *_: None)
         assert (own / f"{v.module_name}.spv").exists()
+
+
+def test_variant_without_the_modules_spec_values_fails_the_build(tmp_path):
+    """A variant that copies a mat-vec variant's defines but not its spec values would run the
+    source's default shape: the build refuses it, naming the constants left without values."""
+    from vkxsplit.errors import ShaderBuildError
+    from vkxsplit.ops import mul_mat as mm
+
+    if not shaders.have_tool("glslc") or not shaders.have_tool("spirv-val"):
+        pytest.skip("glslc / spirv-val are not installed here")
+    v = mm.make_vec_variant("x", "f32", mm.VecConfig(32, 2, 1), 1)
+    copied = shaders.Variant(name="test_copied_defines", source=v.source, defines=v.defines, bindings=v.bindings,
+                             writes=v.writes, push=v.push, local_size=v.local_size, requires=v.requires)
+    with pytest.raises(ShaderBuildError, match="gives no values for"):
+        shaders.build_into([copied], tmp_path / "copied", log=lambda *_: None)
+
+
+def test_manifest_ident_covers_spec_values(monkeypatch):
+    """Cost profiles key on manifest_ident: another spec value of the same module (the same
+    SPIR-V) is another kernel, so another ident."""
+    real = shaders.shipped()
+    before = shaders.manifest_ident()
+    name = "mul_mat_vec_q4_0_f32"
+    changed = {**real, name: {**real[name], "spec": {**real[name]["spec"], "NR": real[name]["spec"]["NR"] * 2}}}
+    monkeypatch.setattr(shaders, "shipped", lambda: changed)
+    assert shaders.manifest_ident() != before
+
+
+def test_a_build_cut_short_keeps_what_it_built(tmp_path, monkeypatch):
+    """The manifest is checkpointed during a long build: when a later module fails (or the
+    build is killed), the modules built before it stay listed and are not compiled again."""
+    from vkxsplit.errors import ShaderBuildError
+
+    if not shaders.have_tool("glslc") or not shaders.have_tool("spirv-val"):
+        pytest.skip("glslc / spirv-val are not installed here")
+    monkeypatch.setattr(shaders, "_CHECKPOINT_S", 0.0)
+    base = shaders.all_variants()["convert_f32_f32"]
+    good = shaders.Variant(**{**base.__dict__, "name": "a_good"})
+    bad = shaders.Variant(**{**base.__dict__, "name": "b_bad", "defines": {**base.defines, "SRC_TYPE": "(1 +"}})
+    out = tmp_path / "cut"
+    with pytest.raises(ShaderBuildError, match="compiling b_bad failed"):
+        shaders.build_into([good, bad], out, jobs=1, log=lambda *_: None)
+    assert list(shaders.load_manifest(out / "manifest.json")["variants"]) == ["a_good"]
+    logs: list[str] = []
+    shaders.build_into([good], out, log=logs.append)
+    assert not logs  # fresh from the checkpoint: nothing rebuilt

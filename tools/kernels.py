@@ -322,6 +322,10 @@ def ensure(select: str | Callable[[str], bool] | None = None, out: Path = OUT_DI
     stale = set(shaders.check_dir(vs, out))
     stale_names = {p.split(":", 1)[0] for p in stale}
     todo = {n: v for n, v in vs.items() if n in stale_names and compiler_available(v)}
+    if any("older manifest format" in p for p in stale):
+        # the whole directory moves to the current format at once: its SPIR-V that is still
+        # fresh is kept (not recompiled), and no variant's entry is lost
+        todo = {n: v for n, v in tool_variants().items() if compiler_available(v)}
     if todo:
         shaders.build_into(todo, out, log=log, reuse_shipped=True)
     shaders.add_kernel_dir(out)

@@ -1,16 +1,19 @@
 """The shader build step: GLSL sources -> SPIR-V shipped in the package, with a manifest.
 
-One GLSL source per op family lives in ``shaders/``; its variants differ by defines only.
+One GLSL source per op family lives in ``shaders/``; its variants differ by defines and
+specialization constant values (below).
 Each op module in :mod:`vkxsplit.ops` declares its variants in a module-level ``VARIANTS``
 list; names follow a grammar in the style of ggml-vulkan, ``<op>_<weight type>_<in>_<out>``
 (``mul_mat_vec_q4_0_f32``, ``convert_f32_bf16``).
 
-``vkxsplit build-shaders`` (also ``python tools/build_shaders.py``) compiles every variant
+``vkxsplit build-shaders`` (also ``python tools/build_shaders.py``) compiles every module
 whose inputs changed with glslc (or glslang, for GLSL extensions Debian's glslc lacks, such as
 GL_KHR_cooperative_matrix; or glslang15, glslang >= 15 built by ``tools/build_glslang.sh``, for
-GL_NV_cooperative_matrix2, which no packaged compiler of Debian 12 or PyPI knows), runs spirv-val on the result, and writes ``vkxsplit/spv/NAME.spv``
-plus ``vkxsplit/spv/manifest.json`` (variant name, source, defines, hash of the source and
-everything it includes, SPIR-V hash, compiler versions, binding and push-constant layout).
+GL_NV_cooperative_matrix2, which no packaged compiler of Debian 12 or PyPI knows), runs
+spirv-val on the result, and writes ``vkxsplit/spv/MODULE.spv`` plus
+``vkxsplit/spv/manifest.json`` (per module: source, defines, hash of the source and
+everything it includes, SPIR-V hash; compiler versions; per variant: module, spec values,
+binding and push-constant layout).
 The installed package reads only the manifest and the .spv files: it needs no compiler.
 
 A variant may name a *module* (``Variant.module``: a source and its defines, compiled once)
@@ -45,6 +48,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
@@ -59,6 +63,8 @@ SPV_DIR = PACKAGE_DIR / "spv"
 MANIFEST = SPV_DIR / "manifest.json"
 #: the manifest layout: 2 = modules plus variants of (module, specialization constants)
 MANIFEST_FORMAT = 2
+#: seconds between the manifest checkpoints of a long build (what it built so far)
+_CHECKPOINT_S = 30.0
 
 
 def source_dir() -> Path:
@@ -119,10 +125,6 @@ class Variant:
                 "local_size": list(self.local_size), "requires": list(self.requires),
                 "subgroup_size": self.subgroup_size}
 
-    def meta(self) -> dict[str, Any]:
-        """The resolved manifest view of the variant (what :func:`variant_meta` returns, less the hashes)."""
-        return _resolve(self.entry(), self.module_meta())
-
 
 def _resolve(entry: dict[str, Any], module: dict[str, Any]) -> dict[str, Any]:
     """A variant's manifest entry merged with its module's: ``defines`` holds the module's
@@ -168,11 +170,14 @@ def _source_closure(src: Path, seen: set[Path] | None = None) -> list[Path]:
 def source_hash(v: Variant, src_dir: Path | None = None) -> str:
     """sha256 over the variant's module: the source, every file it includes, the defines, the
     specialization constant ids, the compiler and the target."""
-    src_dir = src_dir or source_dir()
+    return _closure_hash((src_dir or source_dir()) / v.source, v.module_meta())
+
+
+def _closure_hash(src: Path, meta: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    for f in _source_closure(src_dir / v.source):
+    for f in _source_closure(src):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    h.update(json.dumps(v.module_meta(), sort_keys=True).encode())
+    h.update(json.dumps(meta, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -263,8 +268,9 @@ def spec_constants(code: bytes) -> dict[int, str]:
 
 
 def _check_spec_ids(v: Variant, code: bytes) -> None:
-    """The module declares every constant id the variant's ``spec_ids`` name, under that name
-    where the compiler kept it: a Python table out of step with the GLSL fails the build."""
+    """The module declares exactly the constant ids the variant's ``spec_ids`` name (under
+    those names where the compiler kept them): a Python table out of step with the GLSL, or a
+    variant made from another's defines without its spec values, fails the build."""
     have = spec_constants(code)
     for name, sid in v.spec_ids.items():
         if sid not in have:
@@ -275,6 +281,13 @@ def _check_spec_ids(v: Variant, code: bytes) -> None:
         if have[sid] and have[sid] != name:
             raise ShaderBuildError(f"module {v.module_name}: constant_id {sid} is {have[sid]} in {v.source}, "
                                    f"but the variants call it {name}")
+    extra = sorted(set(have) - set(v.spec_ids.values()))
+    if extra:
+        raise ShaderBuildError(f"module {v.module_name}: {v.source} declares specialization constants with "
+                               f"constant_id {extra} that variant {v.name} gives no values for (the driver would "
+                               "run the source's defaults)",
+                               "make the variant with the op module's maker (it sets spec and spec_ids), not "
+                               "from another variant's defines")
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -359,6 +372,27 @@ def _fresh(prev: dict[str, Any] | None, h: str, spv: Path) -> bool:
             and hashlib.sha256(spv.read_bytes()).hexdigest() == prev.get("spv_sha256"))
 
 
+def _migrate_format1(old: dict[str, Any], variants: dict[str, Variant], out_dir: Path,
+                     src_dir: Path) -> dict[str, Any]:
+    """Module entries for the SPIR-V a format-1 manifest (one module per variant, no spec
+    values) holds that is still fresh for ``variants``: a variant that is its own module, whose
+    old entry's source hash (the format-1 formula) and SPIR-V hash still match. The format bump
+    then recompiles only what changed."""
+    out: dict[str, Any] = {}
+    entries = old.get("variants", {})
+    for name, v in variants.items():
+        e = entries.get(name)
+        if e is None or v.module or v.spec or "source_sha256" not in e:
+            continue
+        legacy = {"source": v.source, "defines": dict(sorted(v.defines.items())), "bindings": v.bindings,
+                  "writes": list(v.writes), "push": v.push, "local_size": list(v.local_size),
+                  "target_env": v.target_env, "compiler": v.compiler, "requires": list(v.requires),
+                  "subgroup_size": v.subgroup_size}
+        if _fresh(e, _closure_hash(src_dir / v.source, legacy), out_dir / f"{name}.spv"):
+            out[name] = dict(v.module_meta(), source_sha256=source_hash(v, src_dir), spv_sha256=e["spv_sha256"])
+    return out
+
+
 def modules_of(variants: dict[str, Variant]) -> dict[str, Variant]:
     """One representative variant per module; variants that name one module must agree on
     what makes it (source, defines, compiler, target, constant ids)."""
@@ -376,8 +410,10 @@ def _build_locked(variants: dict[str, Variant], out_dir: Path, src_dir: Path, on
                   jobs: int | None, log: Any, prune: bool, reuse_shipped: bool = False) -> dict[str, Any]:
     old_man = _read_manifest(out_dir / "manifest.json")
     if not _current(old_man):
-        log(f"{out_dir / 'manifest.json'} has an older format: rebuilding every module")
-        old_man, only = {}, None
+        old_mods = _migrate_format1(old_man, variants, out_dir, src_dir)
+        log(f"{out_dir / 'manifest.json'} has an older format: rebuilding the manifest ({len(old_mods)} of "
+            f"{len(variants)} variants' SPIR-V still fresh)")
+        old_man, only = {"modules": old_mods}, None
     old_vars = old_man.get("variants", {})
     old_mods = old_man.get("modules", {})
     pat = re.compile(only) if only else None
@@ -417,17 +453,29 @@ def _build_locked(variants: dict[str, Variant], out_dir: Path, src_dir: Path, on
         _check_spec_ids(v, tmp.read_bytes())
         tmp.replace(out)
 
+    def manifest_of(mods: dict[str, Any]) -> dict[str, Any]:
+        return {"format": MANIFEST_FORMAT,
+                "compilers": {"glslc": tool_version("glslc"), "glslang": tool_version("glslang"),
+                              "glslang15": tool_version("glslang15")},
+                "modules": {m: mods[m] for m in sorted({e["module"] for e in var_entries.values()} & set(mods))},
+                "variants": {n: e for n, e in sorted(var_entries.items()) if e["module"] in mods}}
+
     if todo:
         log(f"building {len(todo)} of {len(chosen_mods)} shader modules ({len(variants)} variants) into {out_dir}")
         from . import progress
 
+        last = time.monotonic()
         with progress.task("building shaders", len(todo), "modules") as bar, \
                 ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as ex:
-            for _ in ex.map(work, todo):
+            for v, _ in zip(todo, ex.map(work, todo)):
+                spv = out_dir / f"{v.module_name}.spv"
+                mod_entries[v.module_name]["spv_sha256"] = hashlib.sha256(spv.read_bytes()).hexdigest()
                 bar.update(1)
-        for v in todo:
-            spv = out_dir / f"{v.module_name}.spv"
-            mod_entries[v.module_name]["spv_sha256"] = hashlib.sha256(spv.read_bytes()).hexdigest()
+                if time.monotonic() - last > _CHECKPOINT_S:  # a build cut short keeps what it built
+                    last = time.monotonic()
+                    done = {m: e for m, e in mod_entries.items() if "spv_sha256" in e}
+                    atomic_write(out_dir / "manifest.json", json.dumps(manifest_of(done), indent=1,
+                                                                       sort_keys=True) + "\n")
     for name, e in var_entries.items():
         m = e.get("module")
         if m not in mod_entries or not _module_file(out_dir, m, mod_entries[m]).exists():
@@ -437,13 +485,7 @@ def _build_locked(variants: dict[str, Variant], out_dir: Path, src_dir: Path, on
         for stale in out_dir.glob("*.spv"):
             if stale.stem not in mod_entries or mod_entries[stale.stem].get("shipped"):
                 stale.unlink()
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "compilers": {"glslc": tool_version("glslc"), "glslang": tool_version("glslang"),
-                      "glslang15": tool_version("glslang15")},
-        "modules": mod_entries,
-        "variants": dict(sorted(var_entries.items())),
-    }
+    manifest = manifest_of(mod_entries)
     if (not todo and old_man.get("variants") == manifest["variants"]
             and old_man.get("modules") == manifest["modules"]):
         return old_man  # nothing changed: the manifest (and its compiler versions) stay as they are
