@@ -150,10 +150,15 @@ def test_three_stages_hold_only_their_layers(synth):
     assert not msgs, msgs
 
 
-def test_bad_input_is_refused(synth):
+def test_bad_input_is_refused(synth, monkeypatch):
     from vkxsplit.native import open_fd_targets
+    from vkxsplit.vk.device import Device
 
     path = synth[3]
+    opened = []  # every device a refused construction opened must be closed again
+    real_open = Device.open.__func__
+    monkeypatch.setattr(Device, "open", classmethod(lambda cls, *a, **k: opened.append(real_open(cls, *a, **k))
+                                                     or opened[-1]))
     fds = open_fd_targets()
     with pytest.raises(PlanError, match="3 ratios for 2 participants"):
         layer_model(path, devices="0,0", layer_split="1,1,1")
@@ -169,8 +174,20 @@ def test_bad_input_is_refused(synth):
         layer_model(path, devices="0,0,0,0")
     with pytest.raises(VkxError, match="does not exist"):  # the first device opened is closed again
         layer_model(path, devices="0,9")
+    assert opened and all(d.handle is None for d in opened)
+    # micro-batches: a positive count, and only where there are pieces to put in flight (a layer
+    # split over several hubs): never silently one
+    for kw in ({"devices": "0,0", "micro_batches": 0}, {"devices": "0,0", "micro_batches": -2}):
+        with pytest.raises(VkxError, match="micro_batches .* at least 1"):
+            layer_model(path, **kw)
+    for kw in ({"devices": "0,0", "split": "tensor:1,1", "micro_batches": 2}, {"micro_batches": 2},
+               {"devices": "0", "micro_batches": 3}):
+        with pytest.raises(VkxError, match="micro_batches=.* layer split over several hubs"):
+            Model(path, n_ctx=16, ubatch=8, **kw)
     # refused constructions leave no file, device or memfd open
     assert {fd: t for fd, t in open_fd_targets().items() if fds.get(fd) != t} == {}
+    assert all(d.handle is None for d in opened)
+    monkeypatch.undo()
     with layer_model(path, devices="0,0", n_ctx=16, ubatch=8) as m:
         with pytest.raises(VkxError, match="more than ubatch"):
             m._run(list(range(9)), all_logits=False)
@@ -181,6 +198,16 @@ def test_bad_input_is_refused(synth):
         with pytest.raises(VkxError, match="not supported"):
             m.set_split("tensor:1,1")
         m.set_split("layer")  # the spec it was loaded with
+    with layer_model(path, devices="0,0", n_ctx=16, ubatch=8, micro_batches=2) as m:
+        # a plan is one piece's: a whole ubatch is two of them (named as such, not "ubatch 4")
+        with pytest.raises(VkxError, match="more than a micro-batch: ubatch 8 runs as 2 pieces of at most 4"):
+            m.plan(8)
+        assert m.plan(4).T == 4
+    with layer_model(path, devices="0,0", n_ctx=16, ubatch=8, micro_batches=5) as m:
+        # 8 tokens in pieces of ceil(8 / 5) = 2 are 4 pieces: 4 micro-batches (and slots), not 5
+        assert (m.micro, m.piece, m.slots) == (4, 2, 4)
+        m._run(list(range(8)), all_logits=False)
+        assert m.stats["steps"] == 4 and m.traffic["relays"] == 4
 
 
 def test_a_stuck_stage_is_reported_not_run_silently(synth):

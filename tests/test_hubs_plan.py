@@ -129,6 +129,8 @@ def test_one_hub_plan_is_the_forward_node_for_node(device, tiny):
             assert [(it.kind, it.name, it.hub) for it in plan.items] == [("node", n.name, 0) for n in plan.graph.nodes]
             assert len(plan.schedule.segments) == 1 and plan.participants == ["hub"]
             assert plan.schedule.cross_waits() == [] and plan.cross_nodes == []
+            d = plan.to_dict()  # the one-hub JSON keeps its keys
+            assert set(d["segments"][0]) == {"index", "ops", "waits"} and "cross" not in d
 
 
 def test_layer_split_plan_names_each_hub_and_its_cross_nodes(device, tiny):
@@ -164,6 +166,11 @@ def test_layer_split_plan_names_each_hub_and_its_cross_nodes(device, tiny):
         assert "cpy 2; 1 relay rounds per step, each signalling the next hub" in text
         d = plan.to_dict()
         assert set(d["participants"]) == {"hub0", "hub1"}
+        # the JSON (vkxsplit plan --devices --json) carries what the text does: each segment's
+        # hub and the other hubs' segments it waits for, how the relay carries them, the bytes
+        assert [(s["hub"], s["hub_waits"]) for s in d["segments"]] == [(0, []), (1, [0])]
+        assert d["cross"] == "signal" and d["crossed_bytes"] == plan.crossed_bytes
+        assert sorted(d["cross_nodes"]) == ["link_in", "link_out"]
 
 
 def test_row_split_plan_has_an_all_reduce_per_block(device, tiny):
@@ -211,3 +218,30 @@ def test_trace_of_a_step_over_hubs_has_a_track_per_hub(tiny):
             assert got == sorted((n.hub, n.name) for n in graph.nodes)
             assert all(e["dur"] >= 0 for e in tr["traceEvents"] if e["ph"] == "X")
             assert tr["otherData"]["submits"] == len(m.plan(5).schedule.segments)
+
+
+def test_signalled_segments_acquire_what_the_other_hub_wrote(device, tiny, monkeypatch):
+    """A segment the relay *signals* (layer split) is queued before the other hub writes the
+    link it reads, so its vkQueueSubmit does not make that write visible: it starts with the
+    host-to-device barrier (executor._acquire_host_writes), after its semaphore wait. Segments
+    the relay *submits* (row split: covered by that submission) and the one-hub path record
+    none (the one-hub path stays command for command what it was)."""
+    import vkxsplit.executor as exm
+    from vkxsplit.model import Model, load_model
+
+    calls = []
+    orig = exm._acquire_host_writes
+    monkeypatch.setattr(exm, "_acquire_host_writes", lambda seq: (calls.append(seq.device), orig(seq))[1])
+    with Model(tiny, devices="0,0", split="layer:2,1", n_ctx=32, ubatch=8, micro_batches=1) as m:
+        ex = m._executor(4, False)
+        assert [s.hub_waits for s in ex.schedule.segments] == [[], [0]]
+        assert calls == [m.hubs[1]]
+        m.logits([1, 2, 3, 4])  # (recorded and run: no validation message, test_hubs_layer checks values)
+        assert not [msg for d in m.hubs for msg in d.instance.messages]
+    calls.clear()
+    with Model(tiny, devices="0,0", split="tensor:1,1", n_ctx=32, ubatch=8) as m:
+        m._executor(4, False)
+        assert calls == []
+    with load_model(tiny, split="none", device=device, n_ctx=32, ubatch=8) as m:
+        m._executor(4, False)
+        assert calls == []

@@ -41,6 +41,7 @@ from .errors import KernelError, VkxError, WaitTimeout
 from .graph import Graph, Span, Tensor, any_overlap, span
 from .ops.nodes import record_node, record_tensor_convert, recorder, recorders
 from .plan.schedule import BackendIdOp, BackendNodeOp, BackendOp, HubOp
+from .vk.api import NULL, lib, new, vk
 from .vk.command import Sequence, Timestamps, hub_timeline
 from .vk.event import COLD_FACTOR, default_timeout
 
@@ -80,6 +81,21 @@ def _record(seq: Sequence, op: HubOp) -> None:
         record_tensor_convert(seq, op.src, op.dst)
     else:
         raise VkxError(f"unknown hub item kind {op.kind!r}")
+
+
+def _acquire_host_writes(seq: Sequence) -> None:
+    """A barrier from the host's writes (HOST stage, HOST_WRITE) to the segment's commands: the
+    memory domain operation, host to device, that makes what another device wrote into host
+    pages (made available to the host by the barrier closing its segment) visible to this one.
+    A segment that the relay *signals* (a layer split over hubs) was submitted before that write
+    happened, so the submission's host write ordering guarantee does not cover it (a segment the
+    relay *submits* is covered by its vkQueueSubmit); this barrier runs after its semaphore wait."""
+    b = new("VkMemoryBarrier", srcAccessMask=vk.VK_ACCESS_HOST_WRITE_BIT,
+            dstAccessMask=vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT)
+    lib.vkCmdPipelineBarrier(seq.cb, vk.VK_PIPELINE_STAGE_HOST_BIT,
+                             vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT,
+                             0, 1, b, 0, NULL, 0, NULL)
+    seq.barriers += 1
 
 
 def _job(op: BackendOp | BackendIdOp | BackendNodeOp) -> MatMulJob | MatMulIdJob | OpJob:
@@ -170,6 +186,8 @@ class Executor:
             for seg in self.schedule.segments:
                 seq = Sequence(self.hubs[seg.hub], f"{self.name}#{seg.index}")
                 self._seqs.append(seq)
+                if seg.hub_waits and plan.cross == "signal":  # (the relay signals it: see above)
+                    _acquire_host_writes(seq)
                 self._ts_base.append(k[seg.hub])
                 ts = self._tss[seg.hub] if self._tss else None
                 if ts is not None:

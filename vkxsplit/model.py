@@ -353,7 +353,7 @@ class Model(LanguageModel):
             else:
                 for sel in sels:
                     self.hubs.append(Device.open(sel))
-                self.device = self.hubs[0]
+                    self.device = self.hubs[0]  # (at once: close() after a failed open closes it)
                 self._own_device = True
             self._attach(backends)
             self.planner = Planner(self.backends.values(), workspace=self.workspace, hubs=len(self.hubs))
@@ -375,6 +375,15 @@ class Model(LanguageModel):
         """What each hub holds (:mod:`vkxsplit.hubs`), from the split spec: the whole model on
         one hub; layer ranges by share (a pipeline; micro-batches in slots); or row shards."""
         hubs, n, E = self.hubs, len(self.hubs), self.hp.n_embd
+        if micro_batches is not None:  # (1: one piece, what every split but the layer split runs)
+            if int(micro_batches) < 1:
+                raise VkxError(f"micro_batches {micro_batches}: a prompt step goes as at least 1 piece",
+                               "give micro_batches at least 1 (--micro-batches), or leave it out")
+            if int(micro_batches) > 1 and (n == 1 or self.split.kind != "layer"):
+                raise VkxError(f"micro_batches={micro_batches} puts pieces of a prompt step in flight on "
+                               "different hubs: it goes with a layer split over several hubs, not "
+                               + (f"split {self.split}" if n > 1 else "a model on one hub"),
+                               "drop micro_batches, or split the layers: devices='0,1' (split 'layer')")
         if n == 1:
             self.shares = [HubShare(self, 0, self.device)]
         elif self.split.kind == "layer":
@@ -382,6 +391,7 @@ class Model(LanguageModel):
             want = 2 * n if micro_batches is None else int(micro_batches)
             self.micro = max(1, min(want, self.ubatch // 32 if micro_batches is None else self.ubatch, self.ubatch))
             self.piece = -(-self.ubatch // self.micro)  # tokens per micro-batch
+            self.micro = -(-self.ubatch // self.piece)  # the pieces a full step has (8 in 5 -> 4 of 2)
             self.slots = self.micro
             link_bytes = self.micro * slot_rows(self.piece, self.micro) * E * 4
             for i in range(n - 1):
@@ -546,6 +556,10 @@ class Model(LanguageModel):
 
     def _executor(self, T: int, all_logits: bool, slot: int = 0) -> Executor:
         if T > self.piece:
+            if self.micro > 1:  # (a layer split over hubs: a prompt step runs as its pieces' plans)
+                raise VkxError(f"a plan of {T} tokens is more than a micro-batch: ubatch {self.ubatch} runs as "
+                               f"{self.micro} pieces of at most {self.piece} tokens",
+                               f"plan steps of at most {self.piece} tokens, or load with micro_batches=1")
             raise VkxError(f"a step of {T} tokens is more than ubatch {self.piece}")
         key = (T, all_logits, slot)
         hit = self._execs.get(key)

@@ -139,11 +139,15 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         sch = self.schedule
+        multi = sch.hubs > 1  # several hubs: each segment's hub and cross-hub waits, what crosses
         return {
             "graph": self.graph.name, "T": self.T, "split": str(self.spec), "family": self.family,
             "participants": self.by_participant(),
             "conversions": self.conversions(),
-            "segments": [{"index": s.index, "ops": [op.name for op in s.ops], "waits": s.waits} for s in sch.segments],
+            "segments": [{"index": s.index, "ops": [op.name for op in s.ops], "waits": s.waits,
+                          **({"hub": s.hub, "hub_waits": s.hub_waits} if multi else {})} for s in sch.segments],
+            **({"cross": self.cross, "cross_nodes": self.cross_nodes, "crossed_bytes": self.crossed_bytes}
+               if multi else {}),
             "jobs": [{"index": j.index, "backend": j.op.backend, "op": j.op.name, "rows": [j.op.r0, j.op.r1],
                       **({"N": j.op.N, "K": j.op.K, "M": j.op.M, "w_type": j.op.weight.dtype, "x_type": j.op.x.dtype}
                          if isinstance(j.op, BackendOp) else {"node_op": j.op.node.op}),
