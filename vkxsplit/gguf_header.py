@@ -6,8 +6,11 @@ small file makes it read and allocate without end), so :func:`preparse_header` w
 header first, as llama.cpp's own parser (``ggml/src/gguf.cpp``) does: every count and size
 checked against the bytes that remain before anything is allocated, llama.cpp's limits on
 strings, arrays, names and dimensions, tensor data in the file, aligned, each tensor at the
-running total of the ones before it. Only a file that passes is handed to ``GGUFReader``
-(:mod:`vkxsplit.gguf_model`). Every refusal is a :class:`~vkxsplit.errors.ModelError`.
+running total of the ones before it. Every refusal is a :class:`~vkxsplit.errors.ModelError`.
+
+The walk is also the loader's reader (:mod:`vkxsplit.gguf_model`): it keeps every scalar and
+string value and where each value starts, and :func:`read_value` decodes an array from the
+mapping when asked, so no per-element Python objects live longer than the caller needs them.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .errors import ModelError
@@ -43,16 +47,21 @@ GGUF_VERSIONS = (2, 3)
 #: array nesting: 1 = arrays of scalars or strings only (gguf.cpp's limit: it refuses any array of
 #: arrays), 2 = also arrays of such arrays (gguf-py reads those); deeper is refused
 GGUF_MAX_ARRAY_DEPTH = 2
-#: most metadata array elements in all (vkxsplit's own: gguf-py's reader keeps ~0.7-1.3 KB and
-#: spends ~10-20 us per element, so this bounds it at ~2.6 GB / ~40 s for a file that is valid
-#: in every other way; vocabularies: SmolLM2 0.15 M elements (tokens + types + merges), Llama 3
-#: ~0.54 M, a 262k-token vocabulary with scores and types ~0.79 M, with merges ~1.3 M). Reading
-#: the metadata from the walk itself instead of gguf-py would lift this bound
+#: most metadata array elements in all (vkxsplit's own: a decoded string element costs ~60-100
+#: bytes of Python objects while a caller holds it, so this bounds a file that is valid in every
+#: other way at a few hundred MB; vocabularies: SmolLM2 0.15 M elements (tokens + types +
+#: merges), Llama 3 ~0.54 M, a 262k-token vocabulary with scores and types ~0.79 M, with merges
+#: ~1.3 M)
 GGUF_MAX_METADATA_ELEMENTS = 1 << 21
 
 # GGUF value type -> bytes of one scalar (8 = string and 9 = array are variable)
 _VALUE_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _T_STRING, _T_ARRAY, _T_UINT32 = 8, 9, 4
+#: GGUF value type -> struct format of one scalar (little-endian, as gguf-py reads it)
+_STRUCT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+#: GGUF value type -> numpy dtype of an array of scalars (gguf-py's GGUFReader.gguf_scalar_to_np)
+_NP_DTYPE = {0: np.uint8, 1: np.int8, 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: np.bool_,
+             10: "<u8", 11: "<i8", 12: "<f8"}
 #: the fewest bytes an element of each value type takes (a string: its length; an array: type + count)
 _MIN_SIZE = {**_VALUE_SIZE, _T_STRING: 8, _T_ARRAY: 12}
 #: the fewest bytes of one key-value pair (key length, a 1-byte key, type, a 1-byte value)
@@ -85,6 +94,13 @@ class HeaderInfo:
     kv_types: dict[str, tuple[int, int | None, int | None]]
     #: tensor name -> (ggml type id, ne (4 entries), absolute data offset, bytes)
     tensors: dict[str, tuple[int, tuple[int, ...], int, int]]
+    #: tensor name -> the number of dimensions the file declares (``ne`` is padded with 1)
+    n_dims: dict[str, int] = field(default_factory=dict)
+    #: key -> its value, for scalars (Python int, float, bool) and strings (UTF-8, invalid bytes
+    #: replaced); arrays are left out (:func:`read_value` at ``value_pos``)
+    values: dict[str, Any] = field(default_factory=dict)
+    #: key -> the byte offset of its value in the file
+    value_pos: dict[str, int] = field(default_factory=dict)
 
 
 class _Header:
@@ -189,6 +205,41 @@ class _Header:
         return count
 
 
+def read_value(buf: Any, pos: int, vtype: int) -> tuple[Any, int]:
+    """Decode the value of type ``vtype`` at byte ``pos`` of ``buf`` (a header that passed
+    :func:`preparse_header`, so every length is known to fit): a scalar as a Python scalar, a
+    string as ``str`` (invalid UTF-8 replaced), an array of scalars as a read-only numpy array
+    (a compact copy, not a view of the mapping), an array of strings as ``list[str]``, an array
+    of arrays as a list of those. Returns the value and the offset just past it."""
+    if vtype in _STRUCT:
+        return struct.unpack_from(_STRUCT[vtype], buf, pos)[0], pos + _VALUE_SIZE[vtype]
+    if vtype == _T_STRING:
+        n = struct.unpack_from("<Q", buf, pos)[0]
+        end = pos + 8 + n
+        return bytes(buf[pos + 8 : end]).decode("utf-8", errors="replace"), end
+    if vtype != _T_ARRAY:
+        raise ValueError(f"invalid GGUF value type {vtype}")
+    etype, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if etype in _NP_DTYPE:
+        dt = np.dtype(_NP_DTYPE[etype])
+        arr = np.frombuffer(buf, dtype=dt, count=count, offset=pos).copy() if count else np.empty(0, dt)
+        arr.flags.writeable = False
+        return arr, pos + count * dt.itemsize
+    out: list[Any] = []
+    if etype == _T_STRING:
+        unpack, raw = struct.unpack_from, buf
+        for _ in range(count):
+            n = unpack("<Q", raw, pos)[0]
+            out.append(bytes(raw[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"))
+            pos += 8 + n
+        return out, pos
+    for _ in range(count):
+        v, pos = read_value(buf, pos, etype)
+        out.append(v)
+    return out, pos
+
+
 def preparse_header(path: Path, size: int) -> HeaderInfo:
     """Walk the whole GGUF header (key-value pairs and tensor infos) without allocating more than
     the file holds, checking what llama.cpp's ``gguf_init_from_file`` checks (ggml/src/gguf.cpp):
@@ -203,9 +254,15 @@ def preparse_header(path: Path, size: int) -> HeaderInfo:
         except (OSError, ValueError) as e:
             raise ModelError(f"{describe_path(path)} cannot be mapped ({e})", hint="pass a regular .gguf file") from e
     try:
-        return _walk_header(_Header(path, buf, size))
+        return walk_header(path, buf, size)
     finally:
         buf.close()
+
+
+def walk_header(path: Path, buf: Any, size: int) -> HeaderInfo:
+    """:func:`preparse_header` over ``buf`` (the file's bytes, e.g. its mapping, ``size`` long),
+    which the caller keeps open (to read arrays with :func:`read_value`, tensor data)."""
+    return _walk_header(_Header(path, buf, size))
 
 
 def _walk_header(h: _Header) -> HeaderInfo:
@@ -229,6 +286,8 @@ def _walk_header(h: _Header) -> HeaderInfo:
         raise h.fail(f"is truncated or corrupt: it declares {n_tensors} tensors, more than its "
                      f"{h.size} bytes can hold")
     kv_types: dict[str, tuple[int, int | None, int | None]] = {}
+    values: dict[str, Any] = {}
+    value_pos: dict[str, int] = {}
     alignment = 32
     for i in range(n_kv):
         key = h.text(f"key #{i}")
@@ -241,6 +300,9 @@ def _walk_header(h: _Header) -> HeaderInfo:
         count = h.value(vtype, key, 0)
         etype = struct.unpack_from("<I", h.buf, start)[0] if vtype == _T_ARRAY else None
         kv_types[key] = (vtype, etype, count)
+        value_pos[key] = start
+        if vtype != _T_ARRAY:  # (checked to fit by h.value)
+            values[key] = read_value(h.buf, start, vtype)[0]
         if key == "general.alignment":
             if vtype != _T_UINT32:
                 raise h.fail(f"is corrupt: general.alignment has value type {vtype}, not uint32")
@@ -248,6 +310,7 @@ def _walk_header(h: _Header) -> HeaderInfo:
             if alignment == 0 or alignment & (alignment - 1):
                 raise h.fail(f"is corrupt: general.alignment {alignment} is not a power of two")
     infos: list[tuple[str, int, tuple[int, ...], int, int]] = []
+    n_dims_of: dict[str, int] = {}
     names: set[str] = set()
     for i in range(n_tensors):
         name = h.text(f"the name of tensor #{i}", limit=GGML_MAX_NAME - 1)
@@ -257,6 +320,7 @@ def _walk_header(h: _Header) -> HeaderInfo:
         n_dims = h.u32(f"the dimension count of tensor {name!r}")
         if n_dims > GGML_MAX_DIMS:
             raise h.fail(f"is corrupt: tensor {name!r} has {n_dims} dimensions (at most {GGML_MAX_DIMS})")
+        n_dims_of[name] = n_dims
         ne = [h.u64(f"dimension {j} of tensor {name!r}") for j in range(n_dims)] + [1] * (GGML_MAX_DIMS - n_dims)
         n_elem = math.prod(ne)
         if any(d >= 1 << 63 for d in ne) or n_elem >= 1 << 63:
@@ -299,7 +363,8 @@ def _walk_header(h: _Header) -> HeaderInfo:
         prev = name
         tensors[name] = (type_id, ne, data_offset + offset, nbytes)
     return HeaderInfo(version=version, n_tensors=n_tensors, n_kv=n_kv, alignment=alignment,
-                       data_offset=data_offset, kv_types=kv_types, tensors=tensors)
+                       data_offset=data_offset, kv_types=kv_types, tensors=tensors, n_dims=n_dims_of,
+                       values=values, value_pos=value_pos)
 
 
 

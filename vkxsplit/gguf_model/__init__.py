@@ -1,6 +1,9 @@
 """Load a GGUF model file (memory-mapped) into a :class:`ModelFile`.
 
-The loader is pure Python/numpy on top of ``gguf.GGUFReader``. It reads the architecture's
+The loader is pure Python/numpy over one read-only memory map of the file: the metadata and the
+tensor table come from the checked header walk of :mod:`vkxsplit.gguf_header` (gguf-py's
+``GGUFReader``, which builds numpy objects for every part of every value, is not used; gguf-py
+stays the library that writes files and the tests' reference). It reads the architecture's
 hyperparameters, describes every tensor (ggml type, shape, byte range in the file, a zero-copy
 ``uint8`` view of its raw bytes) and validates the file before any GPU work starts: a missing
 file, a file that is not GGUF, a truncated file, an unsupported architecture or weight type, a
@@ -15,7 +18,8 @@ a linear layer ``y = W @ x`` therefore has ``cols == len(x)`` and ``rows == len(
 
 The modules, one concern each: :mod:`~vkxsplit.gguf_model.file` (:class:`ModelFile`,
 :func:`load_model`), :mod:`~vkxsplit.gguf_model.tensors` (:class:`TensorInfo`, the tensors
-read and checked), :mod:`~vkxsplit.gguf_model.metadata` (metadata values),
+read and checked), :mod:`~vkxsplit.gguf_model.metadata` (:class:`~vkxsplit.gguf_model.metadata.Metadata`: values,
+arrays decoded when asked),
 :mod:`~vkxsplit.gguf_model.hparams` (:data:`ARCHS`, :class:`HParams` per architecture) and
 :mod:`~vkxsplit.gguf_model.checks` (tensor shapes and vocabulary against the
 hyper-parameters). This package re-exports their public names.

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
 from ..errors import ModelError
 from ..gguf_header import describe_path
 from .hparams import ARCHS, HParams
+from .metadata import Metadata
 from .tensors import Q, TensorInfo
 
 #: Per-layer tensors every supported architecture must have (``blk.{i}.{name}.weight``).
@@ -132,20 +133,21 @@ def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied
         )
 
 
-def _check_vocab(path: Path, reader: GGUFReader, tensors: dict[str, TensorInfo], tied: bool) -> None:
+def _check_vocab(path: Path, md: Metadata, tensors: dict[str, TensorInfo], tied: bool) -> None:
     """The vocabulary (``tokenizer.ggml.tokens``) must have one token per row of the embedding and
     output matrices, as llama.cpp requires: a token id with no text (a smaller vocabulary) cannot
     be printed, and a text whose id has no row (a larger one) cannot be embedded."""
-    f = reader.fields.get("tokenizer.ggml.tokens")
-    if f is None:
+    key = "tokenizer.ggml.tokens"
+    if key not in md:
         return  # no tokenizer: load_model works, Tokenizer.from_model_file says what is missing
-    if len(f.types) != 2 or f.types[0] != GGUFValueType.ARRAY or f.types[1] != GGUFValueType.STRING:
+    vtype, etype, _ = md.value_type(key)
+    if vtype != GGUFValueType.ARRAY or etype != GGUFValueType.STRING:
+        types = [GGUFValueType(vtype).name] + ([GGUFValueType(etype).name] if etype is not None else [])
         raise ModelError(
-            f"{describe_path(path)}: tokenizer.ggml.tokens is not an array of strings "
-            f"({'/'.join(t.name for t in f.types)})",
+            f"{describe_path(path)}: tokenizer.ggml.tokens is not an array of strings ({'/'.join(types)})",
             hint="the file's tokenizer metadata is corrupt; re-convert the model with llama.cpp",
         )
-    n_tokens = len(f.data)
+    n_tokens = md.array_len(key)
     for name in ("token_embd.weight",) + (() if tied else ("output.weight",)):
         t = tensors.get(name)
         if t is not None and t.n_dims >= 2 and t.rows != n_tokens:

@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
 
 from ..errors import EnvironmentProblem, ModelError
-from ..gguf_header import CORRUPT_HINT, GGUF_MAGIC_BYTES, HEADER_BYTES, describe_path, preparse_header
+from ..gguf_header import GGUF_MAGIC_BYTES, HEADER_BYTES, HeaderInfo, describe_path, walk_header
 from .checks import _check_tensors, _check_vocab
 from .hparams import ARCHS, HParams, _read_hparams
-from .metadata import _field_value, _scalar_metadata
+from .metadata import Metadata
 from .tensors import TensorInfo, _build_tensors
 
 
@@ -37,25 +36,32 @@ class ModelFile:
     #: True when there is no ``output.weight`` and the output projection reuses token_embd
     tied_embeddings: bool
     file_size: int
-    reader: GGUFReader = field(repr=False)
+    #: every key-value pair (:class:`~vkxsplit.gguf_model.metadata.Metadata`)
+    meta: Metadata = field(repr=False)
+    #: the walked header (versions, counts, alignment, value types, the tensor table)
+    header: HeaderInfo = field(repr=False)
+    #: the whole file as a read-only ``uint8`` array over its mapping (tensor ``data`` are views)
+    data: np.ndarray = field(repr=False)
+    _mm: mmap.mmap | None = field(repr=False, default=None)
 
     # ---- metadata -------------------------------------------------------------------------
     def get(self, key: str, default: Any = None) -> Any:
-        """Any metadata value, arrays included (strings decoded as UTF-8 with replacement)."""
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        return _field_value(f)
+        """Any metadata value: a scalar as a Python scalar, a string as ``str`` (UTF-8, invalid
+        bytes replaced), an array of numbers as a read-only numpy array, of strings as
+        ``list[str]``. Arrays are decoded from the mapping on each call: keep what you need."""
+        return self.meta.get(key, default)
 
     def has(self, key: str) -> bool:
-        return key in self.reader.fields
+        return key in self.meta
 
     def array_len(self, key: str) -> int:
         """Length of an array-valued key without decoding it (0 when absent)."""
-        f = self.reader.fields.get(key)
-        if f is None or not f.types or f.types[0] != GGUFValueType.ARRAY:
-            return 0
-        return len(f.data)
+        return self.meta.array_len(key)
+
+    @property
+    def data_offset(self) -> int:
+        """Absolute offset of the tensor data section in the file."""
+        return self.header.data_offset
 
     @property
     def name(self) -> str:
@@ -116,10 +122,10 @@ class ModelFile:
         own (the hub's, the shared arena) keeps every weight twice, once as the file pages the
         upload touched. Returns False (and does nothing) where ``data`` is not in the mapping
         or the platform has no ``madvise``."""
-        mm = getattr(self.reader.data, "_mmap", None)
+        mm = self._mm
         if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or data.nbytes == 0:
             return False
-        base = self.reader.data.ctypes.data
+        base = self.data.ctypes.data
         start = data.ctypes.data - base
         if start < 0 or start + data.nbytes > len(mm):
             return False
@@ -138,7 +144,9 @@ class ModelFile:
         (unmapping it under a live view would crash the process, so it is never forced).
         """
         self.tensors = {}
-        self.reader = None  # type: ignore[assignment]
+        self.data = np.empty(0, np.uint8)
+        self.meta = None  # type: ignore[assignment]
+        self._mm = None
 
     def __enter__(self) -> ModelFile:
         return self
@@ -154,7 +162,7 @@ class ModelFile:
 # ---------------------------------------------------------------------------------------------
 # loading
 
-def _open_reader(path: Path) -> tuple[GGUFReader, int]:
+def _open_mapping(path: Path) -> tuple[mmap.mmap, HeaderInfo, int]:
     if not path.exists():
         raise ModelError(
             f"{describe_path(path)} does not exist",
@@ -165,90 +173,71 @@ def _open_reader(path: Path) -> tuple[GGUFReader, int]:
     size = path.stat().st_size
     with path.open("rb") as fh:
         head = fh.read(HEADER_BYTES)
-    if size == 0:
-        raise ModelError(
-            f"{describe_path(path)} is empty (0 bytes)",
-            hint="the download or copy failed; fetch the file again",
-        )
-    if head[:4] != GGUF_MAGIC_BYTES:
-        raise ModelError(
-            f"{describe_path(path)} is not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC_BYTES!r})",
-            hint="pass a .gguf model file (convert safetensors/PyTorch checkpoints with llama.cpp's "
-            "convert_hf_to_gguf.py)",
-        )
-    if len(head) < HEADER_BYTES:
-        raise ModelError(
-            f"{describe_path(path)} is truncated: {size} bytes is shorter than the GGUF header",
-            hint="the download or copy was cut short; fetch the file again",
-        )
-    header = preparse_header(path, size)  # gguf-py only ever sees a header that passed
+        if size == 0:
+            raise ModelError(
+                f"{describe_path(path)} is empty (0 bytes)",
+                hint="the download or copy failed; fetch the file again",
+            )
+        if head[:4] != GGUF_MAGIC_BYTES:
+            raise ModelError(
+                f"{describe_path(path)} is not a GGUF file (magic {head[:4]!r}, expected {GGUF_MAGIC_BYTES!r})",
+                hint="pass a .gguf model file (convert safetensors/PyTorch checkpoints with llama.cpp's "
+                "convert_hf_to_gguf.py)",
+            )
+        if len(head) < HEADER_BYTES:
+            raise ModelError(
+                f"{describe_path(path)} is truncated: {size} bytes is shorter than the GGUF header",
+                hint="the download or copy was cut short; fetch the file again",
+            )
+        try:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{describe_path(path)} cannot be mapped ({e})", hint="pass a regular .gguf file") from e
+    size = len(mm)  # (what is mapped, should the file have changed since stat)
     try:
-        reader = GGUFReader(path, "r")
-    except ValueError as e:
-        msg = str(e)
-        if "reshape" in msg:
-            cause = f"is truncated: tensor data runs past the end of the file ({size} bytes)"
-        elif "GGMLQuantizationType" in msg:
-            cause = f"declares a tensor type this gguf version does not know ({msg})"
-        elif "version" in msg:
-            cause = f"has an unsupported GGUF version ({msg})"
-        else:
-            cause = f"is corrupt or truncated ({msg})"
-        raise ModelError(
-            f"{describe_path(path)} {cause}",
-            hint="the download or copy may be cut short or damaged; fetch it again",
-        ) from e
-    except IndexError as e:  # a read past the end of the memory map
-        raise ModelError(
-            f"{describe_path(path)} is truncated: its header runs past the end of the file ({size} bytes)",
-            hint="the download or copy was cut short; fetch the file again",
-        ) from e
-    except (KeyError, UnicodeDecodeError, OverflowError, TypeError, MemoryError) as e:
-        raise ModelError(
-            f"{describe_path(path)} is truncated or corrupt: its header could not be parsed "
-            f"({type(e).__name__}: {e})",
-            hint="the download or copy may be cut short or damaged; fetch it again",
-        ) from e
-    if int(reader.data_offset) != header.data_offset or len(reader.tensors) != header.n_tensors:
-        raise ModelError(  # two parsers disagree: trust neither
-            f"{describe_path(path)}: gguf-py reads its header differently from vkxsplit's check (data at "
-            f"{int(reader.data_offset)} vs {header.data_offset}, {len(reader.tensors)} vs {header.n_tensors} tensors)",
-            hint=CORRUPT_HINT,
-        )
-    return reader, size
+        header = walk_header(path, mm, size)
+    except BaseException:
+        mm.close()
+        raise
+    return mm, header, size
 
 
-def load_model(path: str | Path) -> ModelFile:
-    """Open, parse and validate a GGUF model file. Raises :class:`ModelError` on any problem."""
-    path = Path(path)
-    reader, size = _open_reader(path)
-    f_arch = reader.fields.get("general.architecture")
-    if f_arch is None:
+def load_model(path: str | Path | None = None) -> ModelFile:
+    """Open, parse and validate a GGUF model file (default: :func:`default_model_path`). Raises
+    :class:`ModelError` on any problem."""
+    path = default_model_path() if path is None else Path(path)
+    mm, header, size = _open_mapping(path)
+    data = np.frombuffer(mm, dtype=np.uint8)  # read-only: the mapping is ACCESS_READ
+    md = Metadata(path, header, mm)
+    if "general.architecture" not in md:
         raise ModelError(
             f"{describe_path(path)} lacks general.architecture",
             hint="the file is not a model (or was written by a very old converter); re-convert it",
         )
-    arch = str(_field_value(f_arch))
+    arch = str(md.get("general.architecture"))
     if arch not in ARCHS:
         raise ModelError(
             f"{describe_path(path)} has architecture {arch!r}, which vkxsplit does not run "
             f"(supported: {', '.join(ARCHS)})",
             hint=f"use a model of one of those architectures ({', '.join(ARCHS)}) in GGUF form, or llama.cpp",
         )
-    tensors = _build_tensors(path, reader, size)
-    hp = _read_hparams(path, reader, arch, tensors)
+    tensors = _build_tensors(path, header, data, size)
+    hp = _read_hparams(path, md, arch, tensors)
     tied = "output.weight" not in tensors
-    _check_vocab(path, reader, tensors, tied)
+    _check_vocab(path, md, tensors, tied)
     _check_tensors(path, hp, tensors, tied)
     return ModelFile(
         path=path,
         architecture=arch,
         hparams=hp,
         tensors=tensors,
-        metadata=_scalar_metadata(reader),
+        metadata=md.scalars(),
         tied_embeddings=tied,
         file_size=size,
-        reader=reader,
+        meta=md,
+        header=header,
+        data=data,
+        _mm=mm,
     )
 
 

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
 
 from ..errors import ModelError
 from ..gguf_header import describe_path
-from .metadata import _field_value, _get_float, _get_int, _get_str
+from .metadata import Metadata, _get_float, _get_int, _get_str
 from .tensors import TensorInfo
 
 
@@ -157,41 +156,41 @@ class HParams:
         return self.n_head_kv * self.head_dim_v
 
 
-def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, TensorInfo]) -> HParams:
+def _read_hparams(path: Path, md: Metadata, arch: str, tensors: dict[str, TensorInfo]) -> HParams:
     p = arch + "."
-    n_embd = _get_int(path, reader, p + "embedding_length")
-    n_layer = _get_int(path, reader, p + "block_count")
-    n_head = _get_int(path, reader, p + "attention.head_count")
-    n_head_kv = _get_int(path, reader, p + "attention.head_count_kv", n_head)
-    n_ff = _get_int(path, reader, p + "feed_forward_length")
-    n_ctx = _get_int(path, reader, p + "context_length", 2048)
+    n_embd = _get_int(path, md, p + "embedding_length")
+    n_layer = _get_int(path, md, p + "block_count")
+    n_head = _get_int(path, md, p + "attention.head_count")
+    n_head_kv = _get_int(path, md, p + "attention.head_count_kv", n_head)
+    n_ff = _get_int(path, md, p + "feed_forward_length")
+    n_ctx = _get_int(path, md, p + "context_length", 2048)
     if min(n_embd, n_layer, n_head, n_head_kv, n_ff) <= 0 or n_head % n_head_kv:
         raise ModelError(
             f"{describe_path(path)} has inconsistent hyperparameters (n_embd={n_embd}, n_layer={n_layer}, "
             f"n_head={n_head}, n_head_kv={n_head_kv}, n_ff={n_ff})",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
         )
-    if p + "vocab_size" in reader.fields:
-        n_vocab = _get_int(path, reader, p + "vocab_size")
-    elif "tokenizer.ggml.tokens" in reader.fields:
-        n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if p + "vocab_size" in md:
+        n_vocab = _get_int(path, md, p + "vocab_size")
+    elif md.is_array("tokenizer.ggml.tokens"):
+        n_vocab = md.array_len("tokenizer.ggml.tokens")
     elif "token_embd.weight" in tensors:
         n_vocab = tensors["token_embd.weight"].ne[1]
     else:
         n_vocab = 0
-    head_dim = _get_int(path, reader, p + "attention.key_length", n_embd // n_head)
-    head_dim_v = _get_int(path, reader, p + "attention.value_length", head_dim)
-    n_rot = _get_int(path, reader, p + "rope.dimension_count", head_dim)
+    head_dim = _get_int(path, md, p + "attention.key_length", n_embd // n_head)
+    head_dim_v = _get_int(path, md, p + "attention.value_length", head_dim)
+    n_rot = _get_int(path, md, p + "rope.dimension_count", head_dim)
     if n_rot > head_dim or n_rot % 2:
         raise ModelError(
             f"{describe_path(path)} has rope.dimension_count={n_rot} for heads of {head_dim}",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
         )
     # llama.cpp: rope.scaling.factor, else the old rope.scale_linear; freq_scale = 1/factor
-    factor = _get_float(reader, p + "rope.scaling.factor", 0.0)
+    factor = _get_float(md, p + "rope.scaling.factor", 0.0)
     if factor == 0.0:
-        factor = _get_float(reader, p + "rope.scale_linear", 0.0)
-    scaling_type = _get_str(reader, p + "rope.scaling.type", "linear" if factor not in (0.0, 1.0) else "none")
+        factor = _get_float(md, p + "rope.scale_linear", 0.0)
+    scaling_type = _get_str(md, p + "rope.scaling.type", "linear" if factor not in (0.0, 1.0) else "none")
     if not (math.isfinite(factor) and factor >= 0.0):
         raise ModelError(
             f"{describe_path(path)} has rope.scaling.factor={factor}",
@@ -208,8 +207,8 @@ def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, 
         )
     if scaling_type == "none":
         freq_scale = 1.0  # llama.cpp: "never scale if scaling type is none"
-    attn_factor = _get_float(reader, p + "rope.scaling.attn_factor", 1.0)
-    n_ctx_orig = _get_int(path, reader, p + "rope.scaling.original_context_length", 0)
+    attn_factor = _get_float(md, p + "rope.scaling.attn_factor", 1.0)
+    n_ctx_orig = _get_int(path, md, p + "rope.scaling.original_context_length", 0)
     if not (math.isfinite(attn_factor) and attn_factor > 0.0) or n_ctx_orig < 0:
         raise ModelError(
             f"{describe_path(path)} has rope.scaling.attn_factor={attn_factor}, "
@@ -230,7 +229,7 @@ def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, 
     # they hold what llama.cpp uses for this one (a negative yarn_ext_factor means "not set")
     for key, used in (("yarn_log_multiplier", 0.0), ("yarn_ext_factor", ext_factor), ("yarn_attn_factor", 1.0),
                       ("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0)):
-        v = _get_float(reader, p + "rope.scaling." + key, used)
+        v = _get_float(md, p + "rope.scaling." + key, used)
         if v != used and not (key == "yarn_ext_factor" and v < 0.0):
             raise ModelError(
                 f"{describe_path(path)} has rope.scaling.{key}={v}, which llama.cpp does not read for "
@@ -255,43 +254,39 @@ def _read_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, 
         head_dim=head_dim,
         head_dim_v=head_dim_v,
         n_rot=n_rot,
-        rope_freq_base=_get_float(reader, p + "rope.freq_base", 10000.0),
+        rope_freq_base=_get_float(md, p + "rope.freq_base", 10000.0),
         rope_freq_scale=freq_scale,
         rope_scaling_type=scaling_type,
         rope_type=SUPPORTED_ARCHS[arch],
-        rms_norm_eps=_get_float(reader, p + "attention.layer_norm_rms_epsilon", 1e-5),
+        rms_norm_eps=_get_float(md, p + "attention.layer_norm_rms_epsilon", 1e-5),
         rope_n_ctx_orig=n_ctx_orig or n_ctx,
         rope_ext_factor=ext_factor,
         rope_attn_factor=float(yarn_attn),
-        **_arch_hparams(path, reader, arch, n_embd, n_head, n_layer, head_dim),
-        moe=_moe_hparams(path, reader, arch, tensors, n_ff),
+        **_arch_hparams(path, md, arch, n_embd, n_head, n_layer, head_dim),
+        moe=_moe_hparams(path, md, arch, tensors, n_ff),
     )
 
 
-def _moe_hparams(path: Path, reader: GGUFReader, arch: str, tensors: dict[str, TensorInfo], n_ff: int) -> Any:
+def _moe_hparams(path: Path, md: Metadata, arch: str, tensors: dict[str, TensorInfo], n_ff: int) -> Any:
     """The MoE FFN's hyperparameters (vkxsplit/moe.py) of a qwen3moe / Mixtral-style file, else None."""
     from ..moe import is_moe, read_moe_params  # (lazily: the graph layer is not needed to read a file)
 
     if not is_moe(arch, tensors):
         return None
 
-    def get(key: str) -> Any:
-        f = reader.fields.get(key)
-        return None if f is None else _field_value(f)
-
-    return read_moe_params(describe_path(path), arch, get, n_ff)
+    return read_moe_params(describe_path(path), arch, md.get, n_ff)
 
 
-def _arch_hparams(path: Path, reader: GGUFReader, arch: str, n_embd: int, n_head: int, n_layer: int,
+def _arch_hparams(path: Path, md: Metadata, arch: str, n_embd: int, n_head: int, n_layer: int,
                   head_dim: int) -> dict[str, Any]:
     """The per-architecture hyperparameters, as llama.cpp's ``load_hparams`` sets them."""
     p = arch + "."
     out: dict[str, Any] = {"arch": arch}
-    n_swa = _get_int(path, reader, p + "attention.sliding_window", 0)
+    n_swa = _get_int(path, md, p + "attention.sliding_window", 0)
     if n_swa < 0:
         raise ModelError(f"{describe_path(path)} has attention.sliding_window={n_swa}",
                          hint="the file's metadata is corrupt; re-convert it with llama.cpp")
-    cap = _get_float(reader, p + "final_logit_softcapping", 0.0)
+    cap = _get_float(md, p + "final_logit_softcapping", 0.0)
     if not (math.isfinite(cap) and cap >= 0.0):
         raise ModelError(f"{describe_path(path)} has final_logit_softcapping={cap}",
                          hint="the file's metadata is corrupt; re-convert it with llama.cpp")
@@ -303,14 +298,13 @@ def _arch_hparams(path: Path, reader: GGUFReader, arch: str, n_embd: int, n_head
         # integer division there); embeddings by sqrt(n_embd)
         pattern, base_swa = 6, 10000.0
         if n_swa > 0:
-            f = reader.fields.get(p + "attention.sliding_window_pattern")
-            if f is not None and isinstance(_field_value(f), list):
+            if md.is_array(p + "attention.sliding_window_pattern"):
                 raise ModelError(
                     f"{describe_path(path)} has a per-layer attention.sliding_window_pattern array; vkxsplit (as "
                     "llama.cpp for gemma3) reads only a period (every n-th layer global)",
                     hint="run the model with llama.cpp, or re-convert it with a period")
-            pattern = _get_int(path, reader, p + "attention.sliding_window_pattern", 6)
-            base_swa = _get_float(reader, p + "rope.freq_base_swa", 10000.0)
+            pattern = _get_int(path, md, p + "attention.sliding_window_pattern", 6)
+            base_swa = _get_float(md, p + "rope.freq_base_swa", 10000.0)
             if pattern < 0 or not (math.isfinite(base_swa) and base_swa > 0.0):
                 raise ModelError(f"{describe_path(path)} has attention.sliding_window_pattern={pattern}, "
                                  f"rope.freq_base_swa={base_swa}",
@@ -334,7 +328,7 @@ def _arch_hparams(path: Path, reader: GGUFReader, arch: str, n_embd: int, n_head
                          "to gemma3 only", hint="run the model with llama.cpp")
     # gemma3 without a window (llm_build_gemma3<iswa = false>): the file's cap
     out["final_logit_softcap"] = cap
-    if _get_float(reader, p + "attn_logit_softcapping", 0.0):
+    if _get_float(md, p + "attn_logit_softcapping", 0.0):
         raise ModelError(f"{describe_path(path)} asks for attn_logit_softcapping, which vkxsplit's attention "
                          "does not apply", hint="run the model with llama.cpp")
     return out

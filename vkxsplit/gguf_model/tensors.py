@@ -1,6 +1,6 @@
 """The tensors of a GGUF file: :class:`TensorInfo` (ggml type, shape in both orders, byte range,
-a zero-copy view of the raw bytes in the file's memory map) and their reading from gguf-py's
-tensor list, each checked (shape, a weight type the kernels have, whole blocks per row, bytes
+a zero-copy view of the raw bytes in the file's memory map) and their reading from the header
+walk's tensor table (:mod:`vkxsplit.gguf_header`), each checked (shape, a weight type the kernels have, whole blocks per row, bytes
 inside the file, alignment) before any GPU work starts. :data:`SUPPORTED_TYPES` are the weight
 types the kernel library runs (the type table: :mod:`vkxsplit.ops.quant`).
 """
@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from ..errors import ModelError
-from ..gguf_header import describe_path
+from ..gguf_header import HeaderInfo, describe_path
 from ..ops.quant import TYPES, type_info
 
 Q = GGMLQuantizationType
@@ -97,55 +97,53 @@ class TensorInfo:
         return np.asarray(out, dtype=np.float32).reshape(self.shape)
 
 
-def _build_tensors(path: Path, reader: GGUFReader, size: int) -> dict[str, TensorInfo]:
+def _build_tensors(path: Path, header: HeaderInfo, data: np.ndarray, size: int) -> dict[str, TensorInfo]:
+    """The tensors of the walked header, each a view of ``data`` (the whole file's ``uint8``
+    mapping)."""
     tensors: dict[str, TensorInfo] = {}
-    mm = reader.data
-    for rt in reader.tensors:
-        qt = GGMLQuantizationType(int(rt.tensor_type))
-        dims = [int(d) for d in rt.shape.tolist()]
-        n_dims = len(dims)
+    for name, (type_id, ne4, offset, _nbytes) in header.tensors.items():
+        qt = GGMLQuantizationType(type_id)
+        n_dims = header.n_dims[name]
+        dims = list(ne4[:n_dims])
         if n_dims < 1 or n_dims > 4 or any(d <= 0 for d in dims):
             raise ModelError(
-                f"{describe_path(path)}: tensor {rt.name!r} has an invalid shape {dims}",
+                f"{describe_path(path)}: tensor {name!r} has an invalid shape {dims}",
                 hint="the file is corrupt; fetch or re-convert it",
             )
         ne = (dims + [1, 1, 1, 1])[:4]
         if qt not in SUPPORTED_TYPES:
             raise ModelError(
-                f"{describe_path(path)}: tensor {rt.name!r} has weight type {qt.name}, which vkxsplit has no "
+                f"{describe_path(path)}: tensor {name!r} has weight type {qt.name}, which vkxsplit has no "
                 f"kernel for (supported: {_SUPPORTED_NAMES})",
                 hint=_REQUANT_HINT,
             )
         block, tsize = type_info(qt)
         if ne[0] % block:
             raise ModelError(
-                f"{describe_path(path)}: tensor {rt.name!r} has rows of {ne[0]} elements, not a multiple of the "
+                f"{describe_path(path)}: tensor {name!r} has rows of {ne[0]} elements, not a multiple of the "
                 f"{qt.name} block size {block}",
                 hint="the file is corrupt; fetch or re-convert it",
             )
-        n_elem = math.prod(ne)
-        nbytes = n_elem // block * tsize
-        offset = int(rt.data_offset)
-        if offset < reader.data_offset or offset + nbytes > size:
+        nbytes = math.prod(ne) // block * tsize
+        if offset < header.data_offset or offset + nbytes > size:
             raise ModelError(
-                f"{describe_path(path)} is truncated: tensor {rt.name!r} needs bytes {offset}..{offset + nbytes} "
+                f"{describe_path(path)} is truncated: tensor {name!r} needs bytes {offset}..{offset + nbytes} "
                 f"but the file has {size} bytes",
                 hint="the download or copy was cut short; fetch the file again",
             )
-        if (offset - reader.data_offset) % int(reader.alignment):
+        if (offset - header.data_offset) % header.alignment:
             raise ModelError(
-                f"{describe_path(path)}: tensor {rt.name!r} data at offset {offset} is not aligned to "
-                f"{int(reader.alignment)} bytes",
+                f"{describe_path(path)}: tensor {name!r} data at offset {offset} is not aligned to "
+                f"{header.alignment} bytes",
                 hint="the file is corrupt; fetch or re-convert it",
             )
-        view = mm[offset : offset + nbytes].view(np.ndarray)
-        tensors[rt.name] = TensorInfo(
-            name=rt.name,
+        tensors[name] = TensorInfo(
+            name=name,
             ggml_type=qt,
             ne=(ne[0], ne[1], ne[2], ne[3]),
             n_dims=n_dims,
             offset=offset,
             nbytes=nbytes,
-            data=view,
+            data=data[offset : offset + nbytes],
         )
     return tensors
