@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
-from reference import moe_ffn
+from reference import moe_ffn, mul_mat_id
 from test_moe import moe_ffn_q8_1, q8_1_round, separated_inputs
 
 from vkxsplit.errors import ModelError
@@ -321,9 +321,10 @@ def test_model_logits(device, tmp_path, arch, qtype):
     top-1 equal at every position where no near-tie could swap it (:func:`top1_agrees`) and
     max-abs error within 1% of max|logit| (measured: 0.03% on lavapipe, 0.1% on the H200);
     the same check fails against top-1 routing and against unnormalised weights. (Quantized
-    decode reads x rounded to q8_1 in the attention and output mat-vecs, as llama.cpp's MMVQ:
-    at these tiny widths that moves logits by ~1.5% and can flip a near-tie routing, so it is
-    checked per op in test_moe.py, not here.)"""
+    decode reads x rounded to q8_1 in the attention, expert and output mat-vecs, as llama.cpp's
+    MMVQ: at these tiny widths that moves logits by ~1.5%; checked per op in test_moe.py and
+    against forward64(q8=True) with the q8_1 bound in
+    test_decode_experts_read_the_q8_1_their_producers_write.)"""
     from vkxsplit.model import load_model
     from vkxsplit.ops.moe import use_grouped
 
@@ -361,7 +362,10 @@ def test_decode_experts_read_the_q8_1_their_producers_write(device, tmp_path, mo
     FFN norm's, the down product the MoE SwiGLU's (T * n_used rows), so no product records a
     quantize dispatch of its own: per layer 3 dispatches and 2 dependent levels fewer than the
     graph in which they quantize their own x (ops.moe.vecq_id_decode giving nothing: the pass
-    leaves them alone, as before it took them). The logits: those of that graph within
+    leaves them alone, as before it took them). The wiring, exactly: after the last step the
+    last layer's down outputs equal the float64 product of the dequantized experts with a
+    q8_1-rounded copy of the SwiGLU output they read (1e-5; unrounded is off by more than
+    1e-3). The logits: those of that graph within
     LOGIT_BOUND of the logit scale (lavapipe: bit-identical, the same q8_1 bits), and against
     forward64 with every quantized product's x rounded to q8_1 (q8=True) within Q8_DECODE_BOUND
     of max|logit| with the same top-1; the same check fails against top-1 routing and against
@@ -380,6 +384,15 @@ def test_decode_experts_read_the_q8_1_their_producers_write(device, tmp_path, mo
                 mp.setattr(ops_moe, "vecq_id_decode", lambda dev: {})
             with load_model(path, device=device, n_ctx=32, ubatch=1) as m:
                 got[fused] = (m.logits(ids).astype(np.float64), *_decode_graph_and_counts(m))
+                if fused:  # the wiring, exactly: the last down product read its SwiGLU's output as q8_1
+                    U, F = m.hp.moe.n_used, m.hp.moe.n_ff_exp
+                    act = m.act["moe_gate"].read()[:4 * U * F].view(np.float32).reshape(1, U, F)
+                    eo = m.act["moe_out"].read()[:4 * U * N_EMBD].view(np.float32).reshape(1, U, N_EMBD)
+                    sel = m.act["moe_ids"].read()[:4 * U].view(np.int32).reshape(1, U)
+    w_down = _deq(read(path)[3][f"blk.{N_LAYER - 1}.ffn_down_exps.weight"])
+    want_eo = mul_mat_id(w_down, q8_1_round(act.astype(np.float64)), sel)
+    assert np.abs(eo - want_eo).max() <= 1e-5 * np.abs(want_eo).max()
+    assert np.abs(eo - mul_mat_id(w_down, act.astype(np.float64), sel)).max() > 1e-3 * np.abs(want_eo).max()
     (before, g0, lv0, nd0), (after, g, lv, nd) = got[False], got[True]
     assert lv == lv0 - 2 * N_LAYER and nd == nd0 - 3 * N_LAYER, (lv0, lv, nd0, nd)
     # the graph: every routed product reads q8_1, written by the FFN norm / the MoE SwiGLU
@@ -416,12 +429,14 @@ def test_decode_experts_read_the_q8_1_their_producers_write(device, tmp_path, mo
     assert _far(wrong, before) > 10 * LOGIT_BOUND, _far(wrong, before)
 
 
-#: decode logits of a Q8_0 file against forward64(q8=True), as a fraction of max|logit|. The
-#: rounding to q8_1 is a step function of x, so the float64 reference rounds some elements
-#: differently from the f32 hub (by a 127th of the block's largest value), and at these tiny
-#: widths (rows of 64 and 96) the logits then differ by about a percent: measured 1.4% (2.3% against the unrounded forward64) on lavapipe, with
-#: the products' own quantize dispatches as with the producers' q8_1 (the same bits). Wrong
-#: routings (top-1, unnormalised weights) are 38-46% off.
+#: decode logits of a Q8_0 file against forward64(q8=True), as a fraction of max|logit|: the
+#: q8_1 bound of the dense decode (test_model.test_decode_integer_dot_products). The reference
+#: cannot round exactly like the runtime: the f16 KV cache perturbs the attention output, and
+#: rounding to 8 bits turns that into whole steps (a 127th of a block's largest value) that
+#: move what follows; at these tiny widths about a percent (measured 1.4% on lavapipe, 2.3%
+#: against the unrounded forward64, the same with the products' own quantize dispatches as
+#: with the producers' q8_1: the same bits). Wrong routings (top-1, unnormalised weights) are
+#: 38-46% off.
 Q8_DECODE_BOUND = 0.03
 
 #: the decode graph with its routed products reading their producers' q8_1 against the one
@@ -559,6 +574,47 @@ def test_plan_layer_override_experts(T):
     assert "ffn_gate_exps" in plan.describe() and "6 backend jobs" in plan.describe()
 
 
+class _Glue(_Backend):
+    """A stand-in backend with the routed product and the glue ops (run_op), like cpu."""
+
+    @classmethod
+    def implements(cls, hook: str) -> bool:
+        return hook in ("mul_mat_id", "run_op")
+
+
+def test_plan_keeps_the_q8_1_producers_of_hub_experts():
+    """The decode graph after the q8_1 pass (fusion.decode_q8_x with a routed variant): the FFN
+    norm writes the q8_1 x of the experts' gate/up, the MoE SwiGLU that of down. With the
+    experts on the hub, both producers are refused to a backend that runs the glue (the hub's
+    products read what they write); with the experts on the backend nobody on the hub reads
+    it, so they may go, and lowered on the hub they run without that output."""
+    from vkxsplit import fusion
+    from vkxsplit.plan.planner import Planner, hub_xq_reads
+    from vkxsplit.plan.result import Part
+    from vkxsplit.plan.schedule import HubOp
+    from vkxsplit.plan.workspace import Workspace
+
+    g = moe_graph(1)
+    assert fusion.decode_q8_x(g, {"q4_0": "vq"}, lambda nbytes: None, id_variants={"q4_0": "vq_id"}) == 6
+    for i, n in enumerate(g.nodes):
+        n.index = i
+    b = _cpu(_Glue, ops={"mul_mat", "mul_mat_id", "rms_norm", "add_rms_norm", "swiglu", "add"})
+    p = Planner([b], require_shared=False)
+    producers = [n for n in g.nodes if n.op in ("rms_norm", "swiglu")]
+    assert len(producers) == 4 and all("xq" in n.params for n in producers)
+    experts = [n for n in g.nodes if n.op == "mul_mat_id"]
+    on_cpu = {n.index: [Part("cpu", 0, n.inputs[0].shape[1])] for n in experts}
+    for n in producers:
+        why = p.why_not(b, n, hub_xq=hub_xq_reads(g, {}))
+        assert why is not None and why[0] == "hard" and "q8_1 x of the hub's mat-vecs" in why[1], n.name
+        assert p.why_not(b, n, hub_xq=hub_xq_reads(g, on_cpu)) is None, n.name
+    assert not hub_xq_reads(g, on_cpu) and len(hub_xq_reads(g, {})) == 4
+    lowered = {it.node.name: it.node for it in p._lower(g, on_cpu, Workspace()) if isinstance(it, HubOp)}
+    assert all("xq" not in lowered[n.name].params for n in producers)
+    lowered = {it.node.name: it.node for it in p._lower(g, {}, Workspace()) if isinstance(it, HubOp)}
+    assert all(lowered[n.name].params["xq"] is n.params["xq"] for n in producers)
+
+
 def test_plan_backend_without_routed_product():
     """A backend without the mul_mat_id hook (or without it in caps.ops) gets a PlanError
     naming it, at plan time."""
@@ -643,12 +699,14 @@ def test_model_experts_on_cpu_backend(device, tmp_path, spec):
             (ubatch, np.abs(got - ref).max(), bound)
 
 
-def test_decode_experts_on_cpu_backend_with_q8_1_producers(device, tmp_path):
+@pytest.mark.parametrize("spec", [r"layer:blk\..*\.ffn_.*_exps=cpu", "tensor:1,1@_exps"])
+def test_decode_experts_on_cpu_backend_with_q8_1_producers(device, tmp_path, spec):
     """Decode of a Q8_0 qwen3moe file with its experts on the cpu backend: the q8_1 pass still
-    gives the routed products their producers' q8_1 x, but no hub product reads it, so the
-    planner lowers the FFN norm and the MoE SwiGLU without that output (and the backend's
-    jobs read x in f32); the logits against forward64(q8=True) as on the hub alone
-    (Q8_DECODE_BOUND, top-1; ggml-cpu rounds the experts' x to its q8_0 blocks)."""
+    gives the routed products their producers' q8_1 x. Whole experts on the backend (layer):
+    no hub product reads it, so the planner lowers the FFN norm and the MoE SwiGLU without
+    that output (the backend's jobs read x in f32); half the rows of every expert (tensor):
+    the hub's rows read it, so they keep it. The logits against forward64(q8=True) as on the
+    hub alone (Q8_DECODE_BOUND, top-1; ggml-cpu rounds the experts' x to its q8_0 blocks)."""
     from vkxsplit.backend import backend_availability
     from vkxsplit.model import load_model
     from vkxsplit.ops.moe import vecq_id_decode
@@ -661,16 +719,19 @@ def test_decode_experts_on_cpu_backend_with_q8_1_producers(device, tmp_path):
         pytest.skip(f"{device.name}: the routed decode of Q8_0 does not take the q8_1 path")
     path = write_moe_gguf(tmp_path / "m.gguf", "qwen3moe", Q.Q8_0, n_expert=8, n_used=2, n_ff_exp=96, seed=3)
     ids = [5, 17, 3, 90, 42, 42, 7, 0, 63, 11, 29]
-    with load_model(path, device=device, n_ctx=32, ubatch=1, split=r"layer:blk\..*\.ffn_.*_exps=cpu",
-                    backends="cpu", profile_dir=tmp_path / "profile") as m:
+    with load_model(path, device=device, n_ctx=32, ubatch=1, split=spec, backends="cpu",
+                    profile_dir=tmp_path / "profile") as m:
         got = m.logits(ids).astype(np.float64)
         plan = m._executor(1, False).plan
     g = plan.graph
-    assert all(plan.runs_on(n) == ["cpu"] and "xq" in n.params for n in g.nodes if n.op == "mul_mat_id")
+    whole = spec.startswith("layer")
+    assert all(sorted(plan.runs_on(n)) == (["cpu"] if whole else ["cpu", "hub"]) and "xq" in n.params
+               for n in g.nodes if n.op == "mul_mat_id")
     lowered = {it.node.name: it.node for it in plan.items if isinstance(it, HubOp) and it.node is not None}
     for il in range(N_LAYER):
         for k in ("ffn_norm", "ffn_moe_swiglu"):
-            assert "xq" in g.node(f"blk.{il}.{k}").params and "xq" not in lowered[f"blk.{il}.{k}"].params
+            assert "xq" in g.node(f"blk.{il}.{k}").params
+            assert ("xq" in lowered[f"blk.{il}.{k}"].params) is not whole
         assert "xq" in lowered[f"blk.{il}.attn_norm"].params  # (the hub's Q/K/V read that one)
     ref = forward64(path, ids, q8=True)
     bound = Q8_DECODE_BOUND * np.abs(ref).max()

@@ -105,9 +105,9 @@ class DecodeQ8:
 
     ``mul_mat(name, w, x, out)`` adds a ``mul_mat`` node; when ``w``'s type has a variant in
     ``variants`` (from :meth:`~vkxsplit.ops.choose.DeviceKernels.vecq_decode`), the node reads x as q8_1
-    (params ``xq``, ``vecq``). ``mul_mat_id(name, w, x, ids, out, variant)`` adds a decode
-    ``mul_mat_id`` node (the routed expert product) that reads x as q8_1 the same way, with
-    the routed kernel ``variant`` (:func:`vkxsplit.ops.moe.vecq_id_decode`). x is quantized
+    (params ``xq``, ``vecq``). ``mul_mat_id(node, variant)`` appends a decode
+    ``mul_mat_id`` node (the routed expert product) reading x as q8_1 the same way, with the
+    routed kernel ``variant`` (:func:`vkxsplit.ops.moe.vecq_id_decode`). x is quantized
     once, before its first such reader, and shared by the rest (q/k/v, gate/up, the experts'
     gate/up with the router when it reads q8_1 too) until something rewrites x: by the node
     that made x where it can write q8_1 too (a norm with a weight, add_rms_norm, swiglu (also

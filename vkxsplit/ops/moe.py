@@ -27,7 +27,10 @@
   (``quantize_q8_1``, into a scratch of the device) and runs ``mul_mat_id_vecq_<type>_q8_1_*``
   (``shaders/mul_mat_vecq.comp`` with ``MUL_MAT_ID``: the dense decode kernel's shape for the
   type, one workgroup row per (token, slot) pair, the rows of its expert); else the f32-x
-  mat-vec of ``mul_mat_id.comp`` (``path="vec_f32"``).
+  mat-vec of ``mul_mat_id.comp`` (``path="vec_f32"``). In a model's decode graph the q8_1 x
+  comes from x's producer instead (the q8_1 pass of :mod:`vkxsplit.fusion`: the FFN norm for
+  gate/up, the MoE SwiGLU for down; node params ``xq``, ``vecq``), and the node records the
+  kernel alone (``quantize=False``).
 - ``moe_topk``: per token, softmax (or sigmoid) over the router logits, the ``n_used`` best
   experts (ties to the lower expert index: a stable descending sort), their probabilities
   as weights, normalised to sum 1 (clamped as llama.cpp: ``/ max(sum, 6.103515625e-5)``) when
