@@ -1,9 +1,9 @@
 #version 450
 // attn_combine_f32: merge the n_splits partial results of attn_f16_f32 (see attention.comp
 // for the layout of `part`) into out[t, h, :] = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s.
-// One workgroup per (token, head) row. The split weights e^(m_s - M) / L are computed once per
+// One workgroup per (token, head) row. The split weights e^(m_s - M) are computed once per
 // row, one split per invocation, into shared memory (rows of more than MAXS splits recompute
-// them per element); then each invocation sums four consecutive elements over the splits.
+// them per element); then each invocation sums its output elements over the splits.
 // attn_combine_q8_1_f32 (Q8 = 1; head_dim % 32 == 0, rows of n_heads * head_dim contiguous):
 // the output is also written as q8_1 blocks into the scratch at binding 2 (shaders/q8_1.glsl:
 // the bits quantize_q8_1.comp makes from it), for the integer-dot-product mat-vec of the
@@ -16,6 +16,7 @@
 layout(local_size_x = 128) in;
 #define NT 128u
 #define MAXS 256u
+#define MAXD 256u  // the largest head_dim (ops/attention.py MAX_HEAD_DIM)
 #ifndef Q8
 #define Q8 0
 #endif
@@ -38,7 +39,10 @@ layout(push_constant) uniform Push {
     uint o_stride;
 } p;
 
-shared float s_w[MAXS];      // e^(m_s - M) / L per split
+shared float s_w[MAXS];      // e^(m_s - M) per split
+#if Q8
+shared float s_y[MAXD];      // the row's output, regrouped four elements per invocation
+#endif
 shared float s_red[NT];      // one partial per subgroup
 
 float wg_max(float v) {
@@ -93,42 +97,34 @@ void main() {
         const float inv = L > 0.0 ? 1.0 / L : 0.0;
         const uint t = row / p.n_heads;
         const uint h = row - t * p.n_heads;
-        for (uint c0 = 0u; c0 < D; c0 += 4u * NT) {  // uniform: q8_1_store has barriers
-            const uint c = c0 + 4u * tid;
-            float a[4] = float[4](0.0, 0.0, 0.0, 0.0);
-            if (c < D) {
-                for (uint s = 0u; s < S; s++) {
-                    const float e = s < MAXS ? s_w[s] : exp(part[mlb + (s * p.n_rows + row) * 2u] - M);
-                    const uint b = (s * p.n_rows + row) * D + c;
-                    [[unroll]] for (uint i = 0u; i < 4u; ++i) {
-                        if (c + i < D) {
-                            a[i] += part[b + i] * e;
-                        }
-                    }
-                }
+        const uint ob = p.o_off + t * p.o_stride + h * D;
+        // one output element per invocation (the loads of the splits independent of each other)
+        for (uint d = tid; d < D; d += NT) {
+            float a = 0.0;
+            for (uint s = 0u; s < S; s++) {
+                const float e = s < MAXS ? s_w[s] : exp(part[mlb + (s * p.n_rows + row) * 2u] - M);
+                a += part[(s * p.n_rows + row) * D + d] * e;
             }
-            const uint ob = p.o_off + t * p.o_stride + h * D + c;
+            const float y = a * inv;
+            o[ob + d] = y;
 #if Q8
-            uint u[4];
-            [[unroll]] for (uint i = 0u; i < 4u; ++i) {
-                u[i] = 0u;
-                if (c < D) {
-                    const float y = a[i] * inv;
-                    o[ob + i] = y;
-                    u[i] = floatBitsToUint(y);  // the bits written are the bits quantized
-                }
-            }
-            // x of the next product: rows of n_heads * D, 32-element blocks (D % 32 == 0)
-            const uint nb = (p.n_heads * D) >> 5;
-            q8_1_store(tid, t * nb + ((h * D + c) >> 5), (p.n_rows / p.n_heads) * nb, c < D, u);
-#else
-            [[unroll]] for (uint i = 0u; i < 4u; ++i) {
-                if (c + i < D) {
-                    o[ob + i] = a[i] * inv;
-                }
-            }
+            s_y[d] = y;
 #endif
         }
+#if Q8
+        barrier();  // s_y complete
+        // x of the next product: rows of n_heads * D, 32-element blocks (D % 32 == 0); four
+        // consecutive elements per invocation, 8 invocations per block
+        const uint nb = (p.n_heads * D) >> 5;
+        for (uint c0 = 0u; c0 < D; c0 += 4u * NT) {  // uniform: q8_1_store has barriers
+            const uint c = c0 + 4u * tid;
+            uint u[4];
+            [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+                u[i] = c < D ? floatBitsToUint(s_y[c + i]) : 0u;  // the bits written are the bits quantized
+            }
+            q8_1_store(tid, t * nb + ((h * D + c) >> 5), (p.n_rows / p.n_heads) * nb, c < D, u);
+        }
+#endif
         barrier();  // s_w is reused by the next row
     }
 }
