@@ -557,18 +557,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         try:
             plans = [model.plan(T, predict=True) for T in Ts]
             meas = measure_plans(model, plans) if args.measure else [None] * len(plans)
-            if args.json:
-                print(json.dumps({"model": model.file.name, "devices": [d.name for d in model.hubs],
-                                  "split": str(model.split), "placed": model.split_label,
-                                  "plans": [{**p.to_dict(), "measured": m} for p, m in zip(plans, meas)]}, indent=1))
-            else:
-                print(f"split: {model.split_label}")
-                for p, m in zip(plans, meas):
-                    print(p.describe(points=args.verbose_points))
-                    if m is not None:
-                        print(measured_line(m))
-                    print()
-                print(f"device profile: {model.cost.profile.path}")
+            _print_plans(args, model, plans, meas, model.split_label,
+                         {"devices": [d.name for d in model.hubs], "split": str(model.split),
+                          "placed": model.split_label})
         finally:
             model.close()
         return 0
@@ -595,21 +586,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
             Path(args.trace).write_text(json.dumps(model.last_trace))
             print(f"trace of one step (T={Ts[-1]}) written to {args.trace} (open in https://ui.perfetto.dev)",
                   file=sys.stderr)
-        if args.json:
-            print(json.dumps({"model": model.file.name, "device": model.device.name, "split": str(model.split),
-                              "backends": list(model.backends), "profile": str(model.cost.profile.path),
-                              "plans": [{**p.to_dict(), "measured": m} for p, m in zip(plans, meas)]}, indent=1))
-        else:
-            print(f"split: {model.split}")
-            for p, m in zip(plans, meas):
-                print(p.describe(points=args.verbose_points))
-                if m is not None:
-                    print(measured_line(m))
-                print()
-            print(f"device profile: {model.cost.profile.path}")
+        _print_plans(args, model, plans, meas, str(model.split),
+                     {"device": model.device.name, "split": str(model.split), "backends": list(model.backends),
+                      "profile": str(model.cost.profile.path)})
     finally:
         model.close()
     return 0
+
+
+def _print_plans(args: argparse.Namespace, model: Any, plans: list[Any], meas: list[Any], split: str,
+                 head: dict[str, Any]) -> None:
+    """``plan``'s output: JSON (``head``'s fields, then every plan with its measurement) or the
+    text of each plan and its measured line."""
+    if args.json:
+        print(json.dumps({"model": model.file.name, **head,
+                          "plans": [{**p.to_dict(), "measured": m} for p, m in zip(plans, meas)]}, indent=1))
+        return
+    print(f"split: {split}")
+    for p, m in zip(plans, meas):
+        print(p.describe(points=args.verbose_points))
+        if m is not None:
+            print(measured_line(m))
+        print()
+    print(f"device profile: {model.cost.profile.path}")
 
 
 def _register_plan(sub: Any) -> None:
