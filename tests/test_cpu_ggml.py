@@ -712,3 +712,180 @@ def test_step_threads_leave_busy_cores(device, monkeypatch):
     assert 0.0 <= cpu_mod.busy_cores(0.05) <= 4 * (os.cpu_count() or 1)
     with pytest.raises(Exception, match="step must be 0 or 1"):
         create_backend("cpu", device, step=2)
+
+
+def test_busy_cores_counts_only_this_process_cpus(monkeypatch):
+    """In a container /proc/stat lists the host's CPUs: busy_cores counts only the CPUs this
+    process may run on (its affinity), so a busy host outside the container's two CPUs leaves
+    both of them to ggml. The fake /proc below: 8 host CPUs, 6 of them (2..7) fully busy over the
+    sample, this process's CPUs 0 and 1 busy 0.5 s each, of which 0.25 s this process's own."""
+    import io
+
+    from vkxsplit.backends import cpu as cpu_mod
+
+    hz = os.sysconf("SC_CLK_TCK")
+
+    def stat(busy01: float, busy_rest: float) -> str:
+        per = [busy01] * 2 + [busy_rest] * 6
+        lines = [f"cpu  {sum(per) * hz:.0f} 0 0 {1000 * hz} 0 0 0 0 0 0"]
+        lines += [f"cpu{i} {b * hz:.0f} 0 0 {100 * hz} 0 0 0 0 0 0" for i, b in enumerate(per)]
+        return "\n".join(lines + ["intr 1 2 3", "ctxt 5"]) + "\n"
+
+    reads = {"/proc/stat": [stat(0, 0), stat(0.5, 1.0)],
+             "/proc/self/stat": [f"1 (py) R {' '.join(['0'] * 10)} 0 0 0", f"1 (py) R {' '.join(['0'] * 10)} "
+                                 f"{0.25 * hz:.0f} {0.25 * hz:.0f} 0"]}
+
+    def fake_open(path, *a, **k):
+        return io.StringIO(reads[path].pop(0))
+
+    class Clock:
+        t = 0.0
+
+        @classmethod
+        def monotonic(cls) -> float:
+            return cls.t
+
+        @classmethod
+        def sleep(cls, s: float) -> None:
+            cls.t += 1.0
+
+    monkeypatch.setattr(cpu_mod, "open", fake_open, raising=False)
+    monkeypatch.setattr(cpu_mod, "time", Clock)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    # cpu0 + cpu1: 1.0 s busy, 0.5 s of it this process's: 0.5 cores busy with others
+    assert cpu_mod.busy_cores(1.0) == pytest.approx(0.5, abs=0.05)
+
+
+def test_failed_construction_frees_its_thread_pools(device, monkeypatch):
+    """A cpu backend whose construction fails after its ggml thread pools started (here the
+    host bridge) stops them: no worker threads left behind."""
+    from vkxsplit.backends import cpu as cpu_mod
+
+    made: list[ggml_cpu.ThreadPool] = []
+    real = ggml_cpu.ThreadPool
+
+    class Pool(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    def broken(*a, **k):
+        raise RuntimeError("bridge failed")
+
+    monkeypatch.setattr(cpu_mod.ggml_cpu, "ThreadPool", Pool)
+    monkeypatch.setattr(cpu_mod, "HostBridge", broken)
+    with pytest.raises(RuntimeError, match="bridge failed"):
+        create_backend("cpu", device, threads=2, timeout=WAIT_S)
+    assert len(made) == 2 and all(p.handle is None for p in made)
+
+
+def test_attention_mask_rows_padded_for_older_ggml(cpu_step, step_arena, rng):
+    """The causal mask of a prefill attention has its query rows padded to 64: a ggml older than
+    the removal of GGML_KQ_MASK_PAD (a llama.cpp build loaded through VKXSPLIT_GGML_LIBDIR)
+    asserts ``mask->ne[1] >= GGML_PAD(q->ne[1], GGML_KQ_MASK_PAD)`` (64, earlier 32) when the
+    graph is built, which ends the process. The padded mask still gives the causal result."""
+    from vkxsplit.backend import OpJob
+    from vkxsplit.backends.cpu import _job_key
+
+    T, nh, nkv, hd, n_ctx, pos0 = 3, 2, 1, 16, 16, 4
+    q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+    ck, cv = (rng.standard_normal((n_ctx, nkv, hd)).astype(np.float16) for _ in range(2))
+    qb, ckb, cvb, ob = put(step_arena, q), put(step_arena, ck), put(step_arena, cv), step_arena.alloc(T * nh * hd * 4)
+    pb = put(step_arena, np.arange(pos0, pos0 + T, dtype=np.int32))
+    job = OpJob("attention", (qb.view(), ckb.view(), cvb.view(), pb.view()), (ob.view(),), T, nh * hd,
+                params={"n_heads": nh, "n_kv_heads": nkv, "head_dim": hd, "n_ctx": n_ctx})
+    run_op(cpu_step, job)
+    g = cpu_step.graphs[_job_key(job)].graph
+    fa = cpu_step.ggml.base.ggml_graph_node(g.gf, -1)
+    mask = fa.src[3]
+    assert mask != cpu_step.ggml.ffi.NULL and mask.ne[1] % 64 == 0 and mask.ne[1] >= T
+    got = ob.numpy(np.float32)[:T * nh * hd].reshape(T, nh, hd)
+    assert np.abs(got - attention_ref(q, ck, cv, pos0, nkv)).max() <= 3e-3 * np.abs(cv).astype(np.float64).max()
+
+
+def test_default_threads_within_the_cgroup_cpu_quota(device, tmp_path, monkeypatch):
+    """A container limited by a CPU quota (docker --cpus: cgroup v2 cpu.max, v1 cfs_quota_us)
+    sees every host CPU in its affinity: the default thread count stays within the quota (ggml's
+    threads spin at barriers, so threads beyond it stall one another). The quota is read from
+    this process's cgroup and its ancestors, the tightest one counting."""
+    from vkxsplit.backends import cpu as cpu_mod
+
+    v2 = tmp_path / "v2"
+    (v2 / "ctr" / "job").mkdir(parents=True)
+    (v2 / "ctr" / "cpu.max").write_text("150000 100000\n")
+    (v2 / "ctr" / "job" / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "cg2").write_text("0::/ctr/job\n")
+    assert cpu_mod.cgroup_cpu_limit(str(v2), str(tmp_path / "cg2")) == pytest.approx(1.5)
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "docker" / "x").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "docker" / "x" / "cpu.cfs_quota_us").write_text("300000\n")
+    (v1 / "cpu,cpuacct" / "docker" / "x" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cg1").write_text("4:memory:/docker/x\n3:cpu,cpuacct:/docker/x\n1:name=systemd:/\n")
+    assert cpu_mod.cgroup_cpu_limit(str(v1), str(tmp_path / "cg1")) == pytest.approx(3.0)
+    (tmp_path / "cg0").write_text("0::/\n")
+    assert cpu_mod.cgroup_cpu_limit(str(tmp_path / "none"), str(tmp_path / "cg0")) is None
+
+    monkeypatch.setattr(ggml_cpu, "physical_cores", lambda: 16)
+    monkeypatch.setattr(cpu_mod, "busy_cores", lambda sample_s=0.2: 0.0)
+    monkeypatch.setattr(cpu_mod, "cgroup_cpu_limit", lambda *a: 2.5)
+    assert cpu_mod.default_threads(None) == 2
+    assert cpu_mod.default_threads(None, step=True) == 2
+    monkeypatch.setattr(cpu_mod, "cgroup_cpu_limit", lambda *a: 0.5)
+    assert cpu_mod.default_threads(None, step=True) == 1
+    monkeypatch.setattr(cpu_mod, "cgroup_cpu_limit", lambda *a: None)
+    assert cpu_mod.default_threads(None) == 16
+    # under a quota the busy cores are the host's: 16 cores, 10 busy, a quota of 4 -> 4 threads
+    monkeypatch.setattr(cpu_mod, "cgroup_cpu_limit", lambda *a: 4.0)
+    monkeypatch.setattr(cpu_mod, "busy_cores", lambda sample_s=0.2: 10.0)
+    assert cpu_mod.default_threads(None, step=True) == 4
+    monkeypatch.setattr(cpu_mod, "busy_cores", lambda sample_s=0.2: 14.0)
+    assert cpu_mod.default_threads(None, step=True) == 2
+
+
+def test_no_job_runs_after_release(device, rng):
+    """close() joins the bridge thread for a bounded time, then frees the graphs and the thread
+    pools; a job the thread takes after that (a long queue) is refused with a clear error, not
+    run on freed pools over memory the closing model unmaps."""
+    from vkxsplit.errors import VkxError
+
+    b = create_backend("cpu", device, threads=1, timeout=WAIT_S)
+    arena = SharedArena(device, [b], name="ggml-release-test")
+    try:
+        w, _ = make_weight(rng, "q8_0", 8, 32)
+        wb, xb, y = put(arena, w), put(arena, np.ones((1, 32), np.float32)), arena.alloc(32)
+        job = MatMulJob(wb.view(), "q8_0", xb.view(), y.view(), 1, 8, 32)
+        b._run(job)  # (as the bridge thread runs it)
+        b.release()
+        y.numpy(np.float32)[:] = 7
+        with pytest.raises(VkxError, match="closed"):
+            b._run(job)
+        assert (y.numpy(np.float32)[:8] == 7).all()
+    finally:
+        b.close()
+        arena.close()
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma3-pattern", "gemma3-h256", "phi3-long"])
+def test_whole_step_on_cpu_other_architectures(device, tmp_path, case):
+    """``mode:cpu`` with ``cpu:step=1`` for the architectures beyond llama: qwen3's per-head Q/K
+    norms, gemma3's window layers (their attention kept on the hub: the cpu backend's has no
+    window), embedding scale, post-norms, GeGLU and soft cap, phi3's long RoPE factors and
+    attention factor; prefill in ubatches of 8 and decode against the float64 reference of
+    tests/test_archs.py (its wrong variants fail the same check there)."""
+    if not device.is_cpu:
+        pytest.skip("the state is shared with the cpu backend beside a CPU hub only")
+    from reference import reference_forward_arch
+    from test_archs import CASES, REL_BOUND, check, run_logits, write_arch
+
+    from vkxsplit.gguf_model import load_model as load_gguf
+
+    arch, opts, n_ctx, n_tok, _wrongs = CASES[case]
+    path = write_arch(tmp_path / f"{case}.gguf", arch, **opts)
+    ids = [int(i) for i in np.random.default_rng(7).integers(0, opts.get("n_vocab", 64), n_tok)]
+    with load_gguf(path) as mf:
+        want = reference_forward_arch(mf, ids, n_ctx=n_ctx)
+    for ub in (8, 1):  # (f32/f16 weights: ggml keeps x in f32; the f16 cache and FA's f16 q/V sums)
+        got = run_logits(device, path, ids, n_ctx, ub, split="mode:cpu", backends="cpu:step=1")
+        assert check(got, want, 2 * REL_BOUND) is None, (ub, check(got, want, 2 * REL_BOUND))

@@ -41,6 +41,11 @@ ROPE_MODES = {"norm": 0, "neox": 2}  # ggml's GGML_ROPE_TYPE_NORMAL / _NEOX
 #: ggml's defaults for the YaRN arguments of rope_ext (as vkxsplit.ops.rope.YARN_DEFAULTS)
 YARN_DEFAULTS: dict[str, float] = {"n_ctx_orig": 0, "ext_factor": 0.0, "attn_factor": 1.0,
                                    "beta_fast": 32.0, "beta_slow": 1.0}
+#: the attention mask's query rows are padded to a multiple of this: ggml builds older than the
+#: removal of GGML_KQ_MASK_PAD (a llama.cpp build through VKXSPLIT_GGML_LIBDIR) assert
+#: ``mask->ne[1] >= GGML_PAD(q->ne[1], GGML_KQ_MASK_PAD)`` (64; 32 before that), newer ones
+#: ``mask->ne[1] >= q->ne[1]``
+KQ_MASK_PAD = 64
 #: tensors (leaves and nodes) one job adds to a graph at most (a kv_store with RoPE: 10)
 TENSORS_PER_JOB = 12
 Job = MatMulJob | MatMulIdJob | OpJob
@@ -65,7 +70,8 @@ def available() -> Availability:
 
 
 def default_threads(hub: Device | None = None, step: bool = False) -> int:
-    """ggml threads when ``threads`` is not given: the physical cores, less one where the hub is
+    """ggml threads when ``threads`` is not given: the physical cores (no more than the CPU
+    quota of a container, :func:`cgroup_cpu_limit`), less one where the hub is
     itself a CPU device (lavapipe: its threads and everything else on the machine share the
     cores). ggml's threads meet at spinning barriers inside each graph: when one of them loses
     its core, the others spin until it is back, so a pool as wide as the machine is fast only on
@@ -76,22 +82,98 @@ def default_threads(hub: Device | None = None, step: bool = False) -> int:
     other processes do not keep busy when the backend starts (:func:`busy_cores`, rounded), at
     least 1: on the 2-core machine 2 threads when it is quiet, 1 beside another job, where 2
     run several times slower (docs/PERFORMANCE.md)."""
-    cores = ggml_cpu.physical_cores()
+    machine = ggml_cpu.physical_cores()
+    quota = cgroup_cpu_limit()
+    # a container's CPU quota (docker --cpus): its affinity lists every CPU of the host
+    cores = machine if quota is None else max(1, min(machine, int(quota)))
     cpu_hub = hub is not None and bool(getattr(hub, "is_cpu", False))
-    if step:
-        return max(1, cores - int(busy_cores() + 0.5))
+    if step:  # (the busy cores are of the CPUs the affinity lists: the quota's are some of those)
+        return max(1, min(cores, machine - int(busy_cores() + 0.5)))
     return max(1, cores - 1) if cpu_hub else cores
 
 
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> float | None:
+    """CPUs per period this process's cgroup may use (its CFS quota over its period: cgroup v2
+    ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), the tightest of its cgroup
+    and their ancestors under ``root``; None where no quota is set or none can be read. (A
+    container without its own cgroup namespace lists its host path: the levels that do not
+    exist under ``root`` are passed over.)"""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best: float | None = None
+
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        ctrls, path = parts[1], parts[2].strip("/")
+        if ctrls == "":  # v2 (or the unified hierarchy of a hybrid set-up)
+            bases = [root, os.path.join(root, "unified")]
+        elif "cpu" in ctrls.split(","):  # v1: the cpu controller's mount (cpu or cpu,cpuacct)
+            bases = [os.path.join(root, ctrls), os.path.join(root, "cpu")]
+        else:
+            continue
+        levels = path.split("/") if path else []
+        for base in dict.fromkeys(bases):
+            for n in range(len(levels), -1, -1):
+                d = os.path.join(base, *levels[:n])
+                try:
+                    if ctrls == "":
+                        text = read(os.path.join(d, "cpu.max"))
+                        if text is None or text.split()[0] == "max":
+                            continue
+                        quota, period = (float(x) for x in text.split()[:2])
+                    else:
+                        q, per = read(os.path.join(d, "cpu.cfs_quota_us")), read(os.path.join(d, "cpu.cfs_period_us"))
+                        if q is None or per is None or float(q) < 0:
+                            continue
+                        quota, period = float(q), float(per)
+                except (ValueError, IndexError):
+                    continue
+                if quota > 0 and period > 0:
+                    best = quota / period if best is None else min(best, quota / period)
+    return best
+
+
 def busy_cores(sample_s: float = 0.2) -> float:
-    """How many cores other processes keep busy now: the machine's busy CPU time over
-    ``sample_s`` less this process's, per second (/proc/stat, /proc/self/stat); 0 where they
-    cannot be read. (The load average lags by a minute: right after another job ends it still
-    counts it.)"""
+    """How many cores other processes keep busy now: the busy CPU time over ``sample_s`` of the
+    CPUs this process may run on (its affinity) less this process's, per second (/proc/stat's
+    per-CPU lines, /proc/self/stat); 0 where they cannot be read. Only those CPUs: in a
+    container /proc/stat lists every CPU of the host, whose other work does not take ours.
+    (The load average lags by a minute: right after another job ends it still counts it.)"""
+    try:
+        mine_cpus: set[str] | None = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+    except AttributeError:
+        mine_cpus = None
+
     def machine() -> float:
+        total, seen, whole = 0.0, False, None
         with open("/proc/stat") as f:
-            v = [float(x) for x in f.readline().split()[1:]]
-        return sum(v) - v[3] - (v[4] if len(v) > 4 else 0.0)  # all but idle and iowait
+            for line in f:
+                name, *rest = line.split()
+                if not name.startswith("cpu"):
+                    break  # (the CPU lines come first)
+                v = [float(x) for x in rest]
+                busy = sum(v) - v[3] - (v[4] if len(v) > 4 else 0.0)  # all but idle and iowait
+                if name == "cpu":
+                    whole = busy
+                elif mine_cpus is None or name in mine_cpus:
+                    total, seen = total + busy, True
+        if not seen:
+            if whole is None:
+                raise ValueError("no cpu line in /proc/stat")
+            return whole
+        return total
 
     def mine() -> float:
         with open("/proc/self/stat") as f:
@@ -205,8 +287,6 @@ class CpuBackend(Backend):
         self.ggml = ggml_cpu.load()
         super().__init__(hub, timeout=timeout, counters=counters, caps=caps)
         self.threads = threads
-        self.pool = ggml_cpu.ThreadPool(self.ggml, threads, poll)
-        self.pool1 = ggml_cpu.ThreadPool(self.ggml, 1) if threads > 1 else self.pool
         self.graphs: OrderedDict[tuple[Any, ...], _Cached] = OrderedDict()
         # job objects seen (the executor builds its jobs once and replays them): id -> (the job,
         # its graph, whether a run needs dma-buf brackets or staging); the job is held, so its
@@ -214,13 +294,22 @@ class CpuBackend(Backend):
         self._fast: OrderedDict[int, tuple[Any, _Cached, bool]] = OrderedDict()
         self._lock = threading.Lock()
         self._hooked: set[int] = set()
+        self._released = False
         self._work = np.zeros(0, np.uint8)
         self._work_ptr: Any = self.ggml.ffi.NULL
         self.graphs_built = 0
         self.jobs_done = 0
         self.busy_s = 0.0  # seconds in ggml_graph_compute (the bridge thread's own work)
-        self.bridge = HostBridge(hub, self.timeline, name=self.name, run=self._run, timeout=self.timeout,
-                                 counters=self.stats)
+        self.pool = ggml_cpu.ThreadPool(self.ggml, threads, poll)
+        try:
+            self.pool1 = ggml_cpu.ThreadPool(self.ggml, 1) if threads > 1 else self.pool
+            self.bridge = HostBridge(hub, self.timeline, name=self.name, run=self._run, timeout=self.timeout,
+                                     counters=self.stats)
+        except BaseException:  # (no close() will come: stop the pools' worker threads here)
+            if getattr(self, "pool1", self.pool) is not self.pool:
+                self.pool1.close()
+            self.pool.close()
+            raise
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -320,6 +409,7 @@ class CpuBackend(Backend):
 
     def release(self) -> None:
         with self._lock:
+            self._released = True  # (a job the bridge thread takes after its bounded join is refused)
             for c in self.graphs.values():
                 c.close()
             self.graphs.clear()
@@ -620,10 +710,11 @@ class CpuBackend(Backend):
             K = g.strided(F16, _addr(job.inputs[1], n_ctx * kvr * 2), hd, n_ctx, kvr * 2, nkv, hd * 2)
             V = g.strided(F16, _addr(job.inputs[2], n_ctx * kvr * 2), hd, n_ctx, kvr * 2, nkv, hd * 2)
             mask: Any = self.ggml.ffi.NULL
+            Rp = -(-R // KQ_MASK_PAD) * KQ_MASK_PAD  # the mask's rows (the last Rp - R unread)
             if R > 1:  # causal: query t at pos0 + t sees cache rows <= pos0 + t (f16 0 / -inf)
-                mbuf = np.zeros(R * n_ctx, np.float16)
+                mbuf = np.zeros(Rp * n_ctx, np.float16)
                 keep.append(mbuf)
-                mask = g.strided(F16, mbuf.ctypes.data, n_ctx, R, n_ctx * 2)
+                mask = g.strided(F16, mbuf.ctypes.data, n_ctx, Rp, n_ctx * 2)
             check = self._positions(job, n_ctx, consecutive=True)
             tri = np.triu(np.full((R, R), -np.inf, np.float16), 1) if R > 1 else None
             state = [-1]
@@ -636,11 +727,12 @@ class CpuBackend(Backend):
                 if R > 1:
                     mask.ne[0] = n_kv
                     mask.nb[1] = n_kv * 2
-                    mask.nb[2] = mask.nb[3] = n_kv * 2 * R
+                    mask.nb[2] = mask.nb[3] = n_kv * 2 * Rp
                     if state[0] != n_kv:  # (the same for every layer of a step)
-                        m = mbuf[:R * n_kv].reshape(R, n_kv)
+                        m = mbuf[:Rp * n_kv].reshape(Rp, n_kv)
                         m[:, :n_kv - R] = 0
-                        m[:, n_kv - R:] = tri
+                        m[:R, n_kv - R:] = tri
+                        m[R:, n_kv - R:] = 0
                         state[0] = n_kv
 
             before.append((set_kv, job.inputs[3]))
@@ -765,6 +857,9 @@ class CpuBackend(Backend):
 
     def _run(self, job: Job | list[Job]) -> None:
         with self._lock:
+            if self._released:
+                raise VkxError(f"backend {self.name} is closed: its graphs and thread pools are freed",
+                               "close the backend after the steps that use it have finished")
             f = self._fast.get(id(job))
             if f is None or f[0] is not job:  # first sight of this job object: find or build its graph
                 sync = any(self._needs_sync(j) for j in job) if isinstance(job, list) else self._needs_sync(job)
