@@ -803,6 +803,29 @@ def test_attention_mask_rows_padded_for_older_ggml(cpu_step, step_arena, rng):
     assert np.abs(got - attention_ref(q, ck, cv, pos0, nkv)).max() <= 3e-3 * np.abs(cv).astype(np.float64).max()
 
 
+def test_attention_masks_shared_per_shape_and_right_for_each(cpu_step, step_arena, rng):
+    """Causal masks are one buffer per (query rows, n_ctx), shared by every attention of that
+    shape (a step's layers): two jobs of 3 and 4 query rows ending at the same KV length (their
+    masks differ) and a second 3-row job (sharing the first's buffer) all give the causal result.
+    A mask keyed by its padded rows alone would hand the 4-row job the 3-row mask."""
+    from vkxsplit.backend import OpJob
+
+    nh, nkv, hd, n_ctx = 2, 1, 16, 16
+    ck, cv = (rng.standard_normal((n_ctx, nkv, hd)).astype(np.float16) for _ in range(2))
+    ckb, cvb = put(step_arena, ck), put(step_arena, cv)
+    bound = 3e-3 * np.abs(cv).astype(np.float64).max()
+    before = len(cpu_step._masks)
+    for T, pos0 in ((3, 5), (4, 4), (3, 5)):
+        q = rng.standard_normal((T, nh, hd)).astype(np.float32)
+        qb, ob = put(step_arena, q), step_arena.alloc(T * nh * hd * 4)
+        pb = put(step_arena, np.arange(pos0, pos0 + T, dtype=np.int32))
+        run_op(cpu_step, OpJob("attention", (qb.view(), ckb.view(), cvb.view(), pb.view()), (ob.view(),), T, nh * hd,
+                               params={"n_heads": nh, "n_kv_heads": nkv, "head_dim": hd, "n_ctx": n_ctx}))
+        got = ob.numpy(np.float32)[:T * nh * hd].reshape(T, nh, hd)
+        assert np.abs(got - attention_ref(q, ck, cv, pos0, nkv)).max() <= bound, (T, pos0)
+    assert len(cpu_step._masks) == before + 2
+
+
 def test_default_threads_within_the_cgroup_cpu_quota(device, tmp_path, monkeypatch):
     """A container limited by a CPU quota (docker --cpus: cgroup v2 cpu.max, v1 cfs_quota_us)
     sees every host CPU in its affinity: the default thread count stays within the quota (ggml's

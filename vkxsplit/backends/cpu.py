@@ -295,6 +295,10 @@ class CpuBackend(Backend):
         self._lock = threading.Lock()
         self._hooked: set[int] = set()
         self._released = False
+        # causal attention masks by (query rows, n_ctx): one buffer and the KV length it holds, shared
+        # by every attention of that shape (each layer of a step has the same positions; graphs
+        # compute one at a time, each setting the mask for its step first)
+        self._masks: dict[tuple[int, int], tuple[np.ndarray, list[int]]] = {}
         self._work = np.zeros(0, np.uint8)
         self._work_ptr: Any = self.ggml.ffi.NULL
         self.graphs_built = 0
@@ -712,12 +716,13 @@ class CpuBackend(Backend):
             mask: Any = self.ggml.ffi.NULL
             Rp = -(-R // KQ_MASK_PAD) * KQ_MASK_PAD  # the mask's rows (the last Rp - R unread)
             if R > 1:  # causal: query t at pos0 + t sees cache rows <= pos0 + t (f16 0 / -inf)
-                mbuf = np.zeros(Rp * n_ctx, np.float16)
+                mbuf, state = self._masks.setdefault((R, n_ctx), (np.zeros(Rp * n_ctx, np.float16), [-1]))
                 keep.append(mbuf)
                 mask = g.strided(F16, mbuf.ctypes.data, n_ctx, Rp, n_ctx * 2)
+            else:
+                state = [-1]
             check = self._positions(job, n_ctx, consecutive=True)
             tri = np.triu(np.full((R, R), -np.inf, np.float16), 1) if R > 1 else None
-            state = [-1]
 
             def set_kv() -> None:
                 """The KV length of this step: pos0 + T rows of the cache (ggml reads ne[1] of K and V at
