@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import smol_path
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from vkxsplit import gguf_model
 from vkxsplit.errors import EnvironmentProblem, ModelError
@@ -365,6 +365,33 @@ def test_directory(tmp_path: Path) -> None:
     assert "not a regular file" in str(_model_error(tmp_path))
 
 
+@pytest.mark.parametrize("path", ["/proc/self/mem", "x" * 5000 + ".gguf"])
+def test_unreadable_path_is_a_model_error(path: str) -> None:
+    """An OSError while opening or reading (EIO reading /proc/self/mem at offset 0, a name too long
+    for the file system) is a ModelError naming the file and the system's reason, not a traceback."""
+    if path.startswith("/proc") and not Path(path).exists():
+        pytest.skip("no /proc")
+    with pytest.raises(ModelError, match="cannot be read") as ei:
+        load_model(path)
+    assert path[:50] in str(ei.value) and ei.value.hint
+
+
+def test_metadata_after_close_is_a_closed_error(tmp_path: Path) -> None:
+    """close() drops the metadata with the mapping: reading it then is the project's ClosedError
+    (not an AttributeError on None); a tensor view taken before stays readable (the mapping is
+    only released with the last view)."""
+    from vkxsplit.errors import ClosedError
+
+    mf = load_model(write_tiny(tmp_path / "m.gguf"))
+    view, want = mf.token_embd.data, bytes(mf.token_embd.data[:64])
+    assert mf.get("llama.block_count") == 2
+    mf.close()
+    for call in (lambda: mf.get("llama.block_count"), lambda: mf.has("x"), lambda: mf.array_len("x")):
+        with pytest.raises(ClosedError, match="is closed"):
+            call()
+    assert bytes(view[:64]) == want
+
+
 def test_empty_file(tmp_path: Path) -> None:
     p = tmp_path / "e.gguf"
     p.write_bytes(b"")
@@ -431,6 +458,139 @@ def test_misshapen_tensor(tmp_path: Path) -> None:
 def test_missing_hparam(tmp_path: Path) -> None:
     err = _model_error(write_tiny(tmp_path / "m.gguf", skip_keys=("embedding_length",)))
     assert "llama.embedding_length" in str(err)
+
+
+@pytest.mark.parametrize("kind", ["inf", "nan", "fraction", "string", "bool", "nested", "strings"])
+def test_integer_hparam_of_another_type_is_refused(tmp_path: Path, kind: str) -> None:
+    """An integer hyper-parameter stored as something else is a ModelError naming the key (llama.cpp
+    refuses a key of the wrong type): never an OverflowError (inf), a numpy truth-value error (an
+    array of arrays) or a silently truncated 64.5 / parsed "64"."""
+    key = "llama.embedding_length"
+
+    def kv(w: GGUFWriter) -> None:
+        if kind in ("inf", "nan", "fraction"):
+            w.add_float32(key, {"inf": float("inf"), "nan": float("nan"), "fraction": 64.5}[kind])
+        elif kind == "string":
+            w.add_string(key, "64")
+        elif kind == "bool":
+            w.add_bool(key, True)
+        elif kind == "nested":
+            w.add_array(key, [[64, 64], [64, 64]])
+        else:
+            w.add_array(key, ["64", "64"])
+
+    err = _model_error(write_tiny(tmp_path / "m.gguf", skip_keys=("embedding_length",), extra_kv=kv))
+    assert key in str(err), str(err)
+
+
+def test_integer_hparam_forms_that_mean_an_integer_are_read(tmp_path: Path) -> None:
+    """What the check above must keep: any integer type, a whole-number float, a uniform per-layer array."""
+    from gguf import GGUFValueType as V
+
+    for add in (lambda w: w.add_uint64("llama.embedding_length", 64), lambda w: w.add_int8("llama.embedding_length", 64),
+                lambda w: w.add_float32("llama.embedding_length", 64.0),
+                lambda w: w.add_key_value("llama.embedding_length", [64, 64], V.ARRAY, V.INT32)):
+        assert load_model(write_tiny(tmp_path / "m.gguf", skip_keys=("embedding_length",), extra_kv=add)
+                          ).hparams.n_embd == 64
+
+
+@pytest.mark.parametrize("kind", ["string", "bool", "strings", "nested"])
+def test_float_hparam_of_another_type_is_refused(tmp_path: Path, kind: str) -> None:
+    """``"1.0"`` or ``True`` for a float key is refused (float() would read both as 1.0), as is an
+    array of strings or of arrays."""
+    key = "llama.rope.scaling.attn_factor"
+
+    def kv(w: GGUFWriter) -> None:
+        {"string": lambda: w.add_string(key, "1.0"), "bool": lambda: w.add_bool(key, True),
+         "strings": lambda: w.add_array(key, ["1.0"]), "nested": lambda: w.add_array(key, [[1.0]])}[kind]()
+
+    err = _model_error(write_tiny(tmp_path / "m.gguf", extra_kv=kv))
+    assert key in str(err), str(err)
+    # the same key as a number loads
+    ok = write_tiny(tmp_path / "ok.gguf", extra_kv=lambda w: w.add_float32(key, 1.0))
+    assert load_model(ok).hparams.rope_attn_factor == 1.0
+
+
+def _tok_kv(extra: Callable[[GGUFWriter], None]) -> Callable[[GGUFWriter], None]:
+    def kv(w: GGUFWriter) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(97)])
+        extra(w)
+
+    return kv
+
+
+_BAD_TOKENIZER_VALUES: dict[str, Callable[[GGUFWriter], None]] = {
+    "tokenizer.ggml.token_type": lambda w: w.add_array("tokenizer.ggml.token_type", ["1"] * 100),
+    "tokenizer.ggml.token_type/float": lambda w: w.add_key_value(
+        "tokenizer.ggml.token_type", [1.5] * 100, GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+    "tokenizer.ggml.token_type/nested": lambda w: w.add_array("tokenizer.ggml.token_type", [[1]] * 100),
+    "tokenizer.ggml.token_type/scalar": lambda w: w.add_uint32("tokenizer.ggml.token_type", 1),
+    "tokenizer.ggml.scores": lambda w: w.add_array("tokenizer.ggml.scores", ["0.5"] * 100),
+    "tokenizer.ggml.merges": lambda w: w.add_key_value("tokenizer.ggml.merges", [1, 2], GGUFValueType.ARRAY,
+                                                       GGUFValueType.UINT32),
+    "tokenizer.ggml.bos_token_id": lambda w: w.add_string("tokenizer.ggml.bos_token_id", "1"),
+    "tokenizer.ggml.eos_token_id/inf": lambda w: w.add_float32("tokenizer.ggml.eos_token_id", float("inf")),
+    "tokenizer.ggml.add_bos_token": lambda w: w.add_string("tokenizer.ggml.add_bos_token", "false"),
+    "tokenizer.chat_template": lambda w: w.add_uint32("tokenizer.chat_template", 5),
+    "tokenizer.ggml.pre": lambda w: w.add_array("tokenizer.ggml.pre", ["default"]),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_TOKENIZER_VALUES))
+def test_tokenizer_value_of_another_type_is_refused_at_load(tmp_path: Path, case: str) -> None:
+    """A tokenizer key of the wrong type (llama.cpp reads each with a typed getter) is a ModelError
+    naming the key when the file is loaded: never int("1") / bool("false") read silently, nor a
+    ValueError / OverflowError / TypeError from the tokenizer later."""
+    key = case.split("/")[0]
+    err = _model_error(write_tiny(tmp_path / "m.gguf", extra_kv=_tok_kv(_BAD_TOKENIZER_VALUES[case])))
+    assert key in str(err) and "tokenizer" in err.hint, str(err)
+
+
+def test_tokenizer_values_of_the_right_types_load(tmp_path: Path) -> None:
+    """What the check above must keep: each key with a type llama.cpp reads (ids of any integer type)."""
+    from vkxsplit.tokenizer import Tokenizer
+
+    def extra(w: GGUFWriter) -> None:
+        w.add_token_types([1] * 100)
+        w.add_token_scores([0.0] * 100)
+        w.add_token_merges(["t1 t2"])
+        w.add_uint64("tokenizer.ggml.bos_token_id", 1)
+        w.add_int32("tokenizer.ggml.eos_token_id", 2)
+        w.add_bool("tokenizer.ggml.add_bos_token", True)
+        w.add_string("tokenizer.ggml.pre", "default")
+        w.add_string("tokenizer.chat_template", "{{ 1 }}")
+
+    tok = Tokenizer.from_model_file(load_model(write_tiny(tmp_path / "m.gguf", extra_kv=_tok_kv(extra))))
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (1, 2, True)
+
+
+def test_negative_rope_dimension_count_is_refused(tmp_path: Path) -> None:
+    """An even n_rot below 0 passed the ``n_rot > head_dim or n_rot % 2`` check."""
+    err = _model_error(write_tiny(tmp_path / "m.gguf",
+                                  extra_kv=lambda w: w.add_int32("llama.rope.dimension_count", -2)))
+    assert "rope.dimension_count=-2" in str(err)
+    assert load_model(write_tiny(tmp_path / "ok.gguf", extra_kv=lambda w: w.add_uint32(
+        "llama.rope.dimension_count", 8))).hparams.n_rot == 8
+
+
+def test_float_hparam_per_layer_values_must_agree(tmp_path: Path) -> None:
+    """A float key given per layer is read only when every layer has the same value (as for the
+    integer keys): the first of [1.0, 2.0] was taken silently."""
+    from gguf import GGUFValueType as V
+
+    key = "llama.rope.scaling.attn_factor"
+    err = _model_error(write_tiny(tmp_path / "m.gguf", extra_kv=lambda w: w.add_key_value(
+        key, [1.0, 2.0], V.ARRAY, V.FLOAT32)))
+    assert "per-layer values" in str(err) and key in str(err)
+    ok = write_tiny(tmp_path / "ok.gguf", extra_kv=lambda w: w.add_key_value(key, [2.0, 2.0], V.ARRAY, V.FLOAT32))
+    assert load_model(ok).hparams.rope_attn_factor == 2.0
+
+
+def test_context_length_must_be_positive(tmp_path: Path) -> None:
+    err = _model_error(write_tiny(tmp_path / "m.gguf", skip_keys=("context_length",),
+                                  extra_kv=lambda w: w.add_int32("llama.context_length", -5)))
+    assert "n_ctx_train=-5" in str(err)
 
 
 def test_model_error_is_vkx_error_with_hint_line(tmp_path: Path) -> None:

@@ -82,6 +82,22 @@ def _nested_file(depth: int) -> bytes:
     return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body
 
 
+def _many_file(n_kv: int, n_tensors: int) -> bytes:
+    """A hand-made file of ``n_kv`` one-byte keys and ``n_tensors`` empty F32 tensors: each valid,
+    but together more Python objects than any model needs."""
+    kv = b"".join(struct.pack("<Q", 7) + b"k%06d" % i + struct.pack("<IB", 0, 1) for i in range(n_kv))
+    ti = b"".join(struct.pack("<Q", 7) + b"t%06d" % i + struct.pack("<IQIQ", 1, 0, 0, 0) for i in range(n_tensors))
+    data = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + kv + ti
+    return data + b"\0" * (-len(data) % 32)
+
+
+def _arrays_file(n: int) -> bytes:
+    """A hand-made header: one key whose value is ``n`` empty uint8 arrays (12 bytes each in the
+    file, a numpy array each once read)."""
+    body = struct.pack("<Q", 4) + b"many" + struct.pack("<IIQ", 9, 9, n) + struct.pack("<IQ", 0, 0) * n
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + body
+
+
 # name -> (edit of the base file's bytes, fragment the error must contain)
 Edit = Callable[[bytes], bytes]
 
@@ -140,6 +156,16 @@ HOSTILE_FILES: dict[str, tuple[Edit, str]] = {
     "version_99": (lambda d: _put(d, 4, "<I", 99), "unsupported GGUF version 99"),
     "nested_depth_3": (lambda d: _nested_file(3), f"deeper than {GGUF_MAX_ARRAY_DEPTH}"),
     "nested_depth_100000": (lambda d: _nested_file(100_000), "deeper than"),
+    # 2^32 - 1 layers in a 2-layer file: the per-layer checks must not loop over the claim
+    "block_count_2^32-1": (lambda d: _put(d, _after(d, b"llama.block_count") + 4, "<I", (1 << 32) - 1),
+                           "block_count"),
+    "kv_count_over_limit": (lambda d: _many_file(gguf_header.GGUF_MAX_KV + 1, 0), "key-value pairs"),
+    "tensor_count_over_limit": (lambda d: _many_file(0, gguf_header.GGUF_MAX_TENSORS + 1), "tensors"),
+    "array_element_type_77": (lambda d: _put(d, _after(d, b"hostile.arr") + 4, "<I", 77), "invalid element type 77"),
+    "key_not_utf8": (lambda d: d.replace(b"hostile.str", b"hostile\xffstr", 1), "is not UTF-8"),
+    "tensor_name_not_utf8": (lambda d: d.replace(_Q.encode(), b"blk.0.attn_\xff.weight", 1), "is not UTF-8"),
+    "dim_zero": (_tensor(_Q, "dims", "<Q", lambda d, f: 0), "corrupt"),
+    "nested_arrays_over_limit": (lambda d: _arrays_file(gguf_header.GGUF_MAX_NESTED_ARRAYS + 1), "arrays of arrays"),
 }
 #: cut lengths of the truncated-file variants (fractions of the file)
 TRUNCATIONS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.9, 0.99)
@@ -349,6 +375,96 @@ def test_every_prefix_of_the_header_is_refused(tmp_path: Path) -> None:
         p.write_bytes(base[:n])
         with pytest.raises(ModelError, match="truncated"):
             load_model(p)
+
+
+def test_key_and_tensor_counts_at_the_limits_are_walked(tmp_path: Path) -> None:
+    """The count limits are exact: a file at them is walked (its values read), one past is refused."""
+    p = tmp_path / "many.gguf"
+    for n_kv, n_t in ((gguf_header.GGUF_MAX_KV, 0), (0, gguf_header.GGUF_MAX_TENSORS)):
+        p.write_bytes(_many_file(n_kv, n_t))
+        h = gguf_header.preparse_header(p, p.stat().st_size)
+        assert (len(h.values), len(h.tensors)) == (n_kv, n_t)
+        assert h.values.get("k000001", 1) == 1 and h.tensors.get("t000001", (0,))[0] == 0
+        p.write_bytes(_many_file(n_kv + (n_kv > 0), n_t + (n_t > 0)))
+        with pytest.raises(ModelError, match="more than vkxsplit reads"):
+            gguf_header.preparse_header(p, p.stat().st_size)
+
+
+@pytest.mark.parametrize("bad", [0, 48, 1 << 31, "32"])
+def test_bad_alignment_is_refused(tmp_path: Path, bad: int | str) -> None:
+    """general.alignment must be a uint32 power of two (llama.cpp's check): 0 would divide by zero,
+    48 misplace the data, a string is not read as 32."""
+    def kv(w: GGUFWriter) -> None:
+        (w.add_string if isinstance(bad, str) else w.add_uint32)("general.alignment", bad)  # type: ignore[operator]
+
+    with pytest.raises(ModelError, match="value type" if isinstance(bad, str) else "not a power of two|truncated"):
+        load_model(write_tiny(tmp_path / "a.gguf", extra_kv=kv))
+
+
+def test_custom_alignment_is_followed(tmp_path: Path) -> None:
+    """A valid alignment other than 32 places the data where gguf-py's writer put it."""
+    from test_gguf_model import reader_differences
+
+    p = write_tiny(tmp_path / "a.gguf", extra_kv=lambda w: w.add_custom_alignment(256))
+    mf = load_model(p)
+    assert mf.header.alignment == 256 and mf.data_offset % 256 == 0
+    assert all((t.offset - mf.data_offset) % 256 == 0 for t in mf.tensors.values())
+    assert reader_differences(p) == []
+
+
+def test_nested_arrays_at_the_limit_are_read(tmp_path: Path) -> None:
+    """The limit on arrays of arrays is exact: at it the file is walked and its value reads back."""
+    p = tmp_path / "arrays.gguf"
+    n = gguf_header.GGUF_MAX_NESTED_ARRAYS
+    p.write_bytes(_arrays_file(n))
+    h = gguf_header.preparse_header(p, p.stat().st_size)
+    v, end = gguf_header.read_value(p.read_bytes(), h.value_pos["many"], 9)
+    assert h.kv_types["many"] == (9, 9, n) and len(v) == n and end == p.stat().st_size
+    assert all(a.dtype == np.uint8 and a.shape == (0,) for a in v[:3])
+
+
+def test_preparse_trusts_no_size_beyond_the_file(tmp_path: Path) -> None:
+    """A size larger than the file (say, a stat taken before the file was cut) does not let a
+    truncated file pass: the walk bounds itself by the bytes it can read."""
+    base = write_base(tmp_path / "base.gguf").read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(base[:-100])  # tensor data cut short
+    with pytest.raises(ModelError, match="truncated"):
+        gguf_header.preparse_header(p, len(base))
+    p.write_bytes(base[:200])  # header cut short: a ModelError, not a struct.error
+    with pytest.raises(ModelError, match="truncated"):
+        gguf_header.preparse_header(p, len(base))
+
+
+@pytest.mark.parametrize("edit", ["string_array_count", "string_length", "u8_array_count", "nested_deeper"])
+def test_value_rewritten_after_load_is_refused_within_its_bytes(tmp_path: Path, edit: str) -> None:
+    """Arrays are decoded from the mapping when asked, after the walk: a file rewritten in place
+    meanwhile (same size, as gguf-py's gguf_set_metadata edits) must not make the decode trust
+    a new count or length: a count of 2^40 strings over the file's zero bytes would otherwise
+    build a list of hundreds of millions of strings. A ModelError saying the file changed."""
+    def kv(w: GGUFWriter) -> None:
+        _base_kv(w)
+        w.add_array("hostile.strs", ["ab", "cd"])
+
+    p = write_tiny(tmp_path / "strs.gguf", extra_kv=kv)
+    with open(p, "ab") as f:  # room for a runaway decode: 64 MB of zeros after the tensor data
+        f.write(b"\0" * (64 << 20))
+    mf = load_model(p)
+    assert mf.get("hostile.strs") == ["ab", "cd"] and mf.get("hostile.u8").tolist() == [1, 2, 3]
+    assert [a.tolist() for a in mf.get("hostile.nested")] == [[1, 2], [3]]
+    data = p.read_bytes()
+    at = {"string_array_count": (_after(data, b"hostile.strs") + 8, 1 << 40),
+          "string_length": (_after(data, b"hostile.strs") + 16, 1 << 26),
+          "u8_array_count": (_after(data, b"hostile.u8") + 8, 1 << 26),
+          # [[1, 2], [3]] -> its first inner array's element type: array (of the next 12 bytes)
+          "nested_deeper": (_after(data, b"hostile.nested") + 16, 9)}[edit]
+    with open(p, "r+b") as f:
+        f.seek(at[0])
+        f.write(struct.pack("<I" if edit == "nested_deeper" else "<Q", at[1]))
+    key = {"u8_array_count": "hostile.u8", "nested_deeper": "hostile.nested"}.get(edit, "hostile.strs")
+    err, dt, grew = _refused(lambda: mf.get(key))
+    assert "changed after it was loaded" in str(err) and key in str(err), str(err)
+    assert dt < LIMIT_S and grew < LIMIT_MB, (dt, grew)
 
 
 # ---- tests: hostile templates ----------------------------------------------------------------------

@@ -149,6 +149,8 @@ def test_params_qwen3moe_and_mixtral(tmp_path):
     ({"expert_shared_count": ("uint32", 1)}, None, "no shared experts"),
     ({"expert_gating_func": ("uint32", 3)}, None, "expert_gating_func = 3"),
     ({"expert_count": ("uint32", 1000)}, None, "runs 1..512 experts"),
+    ({"expert_count": ("float32", float("inf"))}, None, "expert_count = inf is not a finite number"),
+    ({"expert_used_count": ("float32", float("nan"))}, None, "expert_used_count = nan is not a finite number"),
     ({"expert_feed_forward_length": ("uint32", 64)}, None, "ffn_gate_exps.weight has shape"),
 ])
 def test_refused(tmp_path, keys, tensor_experts, match):

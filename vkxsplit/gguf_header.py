@@ -33,7 +33,7 @@ GGUF_MAGIC_BYTES = b"GGUF"
 HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, kv count
 
 # Limits of the header pre-parse (:func:`preparse_header`). Those of llama.cpp's own parser
-# (ggml/src/gguf.cpp, ggml/include/ggml.h) are mirrored; the last two are vkxsplit's own.
+# (ggml/src/gguf.cpp, ggml/include/ggml.h) are mirrored; the last four are vkxsplit's own.
 #: longest metadata string (gguf.cpp GGUF_MAX_STRING_LENGTH)
 GGUF_MAX_STRING_LENGTH = 1 << 30
 #: most elements of one metadata array (gguf.cpp GGUF_MAX_ARRAY_ELEMENTS)
@@ -53,6 +53,15 @@ GGUF_MAX_ARRAY_DEPTH = 2
 #: merges), Llama 3 ~0.54 M, a 262k-token vocabulary with scores and types ~0.79 M, with merges
 #: ~1.3 M)
 GGUF_MAX_METADATA_ELEMENTS = 1 << 21
+#: most key-value pairs (vkxsplit's own: each costs ~200 bytes of Python objects for as long as the
+#: model is loaded; models have ~30-60, so a file claiming more is not a model)
+GGUF_MAX_KV = 1 << 16
+#: most tensors (vkxsplit's own, as for the keys: ~400 bytes each while the model is loaded; the
+#: largest models have a few thousand)
+GGUF_MAX_TENSORS = 1 << 16
+#: most arrays inside arrays of arrays, in all (vkxsplit's own: llama.cpp reads none, and each is
+#: a numpy array of ~100 bytes once read, against 12 in the file)
+GGUF_MAX_NESTED_ARRAYS = 1 << 16
 
 # GGUF value type -> bytes of one scalar (8 = string and 9 = array are variable)
 _VALUE_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -101,6 +110,8 @@ class HeaderInfo:
     values: dict[str, Any] = field(default_factory=dict)
     #: key -> the byte offset of its value in the file
     value_pos: dict[str, int] = field(default_factory=dict)
+    #: key -> the byte offset just past its value (the bound :func:`read_value` keeps to)
+    value_end: dict[str, int] = field(default_factory=dict)
 
 
 class _Header:
@@ -108,8 +119,9 @@ class _Header:
     larger than what the file holds."""
 
     def __init__(self, path: Path, buf: Any, size: int) -> None:
-        self.path, self.buf, self.size, self.pos = path, buf, size, 0
-        self.elements = 0
+        # (never past the bytes there are, whatever size the caller read before)
+        self.path, self.buf, self.size, self.pos = path, buf, min(size, len(buf)), 0
+        self.elements = self.nested = 0
 
     def fail(self, cause: str, hint: str = CORRUPT_HINT) -> ModelError:
         return ModelError(f"{describe_path(self.path)} {cause}", hint=hint)
@@ -200,27 +212,48 @@ class _Header:
             for _ in range(count):
                 self.skip_string(f"an element of {key!r}")
         else:
+            self.nested += count
+            if self.nested > GGUF_MAX_NESTED_ARRAYS:
+                raise self.fail(
+                    f"has more than {GGUF_MAX_NESTED_ARRAYS} arrays inside arrays of arrays (at {key!r}), more "
+                    "than vkxsplit reads",
+                    hint="no supported model has arrays of arrays (llama.cpp reads none); the file is corrupt "
+                    "or not a language model",
+                )
             for _ in range(count):
                 self.value(_T_ARRAY, key, depth + 1)
         return count
 
 
-def read_value(buf: Any, pos: int, vtype: int) -> tuple[Any, int]:
+def read_value(buf: Any, pos: int, vtype: int, end: int | None = None, _depth: int = 0) -> tuple[Any, int]:
     """Decode the value of type ``vtype`` at byte ``pos`` of ``buf`` (a header that passed
-    :func:`preparse_header`, so every length is known to fit): a scalar as a Python scalar, a
-    string as ``str`` (invalid UTF-8 replaced), an array of scalars as a read-only numpy array
-    (a compact copy, not a view of the mapping), an array of strings as ``list[str]``, an array
-    of arrays as a list of those. Returns the value and the offset just past it."""
+    :func:`preparse_header`): a scalar as a Python scalar, a string as ``str`` (invalid UTF-8
+    replaced), an array of scalars as a read-only numpy array (a compact copy, not a view of the
+    mapping), an array of strings as ``list[str]``, an array of arrays as a list of those.
+    Returns the value and the offset just past it. Every count and length is checked to stay
+    before ``end`` (default: the end of ``buf``; the walk's ``value_end`` for a mapping that may
+    have been rewritten since the walk) and to be of a type the walk accepts: ValueError
+    otherwise, before anything of that size is built."""
+    end = len(buf) if end is None else end
     if vtype in _STRUCT:
+        if pos + _VALUE_SIZE[vtype] > end:
+            raise ValueError(f"a value of type {vtype} at {pos} runs past {end}")
         return struct.unpack_from(_STRUCT[vtype], buf, pos)[0], pos + _VALUE_SIZE[vtype]
     if vtype == _T_STRING:
-        n = struct.unpack_from("<Q", buf, pos)[0]
-        end = pos + 8 + n
-        return bytes(buf[pos + 8 : end]).decode("utf-8", errors="replace"), end
+        n = struct.unpack_from("<Q", buf, pos)[0] if pos + 8 <= end else end
+        if pos + 8 + n > end:
+            raise ValueError(f"a string at {pos} runs past {end}")
+        return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
     if vtype != _T_ARRAY:
         raise ValueError(f"invalid GGUF value type {vtype}")
+    if _depth >= GGUF_MAX_ARRAY_DEPTH:
+        raise ValueError(f"arrays at {pos} nest deeper than {GGUF_MAX_ARRAY_DEPTH} levels")
+    if pos + 12 > end:
+        raise ValueError(f"an array at {pos} runs past {end}")
     etype, count = struct.unpack_from("<IQ", buf, pos)
     pos += 12
+    if etype not in _MIN_SIZE or count * _MIN_SIZE[etype] > end - pos:
+        raise ValueError(f"an array of {count} elements of type {etype} at {pos} does not fit before {end}")
     if etype in _NP_DTYPE:
         dt = np.dtype(_NP_DTYPE[etype])
         arr = np.frombuffer(buf, dtype=dt, count=count, offset=pos).copy() if count else np.empty(0, dt)
@@ -230,12 +263,14 @@ def read_value(buf: Any, pos: int, vtype: int) -> tuple[Any, int]:
     if etype == _T_STRING:
         unpack, raw = struct.unpack_from, buf
         for _ in range(count):
-            n = unpack("<Q", raw, pos)[0]
+            n = unpack("<Q", raw, pos)[0] if pos + 8 <= end else end
+            if pos + 8 + n > end:
+                raise ValueError(f"a string at {pos} runs past {end}")
             out.append(bytes(raw[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"))
             pos += 8 + n
         return out, pos
     for _ in range(count):
-        v, pos = read_value(buf, pos, etype)
+        v, pos = read_value(buf, pos, etype, end, _depth + 1)
         out.append(v)
     return out, pos
 
@@ -243,7 +278,8 @@ def read_value(buf: Any, pos: int, vtype: int) -> tuple[Any, int]:
 def preparse_header(path: Path, size: int) -> HeaderInfo:
     """Walk the whole GGUF header (key-value pairs and tensor infos) without allocating more than
     the file holds, checking what llama.cpp's ``gguf_init_from_file`` checks (ggml/src/gguf.cpp):
-    every count and length against the bytes that remain, non-empty and unique keys, unique
+    every count and length against the bytes that remain (and vkxsplit's own limits on the numbers
+    of keys, tensors and array elements), non-empty and unique keys, unique
     tensor names shorter than GGML_MAX_NAME, at most GGML_MAX_DIMS dimensions, a known type, rows
     a whole number of blocks, an element count below 2^63, a power-of-two ``general.alignment``
     of type uint32 and every tensor's data at the running total of the padded sizes before it
@@ -285,9 +321,14 @@ def _walk_header(h: _Header) -> HeaderInfo:
     if n_tensors * _MIN_TENSOR_INFO_BYTES > h.size - h.pos:
         raise h.fail(f"is truncated or corrupt: it declares {n_tensors} tensors, more than its "
                      f"{h.size} bytes can hold")
+    for n, most, what in ((n_kv, GGUF_MAX_KV, "key-value pairs"), (n_tensors, GGUF_MAX_TENSORS, "tensors")):
+        if n > most:
+            raise h.fail(f"declares {n} {what}, more than vkxsplit reads (at most {most})",
+                         hint="no supported model has that many; the file is corrupt or not a language model")
     kv_types: dict[str, tuple[int, int | None, int | None]] = {}
     values: dict[str, Any] = {}
     value_pos: dict[str, int] = {}
+    value_end: dict[str, int] = {}
     alignment = 32
     for i in range(n_kv):
         key = h.text(f"key #{i}")
@@ -300,7 +341,7 @@ def _walk_header(h: _Header) -> HeaderInfo:
         count = h.value(vtype, key, 0)
         etype = struct.unpack_from("<I", h.buf, start)[0] if vtype == _T_ARRAY else None
         kv_types[key] = (vtype, etype, count)
-        value_pos[key] = start
+        value_pos[key], value_end[key] = start, h.pos
         if vtype != _T_ARRAY:  # (checked to fit by h.value)
             values[key] = read_value(h.buf, start, vtype)[0]
         if key == "general.alignment":
@@ -364,7 +405,7 @@ def _walk_header(h: _Header) -> HeaderInfo:
         tensors[name] = (type_id, ne, data_offset + offset, nbytes)
     return HeaderInfo(version=version, n_tensors=n_tensors, n_kv=n_kv, alignment=alignment,
                        data_offset=data_offset, kv_types=kv_types, tensors=tensors, n_dims=n_dims_of,
-                       values=values, value_pos=value_pos)
+                       values=values, value_pos=value_pos, value_end=value_end)
 
 
 

@@ -68,8 +68,8 @@ def read_moe_params(where: str, arch: str, get: Callable[[str], Any], n_ff: int 
         v = get(p + key)
         if v is None:
             return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ModelError(f"{where}: {p}{key} = {v!r} is not a number", hint=_HINT)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+            raise ModelError(f"{where}: {p}{key} = {v!r} is not a finite number", hint=_HINT)
         return v
 
     n_expert = num("expert_count")

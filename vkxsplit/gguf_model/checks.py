@@ -133,10 +133,53 @@ def _check_tensors(path: Path, hp: HParams, tensors: dict[str, TensorInfo], tied
         )
 
 
+_INTS = frozenset({GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+                   GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64})
+_NUMBERS = _INTS | {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+_STR = frozenset({GGUFValueType.STRING})
+#: tokenizer key -> (value types, element types of an array value or None for a scalar): what the
+#: tokenizer reads (llama.cpp's llama-vocab.cpp reads each with a getter of one type)
+_TOKENIZER_TYPES: dict[str, tuple[frozenset[int], frozenset[int] | None]] = {
+    "tokenizer.ggml.model": (_STR, None),
+    "tokenizer.ggml.pre": (_STR, None),
+    "tokenizer.chat_template": (_STR, None),
+    "tokenizer.ggml.token_type": (frozenset({GGUFValueType.ARRAY}), _INTS),
+    "tokenizer.ggml.scores": (frozenset({GGUFValueType.ARRAY}), _NUMBERS),
+    "tokenizer.ggml.merges": (frozenset({GGUFValueType.ARRAY}), _STR),
+    "tokenizer.ggml.add_bos_token": (_INTS | {GGUFValueType.BOOL}, None),
+    "tokenizer.ggml.add_eos_token": (_INTS | {GGUFValueType.BOOL}, None),
+    "tokenizer.ggml.add_space_prefix": (_INTS | {GGUFValueType.BOOL}, None),
+}
+
+
+def _check_tokenizer_types(path: Path, md: Metadata) -> None:
+    """Each tokenizer key the tokenizer reads has a type it can read (token ids: any integer
+    type): a string "1" for an id or "false" for a flag would otherwise be read as 1 / True, an
+    array of strings or arrays fail inside the tokenizer."""
+    for key in md.keys():
+        if key in _TOKENIZER_TYPES:
+            want, want_elem = _TOKENIZER_TYPES[key]
+        elif key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            want, want_elem = _INTS, None
+        else:
+            continue
+        vtype, etype, _ = md.value_type(key)
+        if vtype not in want or (want_elem is not None and etype not in want_elem):
+            got = GGUFValueType(vtype).name + (f" of {GGUFValueType(etype).name}" if etype is not None else "")
+            need = " or ".join(sorted(GGUFValueType(t).name for t in want)) + (
+                f" of {' or '.join(sorted(GGUFValueType(t).name for t in want_elem))}" if want_elem else "")
+            raise ModelError(
+                f"{describe_path(path)}: {key} is {got}, not {need}",
+                hint="the file's tokenizer metadata is corrupt; re-convert the model with llama.cpp",
+            )
+
+
 def _check_vocab(path: Path, md: Metadata, tensors: dict[str, TensorInfo], tied: bool) -> None:
     """The vocabulary (``tokenizer.ggml.tokens``) must have one token per row of the embedding and
     output matrices, as llama.cpp requires: a token id with no text (a smaller vocabulary) cannot
-    be printed, and a text whose id has no row (a larger one) cannot be embedded."""
+    be printed, and a text whose id has no row (a larger one) cannot be embedded. The other
+    tokenizer keys must have types the tokenizer reads."""
+    _check_tokenizer_types(path, md)
     key = "tokenizer.ggml.tokens"
     if key not in md:
         return  # no tokenizer: load_model works, Tokenizer.from_model_file says what is missing

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EnvironmentProblem, ModelError
+from ..errors import ClosedError, EnvironmentProblem, ModelError
 from ..gguf_header import GGUF_MAGIC_BYTES, HEADER_BYTES, HeaderInfo, describe_path, walk_header
 from .checks import _check_tensors, _check_vocab
 from .hparams import ARCHS, HParams, _read_hparams
@@ -49,14 +49,20 @@ class ModelFile:
         """Any metadata value: a scalar as a Python scalar, a string as ``str`` (UTF-8, invalid
         bytes replaced), an array of numbers as a read-only numpy array, of strings as
         ``list[str]``. Arrays are decoded from the mapping on each call: keep what you need."""
-        return self.meta.get(key, default)
+        return self._metadata("get()").get(key, default)
 
     def has(self, key: str) -> bool:
-        return key in self.meta
+        return key in self._metadata("has()")
 
     def array_len(self, key: str) -> int:
         """Length of an array-valued key without decoding it (0 when absent)."""
-        return self.meta.array_len(key)
+        return self._metadata("array_len()").array_len(key)
+
+    def _metadata(self, what: str) -> Metadata:
+        if self.meta is None:  # (close() dropped it with the mapping)
+            raise ClosedError(f"GGUF file {str(self.path)!r} is closed: {what} cannot be used after close()",
+                              "keep the ModelFile open while you read its metadata, or load it again")
+        return self.meta
 
     @property
     def data_offset(self) -> int:
@@ -163,6 +169,16 @@ class ModelFile:
 # loading
 
 def _open_mapping(path: Path) -> tuple[mmap.mmap, HeaderInfo, int]:
+    try:
+        return _open_mapping_unchecked(path)
+    except OSError as e:  # (a ModelError is no OSError: only the system's refusals land here)
+        raise ModelError(
+            f"{describe_path(path)} cannot be read ({e.strerror or e})",
+            hint="check the path and that the file is a readable regular file",
+        ) from e
+
+
+def _open_mapping_unchecked(path: Path) -> tuple[mmap.mmap, HeaderInfo, int]:
     if not path.exists():
         raise ModelError(
             f"{describe_path(path)} does not exist",

@@ -164,10 +164,18 @@ def _read_hparams(path: Path, md: Metadata, arch: str, tensors: dict[str, Tensor
     n_head_kv = _get_int(path, md, p + "attention.head_count_kv", n_head)
     n_ff = _get_int(path, md, p + "feed_forward_length")
     n_ctx = _get_int(path, md, p + "context_length", 2048)
-    if min(n_embd, n_layer, n_head, n_head_kv, n_ff) <= 0 or n_head % n_head_kv:
+    if min(n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx) <= 0 or n_head % n_head_kv:
         raise ModelError(
             f"{describe_path(path)} has inconsistent hyperparameters (n_embd={n_embd}, n_layer={n_layer}, "
-            f"n_head={n_head}, n_head_kv={n_head_kv}, n_ff={n_ff})",
+            f"n_head={n_head}, n_head_kv={n_head_kv}, n_ff={n_ff}, n_ctx_train={n_ctx})",
+            hint="the file's metadata is corrupt; re-convert it with llama.cpp",
+        )
+    # every layer has tensors of its own: a block_count above the tensor count is refused here,
+    # before the per-layer checks would loop over it (2^32 - 1 layers: hours and gigabytes)
+    if n_layer > len(tensors):
+        raise ModelError(
+            f"{describe_path(path)} declares {n_layer} layers ({p}block_count) but holds only "
+            f"{len(tensors)} tensors",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
         )
     if p + "vocab_size" in md:
@@ -181,7 +189,7 @@ def _read_hparams(path: Path, md: Metadata, arch: str, tensors: dict[str, Tensor
     head_dim = _get_int(path, md, p + "attention.key_length", n_embd // n_head)
     head_dim_v = _get_int(path, md, p + "attention.value_length", head_dim)
     n_rot = _get_int(path, md, p + "rope.dimension_count", head_dim)
-    if n_rot > head_dim or n_rot % 2:
+    if n_rot > head_dim or n_rot < 0 or n_rot % 2:
         raise ModelError(
             f"{describe_path(path)} has rope.dimension_count={n_rot} for heads of {head_dim}",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",

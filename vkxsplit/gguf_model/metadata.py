@@ -6,6 +6,7 @@ a :class:`~vkxsplit.errors.ModelError` naming the key.
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,11 @@ class Metadata:
         vt = self._types.get(key)
         if vt is None:
             return default
-        try:
-            return read_value(self.buf, self.header.value_pos[key], vt[0])[0]
+        try:  # (within the bytes the walk found it in: the file may have been rewritten since)
+            value, end = read_value(self.buf, self.header.value_pos[key], vt[0], self.header.value_end[key])
+            if end != self.header.value_end[key]:
+                raise ValueError(f"it now ends at byte {end}, not {self.header.value_end[key]}")
+            return value
         except (struct.error, ValueError, IndexError) as e:  # the bytes changed under the mapping
             raise ModelError(
                 f"{describe_path(self.path)}: the value of {key!r} no longer reads ({e}); the file was changed "
@@ -75,6 +79,28 @@ class Metadata:
         return dict(self._values)
 
 
+def _number(v: Any, integer: bool) -> int | float | None:
+    """``v`` as a Python int (``integer``: an integer type, or a whole finite float) or float (any
+    integer or float type), else None: a bool, a string, a list (of strings or arrays) are not
+    numbers, though ``int()``/``float()`` would read some of them."""
+    if isinstance(v, (bool, np.bool_)):
+        return None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        f = float(v)
+        if not integer:
+            return f
+        return int(f) if math.isfinite(f) and f.is_integer() else None
+    return None
+
+
+def _shown(v: Any) -> str:
+    """A value for a message: a list by its first elements, at most ~80 characters."""
+    r = repr(v[:4]) if isinstance(v, list) else repr(v[:81]) if isinstance(v, str) else repr(v)
+    return r if len(r) <= 80 else r[:80] + "..."
+
+
 def _get_int(path: Path, md: Metadata, key: str, default: int | None = None) -> int:
     if key not in md:
         if default is None:
@@ -84,37 +110,39 @@ def _get_int(path: Path, md: Metadata, key: str, default: int | None = None) -> 
             )
         return default
     v = md.get(key)
-    if isinstance(v, (list, np.ndarray)):  # per-layer arrays (e.g. head_count): must be uniform here
-        if not len(v) or any(x != v[0] for x in v):
-            shown = list(v[:8]) if isinstance(v, list) else v[:8].tolist()
+    if isinstance(v, np.ndarray):  # per-layer arrays (e.g. head_count): must be uniform here
+        if not len(v) or bool((v != v[0]).any()):
             raise ModelError(
-                f"{describe_path(path)} has per-layer values for {key!r} ({shown}...)",
+                f"{describe_path(path)} has per-layer values for {key!r} ({v[:8].tolist()}...)",
                 hint="models with non-uniform layers are not supported",
             )
         v = v[0]
-    try:
-        return int(v)
-    except (TypeError, ValueError):
+    n = _number(v, integer=True)
+    if n is None:
         raise ModelError(
-            f"{describe_path(path)} has a non-integer value {v!r} for {key!r}",
+            f"{describe_path(path)} has a non-integer value {_shown(v)} for {key!r}",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
-        ) from None
+        )
+    return int(n)
 
 
 def _get_float(md: Metadata, key: str, default: float, path: Path | None = None) -> float:
     if key not in md:
         return default
     v = md.get(key)
-    if isinstance(v, (list, np.ndarray)) and len(v):
+    where = describe_path(path if path is not None else md.path)
+    if isinstance(v, np.ndarray) and len(v):  # per-layer: must be uniform here (as for _get_int)
+        if bool((v != v[0]).any()):
+            raise ModelError(f"{where} has per-layer values for {key!r} ({v[:8].tolist()}...)",
+                             hint="models with non-uniform layers are not supported")
         v = v[0]
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        where = describe_path(path if path is not None else md.path)
+    n = _number(v, integer=False)
+    if n is None:
         raise ModelError(
-            f"{where} has a non-numeric value {v!r} for {key!r}",
+            f"{where} has a non-numeric value {_shown(v)} for {key!r}",
             hint="the file's metadata is corrupt; re-convert it with llama.cpp",
-        ) from None
+        )
+    return float(n)
 
 
 def _get_str(md: Metadata, key: str, default: str) -> str:
