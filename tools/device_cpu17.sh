@@ -9,12 +9,7 @@
 # Read: tok/s per split; the cpu rows are the cost of holding those weights in host memory and
 # computing them with 16 ggml threads instead of on the GPU.
 # env: REPS (default 2), THREADS (cpu backend threads; default: its own, the physical cores)
-set -uo pipefail
-. .device/on-device.sh || exit 1
-export VK_LAYER_PATH=/usr/share/vulkan/explicit_layer.d
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
-export VKXSPLIT_CACHE_DIR=/tmp/vkxcache
-python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed"
+. tools/device_common.sh || exit 1
 python3 -m vkxsplit info 2>&1 | grep -i -A3 "ggml\|cpu" | head -n 20 | tee "$OUT/info.txt"
 BE=cpu${THREADS:+:threads=$THREADS}
 f=/tmp/models/llama8b-q4_0.gguf

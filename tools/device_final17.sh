@@ -4,15 +4,8 @@
 # profile of llama8b's decode. Carry [".device", "build/tool-spv"]; results in $OUT.
 # env: TESTS (pytest selection), TESTS_S (default 70), SHAPES, REPS (2), BENCH_S (300),
 #      BUDGET_S (470: what is left of it at the end runs the MoE experts-on-cpu row).
-set -uo pipefail
-. .device/on-device.sh || exit 1
-export VK_LAYER_PATH=/usr/share/vulkan/explicit_layer.d
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
-export VKXSPLIT_CACHE_DIR=/tmp/vkxcache
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-left() { echo $(( ${BUDGET_S:-470} - ($(date +%s) - t0) )); }
-python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed"
+BUDGET_S=${BUDGET_S:-470}
+. tools/device_common.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -m vkxsplit build-shaders --check 2>&1 | tail -n 1
 VKXSPLIT_VALIDATION=1 timeout ${TESTS_S:-70} python3 -m pytest -q -p no:cacheprovider -o addopts="" -x \

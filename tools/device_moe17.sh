@@ -15,14 +15,8 @@
 # The synthetic Qwen3-30B-A3B file (~17 GB) is written in the background while the tests and
 # the kernel benchmark run, into a temporary name that is renamed when complete.
 # env: TESTS_S (default 100), MOE_S (70), BUDGET_S (350: bench_models gets what is left of it).
-set -uo pipefail
-. .device/on-device.sh || exit 1
-export VK_LAYER_PATH=/usr/share/vulkan/explicit_layer.d
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export VKXSPLIT_CACHE_DIR=/tmp/vkxcache
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-left() { echo $(( ${BUDGET_S:-350} - ($(date +%s) - t0) )); }
+BUDGET_S=${BUDGET_S:-350}
+. tools/device_common.sh || exit 1
 
 model=/tmp/models/qwen3moe30b-q4_k.gguf   # the name tools/bench_models.py looks for
 mkdir -p /tmp/models/part
@@ -34,7 +28,6 @@ else
   synth_pid=
 fi
 
-python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 tools/build_tool_shaders.py --check 2>&1 | tail -n 3 | sed 's/^/experiment kernels: /'
 # pipelines of the routed kernels (shipped and the emulated / sweep ones built in build/tool-spv)

@@ -13,14 +13,8 @@
 #                       gives the levels per step and per layer (want: 2 levels per layer fewer
 #                       after), the tables the time per op and per level
 # env: TESTS_S (default 120), BUDGET_S (450: the benchmarks get what is left of it).
-set -uo pipefail
-. .device/on-device.sh || exit 1
-export VK_LAYER_PATH=/usr/share/vulkan/explicit_layer.d
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export VKXSPLIT_CACHE_DIR=/tmp/vkxcache
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-left() { echo $(( ${BUDGET_S:-450} - ($(date +%s) - t0) )); }
+BUDGET_S=${BUDGET_S:-450}
+. tools/device_common.sh || exit 1
 
 model=/tmp/models/qwen3moe30b-q4_k.gguf
 mkdir -p /tmp/models/part
@@ -31,7 +25,6 @@ if [[ ! -f $model ]]; then
 else
   synth_pid=
 fi
-python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
 VKXSPLIT_VALIDATION=1 timeout ${TESTS_S:-120} python3 -m pytest -q -ra -p no:cacheprovider -o addopts="" --durations=5 \

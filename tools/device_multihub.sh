@@ -5,12 +5,7 @@
 # the row split with f32 and f16 partials) to set beside docs/MULTI_GPU.md's table, then the
 # plan of both splits over the two GPUs. Carry [".device"]; results in $OUT.
 # env: TESTS=0 (skip the tests), BENCH=0 (skip the bench), REPS (default 3), BENCH_S.
-set -uo pipefail
-. .device/on-device.sh || exit 1
-export VK_LAYER_PATH=/usr/share/vulkan/explicit_layer.d
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export VKXSPLIT_CACHE_DIR=/tmp/vkxcache
-python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed"
+. tools/device_common.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [[ ${TESTS:-1} == 1 ]]; then
   VKXSPLIT_VALIDATION=1 timeout 300 python3 -m pytest -q -ra -p no:cacheprovider -o addopts="" \

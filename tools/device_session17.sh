@@ -3,12 +3,7 @@
 # and `mode:cuda>=32` with the cuda backend), then per-level profiles of llama8b's and
 # qwen3_8b's decode (`vkxsplit bench --profile`). Carry [".device"]; results in $OUT.
 # env: MODELS=0 (skip the model table), SHAPES, SPLITS, REPS, BENCH_S (seconds for the model table), PROFILE ("" to skip).
-set -uo pipefail
-. .device/on-device.sh || exit 1
-export VK_LAYER_PATH=/usr/share/vulkan/explicit_layer.d
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export VKXSPLIT_CACHE_DIR=/tmp/vkxcache
-python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed"
+. tools/device_common.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [[ ${MODELS:-1} == 1 ]]; then
 # the first process on a fresh machine runs its first cooperative-matrix products slowly

@@ -8,13 +8,7 @@
 # (python tools/build_tool_shaders.py --only '^mul_mat_vec_'; its sweep shapes reuse the
 # shipped modules, so it holds no mat-vec SPIR-V of its own). Results in $OUT.
 # env: TYPES (default q4_0,q4_k,q6_k,f16), TESTS_S (default 40), BENCH_S (default 45).
-set -uo pipefail
-. .device/on-device.sh || exit 1
-export VK_LAYER_PATH=/usr/share/vulkan/explicit_layer.d
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export VKXSPLIT_CACHE_DIR=/tmp/vkxcache
-t0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+. tools/device_common.sh || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 - <<'PY'
 from vkxsplit import shaders
