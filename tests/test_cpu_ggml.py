@@ -814,7 +814,7 @@ def test_attention_masks_shared_per_shape_and_right_for_each(cpu_step, step_aren
     ck, cv = (rng.standard_normal((n_ctx, nkv, hd)).astype(np.float16) for _ in range(2))
     ckb, cvb = put(step_arena, ck), put(step_arena, cv)
     bound = 3e-3 * np.abs(cv).astype(np.float64).max()
-    before = len(cpu_step._masks)
+    bufs = []
     for T, pos0 in ((3, 5), (4, 4), (3, 5)):
         q = rng.standard_normal((T, nh, hd)).astype(np.float32)
         qb, ob = put(step_arena, q), step_arena.alloc(T * nh * hd * 4)
@@ -823,7 +823,8 @@ def test_attention_masks_shared_per_shape_and_right_for_each(cpu_step, step_aren
                                params={"n_heads": nh, "n_kv_heads": nkv, "head_dim": hd, "n_ctx": n_ctx}))
         got = ob.numpy(np.float32)[:T * nh * hd].reshape(T, nh, hd)
         assert np.abs(got - attention_ref(q, ck, cv, pos0, nkv)).max() <= bound, (T, pos0)
-    assert len(cpu_step._masks) == before + 2
+        bufs.append(cpu_step._masks[(T, n_ctx)][0])
+    assert bufs[0] is bufs[2] and bufs[1] is not bufs[0]  # (one buffer per shape, shared)
 
 
 def test_default_threads_within_the_cgroup_cpu_quota(device, tmp_path, monkeypatch):
