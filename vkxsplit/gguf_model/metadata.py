@@ -101,6 +101,18 @@ def _shown(v: Any) -> str:
     return r if len(r) <= 80 else r[:80] + "..."
 
 
+def _per_layer(where: str, key: str, v: Any, empty_ok: bool) -> Any:
+    """A per-layer array (e.g. head_count) as its one value: the layers must agree (models with
+    non-uniform layers are refused); an empty array is refused unless ``empty_ok`` (then it is
+    returned as is); any other value as it is."""
+    if not isinstance(v, np.ndarray):
+        return v
+    if (not len(v) and not empty_ok) or (len(v) and bool((v != v[0]).any())):
+        raise ModelError(f"{where} has per-layer values for {key!r} ({v[:8].tolist()}...)",
+                         hint="models with non-uniform layers are not supported")
+    return v[0] if len(v) else v
+
+
 def _get_int(path: Path, md: Metadata, key: str, default: int | None = None) -> int:
     if key not in md:
         if default is None:
@@ -109,14 +121,7 @@ def _get_int(path: Path, md: Metadata, key: str, default: int | None = None) -> 
                 hint="the file is incomplete or was written by an old converter; re-convert it with llama.cpp",
             )
         return default
-    v = md.get(key)
-    if isinstance(v, np.ndarray):  # per-layer arrays (e.g. head_count): must be uniform here
-        if not len(v) or bool((v != v[0]).any()):
-            raise ModelError(
-                f"{describe_path(path)} has per-layer values for {key!r} ({v[:8].tolist()}...)",
-                hint="models with non-uniform layers are not supported",
-            )
-        v = v[0]
+    v = _per_layer(describe_path(path), key, md.get(key), empty_ok=False)
     n = _number(v, integer=True)
     if n is None:
         raise ModelError(
@@ -129,13 +134,8 @@ def _get_int(path: Path, md: Metadata, key: str, default: int | None = None) -> 
 def _get_float(md: Metadata, key: str, default: float, path: Path | None = None) -> float:
     if key not in md:
         return default
-    v = md.get(key)
     where = describe_path(path if path is not None else md.path)
-    if isinstance(v, np.ndarray) and len(v):  # per-layer: must be uniform here (as for _get_int)
-        if bool((v != v[0]).any()):
-            raise ModelError(f"{where} has per-layer values for {key!r} ({v[:8].tolist()}...)",
-                             hint="models with non-uniform layers are not supported")
-        v = v[0]
+    v = _per_layer(where, key, md.get(key), empty_ok=True)
     n = _number(v, integer=False)
     if n is None:
         raise ModelError(
