@@ -203,6 +203,8 @@ class Executor:
             self._jobs = [_job(j.op) for j in self.schedule.jobs]
             self._chains, self._chained = self._find_chains()
             self._chain_jobs = {h: [self._jobs[j] for j in run] for h, run in self._chains.items()}
+            # the segment each run starts after: the latest any of its jobs waits for
+            self._chain_wait = {h: max(self.schedule.jobs[j].wait for j in run) for h, run in self._chains.items()}
             # of the trailing jobs, the last of each backend: a backend runs its jobs in order
             # (a step of hundreds of trailing jobs otherwise checks every point)
             last: dict[str, int] = {}
@@ -284,8 +286,7 @@ class Executor:
                 b = self.backends[sch.jobs[i].op.backend]
                 for j in run:
                     job_pts[j] = b.next_point()
-                wait = max(sch.jobs[j].wait for j in run)
-                b.run_chain(self._chain_jobs[i], (tl, seg_vals[wait]), job_pts[run[-1]])
+                b.run_chain(self._chain_jobs[i], (tl, seg_vals[self._chain_wait[i]]), job_pts[run[-1]])
             else:
                 jb = sch.jobs[i]
                 b = self.backends[jb.op.backend]
