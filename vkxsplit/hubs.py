@@ -46,6 +46,7 @@ from .archs import build_graph, weight_tensors
 from .attach import HostMapping, _memfd, host_page_align, import_host_pages
 from .errors import ModelError, VkxError
 from .graph import Graph, Tensor
+from .vk.command import Uploader
 from .vk.kernel import View
 from .vk.memory import Buffer, _align
 
@@ -294,23 +295,25 @@ class HubShare:
         items = [(name, ti) for name, ti in items if self._holds(name)]
         total = sum(t.nbytes for _, t in items)
         done = held = 0
-        for name, ti in items:
-            shape, data = self._weight_data(name, ti)
-            buf = self._alloc(data.nbytes, "device", name, shared=shared)
-            dst = buf.buffer if isinstance(buf, SharedBuffer) else buf
-            src = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-            # The hub's copy (or the arena's) is the one kept: copy in chunks and let go of the
-            # file pages each chunk touched, or every weight is resident twice (and a large one
-            # briefly three times through a staging buffer as large as it).
-            for o in range(0, src.nbytes, _UPLOAD_CHUNK):
-                dst.write(src[o:o + _UPLOAD_CHUNK], o)  # staged when device-only
-                self.file.release_pages(src[o:o + _UPLOAD_CHUNK])
-            self.file.release_pages(ti.data)  # (a slice copied from it: the file's pages too)
-            self.weights[name] = Tensor(name, shape, ti.ggml_type.name.lower(), self._view(buf), weight=True)
-            done += ti.nbytes
-            held += data.nbytes
-            if progress:
-                progress(done, total)
+        with Uploader(self.device, slot_bytes=_UPLOAD_CHUNK) as up:
+            for name, ti in items:
+                shape, data = self._weight_data(name, ti)
+                buf = self._alloc(data.nbytes, "device", name, shared=shared)
+                dst = buf.buffer if isinstance(buf, SharedBuffer) else buf
+                src = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+                # The hub's copy (or the arena's) is the one kept: copy in chunks and let go of
+                # the file pages each chunk touched, or every weight is resident twice (and a
+                # large one briefly three times through a staging buffer as large as it).
+                for o in range(0, src.nbytes, _UPLOAD_CHUNK):
+                    up.write(dst, src[o:o + _UPLOAD_CHUNK], o)  # staged when device-only
+                    self.file.release_pages(src[o:o + _UPLOAD_CHUNK])
+                self.file.release_pages(ti.data)  # (a slice copied from it: the file's pages too)
+                self.weights[name] = Tensor(name, shape, ti.ggml_type.name.lower(), self._view(buf), weight=True)
+                done += ti.nbytes
+                held += data.nbytes
+                if progress:
+                    progress(done, total)
+            up.finish()
         self.weight_bytes = held
 
     def alloc_state(self) -> None:
