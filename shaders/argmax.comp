@@ -1,12 +1,17 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : require
 // argmax_f32: index (int32) of the largest element of each row of a 2-D f32 tensor. Ties go
 // to the lowest index. A row holding any NaN or +infinity gives -1 instead: the caller reports
 // non-finite logits (non-finite weights, most likely) rather than decode a meaningless id
 // (-infinity never wins, so it is allowed).
-// One workgroup per row.
+// One workgroup per row. A decode step's one row of a large vocabulary is one workgroup's
+// work, so its time is the latency of each invocation's loads: they are issued UNR at a time,
+// all before the first comparison (a loop of one load per iteration waits for each), and a
+// step of few rows takes the wide workgroup (WG, constant_id 0: 1024).
 
-layout(local_size_x = 256) in;
-#define WG 256u
+layout(constant_id = 0) const uint WG = 256u;
+layout(local_size_x_id = 0) in;
+#define UNR 8u
 #define NONE 0xffffffffu
 
 layout(std430, binding = 0) readonly buffer X { float x[]; };
@@ -36,12 +41,22 @@ void main() {
             bad = 0u;
         }
         barrier();
-        for (uint c = tid; c < p.ncols; c += WG) {  // increasing c: strict > keeps the lowest
-            float v = x[xb + c];
-            nonfinite = nonfinite || isnan(v) || (isinf(v) && v > 0.0);
-            if (v > best || (v == best && bi == NONE)) {
-                best = v;
-                bi = c;
+        for (uint c0 = tid; c0 < p.ncols; c0 += UNR * WG) {
+            float v[UNR];
+            [[unroll]] for (uint k = 0u; k < UNR; ++k) {
+                const uint c = c0 + k * WG;
+                v[k] = c < p.ncols ? x[xb + c] : NEG_INF;
+            }
+            // increasing c: strict > keeps the lowest
+            [[unroll]] for (uint k = 0u; k < UNR; ++k) {
+                const uint c = c0 + k * WG;
+                if (c < p.ncols) {
+                    nonfinite = nonfinite || isnan(v[k]) || (isinf(v[k]) && v[k] > 0.0);
+                    if (v[k] > best || (v[k] == best && bi == NONE)) {
+                        best = v[k];
+                        bi = c;
+                    }
+                }
             }
         }
         red_v[tid] = best;

@@ -12,15 +12,17 @@
 // A row is walked in chunks of 4 * WG elements, four consecutive ones per invocation (8
 // invocations per 32-element q8_1 block). A decode step has one row per dispatch, so one
 // workgroup does all the work and the time is memory latency, not bandwidth: a row of at most
-// MAXCH chunks (8192 elements) is loaded at once into registers (every load issued before the
+// MAXCH chunks (8 x 4 x WG elements) is loaded at once into registers (every load issued before the
 // first use), kept there for the output pass and never read back; longer rows take the same
 // path chunk by chunk, reading x again for the output.
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 
-layout(local_size_x = 256) in;
-#define WG 256u
+// WG: the workgroup size (constant_id 0): 256 for many rows, 1024 for the one row of a decode
+// step (a quarter of the serial work per invocation: a wide row's four chunks become one)
+layout(constant_id = 0) const uint WG = 256u;
+layout(local_size_x_id = 0) in;
 #ifndef Q8
 #define Q8 0
 #endif

@@ -210,6 +210,25 @@ def test_moe_topk(device, bufs, rng, gating, norm):
         np.testing.assert_allclose(w, rw, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("n_expert", [128, 300, 512])
+def test_moe_topk_many_experts(device, bufs, rng, n_expert):
+    """Routers wider than the workgroup (each invocation holds several experts; 300: the last
+    invocations hold fewer), ties between experts of different invocations and of one
+    invocation: the reference's ids in order and its weights."""
+    T, n_used = 6, 8
+    logits = np.stack([rng.permutation(n_expert) for _ in range(T)]) * 0.01 - 1.0
+    top = logits[1].max()
+    # a four-way tie: 5 and 37 in one invocation (5 + 32), 70 and the last in others
+    logits[1, [n_expert - 1, 70, 37, 5]] = top + 1
+    logits[2, :] = 0.5  # all equal: 0..n_used-1
+    ids, w = topk(device, bufs, logits, n_used, gating="softmax", norm=True)
+    rids, rw = moe_route(logits.astype(np.float32), n_used, gating="softmax", norm=True)
+    np.testing.assert_array_equal(ids, rids)
+    assert list(ids[1, :4]) == [5, 37, 70, n_expert - 1]
+    assert list(ids[2]) == list(range(n_used))
+    np.testing.assert_allclose(w, rw, rtol=1e-5, atol=0)
+
+
 def test_moe_topk_ties(device, bufs):
     """Equal logits: the lower expert index first (a stable descending sort)."""
     logits = np.array([[1, 3, 3, 0, 3, -1, 2, 2],
@@ -355,16 +374,6 @@ def test_errors(device, bufs):
             moe.check_mul_mat_id("iq1_s", E, 16, 256, 2, 1, 1)
     finally:
         seq.close()
-
-
-def test_moe_topk_many_experts(device, bufs, rng):
-    """More experts than the router's 256 invocations per token (each takes several)."""
-    T, n_expert, n_used = 3, 300, 8
-    logits = np.stack([rng.permutation(n_expert) for _ in range(T)]) * 0.01 - 1.0
-    ids, w = topk(device, bufs, logits, n_used, gating="softmax", norm=True)
-    rids, rw = moe_route(logits.astype(np.float32), n_used)
-    np.testing.assert_array_equal(ids, rids)
-    np.testing.assert_allclose(w, rw, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------

@@ -196,8 +196,12 @@ def test_swiglu_halves_in_place(seq, bufs, rng):
 # -- rms_norm -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("weighted", [False, True])
-# (rows of more than 8192 columns take the kernel's chunked path, the others its registers)
-@pytest.mark.parametrize("rows,cols,stride", [(3, 576, 576), (5, 1001, 1030), (2, 7, 7), (2, 8197, 8200)])
+# Rows of more than 32 x WG columns take the kernel's chunked path, the others its registers;
+# up to 4 rows of at least 2048 columns run on the wide workgroup (WG 1024), the rest on WG 256:
+# (5, 8197) the narrow chunked path, (2, 8197) and (1, 4096) the wide registers, (2, 33000) the
+# wide chunked path.
+@pytest.mark.parametrize("rows,cols,stride", [(3, 576, 576), (5, 1001, 1030), (2, 7, 7), (2, 8197, 8200),
+                                              (5, 8197, 8200), (1, 4096, 4096), (2, 33000, 33001)])
 def test_rms_norm(seq, bufs, rng, weighted, rows, cols, stride):
     x = (rng.standard_normal((rows, stride)) * 2 + 0.5).astype(np.float32)
     w = rng.standard_normal(cols).astype(np.float32)
@@ -229,7 +233,8 @@ def test_rms_norm_in_place(seq, bufs, rng):
     assert_close(get(X, x.size).reshape(rows, cols), ref, 1e-5, 1e-6 * np.abs(ref).max(), "rms_norm in place")
 
 
-@pytest.mark.parametrize("rows,cols,stride", [(1, 576, 576), (5, 1000, 1003), (3, 4097, 4097), (2, 9001, 9001)])
+@pytest.mark.parametrize("rows,cols,stride", [(1, 576, 576), (5, 1000, 1003), (3, 4097, 4097), (2, 9001, 9001),
+                                              (6, 4097, 4100)])
 def test_add_rms_norm(seq, bufs, rng, rows, cols, stride):
     """The residual add fused with the next norm: x += r exactly as an f32 add, dst as rms_norm."""
     x = (rng.standard_normal((rows, stride)) * 2).astype(np.float32)
@@ -252,6 +257,20 @@ def test_add_rms_norm(seq, bufs, rng, rows, cols, stride):
     assert_close(get(D, rows * cols).reshape(rows, cols), ref, 1e-5, 1e-6 * np.abs(ref).max(), "add_rms_norm")
 
 
+def test_rms_norm_workgroup_follows_the_rows(seq):
+    """A decode step's row (few rows, wide) gets the wide workgroup, a prefill's rows the
+    narrow one: both are the same SPIR-V module at two specialization values."""
+    from vkxsplit.ops import norm
+
+    for name in ("rms_norm_mul_q8_1_f32", "add_rms_norm_mul_f32"):
+        assert norm._kernel(seq, name, 1, 4096).local_size[0] == norm.WG_WIDE
+        assert norm._kernel(seq, name, 4, 2048).local_size[0] == norm.WG_WIDE
+        assert norm._kernel(seq, name, 5, 4096).local_size[0] == norm.WG
+        assert norm._kernel(seq, name, 1, 576).local_size[0] == norm.WG
+    wide = [v for v in norm.VARIANTS if v.name.endswith("_wg1024")]
+    assert len(wide) == len(norm.VARIANTS) // 2 and all(v.module == v.name[:-7] for v in wide)
+
+
 def test_add_rms_norm_rejects_dst_overlap(seq, bufs):
     X, R, W = bufs(64), bufs(64), bufs(64)
     with pytest.raises(KernelError, match="dst overlaps x"):
@@ -272,12 +291,13 @@ def _q8_1_blocks(y):
 
 
 @pytest.mark.parametrize("fused_add", [False, True])
-@pytest.mark.parametrize("rows,cols", [(1, 576), (3, 2080), (2, 32), (2, 8224)])
+@pytest.mark.parametrize("rows,cols", [(1, 576), (3, 2080), (2, 32), (2, 8224), (1, 4096), (6, 2080)])
 def test_rms_norm_q8_1_output(device, seq, bufs, rng, fused_add, rows, cols):
     """rms_norm * w (optionally after x += r) that also writes its output as q8_1 blocks: the
     f32 output as the plain kernel's, the blocks exactly the quantization of that output (a
     numpy model written here, and the separate quantize_q8_1 kernel on the same output),
-    nothing written past the scratch. 2080 columns: three chunks of 1024, the last partial."""
+    nothing written past the scratch. 2080 columns: three chunks of 1024 on the narrow workgroup
+    (6 rows), one partial chunk of 4096 on the wide one (3 rows)."""
     from vkxsplit.ops.mul_mat import record_quantize_q8_1, vecq_scratch_bytes
 
     x = (rng.standard_normal((rows, cols)) * 2).astype(np.float32)
@@ -480,10 +500,13 @@ def test_rope_in_place(seq, bufs, rng):
 
 # -- argmax ---------------------------------------------------------------------------------
 
-def test_argmax(seq, bufs, rng):
+@pytest.mark.parametrize("per_row", [False, True])
+def test_argmax(seq, bufs, rng, per_row):
+    """7 rows in one dispatch (the narrow workgroup), or each row alone (a decode step's one
+    row: the wide workgroup)."""
     rows, cols = 7, 50001
     x = rng.standard_normal((rows, cols)).astype(np.float32)
-    x[1, [17, 4000, 49999]] = 9.0          # ties: lowest index
+    x[1, [1041, 4000, 49999, 530]] = 9.0   # ties: lowest index (1041: a later load of a lower invocation)
     x[2, :] = -np.inf                      # -inf never wins, and is allowed
     x[2, [300, 301]] = -1.0
     x[3, :] = np.nan                       # any NaN or +inf: NONFINITE (-1), not an id
@@ -493,10 +516,14 @@ def test_argmax(seq, bufs, rng):
     X, D = bufs(x.size + 10), bufs(rows + 1, np.int32)
     put(X, np.concatenate([np.zeros(10, np.float32), x.reshape(-1)]))
     D.numpy(np.int32)[:] = -7
-    record_argmax(seq, X, D, rows, cols, src_offset=10, dst_offset=1)
+    if per_row:
+        for r in range(rows):
+            record_argmax(seq, X, D, 1, cols, src_offset=10 + r * cols, dst_offset=1 + r)
+    else:
+        record_argmax(seq, X, D, rows, cols, src_offset=10, dst_offset=1)
     run(seq)
     got = get(D, rows + 1, np.int32)
-    ref = [int(np.argmax(x[0])), 17, 300, NONFINITE, 0, NONFINITE, NONFINITE]
+    ref = [int(np.argmax(x[0])), 530, 300, NONFINITE, 0, NONFINITE, NONFINITE]
     assert got[0] == -7
     assert list(got[1:]) == ref
 

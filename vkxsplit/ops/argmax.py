@@ -11,12 +11,18 @@ from ..vk.kernel import Bindable, Kernel
 from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
 
 WG = 256
+#: the workgroup size for few rows (decode's one row of logits: one workgroup does it all)
+WG_WIDE = 1024
+WIDE_ROWS = 4
 #: what a row with a NaN or a +infinity gives (-infinity never wins: allowed)
 NONFINITE = -1
 
+# one SPIR-V module at two workgroup sizes (WG is a specialization constant)
 VARIANTS = [
-    Variant(name="argmax_f32", source="argmax.comp", bindings=2, writes=(1,), push="IIIII",
-            local_size=(WG, 1, 1)),
+    Variant(name="argmax_f32" + ("" if wg == WG else f"_wg{wg}"), source="argmax.comp", bindings=2, writes=(1,),
+            push="IIIII", local_size=(wg, 1, 1), module="argmax_f32", spec={"WG": wg}, spec_ids={"WG": 0},
+            local_size_spec="WG")
+    for wg in (WG, WG_WIDE)
 ]
 
 
@@ -38,5 +44,8 @@ def record_argmax(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: 
     check_alias(f"{op}_{dtype}", d, s, shape)
     if rows == 0:
         return
-    k = Kernel.get(seq.device, f"{op}_{dtype}")
+    name = f"{op}_{dtype}"
+    if rows <= WIDE_ROWS and int(seq.device.physical.limits.get("maxComputeWorkGroupInvocations") or 0) >= WG_WIDE:
+        name += f"_wg{WG_WIDE}"
+    k = Kernel.get(seq.device, name)
     seq.dispatch(k, [src, dst], (cols, rows, s.offset, s.stride, dst_offset), min(rows, MAX_GROUPS))

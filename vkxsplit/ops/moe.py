@@ -187,7 +187,7 @@ VARIANTS = (
     + [Variant(name="moe_group", source="moe_group.comp", defines={"MAXE": f"{MAX_EXPERTS}u"}, bindings=2,
                writes=(1,), push="III", local_size=(256, 1, 1))]
     + [Variant(name=f"moe_topk_{g}", source="moe_topk.comp", defines={"GATING": str(code), "MAXE": f"{MAX_EXPERTS}u"},
-               bindings=3, writes=(1, 2), push="IIIIIf", local_size=(256, 1, 1)) for g, code in GATING.items()]
+               bindings=3, writes=(1, 2), push="IIIIIf", local_size=(32, 1, 1)) for g, code in GATING.items()]
     + [Variant(name="moe_combine_f32", source="moe_combine.comp", bindings=3, writes=(2,), push="III",
                local_size=(256, 1, 1))]
 )

@@ -14,22 +14,38 @@ from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dty
 from .mul_mat import check_q8_1_scratch
 
 WG = 256
+#: the workgroup size for a step of few rows (decode): one row is one workgroup's work, so a
+#: wider workgroup has a quarter of the serial work (loads, reduction, q8_1 blocks) per invocation
+WG_WIDE = 1024
+#: rows up to which, with rows of at least WIDE_COLS, the wide workgroup is used
+WIDE_ROWS = 4
+WIDE_COLS = 2048
 
-VARIANTS = [
-    Variant(name="rms_norm_f32", source="rms_norm.comp", defines={"FUSE_MUL": "0", "FUSE_ADD": "0"},
-            bindings=2, writes=(1,), push="IIIIIIIfII", local_size=(WG, 1, 1)),
-    Variant(name="rms_norm_mul_f32", source="rms_norm.comp", defines={"FUSE_MUL": "1", "FUSE_ADD": "0"},
-            bindings=3, writes=(2,), push="IIIIIIIfII", local_size=(WG, 1, 1)),
-    Variant(name="add_rms_norm_mul_f32", source="rms_norm.comp", defines={"FUSE_MUL": "1", "FUSE_ADD": "1"},
-            bindings=4, writes=(0, 3), push="IIIIIIIfII", local_size=(WG, 1, 1)),
+_BASE = [  # (name, defines, bindings, writes)
+    ("rms_norm_f32", {"FUSE_MUL": "0", "FUSE_ADD": "0"}, 2, (1,)),
+    ("rms_norm_mul_f32", {"FUSE_MUL": "1", "FUSE_ADD": "0"}, 3, (2,)),
+    ("add_rms_norm_mul_f32", {"FUSE_MUL": "1", "FUSE_ADD": "1"}, 4, (0, 3)),
     # the output also as q8_1 blocks (the x of the integer-dot-product mat-vecs that read it)
-    Variant(name="rms_norm_mul_q8_1_f32", source="rms_norm.comp",
-            defines={"FUSE_MUL": "1", "FUSE_ADD": "0", "Q8": "1"},
-            bindings=4, writes=(2, 3), push="IIIIIIIfII", local_size=(WG, 1, 1)),
-    Variant(name="add_rms_norm_mul_q8_1_f32", source="rms_norm.comp",
-            defines={"FUSE_MUL": "1", "FUSE_ADD": "1", "Q8": "1"},
-            bindings=5, writes=(0, 3, 4), push="IIIIIIIfII", local_size=(WG, 1, 1)),
+    ("rms_norm_mul_q8_1_f32", {"FUSE_MUL": "1", "FUSE_ADD": "0", "Q8": "1"}, 4, (2, 3)),
+    ("add_rms_norm_mul_q8_1_f32", {"FUSE_MUL": "1", "FUSE_ADD": "1", "Q8": "1"}, 5, (0, 3, 4)),
 ]
+
+# each kernel at both workgroup sizes, one SPIR-V module (WG is a specialization constant)
+VARIANTS = [
+    Variant(name=name + ("" if wg == WG else f"_wg{wg}"), source="rms_norm.comp", defines=defines,
+            bindings=bindings, writes=writes, push="IIIIIIIfII", local_size=(wg, 1, 1), module=name,
+            spec={"WG": wg}, spec_ids={"WG": 0}, local_size_spec="WG")
+    for name, defines, bindings, writes in _BASE for wg in (WG, WG_WIDE)
+]
+
+
+def _kernel(seq: Sequence, name: str, rows: int, cols: int) -> Kernel:
+    """``name`` at the workgroup size for ``rows x cols`` (the wide one where the device has it)."""
+    if rows <= WIDE_ROWS and cols >= WIDE_COLS:
+        inv = int(seq.device.physical.limits.get("maxComputeWorkGroupInvocations") or 0)
+        if inv >= WG_WIDE:
+            return Kernel.get(seq.device, f"{name}_wg{WG_WIDE}")
+    return Kernel.get(seq.device, name)
 
 
 def record_rms_norm(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: int,
@@ -66,7 +82,7 @@ def record_rms_norm(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols
         bufs.append(xq)
     if rows == 0 or cols == 0:
         return
-    k = Kernel.get(seq.device, f"{op}_{dtype}")
+    k = _kernel(seq, f"{op}_{dtype}", rows, cols)
     seq.dispatch(k, bufs, (cols, rows, s.offset, s.stride, weight_offset, d.offset, d.stride,
                            float(eps), 0, 0), min(rows, MAX_GROUPS))
 
@@ -105,7 +121,7 @@ def record_add_rms_norm(seq: Sequence, x: Bindable, residual: Bindable, weight: 
         bufs.append(xq)
     if rows == 0 or cols == 0:
         return
-    k = Kernel.get(seq.device, f"{op}_{dtype}")
+    k = _kernel(seq, f"{op}_{dtype}", rows, cols)
     seq.dispatch(k, bufs,
                  (cols, rows, xs.offset, xs.stride, weight_offset, d.offset, d.stride, float(eps),
                   rs.offset, rs.stride), min(rows, MAX_GROUPS))
