@@ -16,6 +16,7 @@
 layout(local_size_x = 128) in;
 #define NT 128u
 #define MAXS 256u
+#define UNR 8u
 #define MAXD 256u  // the largest head_dim (ops/attention.py MAX_HEAD_DIM)
 #ifndef Q8
 #define Q8 0
@@ -44,6 +45,11 @@ shared float s_w[MAXS];      // e^(m_s - M) per split
 shared float s_y[MAXD];      // the row's output, regrouped four elements per invocation
 #endif
 shared float s_red[NT];      // one partial per subgroup
+
+// e^(m_s - M) of split s: from shared memory, recomputed past MAXS splits
+float split_weight(uint s, uint row, float M) {
+    return s < MAXS ? s_w[s] : exp(part[p.n_splits * p.n_rows * p.hd + (s * p.n_rows + row) * 2u] - M);
+}
 
 float wg_max(float v) {
     v = subgroupMax(v);
@@ -98,12 +104,23 @@ void main() {
         const uint t = row / p.n_heads;
         const uint h = row - t * p.n_heads;
         const uint ob = p.o_off + t * p.o_stride + h * D;
-        // one output element per invocation (the loads of the splits independent of each other)
+        // one output element per invocation; the splits' partials loaded UNR at a time, all
+        // before the first use (a loop of one load per iteration waits for each in turn),
+        // summed in split order
         for (uint d = tid; d < D; d += NT) {
             float a = 0.0;
-            for (uint s = 0u; s < S; s++) {
-                const float e = s < MAXS ? s_w[s] : exp(part[mlb + (s * p.n_rows + row) * 2u] - M);
-                a += part[(s * p.n_rows + row) * D + d] * e;
+            uint s = 0u;
+            for (; s + UNR <= S; s += UNR) {
+                float v[UNR];
+                [[unroll]] for (uint k = 0u; k < UNR; ++k) {
+                    v[k] = part[((s + k) * p.n_rows + row) * D + d];
+                }
+                [[unroll]] for (uint k = 0u; k < UNR; ++k) {
+                    a += v[k] * split_weight(s + k, row, M);
+                }
+            }
+            for (; s < S; s++) {
+                a += part[(s * p.n_rows + row) * D + d] * split_weight(s, row, M);
             }
             const float y = a * inv;
             o[ob + d] = y;

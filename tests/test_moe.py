@@ -250,8 +250,9 @@ def test_moe_topk_nan_row(device, bufs):
     assert (ids[0] == -1).all() and list(ids[1]) == [7, 6]
 
 
-def test_moe_combine(device, bufs, rng):
-    T, n_used, N = 5, 3, 300
+@pytest.mark.parametrize("n_used", [3, 8, 11])  # (the loads 8 at a time, then the rest)
+def test_moe_combine(device, bufs, rng, n_used):
+    T, N = 5, 300
     e = rng.standard_normal((T, n_used, N)).astype(np.float32)
     w = rng.uniform(0, 1, (T, n_used)).astype(np.float32)
     eb, wb = bufs(e.nbytes, e), bufs(w.nbytes, w)

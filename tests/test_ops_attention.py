@@ -102,9 +102,15 @@ def _attend(seq, bufs, rng, n_tokens, n_heads, n_kv, D, n_ctx, pos0, n_splits, c
 
 
 @pytest.mark.parametrize("pos0", [0, 1, 31, 32, 95, 200])
-@pytest.mark.parametrize("n_splits", [1, 4])
+@pytest.mark.parametrize("n_splits", [1, 4, 19])  # (19: the combine's loads 8 at a time, then 3)
 def test_decode_gqa(seq, bufs, rng, pos0, n_splits):
     _attend(seq, bufs, rng, 1, 6, 2, 64, 256, pos0, n_splits)
+
+
+def test_decode_every_split_busy(seq, bufs, rng):
+    """19 splits of 32 positions, each with cache to read (591 positions): the combine's
+    unrolled loads (8, 8) and its remainder (3) all carry weight."""
+    _attend(seq, bufs, rng, 1, 6, 2, 64, 640, 590, 19)
 
 
 @pytest.mark.parametrize("n_tokens,pos0,n_splits", [(40, 0, 1), (37, 23, 1), (29, 70, 3)])
