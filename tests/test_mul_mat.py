@@ -484,6 +484,52 @@ def test_coopmat_emu_tilings(device, bufs, rng, name, tool_kernels):
         check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
 
 
+def test_coopmat_tilings_share_one_module_per_type(device, bufs, rng, tool_kernels):
+    """mul_mat_coopmat's tilings are specialization constants: a type's shipped default and
+    large tilings name one module with different spec values (the module declares the
+    constants the Python table names), and so do its emulated tilings; two emulated tilings of
+    one module are two pipelines from one SPIR-V, each matching the float64 reference (a
+    wrong reference fails the check)."""
+    from vkxsplit.vk.kernel import Kernel
+
+    shipped = shaders.shipped()
+    for t in ALL:
+        a, b = shipped[mm.coop_variant_name(t)], shipped[mm.coop_variant_name(t, mm.coop_big_tile(t))]
+        assert a["module"] == b["module"] == mk.coop_module_name(t) and a["spec"] != b["spec"]
+        assert a["spec"]["NT"] == mm.COOP_TILES[mm.COOP_CONFIG[t]].threads == a["local_size"][0]
+    code = (shaders.SPV_DIR / f"{mk.coop_module_name('q4_0')}.spv").read_bytes()
+    assert set(shaders.spec_constants(code)) == set(mk.COOP_SPEC_IDS.values())
+    t = "q4_0"
+    names = [mm.coop_variant_name(t, emulate=True), mm.coop_variant_name(t, "t64x128_k16_w16x32_s1", emulate=True)]
+    tool_kernels(*names)
+    ma, mb = (shaders.variant_meta(n) for n in names)
+    assert ma["module"] == mb["module"] == mk.coop_module_name(t, emulate=True) and ma["spec"] != mb["spec"]
+    assert shaders.spirv(names[0]) == shaders.spirv(names[1])
+    ka, kb = Kernel.get(device, names[0]), Kernel.get(device, names[1])
+    assert ka is not kb and ka.pipeline != kb.pipeline
+    N, K, M = 200, 96, 70  # edge tiles in M and N for both tilings
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    x = rng.standard_normal((M, K))
+    ref, bound = x @ W.T, coop_bound(x, abs_terms(raw, t, W))
+    for name in names:
+        y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat", coop_variant=name)
+        check(y.reshape(M, N), ref, bound)
+    with pytest.raises(AssertionError, match="over the bound"):
+        check(y.reshape(M, N), np.roll(ref, 1, axis=1), bound)
+
+
+def test_coopmat_tiling_the_kernel_cannot_run_is_refused():
+    """A tiling whose subgroup blocks do not divide the tile, or are not whole 16 x 16
+    fragments, is refused when the variant is made (the shader no longer checks it: its sizes
+    are specialization constants)."""
+    for bad in (mm.CoopTile(128, 128, 32, 48, 64), mm.CoopTile(128, 128, 24, 32, 64),
+                mm.CoopTile(96, 128, 32, 64, 64), mm.CoopTile(128, 128, 32, 32, 64, stages=3)):
+        with pytest.raises(KernelError, match="multiples"):
+            mm.make_coop_variant("x", "q4_0", bad)
+    assert mm.make_coop_variant("x", "q4_0", mm.CoopTile(64, 64, 32, 32, 32)).spec["NT"] == 128
+
+
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("t", ["f32", "f16", "q4_0", "q5_0", "q4_k", "q6_k", "q3_k", "iq4_nl"])
 def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned, tool_kernels):

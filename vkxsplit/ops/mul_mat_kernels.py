@@ -371,19 +371,38 @@ def coop_big_tile(t: str) -> str:
     return COOP_BIG_QUANT if TYPES[t].quantized else COOP_BIG_FLOAT
 
 
+#: mul_mat_coopmat.comp's specialization constants (its ``layout(constant_id = N)``; NT, the
+#: invocations, is also the workgroup size, ``local_size_x_id = 0``)
+COOP_SPEC_IDS = {"NT": 0, "BM": 1, "BN": 2, "BK": 3, "WM": 4, "WN": 5, "STAGES": 6}
+
+
+def coop_module_name(t: str, emulate: bool = False, routed: bool = False) -> str:
+    """The SPIR-V module every mul_mat_coopmat tiling of weight type ``t`` specializes:
+    mod_mul_mat[_id]_coopmat[_emu]_<type> (``routed``: with MUL_MAT_ID, ops.moe's kernels)."""
+    return f"mod_mul_mat{'_id' if routed else ''}_coopmat{'_emu' if emulate else ''}_{t}"
+
+
 def make_coop_variant(name: str, t: str, tile: CoopTile, emulate: bool = False) -> Variant:
-    """The Variant of a mul_mat_coopmat kernel of weight type ``t`` with ``tile``; ``emulate``:
-    the same tiling, loaders and edge handling without cooperative matrices (COOPMAT_EMULATE:
-    any device with f16 arithmetic runs it; how lavapipe tests the coopmat logic)."""
-    defines = {"WTYPE": str(TYPES[t].id), **tile.defines()}
+    """The Variant of a mul_mat_coopmat kernel of weight type ``t`` with ``tile``: the type's
+    module with the tiling as specialization constants; ``emulate``: the same tiling, loaders
+    and edge handling without cooperative matrices (COOPMAT_EMULATE: any device with f16
+    arithmetic runs it; how lavapipe tests the coopmat logic). Raises KernelError for a tiling
+    the kernel cannot run."""
+    if (min(tile.bm, tile.bn, tile.bk, tile.wm, tile.wn) < 16 or tile.bm % tile.wm or tile.bn % tile.wn
+            or tile.wm % 16 or tile.wn % 16 or tile.bk % 16 or tile.stages not in (1, 2)):
+        raise KernelError(f"coopmat tiling {tile.name}: BM and BN must be multiples of the subgroup block "
+                          "WM x WN, WM, WN and BK multiples of 16 (the fragments), stages 1 or 2")
+    defines = {"WTYPE": str(TYPES[t].id)}
+    spec = {"NT": tile.threads, "BM": tile.bm, "BN": tile.bn, "BK": tile.bk, "WM": tile.wm, "WN": tile.wn,
+            "STAGES": tile.stages}
+    shape = {"module": coop_module_name(t, emulate), "spec": spec, "spec_ids": COOP_SPEC_IDS,
+             "local_size_spec": "NT", "local_size": (tile.threads, 1, 1)}
     if emulate:
         return Variant(name=name, source="mul_mat_coopmat.comp", defines={**defines, "COOPMAT_EMULATE": "1"},
-                       bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
-                       requires=("shaderFloat16", *_STORAGE))
+                       bindings=3, writes=(2,), push=PUSH_COOP, requires=("shaderFloat16", *_STORAGE), **shape)
     return Variant(name=name, source="mul_mat_coopmat.comp", defines=defines, bindings=3, writes=(2,),
-                   push=PUSH_COOP,
-                   local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang",
-                   subgroup_size=COOP_SUBGROUP, requires=_COOP_REQUIRES)
+                   push=PUSH_COOP, target_env="vulkan1.3", compiler="glslang",
+                   subgroup_size=COOP_SUBGROUP, requires=_COOP_REQUIRES, **shape)
 
 
 @dataclass(frozen=True)
