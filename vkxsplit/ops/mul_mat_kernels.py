@@ -497,9 +497,26 @@ def cm2_variant_name(t: str, tile: str = CM2_DEFAULT) -> str:
     return f"mul_mat_cm2_{t}_f32_{tile}"
 
 
+#: mul_mat_cm2.comp's specialization constants (its ``layout(constant_id = N)``; NT is also the
+#: workgroup size, ``local_size_x_id = 0``)
+CM2_SPEC_IDS = {"NT": 0, "BW": 1, "BX": 2, "BK": 3}
+
+
+def cm2_module_name(t: str) -> str:
+    """The SPIR-V module every mul_mat_cm2 tiling of weight type ``t`` specializes: mod_mul_mat_cm2_<type>."""
+    return f"mod_mul_mat_cm2_{t}"
+
+
 def make_cm2_variant(t: str, tile: Cm2Tile) -> Variant:
-    """The Variant of mul_mat_cm2 for weight type ``t`` with ``tile`` (compiled by glslang15)."""
+    """The Variant of mul_mat_cm2 for weight type ``t`` with ``tile`` (compiled by glslang15): the
+    type's module with the tiling as specialization constants. Raises KernelError for sizes
+    that are not positive multiples of 16 (the matrices' granularity) or a K slice that does not
+    divide the fast path's 256-element steps."""
+    if min(tile.bw, tile.bx, tile.bk, tile.threads) < 16 or tile.bw % 16 or tile.bx % 16 or 256 % tile.bk:
+        raise KernelError(f"mul_mat_cm2 tiling {tile.name}: BW and BX must be multiples of 16 and BK a divisor "
+                          "of 256 (and a multiple of 16)")
     return Variant(name=cm2_variant_name(t, tile.name), source="mul_mat_cm2.comp",
-                   defines={"WTYPE": str(TYPES[t].id), **tile.defines()}, bindings=3, writes=(2,),
-                   push=PUSH_COOP, local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang15",
-                   requires=_CM2_REQUIRES)
+                   defines={"WTYPE": str(TYPES[t].id)}, module=cm2_module_name(t),
+                   spec={"NT": tile.threads, "BW": tile.bw, "BX": tile.bx, "BK": tile.bk}, spec_ids=CM2_SPEC_IDS,
+                   local_size_spec="NT", bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
+                   target_env="vulkan1.3", compiler="glslang15", requires=_CM2_REQUIRES)
