@@ -699,5 +699,5 @@ def test_routed_variant_tables():
     vq = {n for n, v in allv.items() if v.source == "mul_mat_vecq.comp" and "MUL_MAT_ID" in v.defines}
     want = {moe.vecq_id_name(t, moe.vecq_id_config(t, cpu)) for t in mk.VECQ_TYPES
             for cpu in ((True, False) if t in mk.VECQ_GPU_TYPES else (True,))}
-    assert vq == want and all(allv[n].defines["MAXM"] == "1" and allv[n].bindings == 4 for n in vq)
+    assert vq == want and all(allv[n].spec["MAXM"] == 1 and allv[n].bindings == 4 for n in vq)
     assert not {n for n, (_, _, emu) in tk.COOP_ID_VARIANTS.items()} & set(allv)

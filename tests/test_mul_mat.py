@@ -1120,6 +1120,37 @@ def test_q8_1_quantize_edge_cases(device, bufs, rng, tool_kernels):
     _vecq_run(device, bufs, rng, "q8_0", name, 1, n_total=3, r0=0, n=3, K=K, y_col=0, x=x)
 
 
+def test_vecq_shapes_share_one_module_per_code_path(device, bufs, rng):
+    """mul_mat_vecq's WG, NR, UNR and columns are specialization constants: shapes of one
+    code path (block loads, rows per thread, reduction, ...) name one module. Q4_1's shipped GPU
+    and CPU decode shapes are two pipelines of one SPIR-V module, each matching the float64
+    reference (both bounds of _vecq_run); a shape the kernel cannot run is refused."""
+    from vkxsplit.vk.kernel import Kernel
+
+    _vecq_skip_feature(device)
+    gpu, cpu = mm.vecq_default_config("q4_1", False), mm.vecq_default_config("q4_1", True)
+    names = [mm.vecq_name("q4_1", gpu), mm.vecq_name("q4_1", cpu)]
+    ma, mb = (shaders.variant_meta(n) for n in names)
+    assert ma["module"] == mb["module"] == mk.vecq_module_name("q4_1", gpu) and ma["spec"] != mb["spec"]
+    assert shaders.spirv(names[0]) == shaders.spirv(names[1])
+    code = (shaders.SPV_DIR / f"{ma['module']}.spv").read_bytes()
+    assert set(shaders.spec_constants(code)) == set(mk.VECQ_SPEC_IDS.values())
+    assert mm.vecq_spec(names[1]) == ("q4_1", cpu, 1)
+    ka, kb = Kernel.get(device, names[0]), Kernel.get(device, names[1])
+    assert ka is not kb and ka.pipeline != kb.pipeline
+    for name, cfg in zip(names, (gpu, cpu)):
+        _vecq_run(device, bufs, rng, "q4_1", name, 1, n_total=cfg.rows + 3, r0=1, n=cfg.rows + 2, K=288, y_col=2)
+    for bad, maxm in ((mm.VecqConfig(128, 3, blk=1), 1), (mm.VecqConfig(64, 64, blk=1), 2),
+                      (mm.VecqConfig(64, 32, blk=1, rpt=4), 1)):
+        with pytest.raises(KernelError, match="multiple of NR"):
+            mm.make_vecq_variant("x", "q4_0", bad, maxm)
+
+
+def _vecq_skip_feature(device):
+    if not device.features.get("shaderIntegerDotProduct"):
+        pytest.skip(f"'{device.name}' lacks shaderIntegerDotProduct")
+
+
 def test_mat_vecq_real_matches_emulated(device, bufs, rng, tool_kernels):
     """The packed dot-product instructions give the same bits as the int multiply-add
     fallback (exact integer block sums, same float operations in the same order)."""

@@ -218,7 +218,17 @@ class VecqConfig:
         """Rows per workgroup (``nr`` teams, ``rpt`` rows per thread)."""
         return self.nr * self.rpt
 
+    @property
+    def module_tag(self) -> str:
+        """The tag of the code path (the shape's defines): shapes with one module_tag differ only
+        in specialization constants (WG, NR, UNR and the columns of x) and share a module."""
+        return (f"b{self.blk}" + (f"_r{self.rpt}" if self.rpt > 1 else "") + (f"_s{self.sub}" if self.sub > 1 else "")
+                + ("_sg" if self.sg else "") + ("_w5u" if self.w5u else "") + ("_sat" if self.sat else "")
+                + ("" if self.idp else "_emu"))
+
     def defines(self) -> dict[str, str]:
+        """The shape as defines and spec values together (as a built variant's resolved defines
+        hold them; :meth:`from_defines` reads them back)."""
         d = {"WG": str(self.wg), "NR": str(self.nr), "BLK": str(self.blk), "UNR": str(self.unr),
              "IDP": str(self.idp), "IDP_SAT": str(self.sat)}
         if self.rpt > 1:
@@ -289,11 +299,31 @@ def vecq_spec(name: str) -> tuple[str, VecqConfig, int] | None:
     return None if t is None else (t, VecqConfig.from_defines(d), int(d["MAXM"]))
 
 
+#: mul_mat_vecq.comp's specialization constants (its ``layout(constant_id = N)``; WG is also
+#: the workgroup size, ``local_size_x_id = 0``)
+VECQ_SPEC_IDS = {"WG": 0, "NR": 1, "UNR": 2, "MAXM": 3}
+
+
+def vecq_module_name(t: str, cfg: VecqConfig, routed: bool = False) -> str:
+    """The SPIR-V module of integer-dot-product mat-vec shape ``cfg`` of weight type ``t``: one
+    per code path (:attr:`VecqConfig.module_tag`), mod_mul_mat[_id]_vecq_<type>_<module tag>
+    (``routed``: with MUL_MAT_ID, ops.moe's decode kernels)."""
+    return f"mod_mul_mat{'_id' if routed else ''}_vecq_{t}_{cfg.module_tag}"
+
+
 def make_vecq_variant(name: str, t: str, cfg: VecqConfig, maxm: int) -> Variant:
-    """The Variant of an integer-dot-product mat-vec kernel of weight type ``t``, shape ``cfg``."""
-    return Variant(name=name, source="mul_mat_vecq.comp",
-                   defines={"WTYPE": str(TYPES[t].id), "MAXM": str(maxm), **cfg.defines()},
-                   bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1),
+    """The Variant of an integer-dot-product mat-vec kernel of weight type ``t``, shape ``cfg``,
+    ``maxm`` columns of x: the module of its code path with WG, NR, UNR and the columns as
+    specialization constants. Raises KernelError for a shape the kernel cannot run (a row's
+    team is WG / NR threads; the final reduction takes a thread per row and column)."""
+    if min(cfg.wg, cfg.nr, cfg.unr, cfg.rpt, maxm) < 1 or cfg.wg % cfg.nr or cfg.nr * cfg.rpt * maxm > cfg.wg:
+        raise KernelError(f"q8_1-x mat-vec shape {cfg.tag} with {maxm} columns: WG must be a multiple of NR "
+                          f"and at least NR x RPT x columns ({cfg.nr} x {cfg.rpt} x {maxm}), sizes positive")
+    defines = {k: v for k, v in cfg.defines().items() if k not in VECQ_SPEC_IDS}
+    return Variant(name=name, source="mul_mat_vecq.comp", defines={"WTYPE": str(TYPES[t].id), **defines},
+                   module=vecq_module_name(t, cfg),
+                   spec={"WG": cfg.wg, "NR": cfg.nr, "UNR": cfg.unr, "MAXM": maxm}, spec_ids=VECQ_SPEC_IDS,
+                   local_size_spec="WG", bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1),
                    requires=(*(_IDP_REQUIRES if cfg.idp else ()), *_STORAGE))
 
 
