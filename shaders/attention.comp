@@ -20,20 +20,26 @@
 // (token, head) of the heads that share kv head g (head h uses kv head h / (n_heads / n_kv)),
 // BR of them, so the K/V block loaded to shared memory serves every head of the group.
 //
-// Two paths, same bindings, push constants and grid:
-//   HD undefined (attn_f16_f32): any head_dim <= 128 at run time, one dot product per
-//     invocation; the fallback. With D256 defined (attn_f16_f32_h256): any head_dim <= 256
+// Two paths (the define TILED), same bindings, push constants and grid; their sizes are
+// specialization constants (one SPIR-V module per path):
+//   TILED 0 (attn_f16_f32): any head_dim <= DMAX = 128 at run time, one dot product per
+//     invocation; the fallback. attn_f16_f32_h256 (BR 8, BC 16, DMAX 256): any head_dim <= 256
 //     (Gemma 3), 8 query rows and 16 cache positions a block, so the tiles stay in about the
-//     shared memory of the 128 path.
-//   HD = 64 or 128 (attn_f16_f32_d64/_d128): head_dim fixed at compile time; vec4 shared
-//     memory tiles, register-blocked scores (2 rows x 2 positions per invocation) and output
-//     (PRT rows x 4 dims per invocation), 8-byte cache loads (cache offsets multiple of 4)
-//     issued one step ahead, softmax reductions spread over all invocations.
+//     shared memory of the 128 path. BR * DMAX / NT must be OPT (16): the host's variants are.
+//   TILED 1, HD = 64 or 128 (attn_f16_f32_d64/_d128): head_dim fixed when the pipeline is made;
+//     vec4 shared memory tiles, register-blocked scores (2 rows x 2 positions per invocation)
+//     and output (PRT rows x 4 dims per invocation), 8-byte cache loads (cache offsets
+//     multiple of 4) issued one step ahead, softmax reductions spread over all invocations.
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_control_flow_attributes : enable
 
 
-#if defined(HD)
+#ifndef TILED
+#define TILED 0
+#endif
+
+#if TILED
+layout(constant_id = 0) const uint HD = 128;  // head_dim: a multiple of 32 (PRT, JL whole)
 #define NT 128u
 #define BR 16u          // query rows per workgroup
 #define BC 32u          // cache positions per block
@@ -283,15 +289,9 @@ void main() {
 
 #else
 #define NT 128u     // invocations per workgroup
-#if defined(D256)
-#define BR 8u       // query rows per workgroup
-#define BC 16u      // cache positions per block
-#define DMAX 256u   // largest head_dim
-#else
-#define BR 16u
-#define BC 32u
-#define DMAX 128u
-#endif
+layout(constant_id = 0) const uint BR = 16;     // query rows per workgroup
+layout(constant_id = 1) const uint BC = 32;     // cache positions per block
+layout(constant_id = 2) const uint DMAX = 128;  // largest head_dim
 #define OPT 16      // output entries per invocation: BR * DMAX / NT
 #define NEG -3.0e38 // "masked" score and initial running max (finite: no inf - inf)
 

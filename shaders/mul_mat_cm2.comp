@@ -11,8 +11,11 @@
 // before; converting once per product, not once per tile). The BW x BX f32 accumulator is
 // stored transposed into y (rows of x, columns of W), elements outside M x N dropped.
 //
-// Tile (defines): BW rows of W x BX rows of x per workgroup, BK the K slice per step, NT
-// invocations. Interior tiles load unclamped (with alignment the compiler can prove where K
+// Tile (specialization constants, as ggml-vulkan's mul_mm_cm2: one SPIR-V module per weight
+// type serves every tiling; they size the workgroup-scope matrices, whose dimensions
+// GL_NV_cooperative_matrix2 takes from constants the driver knows when it makes the pipeline):
+// BW rows of W x BX rows of x per workgroup, BK the K slice per step, NT invocations
+// (constant_id 0, also the workgroup size). Interior tiles load unclamped (with alignment the compiler can prove where K
 // and the K range allow: the fast path below); tiles crossing N or M, and the last K step
 // when BK does not divide K, load with gl_CooperativeMatrixClampModeConstantNV (zeros outside).
 //
@@ -31,20 +34,12 @@
 #extension GL_NV_cooperative_matrix2 : require
 #extension GL_GOOGLE_include_directive : require
 
-#ifndef BW
-#define BW 128
-#endif
-#ifndef BX
-#define BX 128
-#endif
-#ifndef BK
-#define BK 64
-#endif
-#ifndef NT
-#define NT 256
-#endif
+layout(constant_id = 0) const uint NT = 256;
+layout(constant_id = 1) const uint BW = 128;
+layout(constant_id = 2) const uint BX = 128;
+layout(constant_id = 3) const uint BK = 64;
 
-layout(local_size_x = NT) in;
+layout(local_size_x_id = 0) in;
 
 #include "cm2_decode.glsl"
 

@@ -4,11 +4,15 @@
 // With COOPMAT_EMULATE=1 the same kernel runs without cooperative matrices (see below), so
 // the tiling, loaders, double buffering and edge handling are testable on any device.
 //
-// Tile parameters (defines): BM x BN output tile per workgroup (rows of x x rows of W), BK
-// the K slice per step, WM x WN the output block of one subgroup (of 32 invocations):
-// NSG = (BM / WM) * (BN / WN) subgroups, NT = 32 * NSG invocations; subgroup s owns rows
+// Tile parameters (specialization constants, as ggml-vulkan's mul_mm: one SPIR-V module per
+// weight type serves every tiling): BM x BN output tile per workgroup (rows of x x rows of W),
+// BK the K slice per step, WM x WN the output block of one subgroup (of 32 invocations):
+// NSG = (BM / WM) * (BN / WN) subgroups, NT = 32 * NSG invocations (constant_id 0, also the
+// workgroup size; the host gives it the value that formula makes); subgroup s owns rows
 // WM * (s / (BN / WN)) .. +WM-1 and columns WN * (s % (BN / WN)) .. +WN-1 of the tile, i.e.
-// (WM / 16) x (WN / 16) accumulator fragments.
+// (WM / 16) x (WN / 16) accumulator fragments. The host checks the tiling (BM % WM == 0,
+// BN % WN == 0, WM, WN, BK multiples of 16, STAGES 1 or 2: ops/mul_mat_kernels.py
+// make_coop_variant); the cooperative matrices themselves stay 16 x 16 x 16.
 //
 // Per step (one barrier): shared memory holds two stages of [x tile BM x BK | W tile BN x BK]
 // as f16, row-major with rows padded to SK = BK + 8 halves (every fragment load starts 16-byte
@@ -77,47 +81,28 @@
 #include "dequant.glsl"
 #include "coopmat_dq8.glsl"
 
-#ifndef BM
-#define BM 128
-#endif
-#ifndef BN
-#define BN 128
-#endif
-#ifndef BK
-#define BK 32
-#endif
-#ifndef WM
-#define WM 32
-#endif
-#ifndef WN
-#define WN 64
-#endif
-#ifndef STAGES
-#define STAGES 2                    // 2: double-buffered shared tiles; 1: single (two barriers/step)
-#endif
+layout(constant_id = 0) const uint NT = 256;    // invocations: 32 * NSG
+layout(constant_id = 1) const uint BM = 128;
+layout(constant_id = 2) const uint BN = 128;
+layout(constant_id = 3) const uint BK = 32;
+layout(constant_id = 4) const uint WM = 32;
+layout(constant_id = 5) const uint WN = 64;
+layout(constant_id = 6) const uint STAGES = 2;  // 2: double-buffered shared tiles; 1: single (two barriers/step)
 
-#define SK (BK + 8)                 // shared row stride in halves
-#define SK4 (SK / 4)                // ... in f16vec4
-#define FM (WM / 16)                // fragments per subgroup block
-#define FN (WN / 16)
+#define SK (BK + 8u)                // shared row stride in halves
+#define SK4 (SK / 4u)               // ... in f16vec4
+#define FM (WM / 16u)               // fragments per subgroup block
+#define FN (WN / 16u)
 #define NSG_N (BN / WN)
 #define NSG ((BM / WM) * NSG_N)
-#define NT (32 * NSG)
-#define XQ (BM * BK / 4)            // x quads per step
-#define WU (BN * BK / 8)            // weight units (8 elements) per step
-#define LX ((XQ + NT - 1) / NT)     // per thread
-#define LW ((WU + NT - 1) / NT)
+#define XQ (BM * BK / 4u)           // x quads per step
+#define WU (BN * BK / 8u)           // weight units (8 elements) per step
+#define LX ((XQ + NT - 1u) / NT)    // per thread
+#define LW ((WU + NT - 1u) / NT)
 #define STAGE4 ((BM + BN) * SK4)    // one stage, in f16vec4
 #define B4 (BM * SK4)               // W tile offset inside a stage
 
-#if BM % WM != 0 || BN % WN != 0 || WM % 16 != 0 || WN % 16 != 0 || BK % 16 != 0 || (STAGES != 1 && STAGES != 2)
-#error "bad tile parameters"
-#endif
-#if MUL_MAT_ID && BM != 32
-#error "the routed product's tiles are moe_group.comp's tiles of 32 pairs"
-#endif
-
-layout(local_size_x = NT) in;
+layout(local_size_x_id = 0) in;
 
 layout(std430, binding = 1) readonly buffer X { float x[]; };
 layout(std430, binding = 1) readonly buffer X4 { vec4 x4[]; };
@@ -140,7 +125,7 @@ layout(push_constant) uniform Push {
 #endif
 
 shared f16vec4 sm4[STAGES * STAGE4];
-shared float cs[NSG * 256];
+shared float cs[NSG * 256u];
 
 // ------------------------------------------------------------------------------------------
 // cooperative-matrix operations (real or emulated)
@@ -397,17 +382,17 @@ void main() {
             }
         }
         if (more) {
-#if STAGES == 1
-            barrier();                      // everyone is done reading the stage
-            commit(k0 + BK, 0u);
-#else
-            commit(k0 + BK, st ^ 1u);
-#endif
+            if (STAGES == 1u) {
+                barrier();                  // everyone is done reading the stage
+                commit(k0 + BK, 0u);
+            } else {
+                commit(k0 + BK, st ^ 1u);
+            }
         }
         barrier();
-#if STAGES == 2
-        st ^= 1u;
-#endif
+        if (STAGES == 2u) {
+            st ^= 1u;
+        }
     }
 
     const uint mb0 = m0 + wm * WM;

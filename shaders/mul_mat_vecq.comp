@@ -52,8 +52,11 @@
 // per block costs more than the load saves (measured: docs/PERFORMANCE.md, "Decode kernels").
 // PROBE_NOX 2 (probe_vecq_noc_*): the RPT > 1 shapes with their weight loads only: no x, each
 // block's quant words and scale xor-folded to a byte, y = the row's sum of those bytes.
-// Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), WG, NR, UNR, BLK, MAXM, IDP, IDP_SAT, RPT, SG,
-// KSUB, PROBE_NOX, WLOAD5.
+// Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), BLK, IDP, IDP_SAT, RPT, SG, KSUB, PROBE_NOX,
+// WLOAD5 (what changes the code). Specialization constants: WG (constant_id 0, also the
+// workgroup size), NR, UNR, MAXM (shapes of one code path share a module); the host checks
+// what the kernel needs of them (WG % NR == 0, NR RPT MAXM <= WG: ops/mul_mat_kernels.py
+// make_vecq_variant).
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
 //
@@ -100,20 +103,12 @@
 #define GQ (4u * GW)  // words per group
 #define HB (QBYTES / 2u)  // halfwords per block
 
-#ifndef WG
-#define WG 128
-#endif
-#ifndef NR
-#define NR 4
-#endif
-#ifndef UNR
-#define UNR 1
-#endif
+layout(constant_id = 0) const uint WG = 128;
+layout(constant_id = 1) const uint NR = 4;
+layout(constant_id = 2) const uint UNR = 1;
+layout(constant_id = 3) const uint MAXM = 1;  // columns of x handled per pass
 #ifndef BLK
 #define BLK 8
-#endif
-#ifndef MAXM
-#define MAXM 1
 #endif
 #ifndef IDP_SAT
 #define IDP_SAT 0
@@ -149,16 +144,7 @@
 #if RPT > 1 && (BLK != 1 || (WTYPE != WT_Q4_0 && WTYPE != WT_Q8_0))
 #error "RPT > 1: Q4_0 / Q8_0 with BLK 1 only"
 #endif
-#if NR * RPT * MAXM > WG
-#error "the final reduction needs a thread per (row, column): NR * RPT * MAXM <= WG"
-#endif
-#if WG % NR != 0
-#error "WG must be a multiple of NR"
-#endif
 #define L (WG / NR)  // threads per row
-#if NR * MAXM > WG
-#error "the final reduction needs a thread per (row, column): NR * MAXM <= WG"
-#endif
 #if BLK != 1 && BLK != 8
 #error "BLK: 1 or 8"
 #endif
@@ -190,15 +176,15 @@ int dot4(uint a, uint b, int acc) {
 #endif
 }
 
-layout(local_size_x = WG) in;
+layout(local_size_x_id = 0) in;
 
 layout(std430, binding = 1) readonly buffer XQ4 { uvec4 xq4[]; };
 layout(std430, binding = 1) readonly buffer XQM { uvec2 xqm[]; };
 layout(std430, binding = 2) writeonly buffer Y { float y[]; };
 
 #if MUL_MAT_ID
-#if MAXM != 1 || PROBE_NOX
-#error "the routed product is a mat-vec of one x row per pair (MAXM 1)"
+#if PROBE_NOX
+#error "the routed product has no probe form"
 #endif
 layout(std430, binding = 3) readonly buffer Ids { int ids[]; };
 layout(push_constant) uniform Push {

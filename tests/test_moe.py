@@ -700,13 +700,14 @@ def test_routed_variant_tables():
     for t in ALL:
         v = allv[moe.coop_id_name(t)]
         assert v.source == "mul_mat_coopmat.comp" and v.defines["MUL_MAT_ID"] == "1"
-        assert mk.CoopTile.from_defines(v.defines) == moe.COOP_ID_TILE and v.bindings == 4 and v.writes == (2,)
+        assert mk.CoopTile.from_defines({k: str(x) for k, x in v.spec.items()}) == moe.COOP_ID_TILE
+        assert v.bindings == 4 and v.writes == (2,) and v.module == mk.coop_module_name(t, routed=True)
         assert "cooperativeMatrix" in v.requires and v.subgroup_size == mk.COOP_SUBGROUP and v.push == moe.PUSH_ID
         e = declared[moe.coop_id_name(t, emulate=True)]
-        assert e.name not in allv and {**v.defines, "COOPMAT_EMULATE": "1"} == e.defines
+        assert e.name not in allv and {**v.defines, "COOPMAT_EMULATE": "1"} == e.defines and e.spec == v.spec
         assert "cooperativeMatrix" not in e.requires
     vq = {n for n, v in allv.items() if v.source == "mul_mat_vecq.comp" and "MUL_MAT_ID" in v.defines}
     want = {moe.vecq_id_name(t, moe.vecq_id_config(t, cpu)) for t in mk.VECQ_TYPES
             for cpu in ((True, False) if t in mk.VECQ_GPU_TYPES else (True,))}
-    assert vq == want and all(allv[n].defines["MAXM"] == "1" and allv[n].bindings == 4 for n in vq)
+    assert vq == want and all(allv[n].spec["MAXM"] == 1 and allv[n].bindings == 4 for n in vq)
     assert not {n for n, (_, _, emu) in tk.COOP_ID_VARIANTS.items()} & set(allv)

@@ -484,6 +484,52 @@ def test_coopmat_emu_tilings(device, bufs, rng, name, tool_kernels):
         check(y.reshape(M, N), x @ W.T, coop_bound(x, abs_terms(raw, t, W)))
 
 
+def test_coopmat_tilings_share_one_module_per_type(device, bufs, rng, tool_kernels):
+    """mul_mat_coopmat's tilings are specialization constants: a type's shipped default and
+    large tilings name one module with different spec values (the module declares the
+    constants the Python table names), and so do its emulated tilings; two emulated tilings of
+    one module are two pipelines from one SPIR-V, each matching the float64 reference (a
+    wrong reference fails the check)."""
+    from vkxsplit.vk.kernel import Kernel
+
+    shipped = shaders.shipped()
+    for t in ALL:
+        a, b = shipped[mm.coop_variant_name(t)], shipped[mm.coop_variant_name(t, mm.coop_big_tile(t))]
+        assert a["module"] == b["module"] == mk.coop_module_name(t) and a["spec"] != b["spec"]
+        assert a["spec"]["NT"] == mm.COOP_TILES[mm.COOP_CONFIG[t]].threads == a["local_size"][0]
+    code = (shaders.SPV_DIR / f"{mk.coop_module_name('q4_0')}.spv").read_bytes()
+    assert set(shaders.spec_constants(code)) == set(mk.COOP_SPEC_IDS.values())
+    t = "q4_0"
+    names = [mm.coop_variant_name(t, emulate=True), mm.coop_variant_name(t, "t64x128_k16_w16x32_s1", emulate=True)]
+    tool_kernels(*names)
+    ma, mb = (shaders.variant_meta(n) for n in names)
+    assert ma["module"] == mb["module"] == mk.coop_module_name(t, emulate=True) and ma["spec"] != mb["spec"]
+    assert shaders.spirv(names[0]) == shaders.spirv(names[1])
+    ka, kb = Kernel.get(device, names[0]), Kernel.get(device, names[1])
+    assert ka is not kb and ka.pipeline != kb.pipeline
+    N, K, M = 200, 96, 70  # edge tiles in M and N for both tilings
+    raw, W = make_weights(rng, t, N, K)
+    wb = bufs.new(raw.nbytes, raw)
+    x = rng.standard_normal((M, K))
+    ref, bound = x @ W.T, coop_bound(x, abs_terms(raw, t, W))
+    for name in names:
+        y, _ = run_mm(device, bufs, wb, t, x, M, N, K, M * N, "coopmat", coop_variant=name)
+        check(y.reshape(M, N), ref, bound)
+    with pytest.raises(AssertionError, match="over the bound"):
+        check(y.reshape(M, N), np.roll(ref, 1, axis=1), bound)
+
+
+def test_coopmat_tiling_the_kernel_cannot_run_is_refused():
+    """A tiling whose subgroup blocks do not divide the tile, or are not whole 16 x 16
+    fragments, is refused when the variant is made (the shader no longer checks it: its sizes
+    are specialization constants)."""
+    for bad in (mm.CoopTile(128, 128, 32, 48, 64), mm.CoopTile(128, 128, 24, 32, 64),
+                mm.CoopTile(96, 128, 32, 64, 64), mm.CoopTile(128, 128, 32, 32, 64, stages=3)):
+        with pytest.raises(KernelError, match="multiples"):
+            mm.make_coop_variant("x", "q4_0", bad)
+    assert mm.make_coop_variant("x", "q4_0", mm.CoopTile(64, 64, 32, 32, 32)).spec["NT"] == 128
+
+
 @pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("t", ["f32", "f16", "q4_0", "q5_0", "q4_k", "q6_k", "q3_k", "iq4_nl"])
 def test_coopmat_emu_row_range_and_strides(device, bufs, rng, t, aligned, tool_kernels):
@@ -1072,6 +1118,37 @@ def test_q8_1_quantize_edge_cases(device, bufs, rng, tool_kernels):
     name = "mul_mat_vecq_q8_0_q8_1_m1_b1_wg128_nr4_emu"
     tool_kernels(name)
     _vecq_run(device, bufs, rng, "q8_0", name, 1, n_total=3, r0=0, n=3, K=K, y_col=0, x=x)
+
+
+def test_vecq_shapes_share_one_module_per_code_path(device, bufs, rng):
+    """mul_mat_vecq's WG, NR, UNR and columns are specialization constants: shapes of one
+    code path (block loads, rows per thread, reduction, ...) name one module. Q4_1's shipped GPU
+    and CPU decode shapes are two pipelines of one SPIR-V module, each matching the float64
+    reference (both bounds of _vecq_run); a shape the kernel cannot run is refused."""
+    from vkxsplit.vk.kernel import Kernel
+
+    _vecq_skip_feature(device)
+    gpu, cpu = mm.vecq_default_config("q4_1", False), mm.vecq_default_config("q4_1", True)
+    names = [mm.vecq_name("q4_1", gpu), mm.vecq_name("q4_1", cpu)]
+    ma, mb = (shaders.variant_meta(n) for n in names)
+    assert ma["module"] == mb["module"] == mk.vecq_module_name("q4_1", gpu) and ma["spec"] != mb["spec"]
+    assert shaders.spirv(names[0]) == shaders.spirv(names[1])
+    code = (shaders.SPV_DIR / f"{ma['module']}.spv").read_bytes()
+    assert set(shaders.spec_constants(code)) == set(mk.VECQ_SPEC_IDS.values())
+    assert mm.vecq_spec(names[1]) == ("q4_1", cpu, 1)
+    ka, kb = Kernel.get(device, names[0]), Kernel.get(device, names[1])
+    assert ka is not kb and ka.pipeline != kb.pipeline
+    for name, cfg in zip(names, (gpu, cpu)):
+        _vecq_run(device, bufs, rng, "q4_1", name, 1, n_total=cfg.rows + 3, r0=1, n=cfg.rows + 2, K=288, y_col=2)
+    for bad, maxm in ((mm.VecqConfig(128, 3, blk=1), 1), (mm.VecqConfig(64, 64, blk=1), 2),
+                      (mm.VecqConfig(64, 32, blk=1, rpt=4), 1)):
+        with pytest.raises(KernelError, match="multiple of NR"):
+            mm.make_vecq_variant("x", "q4_0", bad, maxm)
+
+
+def _vecq_skip_feature(device):
+    if not device.features.get("shaderIntegerDotProduct"):
+        pytest.skip(f"'{device.name}' lacks shaderIntegerDotProduct")
 
 
 def test_mat_vecq_real_matches_emulated(device, bufs, rng, tool_kernels):

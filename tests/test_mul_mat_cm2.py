@@ -468,6 +468,32 @@ def test_cm2_variants():
     assert {"cooperativeMatrixWorkgroupScope", "bufferDeviceAddress"} <= set(v.requires)
 
 
+def test_cm2_tilings_share_one_module_per_type():
+    """mul_mat_cm2's tilings are specialization constants (they size the workgroup-scope
+    matrices): a type's shipped tilings name one module with different spec values, the module
+    declares the constants the Python table names, a sweep tiling names the shipped module
+    (it compiles nothing), and sizes the kernel cannot take are refused when the variant is
+    made. (Each tiling against float64: test_cm2_tiling, on a coopmat2 device.)"""
+    from vkxsplit import shaders
+    from vkxsplit.ops import mul_mat_kernels as mk
+
+    shipped = shaders.shipped()
+    for t in ALL:
+        metas = [shipped[mm.cm2_variant_name(t, k)] for k in mm.CM2_CHOICES[t]]
+        assert {m["module"] for m in metas} == {mk.cm2_module_name(t)}
+        assert len({tuple(sorted(m["spec"].items())) for m in metas}) == len(metas)
+        for k, m in zip(mm.CM2_CHOICES[t], metas):
+            assert m["spec"]["NT"] == mm.CM2_TILES[k].threads == m["local_size"][0]
+            assert mm.coop_tile(mm.cm2_variant_name(t, k)) == mm.CM2_TILES[k]
+    code = (shaders.SPV_DIR / f"{mk.cm2_module_name('q4_0')}.spv").read_bytes()
+    assert set(shaders.spec_constants(code)) == set(mk.CM2_SPEC_IDS.values())
+    sweep = mm.make_cm2_variant("q4_0", tk.CM2_SWEEP_TILES["w256x128_k64_n256"])
+    assert sweep.module_name == mk.cm2_module_name("q4_0") and sweep.name not in shipped
+    for bad in (mm.Cm2Tile(120, 128, 64), mm.Cm2Tile(128, 128, 48), mm.Cm2Tile(128, 8, 64)):
+        with pytest.raises(KernelError, match="multiples of 16"):
+            mm.make_cm2_variant("q4_0", bad)
+
+
 def test_coopmat2_struct_layouts():
     """The VK_NV_cooperative_matrix2 structs declared in vkxsplit.vk.instance (newer than the
     `vulkan` package's headers) against the registry's C layout, rebuilt with ctypes."""

@@ -128,6 +128,29 @@ def test_attention_paths(seq, bufs, rng, n_tokens, n_heads, n_kv, D, pos0, n_spl
     _attend(seq, bufs, rng, n_tokens, n_heads, n_kv, D, 96, pos0, n_splits, cache_offset)
 
 
+def test_attention_sizes_are_spec_values_of_two_modules(seqs, bufs, rng):
+    """attention.comp's sizes are specialization constants: the tiled head dims (64, 128) are
+    one module, the generic kernel and its head_dim-256 form (BR, BC, DMAX) another; each of
+    the generic module's two pipelines matches the float64 reference (head_dim 96 runs the
+    generic one, 256 the h256 one); sizes the kernel cannot run are refused."""
+    from vkxsplit import shaders
+    from vkxsplit.ops import attention as at
+
+    m = {n: shaders.variant_meta(n) for n in ("attn_f16_f32", "attn_f16_f32_h256", "attn_f16_f32_d64",
+                                              "attn_f16_f32_d128")}
+    assert m["attn_f16_f32"]["module"] == m["attn_f16_f32_h256"]["module"] != m["attn_f16_f32_d64"]["module"]
+    assert m["attn_f16_f32_d64"]["module"] == m["attn_f16_f32_d128"]["module"]
+    assert m["attn_f16_f32"]["spec"] == {"BR": at.BR, "BC": 32, "DMAX": 128}
+    assert m["attn_f16_f32_h256"]["spec"] == {"BR": at.BR_H256, "BC": 16, "DMAX": 256}
+    assert shaders.spirv("attn_f16_f32") == shaders.spirv("attn_f16_f32_h256")
+    _attend(seqs("generic"), bufs, rng, 3, 4, 2, 96, 64, 20, 1)
+    _attend(seqs("h256"), bufs, rng, 3, 2, 1, 256, 64, 20, 2)
+    with pytest.raises(KernelError, match="16 x 128"):
+        at._attn_variant("x", "m", {}, {"BR": 16, "BC": 32, "DMAX": 256}, at._GENERIC_SPEC_IDS)
+    with pytest.raises(KernelError, match="multiple of 32"):
+        at._attn_variant("x", "m", {"TILED": "1"}, {"HD": 80}, {"HD": 0})
+
+
 def test_prefill_512(seq, bufs, rng):
     _attend(seq, bufs, rng, 512, 6, 2, 64, 520, 0, 1)
 

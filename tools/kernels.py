@@ -16,9 +16,11 @@ Each table holds the shipped shapes of its family too (a sweep compares against 
 ``VKXSPLIT_TOOL_SPV`` overrides it), incrementally (a variant is rebuilt when its source, an
 include or its defines change), and loaded by name after the shipped kernels
 (:func:`vkxsplit.shaders.add_kernel_dir`). A sweep shape of a source whose shapes are
-specialization constants (``mul_mat_vec.comp``) names the shipped module of its type and
-differs only in spec values: it compiles nothing and its manifest entry points at the shipped
-SPIR-V (``build_into(reuse_shipped=True)``). :func:`ensure` does both and returns the names
+specialization constants (``mul_mat_vec.comp``, ``mul_mat_vecq.comp``, ``mul_mat_coopmat.comp``,
+``mul_mat_cm2.comp``) names the module of its type and code path; where that module ships, the
+shape differs only in spec values: it compiles nothing and its manifest entry points at the
+shipped SPIR-V (``build_into(reuse_shipped=True)``), and tilings of one emulated or swept
+module compile that module once. :func:`ensure` does both and returns the names
 available: where a compiler is missing (a GPU machine without one; glslang15 for the
 VK_NV_cooperative_matrix2 ones), only what was built before (and is still fresh) is there.
 

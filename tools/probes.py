@@ -25,7 +25,7 @@ operands' product), so a probe that skipped work would fail rather than look fas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from vkxsplit.errors import KernelError
@@ -113,8 +113,8 @@ def _nox_variant(base: str, kind: str) -> Variant:
     assert spec is not None, base
     t, cfg, maxm = spec
     v = make_vecq_variant(nox_name(base, kind), t, cfg, maxm)
-    return Variant(name=v.name, source=v.source, defines={**v.defines, "PROBE_NOX": NOX_KINDS[kind]},
-                   bindings=v.bindings, writes=v.writes, push=v.push, local_size=v.local_size, requires=v.requires)
+    return replace(v, defines={**v.defines, "PROBE_NOX": NOX_KINDS[kind]},
+                   module=v.module_name.replace("mod_mul_mat_vecq_", f"mod_probe_vecq_{kind}_", 1))
 
 
 VARIANTS = [

@@ -50,6 +50,25 @@ GENERIC_MAX_HEAD_DIM = 128  # the largest head_dim of attn_f16_f32; above it att
 COMBINE_WG = 128
 TILED_HEAD_DIMS = (64, 128)  # head dims with a compile-time tiled kernel (attn_f16_f32_d<hd>)
 
+#: attention.comp's specialization constants on its generic path (the tiled one has HD, id 0):
+#: query rows and cache positions per workgroup block, the largest head_dim
+_GENERIC_SPEC_IDS = {"BR": 0, "BC": 1, "DMAX": 2}
+
+
+def _attn_variant(name: str, module: str, defines: dict[str, str], spec: dict[str, int],
+                  spec_ids: dict[str, int]) -> Variant:
+    """An attention.comp variant: one module per path (``TILED``), its sizes as spec values.
+    The generic path gives each invocation BR DMAX / 128 = 16 output entries (its OPT)."""
+    if "DMAX" in spec and spec["BR"] * spec["DMAX"] != 16 * 128:
+        raise KernelError(f"{name}: BR x DMAX must be 16 x 128 invocations' output entries, got "
+                          f"{spec['BR']} x {spec['DMAX']}")
+    if "HD" in spec and spec["HD"] % 32:
+        raise KernelError(f"{name}: the tiled attention's head_dim must be a multiple of 32, got {spec['HD']}")
+    return Variant(name=name, source="attention.comp", defines=defines, module=module, spec=spec,
+                   spec_ids=spec_ids, bindings=6, writes=(4, 5), push="IIIIIIIIIIIIIfI", local_size=(128, 1, 1),
+                   requires=("storageBuffer16BitAccess",))
+
+
 VARIANTS = [
     Variant(name="kv_store_f32_f16", source="kv_store.comp", defines={"ROPE": "0", "NEOX": "0"}, bindings=5,
             writes=(3, 4), push="IIIIIIIIIIIIff", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",)),
@@ -59,14 +78,11 @@ VARIANTS = [
               bindings=6, writes=(3, 4), push="IIIIIIIIIIIIffI" + ("ffff" if yarn else ""), local_size=(256, 1, 1),
               requires=("storageBuffer16BitAccess",))
       for yarn in (False, True) for neox in (False, True)],
-    Variant(name="attn_f16_f32", source="attention.comp", bindings=6, writes=(4, 5),
-            push="IIIIIIIIIIIIIfI", local_size=(128, 1, 1), requires=("storageBuffer16BitAccess",)),
-    Variant(name="attn_f16_f32_h256", source="attention.comp", defines={"D256": "1"}, bindings=6,
-            writes=(4, 5), push="IIIIIIIIIIIIIfI", local_size=(128, 1, 1),
-            requires=("storageBuffer16BitAccess",)),
-    *[Variant(name=f"attn_f16_f32_d{hd}", source="attention.comp", defines={"HD": str(hd)}, bindings=6,
-               writes=(4, 5), push="IIIIIIIIIIIIIfI", local_size=(128, 1, 1),
-               requires=("storageBuffer16BitAccess",)) for hd in TILED_HEAD_DIMS],
+    *[_attn_variant(name, "mod_attn_f16_f32", {}, {"BR": br, "BC": bc, "DMAX": dmax}, _GENERIC_SPEC_IDS)
+      for name, br, bc, dmax in (("attn_f16_f32", BR, 32, GENERIC_MAX_HEAD_DIM),
+                                 ("attn_f16_f32_h256", BR_H256, 16, MAX_HEAD_DIM))],
+    *[_attn_variant(f"attn_f16_f32_d{hd}", "mod_attn_f16_f32_tiled", {"TILED": "1"}, {"HD": hd}, {"HD": 0})
+      for hd in TILED_HEAD_DIMS],
     Variant(name="attn_combine_f32", source="attn_combine.comp", bindings=2, writes=(1,),
             push="IIIIII", local_size=(COMBINE_WG, 1, 1)),
     # the output also as q8_1 blocks (the x of the output projection's integer-dot mat-vec)

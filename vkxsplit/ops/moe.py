@@ -61,9 +61,11 @@ from .mul_mat_kernels import (
     VECQ_TYPES,
     CoopTile,
     VecqConfig,
+    coop_module_name,
     make_coop_variant,
     make_vecq_variant,
     vecq_default_config,
+    vecq_module_name,
     vecq_spec,
 )
 from .quant import TYPES, TypeLike, WeightType, weight_type
@@ -118,7 +120,8 @@ def make_vecq_id_variant(name: str, t: str, cfg: VecqConfig) -> Variant:
     product mat-vec (one x column) with ``MUL_MAT_ID``: four bindings (W, q8_1 x, y, ids) and
     mul_mat_id's push constants."""
     v = make_vecq_variant(name, t, cfg, 1)
-    return replace(v, defines={**v.defines, "MUL_MAT_ID": "1"}, bindings=4, push=PUSH_ID)
+    return replace(v, defines={**v.defines, "MUL_MAT_ID": "1"}, module=vecq_module_name(t, cfg, routed=True),
+                   bindings=4, push=PUSH_ID)
 
 
 def _vecq_id_shipped() -> dict[str, tuple[str, VecqConfig]]:
@@ -163,7 +166,8 @@ def make_coop_id_variant(name: str, t: str, tile: CoopTile, emulate: bool = Fals
     if tile.bm != TILE_BM:
         raise KernelError(f"{name}: the routed product's tiles hold {TILE_BM} pairs (moe_group's), not {tile.bm}")
     v = make_coop_variant(name, t, tile, emulate)
-    return replace(v, defines={**v.defines, "MUL_MAT_ID": "1"}, bindings=4, push=PUSH_ID)
+    return replace(v, defines={**v.defines, "MUL_MAT_ID": "1"}, module=coop_module_name(t, emulate, routed=True),
+                   bindings=4, push=PUSH_ID)
 
 
 def _coop_id_tile(name: str, t: str) -> CoopTile:

@@ -218,7 +218,17 @@ class VecqConfig:
         """Rows per workgroup (``nr`` teams, ``rpt`` rows per thread)."""
         return self.nr * self.rpt
 
+    @property
+    def module_tag(self) -> str:
+        """The tag of the code path (the shape's defines): shapes with one module_tag differ only
+        in specialization constants (WG, NR, UNR and the columns of x) and share a module."""
+        return (f"b{self.blk}" + (f"_r{self.rpt}" if self.rpt > 1 else "") + (f"_s{self.sub}" if self.sub > 1 else "")
+                + ("_sg" if self.sg else "") + ("_w5u" if self.w5u else "") + ("_sat" if self.sat else "")
+                + ("" if self.idp else "_emu"))
+
     def defines(self) -> dict[str, str]:
+        """The shape as defines and spec values together (as a built variant's resolved defines
+        hold them; :meth:`from_defines` reads them back)."""
         d = {"WG": str(self.wg), "NR": str(self.nr), "BLK": str(self.blk), "UNR": str(self.unr),
              "IDP": str(self.idp), "IDP_SAT": str(self.sat)}
         if self.rpt > 1:
@@ -289,11 +299,31 @@ def vecq_spec(name: str) -> tuple[str, VecqConfig, int] | None:
     return None if t is None else (t, VecqConfig.from_defines(d), int(d["MAXM"]))
 
 
+#: mul_mat_vecq.comp's specialization constants (its ``layout(constant_id = N)``; WG is also
+#: the workgroup size, ``local_size_x_id = 0``)
+VECQ_SPEC_IDS = {"WG": 0, "NR": 1, "UNR": 2, "MAXM": 3}
+
+
+def vecq_module_name(t: str, cfg: VecqConfig, routed: bool = False) -> str:
+    """The SPIR-V module of integer-dot-product mat-vec shape ``cfg`` of weight type ``t``: one
+    per code path (:attr:`VecqConfig.module_tag`), mod_mul_mat[_id]_vecq_<type>_<module tag>
+    (``routed``: with MUL_MAT_ID, ops.moe's decode kernels)."""
+    return f"mod_mul_mat{'_id' if routed else ''}_vecq_{t}_{cfg.module_tag}"
+
+
 def make_vecq_variant(name: str, t: str, cfg: VecqConfig, maxm: int) -> Variant:
-    """The Variant of an integer-dot-product mat-vec kernel of weight type ``t``, shape ``cfg``."""
-    return Variant(name=name, source="mul_mat_vecq.comp",
-                   defines={"WTYPE": str(TYPES[t].id), "MAXM": str(maxm), **cfg.defines()},
-                   bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1),
+    """The Variant of an integer-dot-product mat-vec kernel of weight type ``t``, shape ``cfg``,
+    ``maxm`` columns of x: the module of its code path with WG, NR, UNR and the columns as
+    specialization constants. Raises KernelError for a shape the kernel cannot run (a row's
+    team is WG / NR threads; the final reduction takes a thread per row and column)."""
+    if min(cfg.wg, cfg.nr, cfg.unr, cfg.rpt, maxm) < 1 or cfg.wg % cfg.nr or cfg.nr * cfg.rpt * maxm > cfg.wg:
+        raise KernelError(f"q8_1-x mat-vec shape {cfg.tag} with {maxm} columns: WG must be a multiple of NR "
+                          f"and at least NR x RPT x columns ({cfg.nr} x {cfg.rpt} x {maxm}), sizes positive")
+    defines = {k: v for k, v in cfg.defines().items() if k not in VECQ_SPEC_IDS}
+    return Variant(name=name, source="mul_mat_vecq.comp", defines={"WTYPE": str(TYPES[t].id), **defines},
+                   module=vecq_module_name(t, cfg),
+                   spec={"WG": cfg.wg, "NR": cfg.nr, "UNR": cfg.unr, "MAXM": maxm}, spec_ids=VECQ_SPEC_IDS,
+                   local_size_spec="WG", bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1),
                    requires=(*(_IDP_REQUIRES if cfg.idp else ()), *_STORAGE))
 
 
@@ -371,19 +401,38 @@ def coop_big_tile(t: str) -> str:
     return COOP_BIG_QUANT if TYPES[t].quantized else COOP_BIG_FLOAT
 
 
+#: mul_mat_coopmat.comp's specialization constants (its ``layout(constant_id = N)``; NT, the
+#: invocations, is also the workgroup size, ``local_size_x_id = 0``)
+COOP_SPEC_IDS = {"NT": 0, "BM": 1, "BN": 2, "BK": 3, "WM": 4, "WN": 5, "STAGES": 6}
+
+
+def coop_module_name(t: str, emulate: bool = False, routed: bool = False) -> str:
+    """The SPIR-V module every mul_mat_coopmat tiling of weight type ``t`` specializes:
+    mod_mul_mat[_id]_coopmat[_emu]_<type> (``routed``: with MUL_MAT_ID, ops.moe's kernels)."""
+    return f"mod_mul_mat{'_id' if routed else ''}_coopmat{'_emu' if emulate else ''}_{t}"
+
+
 def make_coop_variant(name: str, t: str, tile: CoopTile, emulate: bool = False) -> Variant:
-    """The Variant of a mul_mat_coopmat kernel of weight type ``t`` with ``tile``; ``emulate``:
-    the same tiling, loaders and edge handling without cooperative matrices (COOPMAT_EMULATE:
-    any device with f16 arithmetic runs it; how lavapipe tests the coopmat logic)."""
-    defines = {"WTYPE": str(TYPES[t].id), **tile.defines()}
+    """The Variant of a mul_mat_coopmat kernel of weight type ``t`` with ``tile``: the type's
+    module with the tiling as specialization constants; ``emulate``: the same tiling, loaders
+    and edge handling without cooperative matrices (COOPMAT_EMULATE: any device with f16
+    arithmetic runs it; how lavapipe tests the coopmat logic). Raises KernelError for a tiling
+    the kernel cannot run."""
+    if (min(tile.bm, tile.bn, tile.bk, tile.wm, tile.wn) < 16 or tile.bm % tile.wm or tile.bn % tile.wn
+            or tile.wm % 16 or tile.wn % 16 or tile.bk % 16 or tile.stages not in (1, 2)):
+        raise KernelError(f"coopmat tiling {tile.name}: BM and BN must be multiples of the subgroup block "
+                          "WM x WN, WM, WN and BK multiples of 16 (the fragments), stages 1 or 2")
+    defines = {"WTYPE": str(TYPES[t].id)}
+    spec = {"NT": tile.threads, "BM": tile.bm, "BN": tile.bn, "BK": tile.bk, "WM": tile.wm, "WN": tile.wn,
+            "STAGES": tile.stages}
+    shape = {"module": coop_module_name(t, emulate), "spec": spec, "spec_ids": COOP_SPEC_IDS,
+             "local_size_spec": "NT", "local_size": (tile.threads, 1, 1)}
     if emulate:
         return Variant(name=name, source="mul_mat_coopmat.comp", defines={**defines, "COOPMAT_EMULATE": "1"},
-                       bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
-                       requires=("shaderFloat16", *_STORAGE))
+                       bindings=3, writes=(2,), push=PUSH_COOP, requires=("shaderFloat16", *_STORAGE), **shape)
     return Variant(name=name, source="mul_mat_coopmat.comp", defines=defines, bindings=3, writes=(2,),
-                   push=PUSH_COOP,
-                   local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang",
-                   subgroup_size=COOP_SUBGROUP, requires=_COOP_REQUIRES)
+                   push=PUSH_COOP, target_env="vulkan1.3", compiler="glslang",
+                   subgroup_size=COOP_SUBGROUP, requires=_COOP_REQUIRES, **shape)
 
 
 @dataclass(frozen=True)
@@ -478,9 +527,26 @@ def cm2_variant_name(t: str, tile: str = CM2_DEFAULT) -> str:
     return f"mul_mat_cm2_{t}_f32_{tile}"
 
 
+#: mul_mat_cm2.comp's specialization constants (its ``layout(constant_id = N)``; NT is also the
+#: workgroup size, ``local_size_x_id = 0``)
+CM2_SPEC_IDS = {"NT": 0, "BW": 1, "BX": 2, "BK": 3}
+
+
+def cm2_module_name(t: str) -> str:
+    """The SPIR-V module every mul_mat_cm2 tiling of weight type ``t`` specializes: mod_mul_mat_cm2_<type>."""
+    return f"mod_mul_mat_cm2_{t}"
+
+
 def make_cm2_variant(t: str, tile: Cm2Tile) -> Variant:
-    """The Variant of mul_mat_cm2 for weight type ``t`` with ``tile`` (compiled by glslang15)."""
+    """The Variant of mul_mat_cm2 for weight type ``t`` with ``tile`` (compiled by glslang15): the
+    type's module with the tiling as specialization constants. Raises KernelError for sizes
+    that are not positive multiples of 16 (the matrices' granularity) or a K slice that does not
+    divide the fast path's 256-element steps."""
+    if min(tile.bw, tile.bx, tile.bk, tile.threads) < 16 or tile.bw % 16 or tile.bx % 16 or 256 % tile.bk:
+        raise KernelError(f"mul_mat_cm2 tiling {tile.name}: BW and BX must be multiples of 16 and BK a divisor "
+                          "of 256 (and a multiple of 16)")
     return Variant(name=cm2_variant_name(t, tile.name), source="mul_mat_cm2.comp",
-                   defines={"WTYPE": str(TYPES[t].id), **tile.defines()}, bindings=3, writes=(2,),
-                   push=PUSH_COOP, local_size=(tile.threads, 1, 1), target_env="vulkan1.3", compiler="glslang15",
-                   requires=_CM2_REQUIRES)
+                   defines={"WTYPE": str(TYPES[t].id)}, module=cm2_module_name(t),
+                   spec={"NT": tile.threads, "BW": tile.bw, "BX": tile.bx, "BK": tile.bk}, spec_ids=CM2_SPEC_IDS,
+                   local_size_spec="NT", bindings=3, writes=(2,), push=PUSH_COOP, local_size=(tile.threads, 1, 1),
+                   target_env="vulkan1.3", compiler="glslang15", requires=_CM2_REQUIRES)
