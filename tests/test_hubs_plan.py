@@ -375,3 +375,20 @@ def test_plan_command_shows_auto_over_hubs(tiny, tmp_path):
     assert "split: auto over 3 candidates (one hub " in r.stdout and ", layer " in r.stdout and ", row " in r.stdout
     assert "auto over the hubs picked " in r.stdout and "auto candidates: one hub " in r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_relay_crossing_is_measured_between_the_hubs(tiny, tmp_path):
+    """The cost model of a model over two hubs prices a relay crossing by a measurement between
+    them (calibrate.measure_relay), kept in the profile under the other hub's device; a cost
+    model that has no hubs to measure between uses the documented default and says so."""
+    from vkxsplit.model import Model
+    from vkxsplit.plan.cost import DEFAULTS, CostModel
+
+    with Model(tiny, devices="0,0", split="layer", n_ctx=32, ubatch=8, profile_dir=tmp_path) as m:
+        c = m.cost
+        assert c.relay_key == "relay|" + bytes(m.hubs[1].physical.device_uuid).hex()
+        v = c.relay()
+        assert 0 < v < 1.0 and c.profile.get("hub", c.relay_key) == v and "hub relay" not in c.estimated
+        dry = CostModel(c.profile)
+        dry.relay_key = "relay|another-device"
+        assert dry.relay() == DEFAULTS["relay_s"] and "hub relay" in dry.estimated

@@ -64,6 +64,8 @@ class MeasuringCostModel(CostModel):
                  arena: SharedArena | None = None, backends: Iterable[Any] = (), reps: int = 3,
                  hub_runner: Callable[[Graph], dict[int, float]] | None = None) -> None:
         super().__init__(profile, device=device, backends=backends)
+        #: the hubs of a model over several (the relay crossing is measured between the first two)
+        self.relay_devices: list[Any] = []
         self.arena = arena
         self.reps = max(1, reps)
         self.hub_runner = hub_runner
@@ -71,6 +73,17 @@ class MeasuringCostModel(CostModel):
     @property
     def can_measure(self) -> bool:
         return self.device is not None
+
+    def relay(self) -> float:
+        """The relay crossing between the hubs (:meth:`CostModel.relay`), measured by
+        :func:`measure_relay` between ``relay_devices`` and saved in the profile the first
+        time it is asked."""
+        devs = self.relay_devices
+        if self.can_measure and len(devs) > 1 and self.profile.get("hub", self.relay_key) is None:
+            self.profile.put("hub", self.relay_key, measure_relay(devs[:2], reps=max(10, 4 * self.reps)))
+            self.measured += 1
+            self.profile.save()
+        return super().relay()
 
     def reduce_threshold(self) -> int | None:
         """The all-reduce's bf16 threshold (:meth:`CostModel.reduce_threshold`), measured on
@@ -393,6 +406,60 @@ class MeasuringCostModel(CostModel):
 
 
 # ---------------------------------------------------------------------------------------------
+# the relay crossing between hubs
+
+
+def measure_relay(devices: list[Device], reps: int = 20) -> float:
+    """Seconds one relay crossing adds between two hubs (:mod:`vkxsplit.relay`, as the row split
+    crosses: the relay waits until hub 0's segment completed, then submits hub 1's): host time
+    of an empty segment on hub 0 followed through the relay by an empty segment on hub 1, less
+    that of the one segment on hub 0 waited for directly and one submit (the cost model counts
+    each segment's submit apart). The median of ``reps`` rounds after two warm-up rounds."""
+    import threading
+
+    from .relay import Relay
+
+    a, b = Sequence(devices[0], "probe-relay-a"), Sequence(devices[1], "probe-relay-b")
+    relay = Relay("probe-relay", spin_s=0.0 if any(d.is_cpu for d in devices) else None)
+    try:
+        a.end()
+        b.end()
+        submit = []
+        for _ in range(reps + 2):  # (the hub's submit overhead, as _measure_hub_basics has it)
+            t = time.perf_counter()
+            b.submit()
+            submit.append(time.perf_counter() - t)
+            b.wait()
+
+        def single() -> float:
+            t = time.perf_counter()
+            a.submit()
+            a.wait()
+            return time.perf_counter() - t
+
+        def crossing() -> float:
+            done = threading.Event()
+            t = time.perf_counter()
+            va = a.submit()
+            relay.enqueue(lambda: [("hub0", a.timeline, va)], submit=lambda: (b.submit(), done.set()))
+            if not done.wait(30.0):
+                relay.check()
+                raise VkxError("the relay crossing being measured did not happen within 30 s")
+            b.wait()
+            relay.check()
+            return time.perf_counter() - t
+
+        one = [single() for _ in range(reps + 2)][2:]
+        via = [crossing() for _ in range(reps + 2)][2:]
+    finally:
+        relay.close()
+        a.close()
+        b.close()
+        relay.close_timelines()
+    return max(1e-6, _median(via) - _median(one) - _median(submit[2:]))
+
+
+# ---------------------------------------------------------------------------------------------
 # the all-reduce's threshold
 
 #: partial sizes (bytes as f32) :func:`measure_reduce` times: from a few decode rows of a small
@@ -543,4 +610,5 @@ def hub_node_times(device: Device, graph: Graph, before_step: Callable[[], None]
 
 
 
-__all__ = ["REDUCE_SIZES", "MeasuringCostModel", "hub_node_times", "measure_reduce", "reduce_min_bytes"]
+__all__ = ["REDUCE_SIZES", "MeasuringCostModel", "hub_node_times", "measure_reduce", "measure_relay",
+           "reduce_min_bytes"]

@@ -638,6 +638,9 @@ class Model(LanguageModel):
                 j = first.setdefault(bytes(d.physical.device_uuid), i)
                 if j != i:
                     self._cost.hub_groups[f"hub{i}"] = f"hub{j}"
+            if len(self.hubs) > 1:  # the relay crossing, measured between hubs 0 and 1
+                self._cost.relay_devices = list(self.hubs)
+                self._cost.relay_key = f"relay|{bytes(self.hubs[1].physical.device_uuid).hex()}"
             self.planner.cost = self._cost
         return self._cost
 

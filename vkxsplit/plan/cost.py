@@ -66,6 +66,9 @@ class CostModel:
         self._rates: dict[str, float] = {}
         #: hub lanes that share another hub's device (:meth:`hub_resource`)
         self.hub_groups: dict[str, str] = {}
+        #: the profile key of the relay crossing between this model's hubs (``relay|<UUID of the
+        #: other hub's device>``: one device twice and two GPUs cross differently)
+        self.relay_key = "relay"
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -117,8 +120,9 @@ class CostModel:
 
     def relay(self) -> float:
         """Seconds from a hub's segment end to the start of another hub's segment waiting for it
-        (the relay thread's crossing)."""
-        v = self.profile.get("hub", "relay")
+        (the relay thread's crossing), measured between the hubs ``relay_key`` names
+        (:func:`vkxsplit.calibrate.measure_relay`)."""
+        v = self.profile.get("hub", self.relay_key)
         if v is None:
             self.estimated.add("hub relay")
             return DEFAULTS["relay_s"]
