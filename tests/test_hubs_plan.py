@@ -245,3 +245,150 @@ def test_signalled_segments_acquire_what_the_other_hub_wrote(device, tiny, monke
     with load_model(tiny, split="none", device=device, n_ctx=32, ubatch=8) as m:
         m._executor(4, False)
         assert calls == []
+
+
+def _graph(name, nodes):
+    """A dry graph of (hub, name, reads, writes) nodes (tensors by name are their own memory)."""
+    from vkxsplit.graph import Graph, Node
+
+    g = Graph(name, T=1)
+    for hub, nm, reads, writes in nodes:
+        g.nodes.append(Node("add", nm, [_t(r) for r in reads], _t(writes[0]), index=len(g.nodes), hub=hub))
+    return g
+
+
+class _FakeCost:
+    """Seconds per node by name, per relay crossing; no submit cost; ``groups``: hubs on another
+    hub's device."""
+
+    def __init__(self, secs, relay, groups=None):
+        self.secs, self.relay_s, self.estimated, self.groups = secs, relay, set(), groups or {}
+
+    def hub_resource(self, lane):
+        return self.groups.get(lane, lane)
+
+    def submit(self):
+        return 0.0
+
+    def relay(self):
+        return self.relay_s
+
+    def hub_item(self, it):
+        return self.secs[it.node.name.split(".")[0]]
+
+
+def test_auto_over_hubs_picks_the_cheapest_candidate():
+    """Planner.choose_hub_split: every candidate's steps simulated (each hub a lane, a relay
+    crossing R per cross-hub wait; hubs on one device one lane after another), times weighted
+    by how often each step runs (here 2); the cheapest wins. Worked by hand with fake costs that make each candidate the cheapest in turn.
+    A step is two pieces of work a then b. One hub: a.1 b.1 a.2 b.2 in a row (2a + 2b). Layer
+    split: a on hub 0, b on hub 1, the pieces in flight at once (a pipeline: hub 1 starts b.1
+    a relay after a.1, b.2 after a.2 and b.1: 2a + R + b for a = b). Row split: half of all
+    of it on each hub (h) at once, then each hub sums both partials a relay after the other
+    published its own (h + R + s)."""
+    from vkxsplit.plan.planner import HubCandidate
+
+    one = _graph("one", [(0, "a.1", ["x1"], ["y1"]), (0, "b.1", ["y1"], ["z1"]),
+                         (0, "a.2", ["x2"], ["y2"]), (0, "b.2", ["y2"], ["z2"])])
+    layer = _graph("layer", [(0, "a.1", ["x1"], ["l1"]), (1, "b.1", ["l1"], ["z1"]),
+                             (0, "a.2", ["x2"], ["l2"]), (1, "b.2", ["l2"], ["z2"])])
+    row = _graph("row", [(0, "h.0", ["x"], ["p0"]), (1, "h.1", ["x1"], ["p1"]),
+                         (0, "s.0", ["p0", "p1"], ["z"]), (1, "s.1", ["p1", "p0"], ["z1"])])
+    cands = [HubCandidate("one hub", "none", [(one, 2.0)]), HubCandidate("layer", "layer", [(layer, 2.0)]),
+             HubCandidate("row", "tensor:1,1", [(row, 2.0)])]
+    two = Planner(hubs=2)
+    shared = {"hub1": "hub0"}  # both hubs on one device: their segments take it in turn
+    for secs, relay, groups, want, table in (
+            ({"a": 1.0, "b": 1.0, "h": 3.0, "s": 0.0}, 1.5, {}, "one hub", [4.0, 4.5, 4.5]),
+            ({"a": 1.0, "b": 1.0, "h": 2.5, "s": 1.0}, 0.0, {}, "layer", [4.0, 3.0, 3.5]),
+            ({"a": 1.0, "b": 1.0, "h": 1.0, "s": 0.5}, 0.0, {}, "row", [4.0, 3.0, 1.5]),
+            ({"a": 1.0, "b": 1.0, "h": 1.0, "s": 1.5}, 0.0, {}, "row", [4.0, 3.0, 2.5]),
+            # the same costs with both hubs on one device: every segment in turn (h.0 h.1 s.0
+            # s.1: 5; the pipeline a.1 b.1 a.2 b.2: 4, a tie with one hub, listed first)
+            ({"a": 1.0, "b": 1.0, "h": 1.0, "s": 1.5}, 0.0, shared, "one hub", [4.0, 4.0, 5.0])):
+        picked, got, est = two.choose_hub_split(cands, _FakeCost(secs, relay, groups))
+        assert picked.label == want and est == []
+        assert got == list(zip(["one hub", "layer", "row"], [2 * t for t in table]))
+    with pytest.raises(PlanError, match="needs a cost model"):
+        two.choose_hub_split(cands)
+    with pytest.raises(PlanError, match="no candidate"):
+        two.choose_hub_split([], _FakeCost({}, 0.0))
+
+
+def test_auto_over_hubs_places_what_the_costs_pick(tiny, tmp_path, monkeypatch):
+    """``Model(devices="0,0", split="auto")`` prices one hub, the layer split and the row split
+    at load over dry shares (nothing placed) and places the cheapest; fake costs make each the
+    cheapest in turn: a product costs its weight's elements times its rows (the pipeline's
+    pieces and the row split's halves are cheaper), a relay crossing R, a row split's sum L,
+    everything else nothing. R large: one hub (the other hub closed, a one-hub model). R = 0,
+    L large: the layer split (2 pieces of 32 tokens in flight at once beat one hub on the
+    prompt; the row split's 6 sums per step cost). R = L = 0: the row split (every product
+    halved). Priced as if the two hubs were two GPUs (here both are the one lavapipe device,
+    whose hubs the cost model otherwise runs one after another). The model placed so runs:
+    logits against the float64 reference; its plans name the candidates and the choice."""
+    from reference import reference_logits
+
+    from vkxsplit.gguf_model import load_model as load_gguf
+    from vkxsplit.model import Model
+    from vkxsplit.plan.cost import CostModel
+
+    knobs = {}
+
+    def hub_item(self, it):
+        n = it.node
+        if n.op == "mul_mat":
+            return 1e-12 * n.inputs[0].shape[0] * n.inputs[0].shape[-1] * n.inputs[1].rows
+        return knobs["L"] if n.op == "link_sum" else 0.0
+
+    monkeypatch.setattr(CostModel, "hub_item", hub_item)
+    monkeypatch.setattr(CostModel, "relay", lambda self: knobs["R"])
+    monkeypatch.setattr(CostModel, "submit", lambda self: 0.0)
+    monkeypatch.setattr(CostModel, "hub_resource", lambda self, lane: lane)  # priced as two GPUs
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    with load_gguf(tiny) as mf:
+        want = reference_logits(mf, ids)
+    for R, L, picked, split, hubs in ((1.0, 0.0, "one hub", "none", 1), (0.0, 1.0, "layer", "layer", 2),
+                                      (0.0, 0.0, "row", "tensor:1,1", 2)):
+        knobs.update(R=R, L=L)
+        with Model(tiny, devices="0,0", split="auto", n_ctx=64, ubatch=64, profile_dir=tmp_path) as m:
+            hc = m.hub_choice
+            assert hc["picked"] == picked and str(m.split) == split and len(m.hubs) == hubs, hc
+            table = dict(hc["candidates"])
+            assert set(table) == {"one hub", "layer", "row"} and min(table, key=table.get) == picked
+            got = m.logits(ids)
+            assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max() + 1e-3
+            text = m.plan(8).describe()
+            assert f"auto over the hubs picked {picked} at load" in text and "auto candidates: one hub" in text
+            if picked == "layer":
+                assert m.micro == 2 and m.piece == 32
+            assert not [msg for d in m.hubs for msg in d.instance.messages]
+
+
+def test_plan_command_shows_auto_over_hubs(tiny, tmp_path):
+    """``vkxsplit plan --devices 0,0 --split auto``: the candidates auto priced at load, what it
+    picked, and the plan of that choice."""
+    from test_tools import run_tool
+
+    r = run_tool(["-m", "vkxsplit", "plan", "-m", str(tiny), "--devices", "0,0", "--split", "auto", "-t", "4",
+                  "-c", "32"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "split: auto over 3 candidates (one hub " in r.stdout and ", layer " in r.stdout and ", row " in r.stdout
+    assert "auto over the hubs picked " in r.stdout and "auto candidates: one hub " in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_relay_crossing_is_measured_between_the_hubs(tiny, tmp_path):
+    """The cost model of a model over two hubs prices a relay crossing by a measurement between
+    them (calibrate.measure_relay), kept in the profile under the other hub's device; a cost
+    model that has no hubs to measure between uses the documented default and says so."""
+    from vkxsplit.model import Model
+    from vkxsplit.plan.cost import DEFAULTS, CostModel
+
+    with Model(tiny, devices="0,0", split="layer", n_ctx=32, ubatch=8, profile_dir=tmp_path) as m:
+        c = m.cost
+        assert c.relay_key == "relay|" + bytes(m.hubs[1].physical.device_uuid).hex()
+        v = c.relay()
+        assert 0 < v < 1.0 and c.profile.get("hub", c.relay_key) == v and "hub relay" not in c.estimated
+        dry = CostModel(c.profile)
+        dry.relay_key = "relay|another-device"
+        assert dry.relay() == DEFAULTS["relay_s"] and "hub relay" in dry.estimated

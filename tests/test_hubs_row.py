@@ -17,6 +17,8 @@ from vkxsplit.errors import ModelError, PlanError, VkxError, WaitTimeout
 from vkxsplit.gguf_model import load_model as load_gguf
 from vkxsplit.hubs import shard_hparams, shard_slices, slice_weight
 from vkxsplit.model import Model
+from vkxsplit.ops.link import record_link_sum
+from vkxsplit.vk.command import Sequence
 
 
 def row_model(path, devices=(0, 1), **kw):
@@ -36,6 +38,18 @@ def _bound(want):
     # the models' own bound (test_model.test_synthetic_model_matches_reference): q8_0 weights,
     # f32 accumulation, f16 KV cache
     return 2e-3 * np.abs(want).max() + 1e-3
+
+
+def _bound_rounded(want, n_reduce, bits):
+    """The bound with partials rounded to a float of ``bits`` significant bits (bf16: 8, the
+    implicit one and 7 stored; f16: 11) before each of ``n_reduce`` all-reduces. Round to
+    nearest even is off by at most half a unit in the last place, 2^-bits of the value, so an
+    all-reduce adds p0 + p1 to the residual stream off by at most 2^-bits (|p0| + |p1|). To first
+    order that relative error reaches the logits unchanged (the final RMSNorm is scale-invariant,
+    the output projection linear), taking the partials no larger than the hidden state they are
+    added to (a residual update, not a replacement): the f32 bound plus n_reduce 2^-bits
+    max|logits|."""
+    return _bound(want) + n_reduce * 2.0 ** -bits * np.abs(want).max()
 
 
 @pytest.fixture(scope="module")
@@ -118,17 +132,19 @@ def _hidden(shard, T):
 
 
 @pytest.mark.parametrize("devices", _device_lists())
-@pytest.mark.parametrize("partials", ["f32", "f16"])
+@pytest.mark.parametrize("partials", ["f32", "f16", "bf16"])
 def test_tensor_split_matches_the_reference_and_one_hub(device, tiny, devices, partials):
     """Teacher-forced logits of a 21-token prompt in steps of 16 and 5 against the float64 forward
     pass and a one-hub model; both shards end each step with bit-identical hidden states; greedy
     decode gives the one-hub model's tokens (both shards' KV caches carry over); the traffic
-    counts both partials of every all-reduce; no validation message on either device. f16
-    partials: each rounded once (2^-11 relative) before the f32 sum, so a wider bound."""
+    counts both partials of every all-reduce; no validation message on either device. f16 and
+    bf16 partials: each rounded once (2^-11, 2^-8 relative) before the f32 sum, so a wider bound
+    (:func:`_bound_rounded`, 6 all-reduces)."""
     from vkxsplit.model import load_model
 
     isz = 4 if partials == "f32" else 2
-    bound = _bound if partials == "f32" else (lambda w: 4e-3 * np.abs(w).max() + 1e-3)
+    bound = {"f32": _bound, "f16": lambda w: 4e-3 * np.abs(w).max() + 1e-3,
+             "bf16": lambda w: _bound_rounded(w, 2 * 3, 8)}[partials]
 
     ids = [int(i) for i in np.random.default_rng(5).integers(0, 512, 21)]
     with load_gguf(tiny) as mf:
@@ -171,8 +187,8 @@ def test_bad_input_is_refused(tiny, tmp_path):
         vkxsplit.load_model(tiny, devices="0,0", split_mode="row", layer_split="1,1")
     with pytest.raises(VkxError, match="go with devices"):
         vkxsplit.load_model(tiny, split_mode="row")
-    with pytest.raises(VkxError, match="f32 or f16"):
-        row_model(tiny, devices="0,0", n_ctx=32, ubatch=8, partials="bf16")
+    with pytest.raises(VkxError, match="cross as f32, f16, bf16, or auto"):
+        row_model(tiny, devices="0,0", n_ctx=32, ubatch=8, partials="q8_0")
     with pytest.raises(VkxError, match="is not 'layer' or 'row'"):
         vkxsplit.load_model(tiny, devices="0,0", split_mode="rows")
     with vkxsplit.load_model(tiny, devices="0,0", split_mode="row", n_ctx=32, ubatch=8) as m:
@@ -288,3 +304,134 @@ def test_close_with_a_stuck_shard_frees_nothing_in_use(tiny, caplog):
     held.close()
     m._free()  # now everything goes, in the usual order
     assert all(d.handle is None for d in devices) and pages.mapping is None
+
+
+def _bf16_sum(a, b):
+    """The all-reduce as specified: each partial rounded to bf16 (round to nearest even,
+    ml_dtypes), widened, added in f32."""
+    import ml_dtypes
+
+    return a.astype(ml_dtypes.bfloat16).astype(np.float32) + b.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _truncated(x):
+    return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def test_bf16_all_reduce_rounds_each_partial_to_nearest_even(device):
+    """One all-reduce as the row split records it (vkxsplit.hubs.HubShare._reduce): each shard
+    converts its f32 partial to bf16 for itself and for the other (convert_f32_bf16), then
+    ``link_sum_bf16`` adds the two in f32. Both shards' sums are bit-identical and equal to
+    ml_dtypes' round-to-nearest-even bf16 of each partial added in f32. The inputs hold exact
+    ties (the low 16 bits 0x8000, after an even and after an odd bf16), signs, a wide range of
+    exponents and subnormals; a reduction that truncated to bf16, or dropped the other shard's
+    partial, is told apart by the same comparison."""
+    from vkxsplit.ops.convert import record_convert
+
+    n = 4096
+    rng = np.random.default_rng(27)
+    a = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n))).astype(np.float32)
+    b = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n))).astype(np.float32)
+    hi = rng.integers(0, 1 << 16, 512, dtype=np.uint32) & np.uint32(0x7F7F)  # finite bf16s
+    a[:512] = ((hi << np.uint32(16)) | np.uint32(0x8000)).view(np.float32)  # ties
+    b[:512] = -a[:512]
+    a[512:520] = np.float32(1e-40)  # subnormals
+    mem = device.memory
+    bufs = [mem.alloc(nb, "host", nm) for nm, nb in (("a", 4 * n), ("b", 4 * n), ("a16", 2 * n), ("b16", 2 * n),
+                                                      ("pa", 2 * n), ("pb", 2 * n), ("sa", 4 * n), ("sb", 4 * n))]
+    ba, bb, a16, b16, pa, pb, sa, sb = bufs
+    try:
+        ba.numpy(np.float32)[:] = a
+        bb.numpy(np.float32)[:] = b
+        for d in (sa, sb):
+            d.numpy(np.float32)[:] = np.nan
+        seq = Sequence(device, "all-reduce")
+        for own, own16, pub in ((ba, a16, pa), (bb, b16, pb)):  # each shard: its own copy, its publish
+            record_convert(seq, own, own16, n, "f32", "bf16")
+            record_convert(seq, own, pub, n, "f32", "bf16")
+        seq.barrier()
+        record_link_sum(seq, a16, pb, sa, n, parts="bf16")
+        record_link_sum(seq, b16, pa, sb, n, parts="bf16")
+        seq.run(timeout=60)
+        seq.close()
+        got_a, got_b = sa.numpy(np.float32).copy(), sb.numpy(np.float32).copy()
+    finally:
+        for x in bufs:
+            x.close()
+    assert np.array_equal(got_a.view(np.uint32), got_b.view(np.uint32))  # both shards: the same floats
+    want = _bf16_sum(a, b)
+    assert np.array_equal(got_a, want)
+    # deliberately wrong reductions do not pass the same comparison
+    assert not np.array_equal(got_a, _truncated(a) + _truncated(b))  # truncation instead of RNE
+    assert not np.array_equal(got_a, _bf16_sum(a, np.zeros_like(b)))  # the other partial dropped
+    assert not np.array_equal(got_a, a + b)  # no rounding at all (f32 partials)
+
+
+def test_a_dropped_partial_breaks_the_bf16_bound(tiny, monkeypatch):
+    """The logits bound of the bf16 all-reduce (:func:`_bound_rounded`) is tight enough to catch
+    a wrong reduction: with ``link_sum`` adding a shard's own partial twice instead of the
+    other's (the other partial dropped) the logits leave it."""
+    import vkxsplit.ops.nodes as nodes
+
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, 512, 12)]
+    with load_gguf(tiny) as mf:
+        want = reference_logits(mf, ids)
+    orig = nodes.record_link_sum
+    monkeypatch.setattr(nodes, "record_link_sum", lambda seq, a, peer, dst, n, **kw: orig(seq, a, a, dst, n, **kw))
+    with row_model(tiny, devices="0,0", n_ctx=32, ubatch=16, partials="bf16") as m:
+        got = m.logits(ids)
+    assert np.abs(got - want).max() > _bound_rounded(want, 2 * 3, 8)
+
+
+def test_reduce_threshold_from_the_ladder():
+    """The measured threshold: the smallest size from which bf16 is no slower at it and every
+    larger size; None when bf16 loses at the largest."""
+    from vkxsplit.calibrate import reduce_min_bytes
+
+    sizes = [1, 2, 3, 4]
+    assert reduce_min_bytes(sizes, [5, 5, 5, 5], [6, 4, 6, 4]) == 4
+    assert reduce_min_bytes(sizes, [5, 5, 5, 5], [6, 4, 4, 4]) == 2
+    assert reduce_min_bytes(sizes, [5, 5, 5, 5], [1, 1, 1, 1]) == 1
+    assert reduce_min_bytes(sizes, [5, 5, 5, 5], [1, 1, 1, 6]) is None
+
+
+def test_auto_partials_follow_the_measured_threshold(tiny, tmp_path, monkeypatch):
+    """partials='auto' (the default): the all-reduce sends a partial of at least the threshold
+    (bytes as f32) in bf16, a smaller one in f32. The threshold is measured once per device and
+    kept in its profile (here lavapipe, whose host pages are the same RAM: bf16 only adds
+    conversions); with a threshold of 16 KiB put there, a 16-token step of the 256-wide model
+    (16 KiB partials) crosses in bf16, a 5-token one and decode in f32, and the bytes counted
+    per step say so; ``VKXSPLIT_DISABLE=bf16_reduce`` keeps every partial f32."""
+    from vkxsplit.calibrate import REDUCE_SIZES, reduce_min_bytes
+    from vkxsplit.plan.cost import REDUCE_KEY
+
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, 512, 21)]
+    with load_gguf(tiny) as mf:
+        want = reference_logits(mf, ids)
+    per = 256 * 2 * 2 * 3  # (elements of a token's partial) x both partials x attention and FFN x layers
+    with row_model(tiny, devices="0,0", n_ctx=64, ubatch=16, profile_dir=tmp_path) as m:
+        assert m.partials == "auto" and "measured at the first step" in m.split_label
+        m.logits([1, 2, 3, 4, 5])
+        got = m.cost.profile.get("hub", REDUCE_KEY)  # measured, saved
+        assert got["sizes"] == list(REDUCE_SIZES) and len(got["f32_s"]) == len(got["bf16_s"]) == len(REDUCE_SIZES)
+        assert got["min_bytes"] == reduce_min_bytes(got["sizes"], got["f32_s"], got["bf16_s"])
+        assert (m.reduce_dtype(16 << 20) == "bf16") == (got["min_bytes"] is not None)
+    with row_model(tiny, devices="0,0", n_ctx=64, ubatch=16, profile_dir=tmp_path) as m:
+        m.cost.profile.put("hub", REDUCE_KEY, {"min_bytes": 16 * 256 * 4})
+        got = m.logits(ids)
+        assert m.traffic["crossed_bytes"] == 16 * per * 2 + 5 * per * 4
+        assert np.abs(got - want).max() <= _bound_rounded(want, 2 * 3, 8)
+        text = m.plan(16).describe()
+        assert "6 all-reduces per step, partials crossing as bf16 (6)" in text
+        assert f"between hubs: {16 * per * 2} bytes per step" in text
+        assert "crossing as f32 (6)" in m.plan(5).describe()
+        list(m.generate_ids(ids[:3], 2, stop_ids=set()))
+        assert m.last_traffic == 1 * per * 4
+        assert "bf16 from 16384 bytes (measured)" in m.split_label
+    monkeypatch.setenv("VKXSPLIT_DISABLE", "bf16_reduce")
+    with row_model(tiny, devices="0,0", n_ctx=64, ubatch=16, profile_dir=tmp_path) as m:
+        m.cost.profile.put("hub", REDUCE_KEY, {"min_bytes": 16 * 256 * 4})
+        m.logits(ids)
+        assert m.traffic["crossed_bytes"] == (16 + 5) * per * 4
+        assert "VKXSPLIT_DISABLE=bf16_reduce" in m.split_label
+        assert not [msg for d in m.hubs for msg in d.instance.messages]

@@ -17,11 +17,13 @@ from vkxsplit.vk.command import Sequence
 from vkxsplit.vk.kernel import View
 
 
-@pytest.mark.parametrize("parts", ["f32", "f16"])
+@pytest.mark.parametrize("parts", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("n", [4, 1024, 256 * 4 * 1024 + 12])  # (the last: more vec4s than one pass of the grid)
 def test_link_sum_is_the_elementwise_sum(device, n, parts):
+    import ml_dtypes
+
     rng = np.random.default_rng(n)
-    dt = np.float32 if parts == "f32" else np.float16
+    dt = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}[parts]
     a, p = rng.standard_normal(n).astype(dt), rng.standard_normal(n).astype(dt)
     mem = device.memory
     ba, bp, bd = (mem.alloc(4 * n, "host", nm) for nm in ("a", "peer", "dst"))

@@ -231,3 +231,19 @@ def test_warm_pipelines(tmp_path):
     made = int(r.stdout.split("created ", 1)[1].split(" ", 1)[0])
     assert made >= 19  # get_rows for 11 types, dequant_rows for the 8 quantized ones
     assert list((tmp_path / "cache").glob("pipelines-*.bin"))
+
+
+def test_bench_multigpu_bf16_partials_and_auto_quick(tmp_path):
+    """bench_multigpu's ``tensor:1,1:bf16`` (half the bytes of f32 partials: 8 prompt tokens x 256
+    x 2 bytes x 2 partials x 8 all-reduces = 64 KiB, a decode token 8 KiB) and ``auto`` (what the
+    cost model picks at load, the candidates in its row), on two hubs of the one device."""
+    r = run_tool(["tools/bench_multigpu.py", "--quick", "--shape", "tiny", "--splits", "tensor:1,1:bf16;auto",
+                  "--dir", str(tmp_path / "m")], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")] for ln in r.stdout.splitlines()
+            if ln.startswith("| `")}
+    c = rows["`tensor:1,1:bf16`"]
+    assert float(c[3]) > 0 and float(c[4]) > 0 and c[5] == "0.06" and c[6] == "0.01" and c[7] == "8 / 8"
+    c = rows["`auto`"]
+    assert float(c[3]) > 0 and float(c[4]) > 0
+    assert "'peer': 'auto over 3 candidates (one hub " in r.stdout

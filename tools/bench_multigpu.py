@@ -9,10 +9,13 @@ Configurations (``--splits``, separated by ``;``):
 - ``layer:A,B[:mN]`` (or ``pipeline:A,B[:mN]``): the layers split A:B over the two hubs, ``N``
   micro-batches per prompt step (default: the model's); crossed bytes = the hidden state per
   link; relay rounds = one per micro-batch and link;
-- ``tensor:1,1[:f16]`` (or ``row[:f16]``): every matrix split by rows (the output projections by
-  columns) over the two hubs, an all-reduce of the partial sums after each attention and FFN
-  (crossed bytes: both partials of every all-reduce; "rounds": all-reduces per step;
-  ``:f16``: the partials cross as f16).
+- ``tensor:1,1[:f16|:bf16|:auto]`` (or ``row[:...]``): every matrix split by rows (the output
+  projections by columns) over the two hubs, an all-reduce of the partial sums after each
+  attention and FFN (crossed bytes: both partials of every all-reduce; "rounds": all-reduces
+  per step; the partials cross as f32, or ``:f16`` / ``:bf16``, or ``:auto``: bf16 from the
+  size measured once per device on, f32 below it, the model's default);
+- ``auto``: what ``split="auto"`` picks among one GPU, the layer split and the row split at
+  load (the cost model's prediction; the row shows the candidates and the choice).
 
 pp and tg are ``bench.bench_model``'s (median t/s over the repetitions). Prints one markdown
 table.
@@ -47,17 +50,21 @@ def _bench(row: dict, path: Path, split: str, peer: str, n_p: int, n_g: int, rep
         m = load_model(path, split="none", **common)
         row["peer"] = f"{m.device.name} alone"
     elif kind in ("row", "tensor"):
-        parts = next((x for x in rest if x in ("f32", "f16")), "f32")
+        parts = next((x for x in rest if x in ("f32", "f16", "bf16", "auto")), "f32")
         m = load_model(path, split="tensor:1,1", devices=["0", peer], partials=parts, **common)
-        row["peer"] = f"hubs on {', '.join(d.name for d in m.hubs)}: rows of every matrix, {parts} partials"
+        row["peer"] = f"hubs on {', '.join(d.name for d in m.hubs)}: rows of every matrix, {m.partials_label}"
     elif kind in ("layer", "pipeline"):
         micro = int(rest[1][1:]) if len(rest) > 1 else None
         m = load_model(path, split=f"layer:{rest[0]}" if rest else "layer", devices=["0", peer],
                        micro_batches=micro, **common)
         row["peer"] = (f"hubs on {', '.join(d.name for d in m.hubs)}: layers {m.ranges}, "
                        f"{m.micro} x {m.piece}-token micro-batches")
+    elif kind == "auto":
+        m = load_model(path, split="auto", devices=["0", peer], **common)
+        row["peer"] = m.split_label
+        kind = "one-gpu" if len(m.hubs) == 1 else "tensor" if m.split.kind == "tensor" else "layer"
     else:
-        raise VkxError(f"unknown configuration {split!r}", "one-gpu, layer:A,B[:mN], tensor:1,1[:f16]")
+        raise VkxError(f"unknown configuration {split!r}", "one-gpu, layer:A,B[:mN], tensor:1,1[:f16|:bf16|:auto], auto")
     with m:
         res = {r["test"]: statistics.median(r["tps"]) for r in bench_model(m, n_p, n_g, reps)}
         row["pp"], row["tg"] = res[f"pp{n_p}"], res[f"tg{n_g}"]
@@ -86,7 +93,8 @@ def main() -> int:
     ap.add_argument("-r", type=int, default=None, help="repetitions (default 3; --quick 1)")
     ap.add_argument("--peer-device", default=None,
                     help="the second hub's Vulkan device index or name (default 1; --quick 0)")
-    ap.add_argument("--splits", default="one-gpu;layer:1,1;layer:1,1:m1;tensor:1,1;tensor:1,1:f16")
+    ap.add_argument("--splits", default="one-gpu;layer:1,1;layer:1,1:m1;tensor:1,1;tensor:1,1:f16;"
+                                        "tensor:1,1:bf16;tensor:1,1:auto;auto")
     ap.add_argument("--dir", default=None, help="where synthetic models go (default: a temporary directory)")
     args = ap.parse_args()
     from vkxsplit.synth import write_synthetic

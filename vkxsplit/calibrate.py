@@ -7,6 +7,8 @@ device profile lacks when the planner asks (``prepare``): the hub's submit overh
 ``mul_mat`` times on the graph's shapes (scratch buffers of the arena), then saves the profile.
 Hub node times come from ``hub_runner(graph)``; the model passes one built on
 :func:`hub_node_times`, which runs the graph alone through the executor with GPU timestamps.
+The row split's all-reduce threshold (from which partial size bf16 crosses instead of f32) is
+:func:`measure_reduce`'s, asked for by ``reduce_threshold()``.
 
 Imports: ``vkxsplit.plan.*`` and ``vkxsplit.executor`` (it runs them): above the executor,
 below the model, which is the one that imports it.
@@ -29,8 +31,10 @@ from .errors import VkxError
 from .executor import Executor, record_graph
 from .graph import Graph
 from .ops.convert import record_convert
+from .ops.copy import record_copy
+from .ops.link import record_link_sum
 from .ops.quant import ELEM_BYTES as _ELEM
-from .plan.cost import CostModel
+from .plan.cost import REDUCE_KEY, CostModel
 from .plan.planner import Planner
 from .plan.profile import Profile
 from .plan.schedule import HubOp
@@ -60,6 +64,8 @@ class MeasuringCostModel(CostModel):
                  arena: SharedArena | None = None, backends: Iterable[Any] = (), reps: int = 3,
                  hub_runner: Callable[[Graph], dict[int, float]] | None = None) -> None:
         super().__init__(profile, device=device, backends=backends)
+        #: the hubs of a model over several (the relay crossing is measured between the first two)
+        self.relay_devices: list[Any] = []
         self.arena = arena
         self.reps = max(1, reps)
         self.hub_runner = hub_runner
@@ -67,6 +73,28 @@ class MeasuringCostModel(CostModel):
     @property
     def can_measure(self) -> bool:
         return self.device is not None
+
+    def relay(self) -> float:
+        """The relay crossing between the hubs (:meth:`CostModel.relay`), measured by
+        :func:`measure_relay` between ``relay_devices`` and saved in the profile the first
+        time it is asked."""
+        devs = self.relay_devices
+        if self.can_measure and len(devs) > 1 and self.profile.get("hub", self.relay_key) is None:
+            self.profile.put("hub", self.relay_key, measure_relay(devs[:2], reps=max(10, 4 * self.reps)))
+            self.measured += 1
+            self.profile.save()
+        return super().relay()
+
+    def reduce_threshold(self) -> int | None:
+        """The all-reduce's bf16 threshold (:meth:`CostModel.reduce_threshold`), measured on
+        the hub (:func:`measure_reduce`) and saved in the profile the first time it is asked."""
+        if self.can_measure and not isinstance(self.profile.get("hub", REDUCE_KEY), dict):
+            assert self.device is not None
+            with progress.task("calibrating the all-reduce (once per device: kept in the device profile)"):
+                self.profile.put("hub", REDUCE_KEY, measure_reduce(self.device, reps=self.reps))
+            self.measured += 1
+            self.profile.save()
+        return super().reduce_threshold()
 
     def prepare(self, graph: Graph | None = None, jobs: Iterable[tuple[str, str, int, int, int]] = ()) -> None:
         """Measure what is missing for ``graph`` (hub nodes) and ``jobs`` ((backend, w_type,
@@ -98,6 +126,68 @@ class MeasuringCostModel(CostModel):
             for name, w_type, N, K, M in job_missing:
                 self._measure_job(name, w_type, N, K, M)
                 bar.update(1, f"{name} {w_type} {N}x{K} M={M}")
+        self.profile.save()
+
+    def measure_dry(self, graph: Graph, devices: list[Device], n_ctx: int) -> None:
+        """Measure the hub nodes of ``graph`` whose signature the profile lacks, where its
+        tensors live in buffers that are not there (``handle`` None: the dry shares ``auto``
+        over several hubs builds candidate splits on, :class:`vkxsplit.hubs.DryHubShare`):
+        one node per signature (a model's layers share them), on the device of its hub
+        (``devices[node.hub]``), over real buffers of the dry ones' sizes for the time of the
+        measurement (zeros; host memory for the links between hubs, which are host pages; the
+        positions the last of the context, as the model's own measurement has them)."""
+        if not self.can_measure:
+            return
+        from .graph import Node, Tensor
+        from .vk.kernel import View
+
+        todo: dict[str, Node] = {}
+        for n in graph.nodes:
+            key = "node|" + n.signature()
+            if self.profile.get("hub", key) is None and key not in todo:
+                todo[key] = n
+        by_hub: dict[int, list[Node]] = {}
+        for n in todo.values():
+            by_hub.setdefault(n.hub, []).append(n)
+        T = graph.T
+        for h, nodes in sorted(by_hub.items()):
+            dev = devices[h]
+            real: dict[int, Any] = {}
+            try:
+                def bind(t: Tensor, dev: Any = dev, real: dict[int, Any] = real) -> Tensor:
+                    b = t.buffer
+                    base, off, size = (b.buffer, b.offset, b.size) if isinstance(b, View) else (b, 0, b.size)
+                    if getattr(base, "handle", 0) is not None:
+                        return t  # (real memory already)
+                    rb = real.get(id(base))
+                    if rb is None:
+                        pool = "host" if getattr(base, "host_pages", False) or base.name == "positions" else "device"
+                        rb = real[id(base)] = dev.memory.alloc(max(16, base.size), pool, f"probe:{base.name}")
+                        seq = Sequence(dev, "probe-zero")
+                        try:
+                            seq.fill(rb, 0)
+                            seq.end()
+                            seq.run()
+                        finally:
+                            seq.close()
+                        if base.name == "positions":
+                            rows = rb.size // 4
+                            rb.numpy(np.int32, (rows,))[:] = np.clip(n_ctx - T + np.arange(rows), 0, n_ctx - 1)
+                    return Tensor(t.name, t.shape, t.dtype, View(rb, off, size), t.weight)
+
+                probe = Graph(f"{graph.name}:hub{h}:probe", T=T)
+                for i, n in enumerate(nodes):
+                    params = {k: bind(v) if isinstance(v, Tensor) else v for k, v in n.params.items()}
+                    probe.nodes.append(Node(n.op, n.name, [bind(t) for t in n.inputs], bind(n.output), params,
+                                            index=i))
+                times = hub_node_times(dev, probe)
+                for i, n in enumerate(nodes):
+                    if i in times:
+                        self.profile.put("hub", "node|" + n.signature(), times[i])
+                self.measured += 1
+            finally:
+                for b in real.values():
+                    b.close()
         self.profile.save()
 
     def _measure_hub_basics(self) -> None:
@@ -316,6 +406,166 @@ class MeasuringCostModel(CostModel):
 
 
 # ---------------------------------------------------------------------------------------------
+# the relay crossing between hubs
+
+
+def measure_relay(devices: list[Device], reps: int = 20) -> float:
+    """Seconds one relay crossing adds between two hubs (:mod:`vkxsplit.relay`, as the row split
+    crosses: the relay waits until hub 0's segment completed, then submits hub 1's): host time
+    of an empty segment on hub 0 followed through the relay by an empty segment on hub 1, less
+    that of the one segment on hub 0 waited for directly and one submit (the cost model counts
+    each segment's submit apart). The median of ``reps`` rounds after two warm-up rounds."""
+    import threading
+
+    from .relay import Relay
+
+    a, b = Sequence(devices[0], "probe-relay-a"), Sequence(devices[1], "probe-relay-b")
+    relay = Relay("probe-relay", spin_s=0.0 if any(d.is_cpu for d in devices) else None)
+    try:
+        a.end()
+        b.end()
+        submit = []
+        for _ in range(reps + 2):  # (the hub's submit overhead, as _measure_hub_basics has it)
+            t = time.perf_counter()
+            b.submit()
+            submit.append(time.perf_counter() - t)
+            b.wait()
+
+        def single() -> float:
+            t = time.perf_counter()
+            a.submit()
+            a.wait()
+            return time.perf_counter() - t
+
+        def crossing() -> float:
+            done = threading.Event()
+            t = time.perf_counter()
+            va = a.submit()
+            relay.enqueue(lambda: [("hub0", a.timeline, va)], submit=lambda: (b.submit(), done.set()))
+            if not done.wait(30.0):
+                relay.check()
+                raise VkxError("the relay crossing being measured did not happen within 30 s")
+            b.wait()
+            relay.check()
+            return time.perf_counter() - t
+
+        one = [single() for _ in range(reps + 2)][2:]
+        via = [crossing() for _ in range(reps + 2)][2:]
+    finally:
+        relay.close()
+        a.close()
+        b.close()
+        relay.close_timelines()
+    return max(1e-6, _median(via) - _median(one) - _median(submit[2:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the all-reduce's threshold
+
+#: partial sizes (bytes as f32) :func:`measure_reduce` times: from a few decode rows of a small
+#: model to a 512-token step of an 8192-wide one
+REDUCE_SIZES = tuple(4096 << (2 * i) for i in range(7))  # 4 KiB ... 16 MiB
+
+
+def measure_reduce(device: Device, sizes: tuple[int, ...] = REDUCE_SIZES, reps: int = 3) -> dict[str, Any]:
+    """GPU seconds of one hub's half of a row-split all-reduce per partial size, both ways
+    (vkxsplit.hubs): f32 (the partial copied into host pages, then summed with the other's
+    f32 from host pages) and bf16 (the partial rounded to bf16 twice, for itself and into the
+    host pages, then summed with the other's bf16 from host pages). One device plays both
+    shards: its "other" partial is host pages it wrote, which is what a crossing reads (host
+    memory over the bus). The relay's crossing is the same either way and not part of it.
+
+    ``min_bytes``: the smallest size from which bf16 took no longer than f32 at that size and
+    every larger one (None: bf16 lost at the largest size); ``sizes``, ``f32_s``, ``bf16_s``:
+    the times behind it."""
+    from .attach import HostMapping, _memfd, host_page_align, import_host_pages
+    from .vk.memory import Buffer, _align
+
+    top = max(sizes)
+    align = host_page_align(device)
+    size = _align(top, align)
+    fd = _memfd(2 * size, "vkxsplit-probe-reduce")
+    mapping = blk = None
+    bufs: list[Any] = []
+    try:
+        mapping = HostMapping(fd.fd, 2 * size, align)
+        blk = import_host_pages(device, mapping.addr, 2 * size, "probe-reduce")
+        pub, peer = Buffer(blk, 0, size, "probe-published"), Buffer(blk, size, size, "probe-peer")
+        mem = device.memory
+        own = mem.alloc(top, "device", "probe-own")
+        bufs.append(own)
+        own16 = mem.alloc(top // 2, "device", "probe-own16")
+        bufs.append(own16)
+        dst = mem.alloc(top, "device", "probe-sum")
+        bufs.append(dst)
+        seq = Sequence(device, "probe-zero")
+        try:  # defined contents (the validation layer, and no NaN slow paths)
+            seq.fill(own, 0)
+            seq.end()
+            seq.run()
+        finally:
+            seq.close()
+
+        def record(seq: Sequence, n: int, parts: str) -> None:
+            if parts == "f32":
+                record_copy(seq, own, pub, n * 4)
+            else:
+                record_convert(seq, own, own16, n, "f32", "bf16")
+                record_convert(seq, own, pub, n, "f32", "bf16")
+            seq.barrier()
+            record_link_sum(seq, own if parts == "f32" else own16, peer, dst, n, parts=parts)
+            seq.barrier()
+
+        def timed(n: int, parts: str) -> float:
+            seq = Sequence(device, f"probe-reduce-{parts}")
+            ts = Timestamps(device, 2) if device.timestamp_bits else None
+            try:
+                record(seq, n, parts)  # (warm-up: first-use work, caches)
+                if ts is not None:
+                    seq.write_timestamp(ts, 0)
+                for _ in range(reps):
+                    record(seq, n, parts)
+                if ts is not None:
+                    seq.write_timestamp(ts, 1)
+                seq.end()
+                t = time.perf_counter()
+                seq.run()
+                host = time.perf_counter() - t
+                if ts is not None:
+                    got = ts.read()
+                    return max(1e-9, float(got[1] - got[0]) * 1e-9 / reps)
+                return host / (reps + 1)
+            finally:
+                seq.close()
+                if ts is not None:
+                    ts.close()
+
+        ladder = sorted(sizes)
+        f32 = [timed(b // 4, "f32") for b in ladder]
+        b16 = [timed(b // 4, "bf16") for b in ladder]
+    finally:
+        for b in bufs:
+            b.close()
+        if blk is not None:
+            blk.close()
+        if mapping is not None:
+            mapping.close()
+        fd.close()
+    return {"min_bytes": reduce_min_bytes(ladder, f32, b16), "sizes": ladder, "f32_s": f32, "bf16_s": b16}
+
+
+def reduce_min_bytes(sizes: list[int], f32_s: list[float], bf16_s: list[float]) -> int | None:
+    """The smallest of ``sizes`` (ascending) from which bf16 is no slower than f32 at it and at
+    every larger size; None when bf16 is slower at the largest."""
+    best: int | None = None
+    for b, a32, a16 in zip(reversed(sizes), reversed(f32_s), reversed(bf16_s)):
+        if a16 > a32:
+            break
+        best = b
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
 # hub timing of a graph (the cost model's hub runner)
 
 
@@ -360,4 +610,5 @@ def hub_node_times(device: Device, graph: Graph, before_step: Callable[[], None]
 
 
 
-__all__ = ["MeasuringCostModel", "hub_node_times"]
+__all__ = ["REDUCE_SIZES", "MeasuringCostModel", "hub_node_times", "measure_reduce", "measure_relay",
+           "reduce_min_bytes"]

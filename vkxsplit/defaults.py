@@ -99,6 +99,11 @@ def split_for_machine(split: Any, backends: Any, is_cpu_hub: bool, model_path: s
                        "it on the hub)")
 
 
-__all__ = ["CLI_N_PREDICT", "CPU_HUB_BACKENDS", "CPU_HUB_SPLIT", "MIN_P", "N_PREDICT", "REPEAT_LAST_N",
+#: how the row split's all-reduce sends its partial sums (``--partials``, ``partials=``): ``auto``
+#: (the default: f32 below a size measured once per device, bf16 from it on), or always one type
+PARTIALS = ("auto", "f32", "f16", "bf16")
+
+
+__all__ = ["CLI_N_PREDICT", "CPU_HUB_BACKENDS", "CPU_HUB_SPLIT", "MIN_P", "N_PREDICT", "PARTIALS", "REPEAT_LAST_N",
            "REPEAT_PENALTY", "SAMPLING", "SamplingDefaults", "SplitChoice", "TEMPERATURE", "TOP_K", "TOP_P",
            "UBATCH", "chat_default", "split_for_machine"]

@@ -10,6 +10,8 @@
 - ``dq16``: quantized products never dequantize the weights to f16 rows first
 - ``splitk``: cooperative-matrix products never split K
 - ``fusion``: the model graph without fused kernels: every fusion pass below off
+- ``bf16_reduce``: the row split's all-reduce sends its partial sums in f32 at every size (no
+  bf16 compression of the large ones: :mod:`vkxsplit.hubs`)
 
 and one per fusion pass of the hub (:mod:`vkxsplit.fusion`, :data:`PASSES`):
 
@@ -50,6 +52,7 @@ FEATURES: dict[str, str] = {
     "dq16": "quantized products never dequantize the weights to f16 rows first",
     "splitk": "cooperative-matrix products never split K",
     "fusion": "the model graph without fused kernels (every fusion pass off)",
+    "bf16_reduce": "the row split's all-reduce partials cross in f32 at every size (no bf16 compression)",
 }
 
 #: the fusion passes' switches (:mod:`vkxsplit.fusion`): name -> what switching it off does;

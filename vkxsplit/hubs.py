@@ -24,7 +24,12 @@ from the split spec (weights are uploaded before the first plan):
   all-reduce (:meth:`HubShare._reduce`) copies it into this shard's half of host pages both hubs
   import and adds the other shard's half with ``link_sum``. ``a + b`` and ``b + a`` are the
   same float, so both shards keep bit-identical hidden states. Two slots per shard, by parity
-  of the all-reduce: a shard can be at most one all-reduce ahead of the other's reads.
+  of the all-reduce: a shard can be at most one all-reduce ahead of the other's reads. As
+  llama.cpp's tensor-parallel backends do, a small partial crosses in f32 and a large one
+  (from the threshold the calibration measured, :meth:`vkxsplit.model.Model.reduce_dtype`) as
+  bf16, rounded to nearest even on the sending hub (half the bytes over the bus), widened and
+  added in f32 on the receiving one; each shard rounds its own partial the same way, so both
+  still add the same two floats.
 
 The planner (:mod:`vkxsplit.plan`) sees one graph with every hub's nodes (``Node.hub``); the
 two imports of one :class:`HostLink` are one memory for its dependency analysis
@@ -44,6 +49,7 @@ import numpy as np
 
 from .archs import build_graph, weight_tensors
 from .attach import HostMapping, _memfd, host_page_align, import_host_pages
+from .defaults import PARTIALS  # how the all-reduce's partials cross (Model.reduce_dtype)
 from .errors import ModelError, VkxError
 from .graph import Graph, Tensor
 from .vk.command import Uploader
@@ -150,8 +156,10 @@ def slice_weight(ti: Any, kind: str, a: int, b: int) -> tuple[tuple[int, ...], n
 
 
 def check_partials(partials: str) -> str:
-    if partials not in ("f32", "f16"):
-        raise VkxError(f"partials {partials!r}: the all-reduce's partial sums cross as f32 or f16")
+    if partials not in PARTIALS:
+        raise VkxError(f"partials {partials!r}: the all-reduce's partial sums cross as {', '.join(PARTIALS[1:])}, "
+                       "or auto (f32 for small ones, bf16 from a measured size on)",
+                       "give partials='auto' (the default), 'f32', 'f16' or 'bf16'")
     return partials
 
 
@@ -190,6 +198,71 @@ class HostLink:
         if self._fd is not None:
             self._fd.close()
             self._fd = None
+
+
+def join_hub_graphs(name: str, T: int, parts: Sequence[Graph], interleave: bool) -> Graph:
+    """The graphs of each hub's part as one graph over the hubs: a layer split's parts one after
+    another; a row split's interleaved at the all-reduces (each shard's nodes up to its next
+    ``link_sum``, hub by hub), so that both partials are published before either sum reads
+    them."""
+    g = Graph(name, T=T)
+    if not interleave:
+        order = [n for part in parts for n in part.nodes]
+    else:
+        pieces: list[list[list[Any]]] = []
+        for part in parts:
+            cut: list[list[Any]] = [[]]
+            for n in part.nodes:
+                if n.op == "link_sum":
+                    cut.append([])
+                cut[-1].append(n)
+            pieces.append(cut)
+        order = [n for k in range(max(len(c) for c in pieces)) for c in pieces if k < len(c) for n in c[k]]
+    for n in order:
+        n.index = len(g.nodes)
+        g.nodes.append(n)
+    return g
+
+
+class _DryBlock:
+    """The memory identity a :class:`DryBuffer` stands on (a Block's creation serial)."""
+
+    __slots__ = ("_serial",)
+
+    def __init__(self, serial: int) -> None:
+        self._serial = serial
+
+
+class DryBuffer:
+    """A hub buffer that is not there: its size and a memory identity for the graph's dependency
+    analysis (:func:`vkxsplit.graph.span`), no memory. ``auto`` over several hubs builds each
+    candidate split's graphs over these to price them before any weight is placed
+    (:class:`DryHubShare`); ``serial``: share another's identity (the two imports of a link)."""
+
+    host_visible = False
+    host_pages = False  # host pages several hubs import (a link), not device memory
+
+    def __init__(self, nbytes: int, name: str, serial: int | None = None) -> None:
+        from .vk.memory import next_serial
+
+        self.handle, self.offset, self.size, self.name = None, 0, int(nbytes), name
+        self.block = _DryBlock(next_serial() if serial is None else serial)
+
+    def close(self) -> None:
+        pass
+
+
+class DryLink:
+    """A :class:`HostLink` that is not there: one :class:`DryBuffer` per device, one memory."""
+
+    def __init__(self, devices: Sequence[Any], nbytes: int, name: str) -> None:
+        first = DryBuffer(nbytes, f"{name}:0")
+        self.views = [first] + [DryBuffer(nbytes, f"{name}:{i}", first.block._serial) for i in range(1, len(devices))]
+        for v in self.views:
+            v.host_pages = True  # (measured in host memory: vkxsplit.calibrate.MeasuringCostModel.measure_dry)
+
+    def close(self) -> None:
+        pass
 
 
 class HubShare:
@@ -360,8 +433,8 @@ class HubShare:
 
         self.xq_buf = self._alloc(vecq_scratch_bytes(1, max(sizes.values())), "device", "xq")
         self.own16 = None
-        if self.rank is not None and self.model.partials == "f16":  # this shard's partial as the other reads it
-            self.own16 = self._alloc(T * hp.n_embd * 2, "device", "partial_f16")
+        if self.rank is not None and self.model.partials != "f32":  # this shard's partial as the other reads it
+            self.own16 = self._alloc(T * hp.n_embd * 2, "device", "partial_16")
         if self.makes_logits:  # (all logits of every slot's rows: logits() of a prompt in micro-batches)
             self.logits_buf = self._alloc(S * hp.n_vocab * f32, "host", "logits", shared=act_shared)
             self.argmax_buf = self._alloc(S * 4, "host", "argmax", shared=st)
@@ -385,7 +458,7 @@ class HubShare:
             return o
         par = self._n_reduce % 2
         self._n_reduce += 1
-        dt = self.model.partials
+        dt = self.model.reduce_dtype(o.rows * o.cols * 4)
         nbytes = o.rows * o.cols * (4 if dt == "f32" else 2)
         (pb, po), (qb, qo) = self._publish[par], self._peer[par]
         pub = Tensor(name + ":published", o.shape, dt, View(pb, po, nbytes))
@@ -393,12 +466,32 @@ class HubShare:
         if dt == "f32":
             g.add("cpy", name + "_publish", [o], pub)
             own = o
-        else:  # both shards add the same two f16 values: each rounds its own partial once, by
-            # the same kernel, for itself and for the other shard
-            own = Tensor(name + ":own_f16", o.shape, dt, View(self.own16, 0, nbytes))
+        else:  # both shards add the same two f16 / bf16 values: each rounds its own partial
+            # once, by the same kernel, for itself and for the other shard
+            own = Tensor(name + f":own_{dt}", o.shape, dt, View(self.own16, 0, nbytes))
             g.add("convert", name + "_round", [o], own)
             g.add("convert", name + "_publish", [o], pub)
         return g.add("link_sum", name + "_sum", [own, peer], o)
+
+    def weight_shape(self, name: str, ti: Any) -> tuple[tuple[int, ...], int]:
+        """The shape and bytes of this hub's part of weight ``ti`` (what :meth:`_weight_data`
+        gives, without reading or copying it); a column range cutting a block is refused."""
+        from gguf.constants import GGML_QUANT_SIZES
+
+        parts = name.split(".")
+        if self.rank is None or parts[0] != "blk" or parts[2] not in ROWS + COLS or (
+                parts[2] in COLS and ti.n_dims == 1):
+            return tuple(ti.shape), int(ti.nbytes)
+        kind, a, b = shard_slices(self.file.hparams, self.rank, self.world)[parts[2]]
+        if ti.n_dims == 1:
+            return (b - a,), (b - a) * (ti.nbytes // ti.cols)
+        if kind == "rows":
+            return (b - a, ti.cols), (b - a) * (ti.nbytes // ti.rows)
+        blk, tsz = GGML_QUANT_SIZES[ti.ggml_type]
+        if a % blk or b % blk:
+            raise ModelError(f"{ti.name}: columns [{a}, {b}) of a {ti.ggml_type.name} matrix cut its "
+                             f"{blk}-value blocks", "use the layer split (--devices without --split-mode row)")
+        return (ti.rows, b - a), ti.rows * (b - a) // blk * tsz
 
     def write_inputs(self, ids: list[int], start: int, slot: int = 0) -> None:
         """The step's token ids and positions ``start..`` into ``slot``'s rows."""
@@ -418,5 +511,22 @@ class HubShare:
         self._bufs.clear()
 
 
-__all__ = ["COLS", "ROWS", "WORLD", "HostLink", "HubShare", "check_partials", "layer_ranges", "parse_devices",
+class DryHubShare(HubShare):
+    """A :class:`HubShare` without memory (every buffer a :class:`DryBuffer`, no weight read or
+    uploaded): the same graphs as the share it stands for, for the cost model to price a
+    candidate split over the hubs before the model places one (``auto``)."""
+
+    def _alloc(self, nbytes: int, pool: str, name: str, shared: bool = False) -> Any:
+        return DryBuffer(nbytes, name)
+
+    def upload_weights(self, progress: Any = None) -> None:
+        for name, ti in sorted(weight_tensors(self.file).items()):
+            if self._holds(name):
+                shape, nbytes = self.weight_shape(name, ti)
+                self.weights[name] = Tensor(name, shape, ti.ggml_type.name.lower(), View(DryBuffer(nbytes, name)),
+                                            weight=True)  # type: ignore[arg-type]
+                self.weight_bytes += nbytes
+
+
+__all__ = ["COLS", "DryBuffer", "DryHubShare", "DryLink", "PARTIALS", "ROWS", "WORLD", "HostLink", "HubShare", "check_partials", "join_hub_graphs", "layer_ranges", "parse_devices",
            "shard_hparams", "shard_slices", "slice_weight", "slot_rows"]

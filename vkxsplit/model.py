@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,24 +44,28 @@ from .calibrate import MeasuringCostModel, hub_node_times
 from .defaults import N_PREDICT, SAMPLING, chat_default, split_for_machine
 from .errors import Closable, ModelError, PlanError, VkxError
 from .executor import Executor, Step
+from .features import is_disabled
 from .gguf_model import ModelFile, default_model_path
 from .gguf_model import load_model as load_gguf
 from .graph import Graph
 from .hubs import (
     WORLD,
+    DryHubShare,
+    DryLink,
     HostLink,
     HubShare,
     check_partials,
+    join_hub_graphs,
     layer_ranges,
     parse_devices,
     shard_hparams,
     slot_rows,
 )
 from .plan.cost import CostModel, simulate
-from .plan.planner import Planner
+from .plan.planner import HUB_AUTO_WORKLOAD, HubCandidate, Planner
 from .plan.profile import Profile
 from .plan.result import Plan
-from .plan.spec import SplitSpec, parse_backends
+from .plan.spec import SplitSpec, parse_backends, parse_spec
 from .plan.workspace import ArenaWorkspace
 from .relay import Relay
 from .sampling import Sampler
@@ -299,7 +304,9 @@ class Model(LanguageModel):
     per hub, with ``micro_batches`` pieces of a prompt step in flight on different hubs at once
     (default: twice the hubs, pieces of at least 32 tokens), or ``tensor:1,1`` over two hubs,
     every matrix split by rows with an all-reduce after each attention and FFN, its partial sums
-    crossing in ``partials`` (``f32``, or ``f16``: half the bytes, each partial rounded once).
+    crossing in ``partials``: ``auto`` (the default: f32 below a size measured once per device,
+    bf16 from it on, :meth:`reduce_dtype`), or always ``f32``, ``f16`` or ``bf16`` (half the
+    bytes, each partial rounded once).
     What each hub holds is decided here, at load (:mod:`vkxsplit.hubs`); ``timeout``: the stall
     limit of the relay between the hubs (default ``VKXSPLIT_TIMEOUT_S``). Backends attach to a
     model on one hub only."""
@@ -307,12 +314,13 @@ class Model(LanguageModel):
     def __init__(self, path: str | Path | None = None, device: Device | None = None, n_ctx: int | None = None,
                  ubatch: int = 512, split: Any = None, backends: Any = None, progress: Any = None,
                  trace: bool = False, profile_dir: str | Path | None = None, devices: Any = None,
-                 micro_batches: int | None = None, partials: str = "f32", timeout: float | None = None) -> None:
+                 micro_batches: int | None = None, partials: str = "auto", timeout: float | None = None) -> None:
         self.path = Path(path) if path else default_model_path()
         sels = parse_devices(devices) if devices is not None else None
         if sels is not None and device is not None:
             raise VkxError("device= and devices= both choose the hub", "give devices= (one hub each) or device=")
         self.partials = check_partials(partials)
+        self._reduce_min: tuple[int | None, str] | None = None  # (bf16 threshold, where from): reduce_dtype
         self.file: ModelFile = load_gguf(self.path)
         self.hp = self.file.hparams
         self._load_tokenizer(self.file)
@@ -345,6 +353,8 @@ class Model(LanguageModel):
         self.traffic = {"crossed_bytes": 0, "steps": 0, "relays": 0, "all_reduces": 0}
         self.last_traffic = 0
         self._failed: list[Step] = []  # the steps of a failed step over several hubs (see _drain)
+        # auto over several hubs: what was chosen at load and the candidates' predicted seconds
+        self.hub_choice: dict[str, Any] | None = None
         try:
             t0 = time.perf_counter()
             if sels is None:
@@ -359,6 +369,8 @@ class Model(LanguageModel):
             self.planner = Planner(self.backends.values(), workspace=self.workspace, hubs=len(self.hubs))
             if split is None and len(self.hubs) > 1:
                 split = "layer"
+            if len(self.hubs) > 1 and parse_spec(split).kind == "auto":
+                split, micro_batches = self._choose_hub_split(micro_batches)
             self.split: SplitSpec = self.planner.check(split)
             self._place(micro_batches, progress)
             self.weight_bytes = sum(sh.weight_bytes for sh in self.shares)
@@ -388,10 +400,7 @@ class Model(LanguageModel):
             self.shares = [HubShare(self, 0, self.device)]
         elif self.split.kind == "layer":
             self.ranges = layer_ranges(self.hp.n_layer, self.planner.hub_shares(self.split))
-            want = 2 * n if micro_batches is None else int(micro_batches)
-            self.micro = max(1, min(want, self.ubatch // 32 if micro_batches is None else self.ubatch, self.ubatch))
-            self.piece = -(-self.ubatch // self.micro)  # tokens per micro-batch
-            self.micro = -(-self.ubatch // self.piece)  # the pieces a full step has (8 in 5 -> 4 of 2)
+            self.micro, self.piece = self._pieces(micro_batches)
             self.slots = self.micro
             link_bytes = self.micro * slot_rows(self.piece, self.micro) * E * 4
             for i in range(n - 1):
@@ -417,15 +426,143 @@ class Model(LanguageModel):
         if n > 1:  # (a spin on the counters would take a core from a CPU device)
             self.relay = Relay("hub-relay", self.timeout, spin_s=0.0 if any(d.is_cpu for d in hubs) else None)
 
+    def _pieces(self, micro_batches: int | None) -> tuple[int, int]:
+        """(micro-batches, tokens per micro-batch) of a prompt step of a layer split over the
+        hubs: ``micro_batches`` pieces, by default twice the hubs, pieces of at least 32 tokens."""
+        n = len(self.hubs)
+        want = 2 * n if micro_batches is None else int(micro_batches)
+        micro = max(1, min(want, self.ubatch // 32 if micro_batches is None else self.ubatch, self.ubatch))
+        piece = -(-self.ubatch // micro)  # tokens per micro-batch
+        return -(-self.ubatch // piece), piece  # the pieces a full step has (8 in 5 -> 4 of 2)
+
+    def _choose_hub_split(self, micro_batches: int | None) -> tuple[str, int | None]:
+        """``auto`` over several hubs, decided here because the weights are placed at load: one
+        hub (the others closed), the layer split or the row split, whichever the cost model
+        predicts cheapest for :data:`~vkxsplit.plan.planner.HUB_AUTO_WORKLOAD`
+        (:meth:`Planner.choose_hub_split` over each candidate's graphs, built over dry shares:
+        no weight read or placed). Hub node times come from the device profile where an
+        earlier run measured those shapes, else the cost model's roofline estimate (named in
+        ``hub_choice``); the relay crossing is the cost model's. Returns the spec to place and
+        ``micro_batches`` (dropped unless the layer split wins)."""
+        cands: list[HubCandidate] = []
+        notes: list[str] = []
+        for label, spec in (("one hub", "none"), ("layer", "layer"), ("row", "tensor:1,1")):
+            try:
+                cands.append(HubCandidate(label, spec, self._dry_steps(spec, micro_batches)))
+            except VkxError as exc:  # (a model the row split cannot halve; more than two hubs)
+                notes.append(f"{label}: not a candidate ({exc})")
+        cost = self.cost
+        if isinstance(cost, MeasuringCostModel):  # what the profile lacks of the candidates' nodes
+            cost.prepare()  # (the hub's submit overhead)
+            for c in cands:
+                for g, _times in c.steps:
+                    cost.measure_dry(g, self.hubs, self.n_ctx)
+        picked, table, est = self.planner.choose_hub_split(cands, cost)
+        prompt, decode = HUB_AUTO_WORKLOAD
+        self.hub_choice = {"picked": picked.label, "spec": picked.spec, "candidates": table, "estimated": est,
+                           "workload": f"a {prompt}-token prompt in steps of {min(prompt, self.ubatch)} and "
+                                       f"{decode} decode steps", "notes": notes}
+        log.info("auto over %d hubs: %s (%s)", len(self.hubs), picked.label,
+                 ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in table))
+        if picked.spec == "none":  # one hub: the others are closed, the model is a one-hub model
+            for d in self.hubs[1:]:
+                d.close()
+            self.hubs = self.hubs[:1]
+            self.planner = Planner(self.backends.values(), workspace=self.workspace, hubs=1, cost=cost)
+        return picked.spec, micro_batches if picked.spec == "layer" else None
+
+    def _dry_steps(self, spec: str, micro_batches: int | None) -> list[tuple[Graph, float]]:
+        """The graphs of :data:`HUB_AUTO_WORKLOAD`'s steps (a prompt step of ``ubatch`` tokens,
+        as its micro-batches for a layer split, and a decode step) of the model placed over the
+        hubs by ``spec``, over dry shares (:class:`vkxsplit.hubs.DryHubShare`), with how often
+        each runs."""
+        hubs, n, E = self.hubs, len(self.hubs), self.hp.n_embd
+        kind = parse_spec(spec).kind
+        stub = types.SimpleNamespace(file=self.file, n_ctx=self.n_ctx, piece=self.ubatch, slots=1, backends={},
+                                     arena=None, partials=self.partials, reduce_dtype=self.reduce_dtype)
+        if kind == "none":
+            shares = [DryHubShare(stub, 0, hubs[0])]
+        elif kind == "layer":
+            ranges = layer_ranges(self.hp.n_layer, self.planner.hub_shares(spec))
+            stub.slots, stub.piece = self._pieces(micro_batches)
+            nb = stub.slots * slot_rows(stub.piece, stub.slots) * E * 4
+            links = [DryLink([hubs[i], hubs[i + 1]], nb, f"link{i}") for i in range(n - 1)]
+            shares = [DryHubShare(stub, i, hubs[i], layers=rng, link_in=links[i - 1].views[1] if i > 0 else None,
+                                  link_out=links[i].views[0] if i < n - 1 else None) for i, rng in enumerate(ranges)]
+        else:
+            self.planner.hub_shares(spec)
+            shard_hparams(self.hp)
+            slot = _align(self.ubatch * E * 4, 256)
+            pages = DryLink(hubs, 2 * WORLD * slot, "row-split")
+            shares = [DryHubShare(stub, r, hubs[r], rank=r, publish=[(pages.views[r], (r * 2 + p) * slot) for p in range(2)],
+                                  peer=[(pages.views[r], ((1 - r) * 2 + p) * slot) for p in range(2)])
+                      for r in range(n)]
+        for sh in shares:
+            sh.upload_weights()
+            sh.alloc_state()
+
+        def step(T: int) -> Graph:
+            nodes: list[Any] = []
+            for j, s in enumerate(range(0, T, stub.piece)):
+                parts = [sh.build_graph(min(stub.piece, T - s), False, j) for sh in shares]
+                nodes += join_hub_graphs("", T, parts, interleave=kind == "tensor").nodes
+            g = Graph(f"{self.file.name}:{spec}:T{T}", T=T)
+            for node in nodes:
+                node.index = len(g.nodes)
+                g.nodes.append(node)
+            return g
+
+        prompt, decode = HUB_AUTO_WORKLOAD
+        T = min(prompt, self.ubatch)
+        return [(step(T), prompt / T), (step(1), float(decode))]
+
     @property
     def split_label(self) -> str:
-        """The split in words: the spec, and over several hubs what each holds."""
+        """The split in words: the spec, and over several hubs what each holds (and what auto
+        compared, when it chose)."""
+        hc = self.hub_choice
+        if hc is None:
+            return self._placed_label()
+        costs = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in hc["candidates"])
+        return f"auto over {len(hc['candidates'])} candidates ({costs}): {hc['picked']}, {self._placed_label()}"
+
+    def _placed_label(self) -> str:
         if len(self.hubs) == 1:
             return str(self.split)
         if self.split.kind == "layer":
             return f"{self.split}: layers " + ",".join(f"{a}-{b - 1}" for a, b in self.ranges) + \
                 f" on hub{'s' if len(self.hubs) > 1 else ''} 0-{len(self.hubs) - 1}"
-        return f"{self.split}: tensor split (rows) over {len(self.hubs)} hubs, {self.partials} partials"
+        return f"{self.split}: tensor split (rows) over {len(self.hubs)} hubs, {self.partials_label}"
+
+    @property
+    def partials_label(self) -> str:
+        """How the row split's partial sums cross, in words."""
+        if self.partials != "auto":
+            return f"{self.partials} partials"
+        if self._reduce_min is None:
+            return "f32 partials, bf16 from a size measured at the first step"
+        th, why = self._reduce_min
+        return "f32 partials" + (f", bf16 from {th} bytes ({why})" if th is not None else f" ({why})")
+
+    def reduce_dtype(self, nbytes: int) -> str:
+        """The type the row split's all-reduce sends a partial sum of ``nbytes`` (as f32) in:
+        ``partials``, or for ``auto`` bf16 from the threshold the calibration measured on hub 0
+        (:func:`vkxsplit.calibrate.measure_reduce`, kept in the device profile; the cost
+        model's documented default until then), f32 below it; always f32 when
+        ``VKXSPLIT_DISABLE=bf16_reduce``. Read once per model (every step's graph agrees)."""
+        if self.partials != "auto":
+            return self.partials
+        if self._reduce_min is None:
+            if is_disabled(self.device, "bf16_reduce"):
+                self._reduce_min = (None, "bf16 switched off: VKXSPLIT_DISABLE=bf16_reduce")
+            else:
+                cost = self.cost
+                th = cost.reduce_threshold()
+                est = "bf16 all-reduce threshold" in cost.estimated
+                self._reduce_min = (th, "the default, not measured" if est else
+                                    "measured" if th is not None else "bf16 was slower at every size measured")
+        th = self._reduce_min[0]
+        return "bf16" if th is not None and nbytes >= th else "f32"
 
     def _share(self) -> HubShare:
         return self.shares[0]
@@ -474,23 +611,8 @@ class Model(LanguageModel):
         parts = [sh.build_graph(T, all_logits, slot) for sh in self.shares]
         if len(parts) == 1:
             return parts[0]
-        g = Graph(f"{self.file.name}:T{T}" + (f":s{slot}" if slot else ""), T=T)
-        if self.split.kind == "layer":
-            order = [n for part in parts for n in part.nodes]
-        else:
-            pieces: list[list[list[Any]]] = []
-            for part in parts:
-                cut: list[list[Any]] = [[]]
-                for n in part.nodes:
-                    if n.op == "link_sum":
-                        cut.append([])
-                    cut[-1].append(n)
-                pieces.append(cut)
-            order = [n for k in range(max(len(c) for c in pieces)) for c in pieces if k < len(c) for n in c[k]]
-        for n in order:
-            n.index = len(g.nodes)
-            g.nodes.append(n)
-        return g
+        return join_hub_graphs(f"{self.file.name}:T{T}" + (f":s{slot}" if slot else ""), T, parts,
+                               interleave=self.split.kind != "layer")
 
     # -- plans and steps ----------------------------------------------------------------------
 
@@ -511,6 +633,14 @@ class Model(LanguageModel):
             self._cost = MeasuringCostModel(Profile.for_device(self.device, self._profile_dir), device=self.device,
                                             arena=self.arena, backends=self.backends.values(),
                                             hub_runner=self._time_hub)
+            first: dict[bytes, int] = {}  # hubs on one device take it in turn (simulate)
+            for i, d in enumerate(self.hubs):
+                j = first.setdefault(bytes(d.physical.device_uuid), i)
+                if j != i:
+                    self._cost.hub_groups[f"hub{i}"] = f"hub{j}"
+            if len(self.hubs) > 1:  # the relay crossing, measured between hubs 0 and 1
+                self._cost.relay_devices = list(self.hubs)
+                self._cost.relay_key = f"relay|{bytes(self.hubs[1].physical.device_uuid).hex()}"
             self.planner.cost = self._cost
         return self._cost
 
@@ -552,7 +682,16 @@ class Model(LanguageModel):
         g = self._build_graph(T, all_logits, slot)
         if self.split.kind == "auto":
             _ = self.cost  # attaches the cost model to the planner
-        return self.planner.plan(g, self.split)
+        plan = self.planner.plan(g, self.split)
+        hc = self.hub_choice
+        if hc is not None:  # auto over several hubs, decided at load
+            plan.candidates = list(hc["candidates"])
+            plan.notes.append(f"auto over the hubs picked {hc['picked']} at load, where the weights are placed "
+                              f"(predicted for {hc['workload']}"
+                              + (f"; estimated, not measured: {', '.join(hc['estimated'])}" if hc["estimated"] else "")
+                              + ")")
+            plan.notes += hc["notes"]
+        return plan
 
     def _executor(self, T: int, all_logits: bool, slot: int = 0) -> Executor:
         if T > self.piece:
@@ -581,6 +720,8 @@ class Model(LanguageModel):
         """Switch to another split spec over the same weights, backends and KV cache (plans and
         converted weights of the previous spec are dropped). Over several hubs the split was
         placed at load: only that spec."""
+        if self.hub_choice is not None and parse_spec(split).kind == "auto":
+            return  # (auto over several hubs: what it chose at load)
         spec = self.planner.check(split)
         if len(self.hubs) > 1:
             if str(spec) != str(self.split):

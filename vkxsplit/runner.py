@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import defaults, progress
-from .defaults import CPU_HUB_SPLIT  # noqa: F401  (re-exported names)
+from .defaults import CPU_HUB_SPLIT, PARTIALS  # noqa: F401  (CPU_HUB_SPLIT: re-exported)
 from .errors import VkxError
 
 log = logging.getLogger("vkxsplit.runner")
@@ -222,6 +222,9 @@ def add_model_args(p: argparse.ArgumentParser, bench: bool = False) -> None:
     p.add_argument("--micro-batches", type=int_at_least(1), default=None,
                    help="with --devices: pieces of a prompt step in flight on different GPUs at once "
                         "(default twice the devices, pieces of at least 32 tokens)")
+    p.add_argument("--partials", default=None, choices=PARTIALS,
+                   help="with --devices and the row split: the type the all-reduce's partial sums cross in "
+                        "(default auto: f32 below a size measured once per device, bf16 from it on)")
     p.add_argument("--split", default=None,
                    help=SPLIT_HELP + ("; several separated by ';' are swept (e.g. 'none;tensor:1,1;mode:cpu>=8')"
                                       if bench else "") + "; default: see the README's defaults table")
@@ -279,9 +282,11 @@ def load_from_args(args: argparse.Namespace) -> Any:
         args.split_used, args.backends_used = split, None
         with progress.task("loading", unit="B", delay=LOAD_DELAY_S) as bar:
             return load_model(args.model, split=split, devices=devices, n_ctx=args.ctx_size or None,
-                              ubatch=args.ubatch, micro_batches=args.micro_batches, progress=bar.callback())
-    if args.layer_split is not None or args.micro_batches is not None:
-        raise VkxError("--layer-split and --micro-batches go with --devices (a model split over several GPUs)")
+                              ubatch=args.ubatch, micro_batches=args.micro_batches, progress=bar.callback(),
+                              partials=args.partials or "auto")
+    if args.layer_split is not None or args.micro_batches is not None or args.partials is not None:
+        raise VkxError("--layer-split, --micro-batches and --partials go with --devices (a model split over "
+                       "several GPUs)")
     split = split_from_args(args)
     backends = backends_from_args(args)
     dev = Device.open(args.device)
@@ -552,8 +557,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ub = max(Ts)
     n_ctx = args.ctx_size or max(ub + 1, 256)
     if args.devices:  # one hub per device: each a participant (hub0, hub1, ...)
-        model = load_model(args.model, split=hub_split_from_args(args), devices=args.devices, n_ctx=n_ctx,
-                           ubatch=ub, micro_batches=1)
+        from .plan.spec import parse_spec
+
+        split = hub_split_from_args(args)
+        auto = parse_spec(split).kind == "auto"  # (priced with the micro-batches a run would have)
+        model = load_model(args.model, split=split, devices=args.devices, n_ctx=n_ctx, ubatch=ub,
+                           micro_batches=None if auto else 1, partials=args.partials or "auto")
+        if model.micro > 1:  # auto picked the pipeline: its plans are of one piece of a prompt step
+            _note(f"vkxsplit: auto picked the layer split in {model.micro} micro-batches of {model.piece} tokens: "
+                  f"plans of at most {model.piece} tokens")
+            Ts = sorted({min(T, model.piece) for T in Ts})
         try:
             plans = [model.plan(T, predict=True) for T in Ts]
             meas = measure_plans(model, plans) if args.measure else [None] * len(plans)
@@ -641,6 +654,9 @@ def _register_plan(sub: Any) -> None:
     p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
                    help="run each planned step (median of 3) and print the measured time beside the "
                         f"prediction, saying so when they differ by more than {PREDICTION_OFF:.0%} (default: on)")
+    p.add_argument("--partials", default=None, choices=PARTIALS,
+                   help="with --devices and the row split: the type the all-reduce's partial sums cross in "
+                        "(default auto)")
     p.set_defaults(func=cmd_plan, split_used=None, layer_split=None, micro_batches=None)
 
 

@@ -27,22 +27,26 @@ VARIANTS = [
             local_size=(SUM_WG, 1, 1)),
     Variant(name="link_sum_f16", source="link_sum.comp", defines={"PARTS_F16": "1"}, bindings=3, writes=(2,),
             push="I", local_size=(SUM_WG, 1, 1)),
+    Variant(name="link_sum_bf16", source="link_sum.comp", defines={"PARTS_BF16": "1"}, bindings=3, writes=(2,),
+            push="I", local_size=(SUM_WG, 1, 1)),
 ]
+#: the element types the partials of an all-reduce may cross in
+PARTS = ("f32", "f16", "bf16")
 
 
 def record_link_sum(seq: Sequence, a: Bindable, peer: Bindable, dst: Bindable, n: int,
                     max_groups: int = 1024, parts: str = "f32") -> None:
     """``dst[:n] = a[:n] + peer[:n]`` (``n`` a multiple of 4), ``peer`` read with volatile loads
-    (another device wrote it); ``a`` and ``peer`` in ``parts`` (f32 or f16), ``dst`` f32."""
+    (another device wrote it); ``a`` and ``peer`` in ``parts`` (f32, f16 or bf16), ``dst`` f32."""
     name = f"link_sum_{parts}"
-    if parts not in ("f32", "f16"):
-        raise KernelError(f"link_sum: partials in {parts!r}: f32 or f16")
+    if parts not in PARTS:
+        raise KernelError(f"link_sum: partials in {parts!r}: f32, f16 or bf16")
     if n % 4 or n <= 0:
         raise KernelError(f"{name}: {n} elements is not a positive multiple of 4")
     isz = 4 if parts == "f32" else 2
     for what, b, sz, al in (("a", a, isz, 4 * isz), ("peer", peer, isz, 4 * isz), ("dst", dst, 4, 16)):
         _, off, size, _ = as_range(b)
         if off % al or size < sz * n:
-            raise KernelError(f"{name}: the {what} binding must hold {n} aligned {'f32' if sz == 4 else 'f16'}")
+            raise KernelError(f"{name}: the {what} binding must hold {n} aligned {'f32' if sz == 4 else parts}")
     groups = max(1, min(max_groups, -(-n // (4 * SUM_WG))))
     seq.dispatch(Kernel.get(seq.device, name), [a, peer, dst], (n // 4,), groups)

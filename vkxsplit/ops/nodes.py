@@ -256,7 +256,7 @@ def _link_sum(seq: Sequence, n: Node) -> None:
     published to (the row split over hubs: :mod:`vkxsplit.hubs`): ``out = a + peer``."""
     a, peer = n.inputs
     if (a.shape != peer.shape or a.shape != n.output.shape or a.dtype != peer.dtype
-            or a.dtype not in ("f32", "f16") or n.output.dtype != "f32"):
+            or a.dtype not in ("f32", "f16", "bf16") or n.output.dtype != "f32"):
         raise KernelError(f"link_sum {n.name}: {a.dtype}{list(a.shape)} + {peer.dtype}{list(peer.shape)} -> "
                           f"{n.output.dtype}{list(n.output.shape)} is not a sum of equal shapes into f32")
     record_link_sum(seq, a.buffer, peer.buffer, n.output.buffer, a.rows * a.cols, parts=a.dtype)
@@ -265,7 +265,7 @@ def _link_sum(seq: Sequence, n: Node) -> None:
 @register("convert")
 def _convert(seq: Sequence, n: Node) -> None:
     """An f32/f16/bf16 tensor converted elementwise into another of those (a tensor-split
-    shard's partial sums published in f16)."""
+    shard's partial sums published in f16 or bf16)."""
     (src,) = n.inputs
     if src.shape != n.output.shape:
         raise KernelError(f"convert {n.name}: {list(src.shape)} -> {list(n.output.shape)}")

@@ -34,7 +34,15 @@ DEFAULTS = {"hub_gflops": 100.0, "hub_gbs": 50.0, "backend_gflops": 10.0, "laten
             "submit_s": 3e-5, "convert_ns_per_elem": 0.1, "enqueue_s": 2e-5,
             # one crossing between two hubs through the relay thread (GPU -> host -> GPU): the
             # round trip tools/bench_link.py measures (docs/MULTI_GPU.md)
-            "relay_s": 1e-4}
+            "relay_s": 1e-4,
+            # the smallest partial sum (bytes as f32) the row split's all-reduce sends as bf16
+            # until the calibration measured it (vkxsplit.calibrate.measure_reduce): above a
+            # decode step's rows (latency-bound: llama8b's 16 KiB per token), below a prompt
+            # step's (bandwidth-bound: 8 MiB at 512 tokens); an estimate, not a measurement
+            "bf16_reduce_min_bytes": 64 << 10}
+
+#: the profile entry (scope ``hub``) holding the measured all-reduce threshold
+REDUCE_KEY = "reduce_bf16"
 
 
 class CostModel:
@@ -56,6 +64,11 @@ class CostModel:
         self.estimated: set[str] = set()
         self.measured = 0
         self._rates: dict[str, float] = {}
+        #: hub lanes that share another hub's device (:meth:`hub_resource`)
+        self.hub_groups: dict[str, str] = {}
+        #: the profile key of the relay crossing between this model's hubs (``relay|<UUID of the
+        #: other hub's device>``: one device twice and two GPUs cross differently)
+        self.relay_key = "relay"
 
     # -- keys ---------------------------------------------------------------------------------
 
@@ -86,6 +99,12 @@ class CostModel:
             return HUB
         return name
 
+    def hub_resource(self, lane: str) -> str:
+        """The hardware hub ``lane`` (``hub0``, ``hub1``, ...) of a model over several hubs
+        computes on: its own, unless ``hub_groups`` maps it to another hub's (two hubs on one
+        device, ``devices="0,0"``: their segments take the device in turn, as on one hub)."""
+        return self.hub_groups.get(lane, lane)
+
     @staticmethod
     def job_key(w_type: str, N: int, K: int, M: int) -> str:
         return f"mul_mat|{w_type}|{N}x{K}|M={M}"
@@ -101,12 +120,23 @@ class CostModel:
 
     def relay(self) -> float:
         """Seconds from a hub's segment end to the start of another hub's segment waiting for it
-        (the relay thread's crossing)."""
-        v = self.profile.get("hub", "relay")
+        (the relay thread's crossing), measured between the hubs ``relay_key`` names
+        (:func:`vkxsplit.calibrate.measure_relay`)."""
+        v = self.profile.get("hub", self.relay_key)
         if v is None:
             self.estimated.add("hub relay")
             return DEFAULTS["relay_s"]
         return float(v)
+
+    def reduce_threshold(self) -> int | None:
+        """The smallest partial (its bytes in f32) the row split's all-reduce sends as bf16
+        (None: never, bf16 was not cheaper at any size measured): from the profile (measured by
+        :func:`vkxsplit.calibrate.measure_reduce`), else :data:`DEFAULTS`."""
+        v = self.profile.get("hub", REDUCE_KEY)
+        if not isinstance(v, dict) or "min_bytes" not in v:
+            self.estimated.add("bf16 all-reduce threshold")
+            return int(DEFAULTS["bf16_reduce_min_bytes"])
+        return None if v["min_bytes"] is None else int(v["min_bytes"])
 
     def convert(self, n: int) -> float:
         v = self.profile.get("hub", "convert")
@@ -231,8 +261,8 @@ def simulate(schedule: Schedule, cost: CostModel) -> Prediction:
     in order, a segment starting a relay crossing after the other hubs' segments it waits for),
     each backend runs its jobs in order; a job starts half a round trip after its hub point, a
     segment half a round trip after the jobs it waits for; each segment costs one submit.
-    Participants on one hardware resource (:meth:`CostModel.resource`) take it in submission
-    order, without overlap. The
+    Participants on one hardware resource (:meth:`CostModel.resource`; hubs on one device:
+    :meth:`CostModel.hub_resource`) take it in submission order, without overlap. The
     host enqueues the step in order, a backend job taking it :meth:`CostModel.enqueue`: a job
     starts no earlier than the host got to it (what bounds a step of small jobs on a backend
     driven from Python)."""
@@ -248,14 +278,15 @@ def simulate(schedule: Schedule, cost: CostModel) -> Prediction:
     for kind, i in schedule.order:
         if kind == "seg":
             s = schedule.segments[i]
-            lane = f"hub{s.hub}" if multi else HUB  # (each hub its own GPU)
-            start = max(free.get(lane, 0.0), res_free.get(lane, 0.0))
+            lane = f"hub{s.hub}" if multi else HUB  # (each hub its own GPU, unless two share one)
+            res = cost.hub_resource(lane) if multi and hasattr(cost, "hub_resource") else lane
+            start = max(free.get(lane, 0.0), res_free.get(res, 0.0))
             for j in s.waits:
                 start = max(start, job_end[j] + cost.latency(schedule.jobs[j].op.backend) / 2)
             for j in s.hub_waits:
                 start = max(start, seg_end[j] + cost.relay())
             dur = cost.submit() + sum(cost.hub_item(op) for op in s.ops)
-            free[lane] = res_free[lane] = seg_end[i] = start + dur
+            free[lane] = res_free[res] = seg_end[i] = start + dur
             busy[lane] = busy.get(lane, 0.0) + dur
         else:
             jb = schedule.jobs[i]
@@ -272,4 +303,4 @@ def simulate(schedule: Schedule, cost: CostModel) -> Prediction:
     return Prediction(total, busy, est)
 
 
-__all__ = ["DEFAULTS", "CostModel", "Prediction", "simulate"]
+__all__ = ["DEFAULTS", "REDUCE_KEY", "CostModel", "Prediction", "simulate"]

@@ -40,6 +40,10 @@ NODE_OPS = GLUE_OPS | STEP_OPS
 F32_ONLY_OPS = frozenset({"get_rows", "rms_norm", "add_rms_norm", "add", "swiglu", "rope", "kv_store", "attention", "argmax",
                           "softmax", "norm", "mul", "scale", "silu", "gelu", "cpy"})
 GRANULE = 16  # tensor-split row boundaries are multiples of this (except the last)
+#: what ``auto`` over several hubs compares the candidate splits on: the predicted time of
+#: llama-bench's default tests, a 512-token prompt (in steps of at most ubatch tokens) and 128
+#: decode steps
+HUB_AUTO_WORKLOAD = (512, 128)
 _HUB_N = re.compile(r"hub(\d+)")  # the participant name of Vulkan hub N of a model over several hubs
 
 
@@ -48,6 +52,18 @@ def _has_hook(b: Any, hook: str) -> bool:
     class's ``implements``, in dry planning: whether their caps say so is all there is)."""
     impl = getattr(type(b), "implements", None)
     return True if impl is None else bool(impl(hook))
+
+
+@dataclasses.dataclass
+class HubCandidate:
+    """A way to place a model over its hubs that ``auto`` prices (:meth:`Planner.choose_hub_split`):
+    ``label`` (``one hub``, ``layer``, ``row``), the ``spec`` the model places it with (``none``:
+    everything on hub 0), and the graphs of its workload's steps, each with how many times it
+    runs (:data:`HUB_AUTO_WORKLOAD`), built over the hubs' (dry) shares."""
+
+    label: str
+    spec: str
+    steps: list[tuple[Graph, float]]
 
 
 def matrices(graph: Graph) -> list[Node]:
@@ -312,9 +328,11 @@ class Planner:
         n = self.hubs
         if s.kind not in ("layer", "tensor"):
             raise PlanError(f"split '{s}' on a model over {n} hubs: several hubs split the model by layers "
-                            "(a pipeline) or by rows (shards)",
+                            "(a pipeline) or by rows (shards)" + (", auto is chosen among them when the model "
+                                                                   "loads" if s.kind == "auto" else ""),
                             f"use layer (equal shares) or layer:{','.join(['1'] * n)} (--split-mode layer), "
-                            "or tensor:1,1 over two hubs (--split-mode row)")
+                            "or tensor:1,1 over two hubs (--split-mode row), or load the model with split "
+                            "auto (vkxsplit.load_model(..., devices=..., split='auto'))")
         if s.overrides:
             raise PlanError(f"split '{s}': a model over several hubs takes layer shares, not REGEX=NAME overrides",
                             f"e.g. layer:{','.join(['1'] * n)}")
@@ -330,6 +348,31 @@ class Planner:
                             "give equal shares over two hubs (tensor:1,1), or use the layer split")
         return shares
 
+    def choose_hub_split(self, candidates: Sequence[HubCandidate], cost: CostModel | None = None
+                         ) -> tuple[HubCandidate, list[tuple[str, float]], list[str]]:
+        """``auto`` over several hubs: each candidate's steps planned as :meth:`_hubs_plan` plans
+        them (each node on its hub, a relay crossing per cross-hub wait), their times predicted
+        by :func:`.cost.simulate` over ``cost`` (default: the planner's), weighted by how often
+        each step runs; returns the cheapest candidate, every candidate's predicted seconds, and
+        what the prediction estimated rather than read from measurements."""
+        cost = cost or self.cost
+        if cost is None:
+            raise PlanError("split 'auto' over several hubs needs a cost model (a measured device profile)",
+                            "load the model (vkxsplit.load_model) or pass Planner(cost=...)")
+        if not candidates:
+            raise PlanError("split 'auto' over several hubs: no candidate split can run this model")
+        table: list[tuple[str, float]] = []
+        est: set[str] = set()
+        for c in candidates:
+            total = 0.0
+            for g, times in c.steps:
+                pred = simulate(build_schedule(_hub_items(g)), cost)
+                total += times * pred.total_s
+                est.update(pred.estimated)
+            table.append((c.label, total))
+        best = min(range(len(candidates)), key=lambda i: table[i][1])
+        return candidates[best], table, sorted(est)
+
     def _hubs_plan(self, graph: Graph, s: SplitSpec) -> Plan:
         """A model over several hubs: each node runs on the hub that holds its buffers
         (``Node.hub``, set where the model built that hub's part of the graph). The nodes that
@@ -339,7 +382,7 @@ class Planner:
         executor's relay carries that wait (signalling for a layer split, submitting the next
         segment for a row split: :mod:`vkxsplit.relay`)."""
         assign = {n.index: [Part(self.names[n.hub], 0, out_rows(n))] for n in graph.nodes}
-        items: list[Item] = [HubOp("node", n.name, n.reads(), n.writes(), node=n, hub=n.hub) for n in graph.nodes]
+        items = _hub_items(graph)
         sch = build_schedule(items)
         keys: dict[Any, set[int]] = {}
         for n in graph.nodes:
@@ -354,6 +397,13 @@ class Planner:
                  + f"; {len(sch.cross_waits())} relay rounds per step, "
                  + ("each submitting the next segment (row split)" if s.kind == "tensor"
                     else "each signalling the next hub (layer split)")]
+        sums: dict[str, int] = {}  # the row split's all-reduces by the type their partials cross in
+        for n in graph.nodes:
+            if n.op == "link_sum" and n.hub == 0:
+                sums[n.inputs[1].dtype] = sums.get(n.inputs[1].dtype, 0) + 1
+        if sums:
+            notes.append(f"{sum(sums.values())} all-reduces per step, partials crossing as "
+                         + ", ".join(f"{k} ({v})" for k, v in sorted(sums.items())))
         plan = Plan(graph, s, s.kind, assign, items, sch, list(self.names), notes)
         plan.cross = "submit" if s.kind == "tensor" else "signal"
         plan.cross_nodes = [n.name for n in cross]
@@ -735,6 +785,11 @@ class Planner:
         return {i: [Part(p, 0, graph.nodes[i].inputs[0].shape[0])] for i, p in choice.items() if p != HUB}
 
 
+def _hub_items(graph: Graph) -> list[Item]:
+    """Every node of a graph over several hubs as an item of its hub (``Node.hub``)."""
+    return [HubOp("node", n.name, n.reads(), n.writes(), node=n, hub=n.hub) for n in graph.nodes]
+
+
 def hub_xq_reads(graph: Graph, assign: dict[int, list[Part]]) -> set[int]:
     """The ids of the q8_1 x tensors (``xq`` params, :class:`vkxsplit.archs.DecodeQ8`) that a
     matrix node read by the hub under ``assign`` reads (wholly on the hub, or a hub row
@@ -782,4 +837,4 @@ def _dedupe(xs: list[str]) -> list[str]:
     return [x for x in xs if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]
 
 
-__all__ = ["F32_ONLY_OPS", "GRANULE", "OFFLOADABLE_OPS", "Part", "Plan", "Planner"]
+__all__ = ["F32_ONLY_OPS", "GRANULE", "HUB_AUTO_WORKLOAD", "OFFLOADABLE_OPS", "HubCandidate", "Part", "Plan", "Planner"]

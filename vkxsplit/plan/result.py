@@ -127,6 +127,8 @@ class Plan:
             lines.append("  weights converted once at load: " + ", ".join(_compress(conv["once"])))
         lines.append(f"  timeline: {self.schedule.submits} hub submit{'s' if self.schedule.submits != 1 else ''}, "
                      f"{self.backend_jobs} backend job{'s' if self.backend_jobs != 1 else ''} per step")
+        if self.schedule.hubs > 1:
+            lines.append(f"  between hubs: {self.crossed_bytes} bytes per step ({self.crossed_bytes / 1024:.1f} KiB)")
         if points:
             lines += ["      " + s for s in self.schedule.points()]
         for n in self.notes:
