@@ -91,6 +91,39 @@ def test_uploader_stages_through_reused_slots(device, rng):
         dst.close()
 
 
+def test_uploader_close_keeps_a_slot_a_stuck_copy_reads(device, rng, monkeypatch, caplog):
+    """An upload given up on (an error mid-load) while a slot's copy is still queued behind
+    something that never finishes: close() waits (bounded) as Sequence.close does, then leaves
+    that slot's staging buffer allocated with its command buffer (freed with the device), never
+    frees memory the copy may still read; the slots whose copies completed are freed."""
+    from vkxsplit.vk.command import Uploader
+
+    monkeypatch.setenv("VKXSPLIT_TIMEOUT_S", "0.3")
+    gate = Timeline(device, name="gate")
+    dst = device.memory.alloc(2 * 4096, "host")
+    try:
+        up = Uploader(device, slot_bytes=4096, slots=2)
+        (done_buf, _), (stuck_buf, stuck_seq) = up._slots
+        up.stage(dst, np.full(4096, 1, np.uint8), 0)  # slot 0: completes
+        up.finish()
+        submit = stuck_seq.submit
+        monkeypatch.setattr(stuck_seq, "submit", lambda: submit(waits=[(gate, 1)]))
+        up.stage(dst, np.full(4096, 2, np.uint8), 4096)  # slot 1: held by the gate
+        up.close()
+        assert "upload 1" in caplog.text and "pending" in caplog.text
+        assert done_buf._closed
+        assert not stuck_buf._closed, "staging memory freed under a pending copy"
+    finally:
+        gate.signal(1)  # let the queue drain before the device closes
+        device.wait_idle()
+        gate.close()
+    try:
+        assert (dst.numpy(np.uint8)[:4096] == 1).all() and (dst.numpy(np.uint8)[4096:] == 2).all()
+    finally:
+        stuck_buf.close()
+        dst.close()
+
+
 def test_replayed_sequence_gives_same_results(device, rng):
     n = 5000
     src = device.memory.alloc(n * 4, "host", "src")

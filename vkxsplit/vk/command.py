@@ -383,10 +383,15 @@ class Uploader:
 
     def close(self) -> None:
         """Wait for the copies, then free the slots (each sequence waits for its own last
-        submission before freeing its command buffer)."""
+        submission before freeing its command buffer). A slot whose copy is still pending after
+        that bounded wait (logged by :meth:`Sequence.close`) keeps its staging buffer, as the
+        sequence keeps its command buffer: the copy may still read it (both go with the device)."""
         slots, self._slots = self._slots, []
         for buf, seq in slots:
             seq.close()
+            tl = seq.timeline
+            if seq.last_value and tl.handle is not None and tl.value < seq.last_value:
+                continue
             buf.close()
 
     def __enter__(self) -> Uploader:
