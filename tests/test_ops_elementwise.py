@@ -271,6 +271,34 @@ def test_rms_norm_workgroup_follows_the_rows(seq):
     assert len(wide) == len(norm.VARIANTS) // 2 and all(v.module == v.name[:-7] for v in wide)
 
 
+def test_decode_kernels_stay_narrow_where_the_workgroup_is_too_wide(seq, bufs, rng, monkeypatch):
+    """A device that allows 1024 invocations per workgroup but only 512 along x (a valid pair
+    of limits): a decode step's norm and argmax take the 256-wide kernels, not the 1024-wide
+    ones the device cannot run (Kernel would refuse them), and give the right answers."""
+    from vkxsplit.vk.kernel import Kernel
+
+    lim = seq.device.physical.limits
+    monkeypatch.setitem(lim, "maxComputeWorkGroupInvocations", 1024)
+    monkeypatch.setitem(lim, "maxComputeWorkGroupSize", (512, 512, 64))
+    asked: list[str] = []
+    kget = Kernel.get.__func__
+    monkeypatch.setattr(Kernel, "get", classmethod(lambda cls, dev, name: asked.append(name) or kget(cls, dev, name)))
+    cols = 4096
+    x = rng.standard_normal(cols).astype(np.float32)
+    x[[3000, 1000]] = 9.0
+    X, D, A = bufs(cols), bufs(cols), bufs(1, np.int32)
+    put(X, x)
+    poison(D)
+    record_rms_norm(seq, X, D, 1, cols, 1e-5)
+    record_argmax(seq, X, A, 1, cols)
+    run(seq)
+    assert asked == ["rms_norm_f32", "argmax_f32"]
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean() + 1e-5)
+    assert_close(get(D, cols), ref, 1e-5, 1e-6 * np.abs(ref).max(), "rms_norm")
+    assert get(A, 1, np.int32)[0] == 1000
+
+
 def test_add_rms_norm_rejects_dst_overlap(seq, bufs):
     X, R, W = bufs(64), bufs(64), bufs(64)
     with pytest.raises(KernelError, match="dst overlaps x"):

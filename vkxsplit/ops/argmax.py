@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..errors import KernelError
 from ..shaders import Variant
 from ..vk.command import Sequence
-from ..vk.kernel import Bindable, Kernel
+from ..vk.kernel import Bindable, Kernel, workgroup_fits
 from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
 
 WG = 256
@@ -24,6 +24,13 @@ VARIANTS = [
             local_size_spec="WG")
     for wg in (WG, WG_WIDE)
 ]
+
+
+def _kernel(seq: Sequence, name: str, rows: int) -> Kernel:
+    """``name`` at the workgroup size for ``rows`` rows (the wide one where the device has it)."""
+    if rows <= WIDE_ROWS and workgroup_fits(seq.device, (WG_WIDE, 1, 1)):
+        return Kernel.get(seq.device, f"{name}_wg{WG_WIDE}")
+    return Kernel.get(seq.device, name)
 
 
 def record_argmax(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: int, *,
@@ -44,8 +51,5 @@ def record_argmax(seq: Sequence, src: Bindable, dst: Bindable, rows: int, cols: 
     check_alias(f"{op}_{dtype}", d, s, shape)
     if rows == 0:
         return
-    name = f"{op}_{dtype}"
-    if rows <= WIDE_ROWS and int(seq.device.physical.limits.get("maxComputeWorkGroupInvocations") or 0) >= WG_WIDE:
-        name += f"_wg{WG_WIDE}"
-    k = Kernel.get(seq.device, name)
+    k = _kernel(seq, f"{op}_{dtype}", rows)
     seq.dispatch(k, [src, dst], (cols, rows, s.offset, s.stride, dst_offset), min(rows, MAX_GROUPS))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..errors import KernelError
 from ..shaders import Variant
 from ..vk.command import Sequence
-from ..vk.kernel import Bindable, Kernel, spans_overlap
+from ..vk.kernel import Bindable, Kernel, spans_overlap, workgroup_fits
 from .elementwise import MAX_GROUPS, Operand, check_alias, check_dims, check_dtype, check_operand
 from .mul_mat import check_q8_1_scratch
 
@@ -41,10 +41,8 @@ VARIANTS = [
 
 def _kernel(seq: Sequence, name: str, rows: int, cols: int) -> Kernel:
     """``name`` at the workgroup size for ``rows x cols`` (the wide one where the device has it)."""
-    if rows <= WIDE_ROWS and cols >= WIDE_COLS:
-        inv = int(seq.device.physical.limits.get("maxComputeWorkGroupInvocations") or 0)
-        if inv >= WG_WIDE:
-            return Kernel.get(seq.device, f"{name}_wg{WG_WIDE}")
+    if rows <= WIDE_ROWS and cols >= WIDE_COLS and workgroup_fits(seq.device, (WG_WIDE, 1, 1)):
+        return Kernel.get(seq.device, f"{name}_wg{WG_WIDE}")
     return Kernel.get(seq.device, name)
 
 

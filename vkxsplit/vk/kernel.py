@@ -89,6 +89,17 @@ def _specialization(name: str, spec: dict[str, int], ids: dict[str, int]) -> tup
     return info, [entries, buf]
 
 
+def workgroup_fits(device: Device, local_size: tuple[int, ...]) -> bool:
+    """Whether ``device`` runs workgroups of ``local_size`` (x, y, z): each dimension within
+    maxComputeWorkGroupSize and the product within maxComputeWorkGroupInvocations (a limit the
+    device does not report counts as no limit)."""
+    lim = device.physical.limits
+    most = lim.get("maxComputeWorkGroupSize") or (2**31,) * 3
+    inv = int(lim.get("maxComputeWorkGroupInvocations") or 2**31)
+    ls = (tuple(local_size) + (1, 1, 1))[:3]
+    return all(a <= b for a, b in zip(ls, most)) and ls[0] * ls[1] * ls[2] <= inv
+
+
 class Kernel:
     def __init__(self, device: Device, name: str) -> None:
         meta = shaders.variant_meta(name)
@@ -108,11 +119,11 @@ class Kernel:
         self.push_format = "=" + meta.get("push", "")
         self.push_size = struct.calcsize(self.push_format)
         self.local_size = tuple(meta["local_size"])
-        lim = device.physical.limits
-        most = lim.get("maxComputeWorkGroupSize") or (2**31,) * 3
-        inv = int(lim.get("maxComputeWorkGroupInvocations") or 2**31)
         ls = self.local_size
-        if any(a > b for a, b in zip(ls, most)) or ls[0] * ls[1] * ls[2] > inv:
+        if not workgroup_fits(device, ls):
+            lim = device.physical.limits
+            most = lim.get("maxComputeWorkGroupSize") or (2**31,) * 3
+            inv = int(lim.get("maxComputeWorkGroupInvocations") or 2**31)
             raise KernelError(f"kernel {name}: workgroup {ls[0]}x{ls[1]}x{ls[2]} is over '{device.name}''s "
                               f"limits ({most[0]}x{most[1]}x{most[2]}, {inv} invocations)",
                               "choose a smaller workgroup size (spec value) for this device")
