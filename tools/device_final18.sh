@@ -9,12 +9,9 @@
 BUDGET_S=${BUDGET_S:-550}
 . tools/device_common.sh || exit 1
 moe=/tmp/models/qwen3moe30b-q4_k.gguf; l8=/tmp/models/llama8b-q4_0.gguf
-mkdir -p /tmp/models/part
-( timeout 200 python3 -m vkxsplit synth --shape qwen3moe30b --type q4_k -o /tmp/models/part/moe.gguf \
-    > "$OUT/synth_moe.log" 2>&1 && mv /tmp/models/part/moe.gguf "$moe" ) &
+synth_bg qwen3moe30b q4_k
 synth_pid=$!
-( timeout 100 python3 -m vkxsplit synth --shape llama8b --type q4_0 -o /tmp/models/part/l8.gguf \
-    > "$OUT/synth_l8.log" 2>&1 && mv /tmp/models/part/l8.gguf "$l8" ) &
+synth_bg llama8b q4_0 100
 l8_pid=$!
 VKXSPLIT_VALIDATION=1 timeout ${TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
   ${TESTS:-tests/test_ops_elementwise.py tests/test_moe.py tests/test_ops_attention.py -k "norm or argmax or topk or combine or decode"} \

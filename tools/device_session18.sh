@@ -7,12 +7,10 @@
 BUDGET_S=${BUDGET_S:-570}
 . tools/device_common.sh || exit 1
 model=/tmp/models/qwen3moe30b-q4_k.gguf
-mkdir -p /tmp/models/part
-( timeout 330 python3 -m vkxsplit synth --shape qwen3moe30b --type q4_k -o /tmp/models/part/moe.gguf \
-    > "$OUT/synth.log" 2>&1 && mv /tmp/models/part/moe.gguf "$model" ) &
+synth_bg qwen3moe30b q4_k 330
 synth_pid=$!
 MODELS=0 PROFILE=${PROFILE-llama8b-q4_0} bash tools/device_session17.sh
 stamp "profiles done"
-wait "$synth_pid"; echo "moe synth rc=$? ($(tail -n 1 "$OUT/synth.log"))"
+wait "$synth_pid"; echo "moe synth rc=$? ($(tail -n 1 "$OUT/synth_qwen3moe30b.log"))"
 stamp "moe synth done"
 BUDGET_S=$(( $(left) - 10 )) bash tools/device_moe_q8x17.sh

@@ -7,14 +7,12 @@
 BUDGET_S=${BUDGET_S:-420}
 . tools/device_common.sh || exit 1
 model=/tmp/models/qwen3moe30b-q4_k.gguf
-mkdir -p /tmp/models/part
-( timeout 200 python3 -m vkxsplit synth --shape qwen3moe30b --type q4_k -o /tmp/models/part/moe.gguf \
-    > "$OUT/synth.log" 2>&1 && mv /tmp/models/part/moe.gguf "$model" ) &
+synth_bg qwen3moe30b q4_k
 synth_pid=$!
 timeout 60 python3 tools/bench_levels.py 2>&1 | tee "$OUT/levels_8b.md"
 timeout 40 python3 tools/bench_levels.py --embd 576 --ff 1536 --vocab 49152 2>&1 | tee "$OUT/levels_smol.md"
 stamp "levels done"
-wait "$synth_pid"; echo "moe synth rc=$? ($(tail -n 1 "$OUT/synth.log"))"
+wait "$synth_pid"; echo "moe synth rc=$? ($(tail -n 1 "$OUT/synth_qwen3moe30b.log"))"
 t1=$(date +%s)
 timeout 150 python3 -c "
 import time, sys

@@ -5,13 +5,9 @@
 # per-level profile. Carry [".device"]. Results in $OUT.
 BUDGET_S=${BUDGET_S:-240}
 . tools/device_common.sh || exit 1
-mkdir -p /tmp/models/part
-moe=/tmp/models/qwen3moe30b-q4_k.gguf; l8=/tmp/models/llama8b-q4_0.gguf
-( timeout 150 python3 -m vkxsplit synth --shape qwen3moe30b --type q4_k -o /tmp/models/part/moe.gguf \
-    > "$OUT/synth_moe.log" 2>&1 && mv /tmp/models/part/moe.gguf "$moe" ) &
+synth_bg qwen3moe30b q4_k 150
 p1=$!
-( timeout 100 python3 -m vkxsplit synth --shape llama8b --type q4_0 -o /tmp/models/part/l8.gguf \
-    > "$OUT/synth_l8.log" 2>&1 && mv /tmp/models/part/l8.gguf "$l8" ) &
+synth_bg llama8b q4_0 100
 p2=$!
 VKXSPLIT_VALIDATION=1 timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
   tests/test_ops_elementwise.py tests/test_moe.py -k "norm or argmax or topk" > "$OUT/tests.log" 2>&1
