@@ -53,10 +53,10 @@ def server_path(dest: Path) -> Path:
 
 
 def llama_cpp(server: Path | None, model: Path, ids: list[int], n_gen: int, reps: int, threads: int, n_ctx: int,
-              port: int) -> dict[str, float]:
+              port: int, extra: list[str] = ()) -> dict[str, float]:  # type: ignore[assignment]
     """Median prompt and generation tokens/s of llama-server on the CPU (-ngl 0)."""
     return llama_peer.peer_bench(server, model, ids, n_gen, reps,
-                                 ["-ngl", "0", "-t", str(threads), "-c", str(n_ctx)], port, timeout=1200)
+                                 ["-ngl", "0", "-t", str(threads), "-c", str(n_ctx), *extra], port, timeout=1200)
 
 
 #: the child: `vkxsplit bench` in-process, then its own peak resident memory on stderr
@@ -116,6 +116,8 @@ def main() -> int:
                          "--backends), or SPEC[@BACKENDS] (--split SPEC --backends BACKENDS, default cpu), e.g. "
                          "'mode:cpu@cpu' (products and glue on the cpu backend), 'mode:cpu@cpu:step=1:threads=2'")
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (vkxsplit's columns only)")
+    ap.add_argument("--server-args", default="",
+                    help="more llama-server options, e.g. '--no-repack' (weights read as stored, as vkxsplit reads them)")
     ap.add_argument("--port", type=int, default=18091)
     args = ap.parse_args()
     from vkxsplit.backends import ggml_cpu
@@ -141,7 +143,7 @@ def main() -> int:
         size = path.stat().st_size
         ids = [int(i) for i in np.random.default_rng(1).integers(10, n_vocab, args.p)]
         peer = ({"pp": float("nan"), "tg": float("nan")} if args.no_llama else
-                llama_cpp(server, path, ids, args.n, args.r, args.threads, args.c, args.port))
+                llama_cpp(server, path, ids, args.n, args.r, args.threads, args.c, args.port, args.server_args.split()))
         for sp in (s.strip() for s in args.splits.split(";") if s.strip()):
             spec, _, be = sp.partition("@")
             default = spec == "default"
@@ -155,7 +157,7 @@ def main() -> int:
     load1 = os.getloadavg()
     p, n = args.p, args.n
     print(f"\nload average before {load0[0]:.2f}, after {load1[0]:.2f} ({os.cpu_count()} CPUs); llama-server -ngl 0 "
-          f"-t {args.threads}; -c {args.c}; median of {args.r} runs; vkxsplit's ggml: {ggml_cpu.version()}\n")
+          f"-t {args.threads} {args.server_args}; -c {args.c}; median of {args.r} runs; vkxsplit's ggml: {ggml_cpu.version()}\n")
     print(f"| model | vkxsplit split (backends) | vkxsplit pp{p} | llama.cpp pp{p} | ratio | vkxsplit tg{n} | llama.cpp tg{n} "
           "| ratio | vkxsplit VmHWM | file + KV | VmHWM / (file + KV) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
