@@ -178,6 +178,26 @@ def test_arch_matches_reference(device, tmp_path, case):
     assert check(step, want, bound) is None, check(step, want, bound)
 
 
+def test_long_prefill_matches_reference(device, tmp_path):
+    """One prefill of 96 tokens at head_dim 64 (192 query rows per kv head): on a device with
+    cooperative matrices the attention runs attention_coopmat.comp (f16 operands), elsewhere
+    the tiled f32 kernel; both within the architectures' bound of the float64 reference, which
+    the wrong reference (no Q/K norm) fails."""
+    from vkxsplit.gguf_model import load_model as load_gguf
+    from vkxsplit.ops.attention import CM_MIN_ROWS
+
+    n_tok = 96
+    assert n_tok * 2 >= CM_MIN_ROWS
+    path = write_arch(tmp_path / "long.gguf", "qwen3", n_embd=128, head_dim=64, n_head=4, n_head_kv=2, seed=21)
+    ids = [int(i) for i in np.random.default_rng(21).integers(0, 64, n_tok)]
+    with load_gguf(path) as mf:
+        want = reference_forward_arch(mf, ids, n_ctx=128)
+        bad = reference_forward_arch(mf, ids, n_ctx=128, wrong=("no_qk_norm",))
+    got = run_logits(device, path, ids, 128, n_tok)
+    assert check(got, want) is None, check(got, want)
+    assert check(got, bad) is not None
+
+
 def test_gemma3_layers_and_hparams(device, tmp_path):
     """gemma3's per-layer attention as llama.cpp's load_hparams sets it: windowed layers
     il % 6 < 5 with RoPE base 10000, global ones with the file's base; Q scale 1/sqrt(head_dim);

@@ -49,26 +49,38 @@ def get(buf, shape, dtype=np.float32):
     return buf.numpy(dtype, int(np.prod(shape))).copy().reshape(shape)
 
 
-def attention_ref(q, kc, vc, pos0, n_kv):
-    """q [T, H, D] f32; kc, vc [n_ctx, n_kv, D] f16 -> [T, H, D] float64."""
+def attention_ref(q, kc, vc, pos0, n_kv, window=0, q16=False, extra=0):
+    """q [T, H, D] f32; kc, vc [n_ctx, n_kv, D] f16 -> [T, H, D] float64. ``window`` > 0: the
+    query at position i sees j > i - window only. ``q16``: the scaled queries rounded to f16
+    first (what the cooperative-matrix kernel multiplies). ``extra``: positions past the causal
+    limit seen too (a deliberately wrong mask)."""
     T, H, D = q.shape
     grp = H // n_kv
     out = np.zeros((T, H, D))
     k64, v64 = kc.astype(np.float64), vc.astype(np.float64)
+    qs = q.astype(np.float64) / np.sqrt(D)
+    if q16:
+        qs = (q / np.float32(np.sqrt(D))).astype(np.float16).astype(np.float64)
     for t in range(T):
-        n = pos0 + t + 1
+        n = pos0 + t + 1 + extra
+        lo = max(0, n - extra - window) if window else 0
         for h in range(H):
             g = h // grp
-            s = k64[:n, g, :] @ q[t, h].astype(np.float64) / np.sqrt(D)
+            s = k64[lo:n, g, :] @ qs[t, h]
             p = np.exp(s - s.max())
-            out[t, h] = p @ v64[:n, g, :] / p.sum()
+            out[t, h] = p @ v64[lo:n, g, :] / p.sum()
     return out
 
 
-def check(got, ref, vmax, what):
+def within(got, ref, vmax, atol=ATOL):
     err = np.abs(got.astype(np.float64) - ref)
-    bound = RTOL * np.abs(ref) + ATOL * vmax
-    assert (err <= bound).all(), f"{what}: worst err {err.max():.3g} (bound {bound.min():.3g}..)"
+    bound = RTOL * np.abs(ref) + atol * vmax
+    return bool((err <= bound).all()), err.max(), bound.min()
+
+
+def check(got, ref, vmax, what, atol=ATOL):
+    ok, worst, bound = within(got, ref, vmax, atol)
+    assert ok, f"{what}: worst err {worst:.3g} (bound {bound:.3g}..)"
 
 
 class Cache:
@@ -85,7 +97,15 @@ class Cache:
 
 
 def _attend(seq, bufs, rng, n_tokens, n_heads, n_kv, D, n_ctx, pos0, n_splits, cache_offset=0):
-    """cache_offset (elements) not a multiple of 4 takes the generic kernel for D 64/128."""
+    """cache_offset (elements) not a multiple of 4 takes the generic kernel for D 64/128.
+    Where the device chooses the cooperative-matrix kernel (prefill-sized, below), its f16
+    operands' reference and bound apply."""
+    from vkxsplit.ops.attention import attention_kernel
+
+    if attention_kernel(seq.device, n_tokens * (n_heads // n_kv), D, n_splits, cache_offset,
+                        cache_offset).startswith("attn_cm"):
+        _attend_cm(seq, bufs, rng, n_tokens, n_heads, n_kv, D, n_ctx, pos0, cache_offset=cache_offset)
+        return
     cache = Cache(bufs, rng, n_ctx, n_kv, D, pos0 + n_tokens, cache_offset)
     q = rng.standard_normal((n_tokens, n_heads, D)).astype(np.float32)
     Q, Out, P = bufs(q.size), bufs(q.size), bufs(2, np.int32)
@@ -153,6 +173,98 @@ def test_attention_sizes_are_spec_values_of_two_modules(seqs, bufs, rng):
 
 def test_prefill_512(seq, bufs, rng):
     _attend(seq, bufs, rng, 512, 6, 2, 64, 520, 0, 1)
+
+
+# ------------------------------------------------------------------------------------------
+# the cooperative-matrix attention of prefill-sized batches (attention_coopmat.comp): its
+# logic through the emulated variants on every device, the real kernel where the device has
+# cooperative matrices. Its operands are f16 (q * scale, K, V, the probabilities P): against
+# the reference over the f16-rounded scaled queries the error is P's rounding, at most 2^-11
+# of max|V| (the output is a combination of V rows with weights P / l), plus f32 arithmetic.
+CM_ATOL = 2.0 ** -11 + ATOL
+
+
+def _attend_cm(seq, bufs, rng, n_tokens, n_heads, n_kv, D, n_ctx, pos0, *, variant=None, window=0,
+               cache_offset=0):
+    cache = Cache(bufs, rng, n_ctx, n_kv, D, pos0 + n_tokens, cache_offset)
+    q = (rng.standard_normal((n_tokens, n_heads, D)) * 2).astype(np.float32)
+    Q, Out, P = bufs(q.size), bufs(q.size), bufs(2, np.int32)
+    put(Q, q)
+    put(P, np.array([-5, pos0], np.int32))
+    Out.numpy(np.float32)[:] = np.nan
+    record_attention(seq, Q, cache.K, cache.V, P, Out, n_tokens, n_heads, n_kv, D, n_ctx, pos_offset=1,
+                     k_cache_offset=cache_offset, v_cache_offset=cache_offset, window=window, variant=variant)
+    seq.run()
+    got = get(Out, q.shape)
+    ref = attention_ref(q, cache.k, cache.v, pos0, n_kv, window=window, q16=True)
+    check(got, ref, 4.5, f"attn_cm T={n_tokens} H={n_heads}/{n_kv} D={D} pos0={pos0} window={window}", CM_ATOL)
+    return q, cache, got
+
+
+CM_SHAPES = [  # n_tokens, n_heads, n_kv, pos0, window, cache_offset
+    (100, 6, 2, 0, 0, 0),     # group 3: 300 rows, a partial last block; blocks cross the causal edge
+    (70, 4, 4, 37, 0, 8),     # MHA over a cache already holding 37 positions, offset cache
+    (90, 4, 2, 5, 20, 0),     # sliding window: workgroups start past position 0
+    (3, 32, 1, 60, 0, 0),     # MQA: 96 rows of three tokens
+]
+
+
+@pytest.mark.parametrize("bc", [16, 32])
+@pytest.mark.parametrize("shape", CM_SHAPES, ids=[f"T{s[0]}_H{s[1]}_{s[2]}_p{s[3]}_w{s[4]}" for s in CM_SHAPES])
+def test_attention_coopmat_emulated(seq, bufs, rng, tool_kernels, bc, shape):
+    from vkxsplit.ops.attention import attn_cm_name
+
+    name = attn_cm_name(64, bc, emulate=True)
+    tool_kernels(name)
+    T, H, n_kv, pos0, window, off = shape
+    _attend_cm(seq, bufs, rng, T, H, n_kv, 64, 192, pos0, variant=name, window=window, cache_offset=off)
+
+
+def test_attention_coopmat_bound_tells_a_wrong_mask(seq, bufs, rng, tool_kernels):
+    """The check above fails a reference that lets each query see one position too many, and
+    one that keeps the queries in f32 where the kernel rounds them to f16 is within a looser
+    bound only: the bound is tight enough to tell."""
+    from vkxsplit.ops.attention import attn_cm_name
+
+    name = attn_cm_name(64, 32, emulate=True)
+    tool_kernels(name)
+    T, pos0 = 40, 30
+    q, cache, got = _attend_cm(seq, bufs, rng, T, 4, 2, 64, 128, pos0, variant=name)
+    wrong = attention_ref(q[:-1], cache.k, cache.v, pos0, 2, q16=True, extra=1)
+    assert not within(got[:-1], wrong, 4.5, CM_ATOL)[0]
+    assert not within(got, attention_ref(q, cache.k, cache.v, pos0, 2), 4.5, 2.0 ** -13)[0]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_coopmat(device, seqs, bufs, rng, D):
+    """The real cooperative-matrix kernel where the device has it (chosen by attention_kernel
+    for one split of >= CM_MIN_ROWS rows at head_dim 64 / 128)."""
+    from vkxsplit.ops.attention import CM_MIN_ROWS, attention_kernel
+    from vkxsplit.ops.choose import kernels_for
+
+    if not kernels_for(device).attn_coopmat_available:
+        assert attention_kernel(device, 4096, D) == f"attn_f16_f32_d{D}"
+        pytest.skip("no cooperative matrices on this device")
+    assert attention_kernel(device, CM_MIN_ROWS, D) == f"attn_cm_f16_f32_d{D}"
+    assert attention_kernel(device, CM_MIN_ROWS - 1, D) == f"attn_f16_f32_d{D}"
+    assert attention_kernel(device, 4096, D, n_splits=2) == f"attn_f16_f32_d{D}"
+    assert attention_kernel(device, 4096, D, k_cache_offset=4) == f"attn_f16_f32_d{D}"
+    for i, (T, H, n_kv, pos0, window, off) in enumerate(CM_SHAPES + [(512, 32, 8, 0, 0, 0)]):
+        _attend_cm(seqs(f"s{i}"), bufs, rng, T, H, n_kv, D, 640, pos0, window=window, cache_offset=off)
+
+
+def test_attention_coopmat_variant_checks(seq, bufs):
+    from vkxsplit.ops import attention as at
+
+    A, K, P = bufs(8192), bufs(8192, np.float16), bufs(1, np.int32)
+    with pytest.raises(KernelError, match="needs one split, head_dim 64"):
+        record_attention(seq, A, K, K, P, bufs(8192), 64, 1, 1, 128, 64, variant=at.attn_cm_name(64))
+    with pytest.raises(KernelError, match="multiples of 8"):
+        record_attention(seq, A, K, K, P, bufs(8192), 64, 1, 1, 64, 64, variant=at.attn_cm_name(64),
+                         k_cache_offset=4)
+    with pytest.raises(KernelError, match="multiples of 16"):
+        at.make_attn_cm_variant(72)
+    assert seq.dispatches == 0
 
 
 @pytest.mark.parametrize("n_tokens,n_heads,n_kv,D,pos0,n_splits", [

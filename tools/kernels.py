@@ -45,6 +45,7 @@ import flags  # noqa: E402
 import probes  # noqa: E402
 
 from vkxsplit import shaders  # noqa: E402
+from vkxsplit.ops import attention as attn  # noqa: E402
 from vkxsplit.ops import moe  # noqa: E402
 from vkxsplit.ops import mul_mat as mm  # noqa: E402
 from vkxsplit.ops.mul_mat import Cm2Tile, CoopTile, VecConfig, VecqConfig  # noqa: E402
@@ -256,6 +257,12 @@ VECQ_ID_SWEEP: dict[str, tuple[str, VecqConfig]] = {
     )}
 
 
+#: the cooperative-matrix attention emulated (COOPMAT_EMULATE=1), for the tests: head_dim 64
+#: with blocks of 16 and 32 positions (one and two fragments a block; lavapipe's 32 KiB of
+#: shared memory holds no emulated head_dim 128): name -> (head_dim, block)
+ATTN_CM_EMU: dict[str, tuple[int, int]] = {attn.attn_cm_name(64, bc, emulate=True): (64, bc) for bc in (16, 32)}
+
+
 def all_declared() -> dict[str, Variant]:
     """Every variant of the tables above, probes and flag waits included (shipped ones too)."""
     vs = ([mm.make_vec_variant(n, t, c, 1) for n, (t, c) in VEC_SWEEP.items()]
@@ -266,6 +273,7 @@ def all_declared() -> dict[str, Variant]:
           + [mm.make_cm2_variant(t, tile) for t, tile in CM2_VARIANTS.values()]
           + [moe.make_coop_id_variant(n, t, tile, emu) for n, (t, tile, emu) in COOP_ID_VARIANTS.items()]
           + [moe.make_vecq_id_variant(n, t, c) for n, (t, c) in VECQ_ID_SWEEP.items()]
+          + [attn.make_attn_cm_variant(hd, bc, emulate=True) for hd, bc in ATTN_CM_EMU.values()]
           + CM2_CHECK_VARIANTS + probes.VARIANTS + flags.VARIANTS)
     return {v.name: v for v in vs}
 
@@ -336,7 +344,7 @@ def ensure(select: str | Callable[[str], bool] | None = None, out: Path = OUT_DI
 
 
 __all__ = ["CM2_ALL_TILES", "CM2_CHECK_VARIANTS", "COOP_ID_EMU_EXTRA", "COOP_ID_SWEEP_TILES", "COOP_ID_SWEEP_TYPES",
-           "COOP_ID_VARIANTS", "VECQ_ID_SWEEP", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
+           "COOP_ID_VARIANTS", "VECQ_ID_SWEEP", "ATTN_CM_EMU", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
            "COOP_ALL_TILES", "COOP_EMU_EXTRA", "COOP_EMU_TILE", "COOP_EMU_VARIANTS", "COOP_SWEEP_TILES",
            "COOP_SWEEP_TYPES", "COOP_VARIANTS", "OUT_DIR", "VECQ_SWEEP", "VEC_SWEEP", "VEC_WIDE", "WIDE_K",
            "WideConfig", "all_declared", "build", "compiler_available", "ensure", "load", "tool_variants"]

@@ -9,6 +9,8 @@
 - ``intdot``: decode mat-vecs read x as f32 (no q8_1 x, no integer dot products)
 - ``dq16``: quantized products never dequantize the weights to f16 rows first
 - ``splitk``: cooperative-matrix products never split K
+- ``attn_coopmat``: prefill-sized attention runs the f32 tiled kernel, not the
+  cooperative-matrix one (``coopmat`` switches it off too)
 - ``fusion``: the model graph without fused kernels: every fusion pass below off
 - ``bf16_reduce``: the row split's all-reduce sends its partial sums in f32 at every size (no
   bf16 compression of the large ones: :mod:`vkxsplit.hubs`)
@@ -51,6 +53,7 @@ FEATURES: dict[str, str] = {
     "intdot": "decode mat-vecs read f32 x (no q8_1 x, no integer dot products)",
     "dq16": "quantized products never dequantize the weights to f16 rows first",
     "splitk": "cooperative-matrix products never split K",
+    "attn_coopmat": "prefill attention on the f32 tiled kernel (no cooperative-matrix attention)",
     "fusion": "the model graph without fused kernels (every fusion pass off)",
     "bf16_reduce": "the row split's all-reduce partials cross in f32 at every size (no bf16 compression)",
 }

@@ -50,6 +50,18 @@ GENERIC_MAX_HEAD_DIM = 128  # the largest head_dim of attn_f16_f32; above it att
 COMBINE_WG = 128
 TILED_HEAD_DIMS = (64, 128)  # head dims with a compile-time tiled kernel (attn_f16_f32_d<hd>)
 
+#: the cooperative-matrix attention (attention_coopmat.comp) of prefill-sized batches: its head
+#: dims, query rows per workgroup, cache positions per block, and the fewest query rows (tokens
+#: x heads per kv head) it takes: below one workgroup's rows the tiled kernel's 16-row blocks
+#: waste less
+CM_HEAD_DIMS = (64, 128)
+CM_BR = 64
+CM_BC = 32
+CM_MIN_ROWS = CM_BR
+_CM_SPEC_IDS = {"HD": 0, "BC": 1}
+_CM_REQUIRES = ("cooperativeMatrix", "shaderFloat16", "vulkanMemoryModel", "subgroupSizeControl",
+                "storageBuffer16BitAccess")
+
 #: attention.comp's specialization constants on its generic path (the tiled one has HD, id 0):
 #: query rows and cache positions per workgroup block, the largest head_dim
 _GENERIC_SPEC_IDS = {"BR": 0, "BC": 1, "DMAX": 2}
@@ -69,6 +81,35 @@ def _attn_variant(name: str, module: str, defines: dict[str, str], spec: dict[st
                    requires=("storageBuffer16BitAccess",))
 
 
+def cm_shared_bytes(hd: int, bc: int, emulate: bool = False) -> int:
+    """Shared memory of attention_coopmat.comp at head_dim ``hd`` and block ``bc``: the Q / K /
+    V tiles (Q apart from K and V when emulated), P, S and the softmax's pair and row values."""
+    sq, sp = (hd if emulate else hd + 8) // 4, (bc + 8) // 4
+    tiles = (2 * bc + CM_BR) * sq if emulate else max(CM_BR, 2 * bc) * sq
+    return 8 * (tiles + CM_BR * sp) + 4 * (4 * 16 * bc + 2 * 128 + 2 * CM_BR)
+
+
+def attn_cm_name(hd: int, bc: int = CM_BC, emulate: bool = False) -> str:
+    return f"attn_cm{'_emu' if emulate else ''}_f16_f32_d{hd}" + ("" if bc == CM_BC else f"_c{bc}")
+
+
+def make_attn_cm_variant(hd: int, bc: int = CM_BC, emulate: bool = False) -> Variant:
+    """An attention_coopmat.comp variant: head_dim ``hd`` and block ``bc`` as specialization
+    constants; ``emulate``: the same kernel without cooperative matrices (COOPMAT_EMULATE, for
+    the tests on devices without them)."""
+    if hd % 16 or bc % 16 or (bc * hd // 8) % 128 or 16 * bc < 256:
+        raise KernelError(f"attention_coopmat: head_dim {hd} and block {bc} must be multiples of 16 with "
+                          "head_dim / 8 x block a multiple of 128")
+    common = {"name": attn_cm_name(hd, bc, emulate), "source": "attention_coopmat.comp",
+              "spec": {"HD": hd, "BC": bc}, "spec_ids": _CM_SPEC_IDS, "bindings": 6, "writes": (4, 5),
+              "push": "IIIIIIIIIIIIIfI", "local_size": (128, 1, 1)}
+    if emulate:
+        return Variant(module="mod_attn_cm_emu_f16_f32", defines={"COOPMAT_EMULATE": "1"},
+                       requires=("shaderFloat16", "storageBuffer16BitAccess"), **common)  # type: ignore[arg-type]
+    return Variant(module="mod_attn_cm_f16_f32", target_env="vulkan1.3", compiler="glslang", subgroup_size=32,
+                   requires=_CM_REQUIRES, **common)  # type: ignore[arg-type]
+
+
 VARIANTS = [
     Variant(name="kv_store_f32_f16", source="kv_store.comp", defines={"ROPE": "0", "NEOX": "0"}, bindings=5,
             writes=(3, 4), push="IIIIIIIIIIIIff", local_size=(256, 1, 1), requires=("storageBuffer16BitAccess",)),
@@ -83,6 +124,7 @@ VARIANTS = [
                                  ("attn_f16_f32_h256", BR_H256, 16, MAX_HEAD_DIM))],
     *[_attn_variant(f"attn_f16_f32_d{hd}", "mod_attn_f16_f32_tiled", {"TILED": "1"}, {"HD": hd}, {"HD": 0})
       for hd in TILED_HEAD_DIMS],
+    *[make_attn_cm_variant(hd) for hd in CM_HEAD_DIMS],
     Variant(name="attn_combine_f32", source="attn_combine.comp", bindings=2, writes=(1,),
             push="IIIIII", local_size=(COMBINE_WG, 1, 1)),
     # the output also as q8_1 blocks (the x of the output projection's integer-dot mat-vec)
@@ -187,13 +229,31 @@ def attention_splits(n_tokens: int, n_heads: int, n_kv_heads: int, n_ctx: int,
     return max(1, min(want, n_ctx // min_positions, MAX_GROUPS))
 
 
+def attention_kernel(device: Any, rows: int, head_dim: int, n_splits: int = 1, k_cache_offset: int = 0,
+                     v_cache_offset: int = 0) -> str:
+    """The attention variant for ``rows`` query rows per kv head (tokens x heads per kv head):
+    the cooperative-matrix kernel for one split of at least :data:`CM_MIN_ROWS` rows at head_dim
+    64 / 128 on a device that has it (cache offsets multiples of 8: 16-byte loads); else the
+    tiled kernel of the head_dim (offsets multiples of 4), else the generic one (``_h256``
+    above head_dim 128)."""
+    kc = kernels_for(device)
+    if (n_splits == 1 and rows >= CM_MIN_ROWS and head_dim in CM_HEAD_DIMS and k_cache_offset % 8 == 0
+            and v_cache_offset % 8 == 0 and kc.attn_coopmat_available
+            and cm_shared_bytes(head_dim, CM_BC) <= kc.shared_max):
+        return attn_cm_name(head_dim)
+    if head_dim in TILED_HEAD_DIMS and k_cache_offset % 4 == 0 and v_cache_offset % 4 == 0:
+        return f"attn_f16_f32_d{head_dim}"
+    return "attn_f16_f32_h256" if head_dim > GENERIC_MAX_HEAD_DIM else "attn_f16_f32"
+
+
 def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bindable, pos: Bindable,
                      dst: Bindable, n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int,
                      n_ctx: int, *, scale: float | None = None, q_offset: int = 0,
                      q_stride: int | None = None, dst_offset: int = 0, dst_stride: int | None = None,
                      k_cache_offset: int = 0, v_cache_offset: int = 0, pos_offset: int = 0,
                      n_splits: int = 1, scratch: Bindable | None = None, dtype: str = "f32",
-                     cache_dtype: str = "f16", window: int = 0, xq: Bindable | None = None) -> None:
+                     cache_dtype: str = "f16", window: int = 0, xq: Bindable | None = None,
+                     variant: str | None = None) -> None:
     """``dst[t, h] = softmax(scale * q[t, h] . K[0..p, g]) V[0..p, g]`` with ``p = pos0 + t``,
     ``pos0 = pos[pos_offset]`` (int32, read on the device) and ``g = h // (n_heads //
     n_kv_heads)``.
@@ -206,7 +266,10 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     a sliding window, position ``p`` sees only ``p - window < j <= p`` (0: none). ``xq``: also
     write dst as q8_1 blocks there (the bits :func:`~vkxsplit.ops.mul_mat.record_quantize_q8_1`
     makes of it; head_dim % 32 == 0, dst rows contiguous): in the combine's epilogue when the
-    KV length is split, else by a quantize dispatch after the attention."""
+    KV length is split, else by a quantize dispatch after the attention.
+
+    Kernel: :func:`attention_kernel` (``variant`` names another of the same family, e.g. an
+    emulated cooperative-matrix one in the tests)."""
     op = "attn"
     shape = (n_tokens, n_heads, head_dim)
     check_dtype(op, dtype, shape)
@@ -270,11 +333,14 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     if n_tokens == 0 or n_heads == 0:
         return
     grp = n_heads // n_kv_heads
-    name, br = "attn_f16_f32", BR
-    if head_dim in TILED_HEAD_DIMS and k_cache_offset % 4 == 0 and v_cache_offset % 4 == 0:
-        name = f"attn_f16_f32_d{head_dim}"
-    elif head_dim > GENERIC_MAX_HEAD_DIM:
-        name, br = "attn_f16_f32_h256", BR_H256
+    name = variant or attention_kernel(seq.device, n_tokens * grp, head_dim, n_splits, k_cache_offset,
+                                       v_cache_offset)
+    br = CM_BR if name.startswith("attn_cm") else BR_H256 if name == "attn_f16_f32_h256" else BR
+    if name.startswith("attn_cm") and not (n_splits == 1 and name.split("_d")[-1].split("_")[0] == str(head_dim)
+                                           and k_cache_offset % 8 == 0 and v_cache_offset % 8 == 0):
+        raise KernelError(f"{name}: needs one split, head_dim {name.split('_d')[-1]} and cache offsets that are "
+                          f"multiples of 8 (n_splits {n_splits}, offsets {k_cache_offset}, {v_cache_offset}; "
+                          f"shape {list(shape)})")
     row_blocks = -(-(n_tokens * grp) // br)
     if row_blocks > MAX_GROUPS or n_kv_heads > MAX_GROUPS:
         raise KernelError(f"attn_f16_f32: too many rows for one dispatch (shape {list(shape)})")

@@ -266,6 +266,13 @@ class DeviceKernels:
         return self.coopmat and "coopmat" not in self.disabled
 
     @property
+    def attn_coopmat_available(self) -> bool:
+        """The cooperative-matrix attention of prefill-sized batches (attention_coopmat.comp:
+        the coopmat kernels' f16 16x16x16 subgroup matrices at subgroup size 32), neither
+        ``coopmat`` nor ``attn_coopmat`` switched off."""
+        return self.coopmat and not ({"coopmat", "attn_coopmat"} & self.disabled)
+
+    @property
     def coopmat2_available(self) -> bool:
         """mul_mat_cm2 (VK_NV_cooperative_matrix2 enabled with what the kernel needs, a
         flexible f16 shape for the default tiling), neither ``coopmat`` nor ``coopmat2`` off."""
