@@ -12,11 +12,11 @@ t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 left() { echo $(( ${BUDGET_S:-400} - ($(date +%s) - t0) )); }
 python3 native/build_native.py >/dev/null 2>&1 || echo "native build failed (tests needing it skip)"
-# synth_bg SHAPE TYPE [TIMEOUT]: write /tmp/models/SHAPE-TYPE.gguf in the background (through a
+# synth_bg SHAPE TYPE [TIMEOUT]: write /tmp/models/SHAPE-TYPE.gguf in the background, niced (through a
 # part file, so no reader sees half a file; the log in $OUT/synth_SHAPE.log); `wait $!` for it.
 synth_bg() {
   local f=/tmp/models/$1-$2.gguf part=/tmp/models/part/$1-$2.gguf
   mkdir -p /tmp/models/part
-  ( [[ -f $f ]] || { timeout "${3:-200}" python3 -m vkxsplit synth --shape "$1" --type "$2" -o "$part" \
+  ( [[ -f $f ]] || { timeout "${3:-200}" nice -n 19 python3 -m vkxsplit synth --shape "$1" --type "$2" -o "$part" \
       > "$OUT/synth_$1.log" 2>&1 && mv "$part" "$f"; } ) &
 }
