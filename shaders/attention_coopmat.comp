@@ -34,8 +34,8 @@
 // Shared memory (HD 128, BC 32): the Q tile, then (after the subgroups have read their
 // fragments) the K and V tiles in the same place, 17 KiB; S, or a P V chunk, 8 KiB; P, 5 KiB.
 //
-// Precision: q * scale, K, V and P rounded to f16; products accumulate in f32, the softmax in
-// f32.
+// Precision: q * scale (clamped to f16's range), K, V and P rounded to f16 (the row sums add
+// the rounded P); products accumulate in f32, the softmax in f32.
 //
 // Emulation (COOPMAT_EMULATE=1): the same kernel without cooperative matrices, any subgroup
 // size, so lavapipe tests its logic: a "subgroup" is invocations 32 s .. 32 s + 31, an
@@ -220,8 +220,9 @@ void main() {
             a = vec4(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]) * p.scale;
             b = vec4(q[qb + 4u], q[qb + 5u], q[qb + 6u], q[qb + 7u]) * p.scale;
         }
-        sh[QBASE + r * SQ + 2u * d8] = f16vec4(a);
-        sh[QBASE + r * SQ + 2u * d8 + 1u] = f16vec4(b);
+        // clamped to f16's range: an infinite query would make its row's scores inf - inf
+        sh[QBASE + r * SQ + 2u * d8] = f16vec4(clamp(a, -65504.0, 65504.0));
+        sh[QBASE + r * SQ + 2u * d8 + 1u] = f16vec4(clamp(b, -65504.0, 65504.0));
     }
 
     // the softmax row of this invocation (two per row) and the positions it sees
@@ -337,8 +338,10 @@ void main() {
             [[unroll]] for (uint k = 0u; k < 4u; ++k) {
                 pr[k] = sv[u + k] == NEG ? 0.0 : exp(sv[u + k] - m_new);
             }
-            sum += pr.x + pr.y + pr.z + pr.w;
-            shp[srow * SP + (shalf * HALF + u) / 4u] = f16vec4(pr);
+            // the row's sum over the f16 probabilities P V multiplies, so both agree
+            const f16vec4 ph = f16vec4(pr);
+            sum += dot(vec4(ph), vec4(1.0));
+            shp[srow * SP + (shalf * HALF + u) / 4u] = ph;
         }
         red_s[me] = sum;
         if (shalf == 0u) {

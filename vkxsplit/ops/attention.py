@@ -32,6 +32,7 @@ position i sees the cache positions j with ``j <= i`` and ``i - j < window``.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from ..errors import KernelError
@@ -97,7 +98,7 @@ def make_attn_cm_variant(hd: int, bc: int = CM_BC, emulate: bool = False) -> Var
     """An attention_coopmat.comp variant: head_dim ``hd`` and block ``bc`` as specialization
     constants; ``emulate``: the same kernel without cooperative matrices (COOPMAT_EMULATE, for
     the tests on devices without them)."""
-    if hd % 16 or bc % 16 or (bc * hd // 8) % 128 or 16 * bc < 256:
+    if hd <= 0 or bc <= 0 or hd % 16 or bc % 16 or (bc * hd // 8) % 128 or 16 * bc < 256:
         raise KernelError(f"attention_coopmat: head_dim {hd} and block {bc} must be multiples of 16 with "
                           "head_dim / 8 x block a multiple of 128")
     common = {"name": attn_cm_name(hd, bc, emulate), "source": "attention_coopmat.comp",
@@ -229,6 +230,23 @@ def attention_splits(n_tokens: int, n_heads: int, n_kv_heads: int, n_ctx: int,
     return max(1, min(want, n_ctx // min_positions, MAX_GROUPS))
 
 
+def _check_variant(name: str, head_dim: int, n_splits: int, k_off: int, v_off: int, shape: tuple[int, ...]) -> None:
+    """What a kernel named by :func:`record_attention`'s ``variant`` needs of the operands (the
+    same as :func:`attention_kernel` asks before choosing it); raises KernelError."""
+    m = re.fullmatch(r"attn_(cm_(?:emu_)?)?f16_f32(?:_d(\d+)(?:_c\d+)?|_h256)?", name)
+    if m is None:
+        raise KernelError(f"attention: {name!r} is not an attention kernel (shape {list(shape)})")
+    hd = int(m.group(2)) if m.group(2) else None
+    align = 8 if m.group(1) else 4 if hd else 1
+    need_hd = hd is None or hd == head_dim
+    fits = need_hd and head_dim <= (MAX_HEAD_DIM if name.endswith("h256") else GENERIC_MAX_HEAD_DIM if hd is None
+                                    else hd)
+    if not (fits and k_off % align == 0 and v_off % align == 0 and (n_splits == 1 or not m.group(1))):
+        raise KernelError(f"{name}: runs {'head_dim ' + str(hd) if hd else 'head_dims up to its limit'}"
+                          f"{', one split' if m.group(1) else ''} and cache offsets that are multiples of {align} "
+                          f"(head_dim {head_dim}, n_splits {n_splits}, offsets {k_off}, {v_off}; shape {list(shape)})")
+
+
 def attention_kernel(device: Any, rows: int, head_dim: int, n_splits: int = 1, k_cache_offset: int = 0,
                      v_cache_offset: int = 0) -> str:
     """The attention variant for ``rows`` query rows per kv head (tokens x heads per kv head):
@@ -335,12 +353,9 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     grp = n_heads // n_kv_heads
     name = variant or attention_kernel(seq.device, n_tokens * grp, head_dim, n_splits, k_cache_offset,
                                        v_cache_offset)
+    if variant is not None:
+        _check_variant(variant, head_dim, n_splits, k_cache_offset, v_cache_offset, shape)
     br = CM_BR if name.startswith("attn_cm") else BR_H256 if name == "attn_f16_f32_h256" else BR
-    if name.startswith("attn_cm") and not (n_splits == 1 and name.split("_d")[-1].split("_")[0] == str(head_dim)
-                                           and k_cache_offset % 8 == 0 and v_cache_offset % 8 == 0):
-        raise KernelError(f"{name}: needs one split, head_dim {name.split('_d')[-1]} and cache offsets that are "
-                          f"multiples of 8 (n_splits {n_splits}, offsets {k_cache_offset}, {v_cache_offset}; "
-                          f"shape {list(shape)})")
     row_blocks = -(-(n_tokens * grp) // br)
     if row_blocks > MAX_GROUPS or n_kv_heads > MAX_GROUPS:
         raise KernelError(f"attn_f16_f32: too many rows for one dispatch (shape {list(shape)})")
