@@ -278,7 +278,7 @@ class _FakeCost:
 
 
 def test_auto_over_hubs_picks_the_cheapest_candidate():
-    """Planner.choose_hub_split: every candidate's steps simulated (each hub a lane, a relay
+    """plan.hub_split.choose_hub_split: every candidate's steps simulated (each hub a lane, a relay
     crossing R per cross-hub wait; hubs on one device one lane after another), times weighted
     by how often each step runs (here 2); the cheapest wins. Worked by hand with fake costs that make each candidate the cheapest in turn.
     A step is two pieces of work a then b. One hub: a.1 b.1 a.2 b.2 in a row (2a + 2b). Layer
@@ -286,7 +286,7 @@ def test_auto_over_hubs_picks_the_cheapest_candidate():
     a relay after a.1, b.2 after a.2 and b.1: 2a + R + b for a = b). Row split: half of all
     of it on each hub (h) at once, then each hub sums both partials a relay after the other
     published its own (h + R + s)."""
-    from vkxsplit.plan.planner import HubCandidate
+    from vkxsplit.plan.hub_split import HubCandidate, choose_hub_split
 
     one = _graph("one", [(0, "a.1", ["x1"], ["y1"]), (0, "b.1", ["y1"], ["z1"]),
                          (0, "a.2", ["x2"], ["y2"]), (0, "b.2", ["y2"], ["z2"])])
@@ -296,7 +296,6 @@ def test_auto_over_hubs_picks_the_cheapest_candidate():
                          (0, "s.0", ["p0", "p1"], ["z"]), (1, "s.1", ["p1", "p0"], ["z1"])])
     cands = [HubCandidate("one hub", "none", [(one, 2.0)]), HubCandidate("layer", "layer", [(layer, 2.0)]),
              HubCandidate("row", "tensor:1,1", [(row, 2.0)])]
-    two = Planner(hubs=2)
     shared = {"hub1": "hub0"}  # both hubs on one device: their segments take it in turn
     for secs, relay, groups, want, table in (
             ({"a": 1.0, "b": 1.0, "h": 3.0, "s": 0.0}, 1.5, {}, "one hub", [4.0, 4.5, 4.5]),
@@ -306,13 +305,13 @@ def test_auto_over_hubs_picks_the_cheapest_candidate():
             # the same costs with both hubs on one device: every segment in turn (h.0 h.1 s.0
             # s.1: 5; the pipeline a.1 b.1 a.2 b.2: 4, a tie with one hub, listed first)
             ({"a": 1.0, "b": 1.0, "h": 1.0, "s": 1.5}, 0.0, shared, "one hub", [4.0, 4.0, 5.0])):
-        picked, got, est = two.choose_hub_split(cands, _FakeCost(secs, relay, groups))
+        picked, got, est = choose_hub_split(cands, _FakeCost(secs, relay, groups))
         assert picked.label == want and est == []
         assert got == list(zip(["one hub", "layer", "row"], [2 * t for t in table]))
     with pytest.raises(PlanError, match="needs a cost model"):
-        two.choose_hub_split(cands)
+        choose_hub_split(cands, None)
     with pytest.raises(PlanError, match="no candidate"):
-        two.choose_hub_split([], _FakeCost({}, 0.0))
+        choose_hub_split([], _FakeCost({}, 0.0))
 
 
 def test_auto_over_hubs_places_what_the_costs_pick(tiny, tmp_path, monkeypatch):

@@ -305,8 +305,10 @@ def test_decode_on_the_cpu_takes_the_q8_1_glue_and_drops_the_quantizations(split
     others still move."""
     from vkxsplit.backend import NODE_OPS
     from vkxsplit.ops.mul_mat import vecq_variant
-    from vkxsplit.plan.planner import Part, hub_xq_reads, out_rows
+    from vkxsplit.plan.lowering import hub_xq_reads, lower
+    from vkxsplit.plan.result import Part, out_rows
     from vkxsplit.plan.schedule import HubOp
+    from vkxsplit.plan.strategies import add_glue
     from vkxsplit.plan.workspace import Workspace
 
     m = split_model
@@ -342,13 +344,13 @@ def test_decode_on_the_cpu_takes_the_q8_1_glue_and_drops_the_quantizations(split
         # one mat-vec kept on the hub: the norm writing its q8_1 x stays on the hub with it
         keep = g.node("blk.1.attn_q")
         assign = {n.index: [Part("cpu", 0, out_rows(n))] for n in g.mul_mats() if n is not keep}
-        m.planner._add_glue(g, assign, "cpu")
+        add_glue(m.planner, g, assign, "cpu")
         assert hub_xq_reads(g, assign) == {id(keep.params["xq"])}
         for n in writers:
             on_hub = n.params["xq"] is keep.params["xq"]
             assert (n.index not in assign) == on_hub, n.name
         assert g.node("blk.1.attn_norm").index not in assign and g.node("blk.0.attn_norm").index in assign
-        items = m.planner._lower(g, assign, Workspace())
+        items = lower(m.planner, g, assign, Workspace())
         ran = {it.node.name for it in items if isinstance(it, HubOp) and it.node is not None}
         # the attention's q8_1 output is read by no hub mat-vec: lowered without it
         hub_nodes = {it.node.name: it.node for it in items if isinstance(it, HubOp) and it.node is not None}

@@ -591,7 +591,8 @@ def test_plan_keeps_the_q8_1_producers_of_hub_experts():
     products read what they write); with the experts on the backend nobody on the hub reads
     it, so they may go, and lowered on the hub they run without that output."""
     from vkxsplit import fusion
-    from vkxsplit.plan.planner import Planner, hub_xq_reads
+    from vkxsplit.plan.lowering import hub_xq_reads, lower
+    from vkxsplit.plan.planner import Planner
     from vkxsplit.plan.result import Part
     from vkxsplit.plan.schedule import HubOp
     from vkxsplit.plan.workspace import Workspace
@@ -611,9 +612,9 @@ def test_plan_keeps_the_q8_1_producers_of_hub_experts():
         assert why is not None and why[0] == "hard" and "q8_1 x of the hub's mat-vecs" in why[1], n.name
         assert p.why_not(b, n, hub_xq=hub_xq_reads(g, on_cpu)) is None, n.name
     assert not hub_xq_reads(g, on_cpu) and len(hub_xq_reads(g, {})) == 4
-    lowered = {it.node.name: it.node for it in p._lower(g, on_cpu, Workspace()) if isinstance(it, HubOp)}
+    lowered = {it.node.name: it.node for it in lower(p, g, on_cpu, Workspace()) if isinstance(it, HubOp)}
     assert all("xq" not in lowered[n.name].params for n in producers)
-    lowered = {it.node.name: it.node for it in p._lower(g, {}, Workspace()) if isinstance(it, HubOp)}
+    lowered = {it.node.name: it.node for it in lower(p, g, {}, Workspace()) if isinstance(it, HubOp)}
     assert all(lowered[n.name].params["xq"] is n.params["xq"] for n in producers)
 
 

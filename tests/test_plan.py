@@ -13,8 +13,9 @@ from vkxsplit.errors import PlanError
 from vkxsplit.features import kernel_config_ident
 from vkxsplit.graph import Graph, Tensor, span
 from vkxsplit.plan.cost import CostModel, simulate
-from vkxsplit.plan.planner import Part, Planner
+from vkxsplit.plan.planner import Planner
 from vkxsplit.plan.profile import Profile
+from vkxsplit.plan.result import Part
 from vkxsplit.plan.schedule import BackendOp, HubOp, build_schedule
 from vkxsplit.plan.spec import HUB, parse_backends, parse_spec, parse_specs
 from vkxsplit.plan.workspace import Workspace
@@ -300,7 +301,9 @@ def test_decode_glue_and_q8_1_follow_the_mat_vecs():
     (one hub segment per layer: attention, RoPE and the KV store); the rule of before (those
     glue nodes and quantizations pinned to the hub) costs ~3 more segments per layer. With one
     mat-vec on the hub, the node writing its q8_1 x (and only that one) stays on the hub."""
-    from vkxsplit.plan import planner as P
+    from vkxsplit.plan import lowering, strategies
+    from vkxsplit.plan.lowering import hub_xq_reads, lower
+    from vkxsplit.plan.strategies import add_glue
 
     cpu_ = GlueFake("cpu", **{**CPU_CAPS, "ops": {"mul_mat", "rms_norm", "add_rms_norm", "swiglu", "add"}})
     g = decode_q8_graph()
@@ -313,27 +316,27 @@ def test_decode_glue_and_q8_1_follow_the_mat_vecs():
     assert "quantize_q8_1" not in hub_ops and not {"rms_norm", "swiglu", "add"} & set(hub_ops)
     assert plan.schedule.submits == g.n_layer + 2 and any("quantize_q8_1" in n for n in plan.notes)
     # the old rule (every q8_1 x counted as read on the hub): many more crossings
-    old = P.hub_xq_reads
-    try:
-        P.hub_xq_reads = lambda g_, a_: {id(n.params["xq"]) for n in g_.nodes if "xq" in n.params}
+    try:  # (read by the lowering and by the glue's placement)
+        lowering.hub_xq_reads = strategies.hub_xq_reads = \
+            lambda g_, a_: {id(n.params["xq"]) for n in g_.nodes if "xq" in n.params}
         before = planner(cpu_).plan(g, "mode:cpu")
     finally:
-        P.hub_xq_reads = old
+        lowering.hub_xq_reads = strategies.hub_xq_reads = hub_xq_reads
     assert before.schedule.submits >= plan.schedule.submits + 2 * g.n_layer
     assert all(before.runs_on(n) == ["hub"] for n in writers)
     # one mat-vec on the hub: the norm writing its x stays, the others move
     keep = g.node("blk.1.attn_k")
     assign = {n.index: [Part("cpu", 0, n.inputs[0].shape[0])] for n in g.mul_mats() if n is not keep}
     p = planner(cpu_)
-    p._add_glue(g, assign, "cpu")
-    assert P.hub_xq_reads(g, assign) == {id(keep.params["xq"])}
+    add_glue(p, g, assign, "cpu")
+    assert hub_xq_reads(g, assign) == {id(keep.params["xq"])}
     assert [n.name for n in writers if n.index not in assign] == ["blk.1.attn_norm"]
-    lowered = {it.node.name for it in p._lower(g, assign, Workspace()) if isinstance(it, HubOp)}
+    lowered = {it.node.name for it in lower(p, g, assign, Workspace()) if isinstance(it, HubOp)}
     assert "blk.1.attn_norm" in lowered and not any(n.name in lowered for n in quant)
     # a hub mat-vec reading the quantized attention output keeps its quantize node
     keep2 = g.node("blk.0.attn_output")
     assign = {n.index: [Part("cpu", 0, n.inputs[0].shape[0])] for n in g.mul_mats() if n is not keep2}
-    lowered = {it.node.name for it in p._lower(g, assign, Workspace()) if isinstance(it, HubOp)}
+    lowered = {it.node.name for it in lower(p, g, assign, Workspace()) if isinstance(it, HubOp)}
     assert [n.name for n in quant if n.name in lowered] == [quant[0].name]
 
 
@@ -536,9 +539,13 @@ def test_a_backends_own_clock_is_its_job_cost(device, monkeypatch):
 
 #: who may import whom, lowest first: a module imports only its own layer or lower ones
 LAYERS = {"vkxsplit.graph": 0, "vkxsplit.plan": 1, "vkxsplit.ops.nodes": 1, "vkxsplit.executor": 2,
-          "vkxsplit.relay": 2, "vkxsplit.calibrate": 3, "vkxsplit.hubs": 3, "vkxsplit.model": 4}
+          "vkxsplit.relay": 2, "vkxsplit.calibrate": 3, "vkxsplit.hubs": 3, "vkxsplit.generation": 4,
+          "vkxsplit.placement": 4, "vkxsplit.model": 4}
+#: the model's layer: the generation surface, then the placement over hubs, then the model
+MODEL_ORDER = ["vkxsplit.generation", "vkxsplit.placement", "vkxsplit.model"]
 #: inside vkxsplit.plan: each module imports only those before it
-PLAN_ORDER = ["spec", "schedule", "workspace", "profile", "cost", "result", "planner", "__init__"]
+PLAN_ORDER = ["spec", "schedule", "workspace", "profile", "cost", "result", "participants", "lowering", "strategies",
+              "hub_split", "planner", "__init__"]
 
 
 def _layer(mod: str) -> int | None:
@@ -573,10 +580,10 @@ def _vkx_imports(path, me: str):
 
 
 def test_imports_go_one_way():
-    """graph -> plan.* -> executor, relay -> calibrate, hubs -> model, never back, not even inside
-    a function (no lazy import dodging a cycle); the executor takes only plan.schedule at run
-    time; inside the plan package spec -> schedule -> workspace -> profile -> cost -> result ->
-    planner."""
+    """graph -> plan.* -> executor, relay -> calibrate, hubs -> generation -> placement -> model,
+    never back, not even inside a function (no lazy import dodging a cycle); the executor takes
+    only plan.schedule at run time; inside the plan package spec -> schedule -> workspace ->
+    profile -> cost -> result -> participants -> lowering -> strategies -> hub_split -> planner."""
     from pathlib import Path
 
     import vkxsplit
@@ -586,8 +593,9 @@ def test_imports_go_one_way():
              for p in (root / "plan").glob("*.py")}
     files.update({"vkxsplit.ops.nodes": root / "ops" / "nodes.py", "vkxsplit.executor": root / "executor.py",
                   "vkxsplit.calibrate": root / "calibrate.py", "vkxsplit.model": root / "model.py",
-                  "vkxsplit.relay": root / "relay.py", "vkxsplit.hubs": root / "hubs.py"})
-    assert len(files) >= 11
+                  "vkxsplit.relay": root / "relay.py", "vkxsplit.hubs": root / "hubs.py",
+                  "vkxsplit.generation": root / "generation.py", "vkxsplit.placement": root / "placement.py"})
+    assert len(files) >= 17
     wrong = []
     for me, path in files.items():
         for mod, line, typing_only in _vkx_imports(path, me):
@@ -595,6 +603,8 @@ def test_imports_go_one_way():
             if me.startswith("vkxsplit.plan.") and mod.startswith("vkxsplit.plan."):
                 a, b = me.rsplit(".", 1)[1], mod.rsplit(".", 1)[1]
                 up = up or PLAN_ORDER.index(b) >= PLAN_ORDER.index(a)
+            if me in MODEL_ORDER and mod in MODEL_ORDER:
+                up = up or MODEL_ORDER.index(mod) >= MODEL_ORDER.index(me)
             if me == "vkxsplit.executor" and mod.startswith("vkxsplit.plan") and not typing_only:
                 up = up or mod != "vkxsplit.plan.schedule"
             if up:

@@ -11,8 +11,11 @@ Where to find each concept (one module each):
 - ``vkxsplit.ops``: one Python entry per op that records its kernel into a command buffer
 - ``vkxsplit.graph`` / ``vkxsplit.executor``: the step as a graph, recorded into a sequence
 - ``vkxsplit.gguf_model`` / ``vkxsplit.tokenizer`` / ``vkxsplit.model``: GGUF file to logits
+  (``vkxsplit.generation``: the API a user calls; ``vkxsplit.placement``: the hubs, backends and
+  what each hub holds, placed at load; ``vkxsplit.model``: the load, the steps, close)
 - ``vkxsplit.backend`` / ``vkxsplit.attach``: attached backends and shared memory
-- ``vkxsplit.plan``: the split planner (layer, tensor, mode splits over attached backends)
+- ``vkxsplit.plan``: the split planner (layer, tensor, mode, auto splits over attached backends,
+  or layer and row splits over several hubs; one concern per module, ``vkxsplit/plan/__init__.py``)
 - ``vkxsplit.hubs``: what each hub of a model holds (one hub per GPU: layer ranges or row shards)
 """
 

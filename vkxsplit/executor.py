@@ -2,10 +2,11 @@
 
 Reading order:
 
-1. A plan (:mod:`vkxsplit.plan.planner`) lowers its graph to a list of *items* in execution
-   order and cuts them into a :class:`~vkxsplit.plan.schedule.Schedule` of hub segments and
-   backend jobs (:func:`vkxsplit.plan.schedule.build_schedule`: which segment waits for which
-   job and the other way round).
+1. A plan (:mod:`vkxsplit.plan.planner`; :mod:`vkxsplit.plan.lowering`) lowers its graph to a
+   list of *items* in execution order and cuts them into a
+   :class:`~vkxsplit.plan.schedule.Schedule` of hub segments and backend jobs
+   (:func:`vkxsplit.plan.schedule.build_schedule`: which segment waits for which job and the
+   other way round).
 2. :class:`Executor` records each segment once into a :class:`~vkxsplit.vk.command.Sequence`
    (each item through its op's hub recorder, :mod:`vkxsplit.ops.nodes`) and builds each
    backend job (:class:`~vkxsplit.backend.MatMulJob`, :class:`~vkxsplit.backend.OpJob`) once.

@@ -25,9 +25,9 @@ from the split spec (weights are uploaded before the first plan):
   import and adds the other shard's half with ``link_sum``. ``a + b`` and ``b + a`` are the
   same float, so both shards keep bit-identical hidden states. Two slots per shard, by parity
   of the all-reduce: a shard can be at most one all-reduce ahead of the other's reads. As
-  llama.cpp's tensor-parallel backends do, a small partial crosses in f32 and a large one
-  (from the threshold the calibration measured, :meth:`vkxsplit.model.Model.reduce_dtype`) as
-  bf16, rounded to nearest even on the sending hub (half the bytes over the bus), widened and
+  llama.cpp's tensor-parallel backends do, a small partial crosses in f32 and a large one (from
+  the threshold the calibration measured, :meth:`vkxsplit.placement.PlacedModel.reduce_dtype`)
+  as bf16, rounded to nearest even on the sending hub (half the bytes over the bus), widened and
   added in f32 on the receiving one; each shard rounds its own partial the same way, so both
   still add the same two floats.
 

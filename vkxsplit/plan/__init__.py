@@ -7,8 +7,15 @@
 - :mod:`.profile`: the device profile (measured costs keyed by device, driver and kernels);
 - :mod:`.cost`: the cost model read from the profile, and :func:`simulate` (predicted step time);
 - :mod:`.result`: the :class:`Plan` a planner returns and its description;
-- :mod:`.planner`: :class:`Planner` (who runs which op and rows: the hub and attached backends,
-  or the Vulkan hubs ``hub0``, ``hub1``, ... of a model over several GPUs).
+- :mod:`.participants`: :class:`~.participants.Participants`, who takes part (the hub and
+  attached backends, or the Vulkan hubs ``hub0``, ``hub1``, ... of a model over several GPUs),
+  a split spec checked against them, and what each backend can take;
+- :mod:`.lowering`: an assignment (who runs which node and rows) lowered to items;
+- :mod:`.strategies`: the split kinds as assignments (``layer``, ``tensor``, ``mode``, ``auto``);
+- :mod:`.hub_split`: a model over several hubs as a plan, and ``auto``'s choice among one hub,
+  the layer split and the row split;
+- :mod:`.planner`: :class:`Planner`, a ``Participants`` whose :meth:`~Planner.plan` runs those
+  steps in order: assignment, caps check, lowering, schedule, prediction.
 
 Imports go one way: ``vkxsplit.graph`` -> ``vkxsplit.plan.*`` -> ``vkxsplit.executor``,
 ``vkxsplit.relay`` -> ``vkxsplit.calibrate`` (the cost model's measurements: it runs executors),
@@ -22,8 +29,10 @@ This package re-exports the names callers use; new code imports them from their 
 from __future__ import annotations
 
 from .cost import DEFAULTS, CostModel, Prediction, simulate
-from .planner import F32_ONLY_OPS, GRANULE, OFFLOADABLE_OPS, Part, Plan, Planner
+from .participants import F32_ONLY_OPS, GRANULE
+from .planner import Planner
 from .profile import PROFILE_VERSION, Profile
+from .result import OFFLOADABLE_OPS, Part, Plan
 from .schedule import (
            BackendIdOp,
            BackendNodeOp,
@@ -49,7 +58,7 @@ from .spec import (
 )
 from .workspace import ELEM_BYTES, FLOAT_TYPES, ArenaWorkspace, Workspace
 
-__all__ = ["DEFAULTS", "ELEM_BYTES", "F32_ONLY_OPS", "FLOAT_TYPES", "GRANULE", "HUB", "HUB_ALIASES", "KERNEL_SWITCHES",
+__all__ = ["DEFAULTS", "ELEM_BYTES", "F32_ONLY_OPS", "FLOAT_TYPES", "GRANULE", "HUB", "HUB_ALIASES",
            "KINDS", "OFFLOADABLE_OPS", "PROFILE_VERSION", "SPLIT_HELP", "ArenaWorkspace", "BackendIdOp", "BackendNodeOp",
            "BackendOp", "CostModel", "HubOp", "Item", "Job", "Override", "Part", "Plan", "Planner", "Prediction", "Profile", "Rule",
            "Schedule", "Segment", "SplitSpec", "Workspace", "build_schedule", "parse_backends",

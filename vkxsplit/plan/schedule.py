@@ -1,6 +1,6 @@
 """A plan lowered: the items of one step in execution order, and the schedule cut from them.
 
-A plan (:mod:`vkxsplit.plan.planner`) lowers its graph to a list of *items*:
+A plan (:func:`vkxsplit.plan.lowering.lower`) lowers its graph to a list of *items*:
 :class:`HubOp` (a graph node on the hub, the hub's rows of a split ``mul_mat`` /
 ``mul_mat_id``, or an inserted f32 -> bf16 conversion), :class:`BackendOp` (a ``mul_mat`` or a
 row range of one, for an attached backend), :class:`BackendIdOp` (the same for a routed expert
