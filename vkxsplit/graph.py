@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .vk.kernel import Bindable, as_range
+from .vk.kernel import spans_overlap as overlap  # the one overlap rule (ops' checks use it too)
 
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -67,10 +68,6 @@ def span(t: Tensor) -> Span:
         return (("tensor", t.name), 0, 1)
     _h, off, size, serial = as_range(t.buffer)
     return (serial, off, off + size)
-
-
-def overlap(a: Span, b: Span) -> bool:
-    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 def any_overlap(xs: list[Span], ys: list[Span]) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..vk.result import version_str as _vk_version
+
 # ---------------------------------------------------------------------------------------
 # names for Vulkan numbers (static, so that nothing here needs the loader to be importable)
 
@@ -54,10 +56,6 @@ def flag_names(mask: int, table: Iterable[tuple[int, str]]) -> list[str]:
             rest &= ~bit
         bit <<= 1
     return out
-
-
-def _vk_version(v: int) -> str:
-    return f"{v >> 22 & 0x7F}.{v >> 12 & 0x3FF}.{v & 0xFFF}"
 
 
 def driver_version_str(vendor_id: int, v: int) -> str:

@@ -14,6 +14,7 @@ from functools import cache
 from typing import Any
 
 from ..errors import EnvironmentProblem, OutOfDeviceMemory, VulkanError
+from .result import version_str  # noqa: F401 (the api surface: vk.api.version_str)
 
 try:
     import vulkan as vk  # the cffi binding: constants, ffi, lib
@@ -89,10 +90,6 @@ def check(result: int, call: str, hint: str = "") -> int:
                 "or free other GPU work")
         raise VulkanError(call, result, hint)
     return result
-
-
-def version_str(v: int) -> str:
-    return f"{v >> 22 & 0x7F}.{v >> 12 & 0x3FF}.{v & 0xFFF}"
 
 
 def enumerate_(fn: Any, ctype: str, *args: Any) -> list[Any]:

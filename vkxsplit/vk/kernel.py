@@ -53,8 +53,8 @@ def as_range(b: Bindable) -> tuple[Any, int, int, int]:
 
 
 def spans_overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
-    """Whether two (block serial, first byte, end byte) spans share a byte: the overlap rule of
-    the op checks (the same as vkxsplit.graph's ``overlap`` of graph spans)."""
+    """Whether two (block serial, first byte, end byte) spans share a byte: the one overlap rule,
+    of the op checks and of the graph's dependencies (``vkxsplit.graph.overlap``)."""
     return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 

@@ -1,4 +1,5 @@
-"""Names for VkResult codes (kept free of the loader so errors can be printed without one)."""
+"""Names for VkResult codes and Vulkan's packed version numbers (kept free of the loader, so
+errors and reports can be printed without one)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,8 @@ _NAMES = {
 
 def result_name(code: int) -> str:
     return _NAMES.get(code, "VkResult")
+
+
+def version_str(v: int) -> str:
+    """A packed Vulkan version (VK_MAKE_API_VERSION) as major.minor.patch."""
+    return f"{v >> 22 & 0x7F}.{v >> 12 & 0x3FF}.{v & 0xFFF}"
