@@ -242,6 +242,11 @@ class Executor:
         return chains, {j for r in chains.values() for j in r[1:]}
 
     @property
+    def backend_jobs(self) -> list[MatMulJob | MatMulIdJob | OpJob]:
+        """The backend job of each of the schedule's jobs (in ``schedule.jobs`` order), built once."""
+        return list(self._jobs)
+
+    @property
     def submits_per_step(self) -> int:
         return len(self.schedule.segments)
 

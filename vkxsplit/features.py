@@ -14,6 +14,8 @@
 - ``fusion``: the model graph without fused kernels: every fusion pass below off
 - ``bf16_reduce``: the row split's all-reduce sends its partial sums in f32 at every size (no
   bf16 compression of the large ones: :mod:`vkxsplit.hubs`)
+- ``cpu_repack``: the cpu backend reads every weight as stored (no copy in ggml-cpu's repacked
+  layout: :mod:`vkxsplit.backends.cpu`)
 
 and one per fusion pass of the hub (:mod:`vkxsplit.fusion`, :data:`PASSES`):
 
@@ -56,6 +58,7 @@ FEATURES: dict[str, str] = {
     "attn_coopmat": "prefill attention on the f32 tiled kernel (no cooperative-matrix attention)",
     "fusion": "the model graph without fused kernels (every fusion pass off)",
     "bf16_reduce": "the row split's all-reduce partials cross in f32 at every size (no bf16 compression)",
+    "cpu_repack": "the cpu backend reads every weight as stored (no repacked copy in ggml-cpu's interleaved layout)",
 }
 
 #: the fusion passes' switches (:mod:`vkxsplit.fusion`): name -> what switching it off does;

@@ -136,6 +136,10 @@ class Model(PlacedModel):
         self.traffic = {"crossed_bytes": 0, "steps": 0, "relays": 0, "all_reduces": 0}
         self.last_traffic = 0
         self._failed: list[Step] = []  # the steps of a failed step over several hubs (see _drain)
+        # weights whose stored pages were given back once the cpu backend repacked them (name ->
+        # bytes given back; _settle_weights), and the seconds spent repacking them
+        self.given_back: dict[str, int] = {}
+        self.repack_seconds = 0.0
         # auto over several hubs: what was chosen at load and the candidates' predicted seconds
         self.hub_choice = None
         try:
@@ -226,7 +230,54 @@ class Model(PlacedModel):
         while len(self._execs) > max(8, 2 * self.slots + 1):
             _, old = self._execs.popitem(last=False)
             old.close()
+        self._settle_weights()
         return ex
+
+    # -- repacked weights -----------------------------------------------------------------------
+
+    def _settle_weights(self) -> None:
+        """After a plan is built: the cpu backend repacks the weights its products read (one
+        copy each, :meth:`CpuBackend.pack <vkxsplit.backends.cpu.CpuBackend.pack>`), and the
+        stored pages of a weight are given back as soon as it is repacked, unless a live plan
+        reads them as stored (a hub node, the backend's ``get_rows`` of the embedding, a routed
+        product, rows ggml has no repacked layout for): resident memory stays about the file's.
+        A plan that reads a given-back weight as stored gets its bytes back from the file first
+        (restored before its first step: the hub and the backend never read zeros), and so does
+        every weight under ``auto``, whose planner times the graph on the hub."""
+        cpu = self._repacker()
+        if cpu is None:
+            return
+        from .backend import MatMulJob
+        from .plan.schedule import BackendIdOp, BackendNodeOp, BackendOp
+
+        weights = self.shares[0].weights
+        stored: set[str] = set(weights) if self.split.kind == "auto" else set()
+        packed: dict[str, list[MatMulJob]] = {}
+        for ex in self._execs.values():
+            sch = ex.schedule
+            for seg in sch.segments:
+                for op in seg.ops:
+                    stored.update(t.name for t in (*op.reads, *([op.src] if op.src is not None else []))
+                                  if t.weight)
+            for item, job in zip(sch.jobs, ex.backend_jobs):
+                op = item.op
+                if isinstance(op, BackendOp) and op.backend == cpu.name and isinstance(job, MatMulJob) \
+                        and not op.converted_weight:
+                    packed.setdefault(op.weight.name, []).append(job)
+                elif isinstance(op, (BackendOp, BackendIdOp)):
+                    stored.add(op.weight.name)
+                elif isinstance(op, BackendNodeOp):
+                    stored.update(t.name for t in op.node.inputs if t.weight)
+        self._restore_weights(stored)
+        t0 = time.perf_counter()
+        for name, jobs in packed.items():
+            every = all([cpu.pack(j) for j in jobs])  # (a list: every job's rows repacked)
+            if every and name not in stored and name not in self.given_back and name in weights:
+                v = weights[name].buffer
+                got = v.shared.discard(v.offset, v.size)
+                if got:
+                    self.given_back[name] = got
+        self.repack_seconds += time.perf_counter() - t0
 
     def set_split(self, split: Any) -> None:
         """Switch to another split spec over the same weights, backends and KV cache (plans and
@@ -245,6 +296,8 @@ class Model(PlacedModel):
         if self.workspace is not None:
             self.workspace.release()
         self.split = spec
+        if spec.kind == "auto":  # (its planner times graphs on the hub before any plan exists)
+            self._restore_weights()
 
     def set_trace(self, on: bool = True) -> None:
         """Record GPU timestamps around every hub op (and watch backend points) every step;

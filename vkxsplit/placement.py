@@ -89,6 +89,7 @@ class PlacedModel(LanguageModel):
     _cost: CostModel | None
     _profile_dir: str | Path | None
     _own_device: bool
+    given_back: dict[str, int]           # weights whose stored pages were given back (name -> bytes)
 
     # -- hubs and backends --------------------------------------------------------------------
 
@@ -347,11 +348,44 @@ class PlacedModel(LanguageModel):
             self.planner.cost = self._cost
         return self._cost
 
+    # -- weights the cpu backend repacked ------------------------------------------------------
+
+    def _repacker(self) -> Any:
+        """The attached cpu backend that repacks weights, when the stored pages of the weights
+        it repacks may be given back: it is the only backend, on one hub that is a CPU device
+        (lavapipe reads the arena's host pages by pointer; a GPU driver pins them), with a
+        ``host_allocation`` arena. Else None."""
+        if len(self.shares) != 1 or not self.device.is_cpu or len(self.backends) != 1:
+            return None
+        b = next(iter(self.backends.values()))
+        if not getattr(b, "repack", False) or not hasattr(b, "pack"):
+            return None
+        return b if self.arena is not None and self.arena.kind == "host_allocation" else None
+
+    def _restore_weights(self, names: Any = None) -> None:
+        """Write the stored bytes of given-back weights (``names``; None: all) again from the
+        file, before anything reads them as stored."""
+        from .archs import weight_tensors
+
+        todo = [n for n in self.given_back if names is None or n in names]
+        if not todo:
+            return
+        sh = self.shares[0]
+        tensors = weight_tensors(self.file)
+        for name in todo:
+            ti = tensors[name]
+            _shape, data = sh._weight_data(name, ti)
+            v = sh.weights[name].buffer
+            v.shared.restore(data, v.offset)
+            self.file.release_pages(ti.data)  # (the arena's copy is the one kept)
+            del self.given_back[name]
+
     def _time_hub(self, graph: Graph) -> dict[int, float]:
         """Hub seconds per node of ``graph``, run alone with timestamps (over several hubs, each
         hub's nodes on its own device). Positions are the last ``T`` of the context: KV rows
         written there are rewritten before any step reads them."""
         T = graph.T
+        self._restore_weights()  # (the hub reads every weight of the graph as stored)
         # the calibration overwrites the outputs: keep what last_logits()/last_argmax() read
         keep_logits = self.logits_buf.numpy(np.float32, (self.hp.n_vocab,)).copy()
         keep_argmax = self.argmax_buf.numpy(np.int32, (1,)).copy()

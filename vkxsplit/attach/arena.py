@@ -162,6 +162,9 @@ class SharedBuffer:
         self.name = name
         self.on_close: list[Callable[[SharedBuffer], None]] = []
         self._closed = False
+        #: byte ranges [start, end) of this buffer whose pages were given back (:meth:`discard`):
+        #: they read as zeros until :meth:`restore` writes them again
+        self.discarded: list[tuple[int, int]] = []
 
     # -- views ----------------------------------------------------------------------------
 
@@ -187,6 +190,37 @@ class SharedBuffer:
         """The backend side: same memory as :meth:`numpy` except for ``staged`` (the mirror)."""
         self._check_open()
         return self.chunk.array(dtype, self.chunk_offset + offset, count)
+
+    # -- giving pages back -----------------------------------------------------------------
+
+    def discard(self, offset: int = 0, size: int | None = None) -> int:
+        """Give back the host pages of ``[offset, offset + size)`` when nothing will read them
+        (a weight a backend holds in a layout of its own): only host pages of a
+        ``host_allocation`` arena, whose device reads them by pointer; other kinds keep them and
+        return 0. The range is recorded in :attr:`discarded` (what reads it before
+        :meth:`restore` reads zeros: readers check :meth:`is_discarded` first). Returns the
+        bytes given back (the whole pages inside the range)."""
+        self._check_open()
+        n = self.size - offset if size is None else size
+        if self.kind != "host_allocation" or self.chunk.mapping is None or n <= 0:
+            return 0
+        got = self.chunk.mapping.discard(self.chunk_offset + offset, n)
+        if got:
+            self.discarded.append((offset, offset + n))
+        return got
+
+    def restore(self, data: np.ndarray, offset: int = 0) -> None:
+        """Write ``data`` (bytes) at ``offset`` again after :meth:`discard`, and forget the
+        discarded ranges it covers."""
+        self._check_open()
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        self.numpy(np.uint8, (raw.size,), offset)[:] = raw
+        end = offset + raw.size
+        self.discarded = [(a, b) for a, b in self.discarded if not (offset <= a and b <= end)]
+
+    def is_discarded(self, offset: int, size: int) -> bool:
+        """Whether any byte of ``[offset, offset + size)`` lies in a discarded range."""
+        return any(a < offset + size and offset < b for a, b in self.discarded)
 
     # -- staging (only ``staged`` buffers copy; the others return at once) -----------------
 

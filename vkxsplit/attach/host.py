@@ -34,6 +34,10 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+#: madvise advice that frees the pages of a shared memfd range (a hole: later reads see zeros)
+_MADV_REMOVE = 9
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10
 _RW = mmap.PROT_READ | mmap.PROT_WRITE
@@ -73,6 +77,20 @@ class HostMapping:
             raise VkxError("host view of an unmapped chunk (its buffer was freed)")
         raw = (ctypes.c_char * (count * dt.itemsize)).from_address(self.addr + offset)
         return np.frombuffer(raw, dtype=dt, count=count)
+
+    def discard(self, offset: int, size: int) -> int:
+        """Give the whole pages inside ``[offset, offset + size)`` back to the system
+        (``madvise(MADV_REMOVE)``: the memfd's pages are freed, and a later read of the range
+        sees zeros, a write allocates anew). Returns the bytes given back (0 where the range
+        holds no whole page or the kernel refuses)."""
+        if not self.base or offset < 0 or offset + size > self.size:
+            return 0
+        page = mmap.PAGESIZE
+        lo = -(-(self.addr + offset) // page) * page
+        hi = (self.addr + offset + size) // page * page
+        if hi <= lo or _libc.madvise(lo, hi - lo, _MADV_REMOVE) != 0:
+            return 0
+        return hi - lo
 
     def close(self) -> None:
         if self.base:

@@ -14,6 +14,17 @@ bridge thread waits for the hub point, computes, and signals the backend's timel
 
 With ``step=1`` the backend also runs the rest of the step (embedding rows, RoPE, KV store,
 attention, argmax): their checks and graph nodes are :mod:`.cpu_step`'s.
+
+Repacked weights (``repack``, on unless ``VKXSPLIT_DISABLE=cpu_repack``): a product's weight
+rows whose type and row count ggml-cpu has an interleaved layout for on this CPU
+(``ggml_repack_get_optimal_repack_type``: Q4_0, Q4_K, IQ4_NL with AVX2, more on ARM) are
+copied once into that layout (:class:`.ggml_cpu.PackedWeight`, a buffer of ggml's repack buffer
+type), and the job's graph multiplies by that copy, so ggml's repacked gemv / gemm kernels run
+(about twice the decode rate of the stored layout). The copy is the backend's own memory; the
+owner of the stored bytes may give their pages back (:meth:`SharedBuffer.discard
+<vkxsplit.attach.SharedBuffer.discard>`) when nothing else reads them (the model does for the
+default CPU split, :meth:`vkxsplit.model.LanguageModel`), and every job that would read
+discarded bytes as stored is refused here rather than computed from zeros.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import numpy as np
 from ..attach import AttachStats, HostBridge, Point, SharedBuffer, SharedView
 from ..backend import NODE_OPS, STEP_OPS, Availability, Backend, Capabilities, MatMulIdJob, MatMulJob, OpJob
 from ..errors import KernelError, VkxError
+from ..features import is_disabled
 from ..ops.quant import TYPES, row_bytes, weight_type
 from . import cpu_step, ggml_cpu
 from .cpu_step import F32, I32
@@ -252,15 +264,20 @@ class CpuBackend(Backend):
                         event_handles=("host",))
 
     def __init__(self, hub: Device, *, threads: int | None = None, poll: int = 0, step: bool | int = False,
-                 timeout: float | None = None, counters: AttachStats | None = None,
+                 repack: bool | int | None = None, timeout: float | None = None, counters: AttachStats | None = None,
                  caps: Capabilities | None = None) -> None:
         """``step`` (``--backends cpu:step=1``): also take the rest of the step
         (:data:`~vkxsplit.backend.STEP_OPS`: embedding, RoPE, KV store, attention, argmax), so
         that beside a CPU hub a plan can run the whole step here (the CPU-hub default,
-        :mod:`vkxsplit.defaults`)."""
+        :mod:`vkxsplit.defaults`). ``repack`` (``cpu:repack=0|1``; default: on unless
+        ``VKXSPLIT_DISABLE=cpu_repack``): multiply by copies of the weights in ggml-cpu's
+        repacked layout where ggml has one (the module docstring)."""
         if step not in (True, False, 0, 1):
             raise VkxError(f"cpu backend: step must be 0 or 1, got {step!r}", "e.g. --backends cpu:step=1")
+        if repack not in (True, False, 0, 1, None):
+            raise VkxError(f"cpu backend: repack must be 0 or 1, got {repack!r}", "e.g. --backends cpu:repack=0")
         self.step = bool(step)
+        self.repack = not is_disabled(hub, "cpu_repack") if repack is None else bool(repack)
         if caps is None and self.step:
             caps = Capabilities(**{**{f: getattr(self.caps, f) for f in self.caps.__dataclass_fields__},
                                    "ops": self.caps.ops | STEP_OPS})
@@ -289,6 +306,12 @@ class CpuBackend(Backend):
         self._masks: dict[tuple[int, int], tuple[np.ndarray, list[int]]] = {}
         self._work = np.zeros(0, np.uint8)
         self._work_ptr: Any = self.ggml.ffi.NULL
+        # repacked weight rows: (chunk id, offset of the first row in it, type, K, rows) -> (the
+        # shared buffer holding the stored rows, the repacked copy or None where ggml has no
+        # layout for them); built once, freed with that buffer
+        self._packed: dict[tuple[Any, ...], tuple[SharedBuffer, ggml_cpu.PackedWeight | None]] = {}
+        self.packed_bytes = 0  # bytes of repacked copies held
+        self.pack_s = 0.0  # seconds spent repacking
         self.graphs_built = 0
         self.jobs_done = 0
         self.busy_s = 0.0  # seconds in ggml_graph_compute (the bridge thread's own work)
@@ -392,6 +415,8 @@ class CpuBackend(Backend):
                 c.close()
             self.graphs.clear()
             self._fast.clear()
+            for k in list(self._packed):
+                self._drop_packed(k)
             self._work = np.zeros(0, np.uint8)
             self._work_ptr = self.ggml.ffi.NULL
         if self.pool1 is not self.pool:
@@ -455,6 +480,8 @@ class CpuBackend(Backend):
                 self.graphs.pop(k).close()
             for k in [k for k, f in self._fast.items() if any(b is sb for b in f[1].buffers)]:
                 del self._fast[k]
+            for k in [k for k, (b, _p) in self._packed.items() if b is sb]:
+                self._drop_packed(k)
             self._hooked.discard(id(sb))
 
     def _hook(self, buffers: tuple[SharedBuffer, ...]) -> None:
@@ -466,12 +493,74 @@ class CpuBackend(Backend):
     def _pool_for(self, flops: int) -> ggml_cpu.ThreadPool:
         return self.pool if flops >= SMALL_JOB_FLOPS else self.pool1
 
+    # -- repacked weights ---------------------------------------------------------------------
+
+    def _drop_packed(self, key: tuple[Any, ...]) -> None:
+        _sb, p = self._packed.pop(key)
+        if p is not None:
+            self.packed_bytes -= p.nbytes
+            p.close()
+
+    def _check_stored(self, v: SharedView, offset: int, nbytes: int, what: str) -> None:
+        """``nbytes`` at ``offset`` of ``v`` are about to be read as stored: refuse where their
+        pages were given back (they would read as zeros)."""
+        if v.shared.is_discarded(v.offset + offset, nbytes):
+            raise KernelError(f"backend {self.name}: {what} reads the stored bytes of '{v.shared.name}', whose "
+                              "pages were given back after the weight was repacked",
+                              "restore them first (SharedBuffer.restore: the model does when a plan reads them)")
+
+    def _packed_for(self, job: MatMulJob) -> ggml_cpu.PackedWeight | None:
+        """The repacked copy of ``job``'s weight rows, made the first time (None: read as stored:
+        repack off, no layout for the type or row count here, x rows of a prefill job not
+        contiguous, or memory that needs dma-buf brackets or staging around each read). Under
+        ``self._lock``."""
+        if not self.repack or not isinstance(job, MatMulJob) or not weight_type(job.w_type).quantized:
+            return None
+        if job.M >= 4 and job.x_stride != job.K:
+            # ggml's repacked gemm quantizes x four rows at a time assuming rows K apart
+            # (ggml_quantize_mat_q8_*_4x*): strided x rows would be misread
+            return None
+        v = job.weight
+        rb = row_bytes(job.w_type, job.K)
+        first = (job.r0 - job.w_row0) * rb
+        key = (v.chunk.id, v.chunk_offset + first, job.w_type, job.K, job.rows)
+        got = self._packed.get(key)
+        if got is not None:
+            return got[1]
+        p = None
+        if v.chunk.kind != "dma_buf" and v.shared.kind != "staged":
+            self._check_stored(v, first, job.rows * rb, job.name or "repacking a weight")
+            t0 = time.perf_counter()
+            p = ggml_cpu.PackedWeight.create(self.ggml, weight_type(job.w_type).id, job.K, job.rows,
+                                             _addr(v, first + job.rows * rb) + first)
+            self.pack_s += time.perf_counter() - t0
+            if p is not None:
+                self.packed_bytes += p.nbytes
+        self._packed[key] = (v.shared, p)
+        self._hook((v.shared,))
+        return p
+
+    def pack(self, job: MatMulJob) -> bool:
+        """Make the repacked copy of ``job``'s weight rows now (the first step would otherwise:
+        the model calls this when it builds a plan, weight by weight, and gives back the stored
+        pages of each weight as soon as it is repacked). True when ``job`` will multiply by a
+        repacked copy; False when it reads the weight as stored."""
+        self.check_job(job)
+        self._check_ggml(job)
+        with self._lock:
+            return self._packed_for(job) is not None
+
     def _emit_mul_mat(self, g: ggml_cpu.Graph, job: MatMulJob) -> Any:
         lib = self.ggml.base
         tid = weight_type(job.w_type).id
         rb = row_bytes(job.w_type, job.K)
         held = job.weight.size // rb
-        W = g.strided(tid, _addr(job.weight, held * rb) + (job.r0 - job.w_row0) * rb, job.K, job.rows, rb)
+        packed = self._packed_for(job)
+        if packed is not None:  # the repacked tensor itself: its buffer and extra select ggml's kernels
+            W = packed.tensor
+        else:
+            self._check_stored(job.weight, (job.r0 - job.w_row0) * rb, job.rows * rb, job.name or "mul_mat")
+            W = g.strided(tid, _addr(job.weight, held * rb) + (job.r0 - job.w_row0) * rb, job.K, job.rows, rb)
         nx = (job.M - 1) * job.x_stride + job.K
         X = g.strided(F32, _addr(job.x, nx * 4), job.K, job.M, job.x_stride * 4)
         ny = (job.M - 1) * job.y_stride + job.r1
@@ -490,6 +579,7 @@ class CpuBackend(Backend):
         tid = weight_type(job.w_type).id
         rb = row_bytes(job.w_type, job.K)
         held = job.weight.size // rb
+        self._check_stored(job.weight, 0, held * rb, job.name or "mul_mat_id")
         W = g.strided(tid, _addr(job.weight, held * rb) + (job.r0 - job.w_row0) * rb, job.K, job.rows, rb,
                       job.n_expert, job.N * rb)
         T, nu, nxb = job.M, job.n_used, job.n_xb
@@ -509,6 +599,8 @@ class CpuBackend(Backend):
         reads), memory of the backend's own the graph points into to ``keep``."""
         lib = self.ggml.base
         R, C = job.rows, job.cols
+        for v in job.inputs:  # (get_rows reads a weight as stored)
+            self._check_stored(v, 0, v.size, f"{job.op} {job.name}".rstrip())
         if job.op in STEP_OPS:
             return cpu_step.emit(self.ggml, g, job, before, keep, self._masks, f"backend {self.name}")
 

@@ -15,12 +15,16 @@ graph (the cpu backend raises :class:`~vkxsplit.errors.KernelError` first).
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 from functools import lru_cache
 from typing import Any
 
 from ..errors import EnvironmentProblem, KernelError
+
+log = logging.getLogger("vkxsplit.backends.ggml_cpu")
 
 PACKAGE = "libggml-python"
 INSTALL_HINT = f"pip install {PACKAGE} (the wheel ships ggml's CPU backend; `bash tools/setup.sh` installs it)"
@@ -35,6 +39,9 @@ enum ggml_type {
     GGML_TYPE_Q6_K = 14, GGML_TYPE_Q8_K = 15, GGML_TYPE_IQ4_NL = 20, GGML_TYPE_IQ4_XS = 23,
     GGML_TYPE_I32 = 26, GGML_TYPE_BF16 = 30, GGML_TYPE_COUNT = 43
 };
+enum ggml_backend_buffer_usage {
+    GGML_BACKEND_BUFFER_USAGE_ANY = 0, GGML_BACKEND_BUFFER_USAGE_WEIGHTS = 1, GGML_BACKEND_BUFFER_USAGE_COMPUTE = 2
+};
 enum ggml_status {
     GGML_STATUS_ALLOC_FAILED = -2, GGML_STATUS_FAILED = -1, GGML_STATUS_SUCCESS = 0, GGML_STATUS_ABORTED = 1
 };
@@ -47,6 +54,10 @@ struct ggml_context;
 struct ggml_cgraph;
 struct ggml_threadpool;
 struct ggml_backend_buffer;
+struct ggml_backend_buffer_type;
+struct ggml_backend_device;
+struct ggml_backend_reg;
+typedef struct ggml_backend_buffer_type ** (*ggml_backend_dev_get_extra_bufts_t)(struct ggml_backend_device * device);
 
 struct ggml_init_params {
     size_t mem_size;
@@ -72,6 +83,8 @@ struct ggml_tensor {
 };
 
 typedef bool (*ggml_abort_callback)(void * data);
+typedef void (*ggml_log_callback)(int level, const char * text, void * user_data);
+void ggml_log_set(ggml_log_callback log_callback, void * user_data);
 
 struct ggml_cplan {
     size_t    work_size;
@@ -138,7 +151,20 @@ struct ggml_tensor * ggml_graph_node(struct ggml_cgraph * cgraph, int i);
 size_t ggml_graph_overhead_custom(size_t size, bool grads);
 struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
 
+struct ggml_backend_device * ggml_backend_reg_dev_get(struct ggml_backend_reg * reg, size_t index);
+void * ggml_backend_reg_get_proc_address(struct ggml_backend_reg * reg, const char * name);
+const char * ggml_backend_buft_name(struct ggml_backend_buffer_type * buft);
+struct ggml_backend_buffer * ggml_backend_buft_alloc_buffer(struct ggml_backend_buffer_type * buft, size_t size);
+size_t ggml_backend_buft_get_alloc_size(struct ggml_backend_buffer_type * buft, const struct ggml_tensor * tensor);
+void   ggml_backend_buffer_free(struct ggml_backend_buffer * buffer);
+void * ggml_backend_buffer_get_base(struct ggml_backend_buffer * buffer);
+size_t ggml_backend_buffer_get_size(struct ggml_backend_buffer * buffer);
+void   ggml_backend_buffer_set_usage(struct ggml_backend_buffer * buffer, enum ggml_backend_buffer_usage usage);
+enum ggml_status ggml_backend_tensor_alloc(struct ggml_backend_buffer * buffer, struct ggml_tensor * tensor, void * addr);
+void ggml_backend_tensor_set(struct ggml_tensor * tensor, const void * data, size_t offset, size_t size);
+
 void ggml_cpu_init(void);
+struct ggml_backend_reg * ggml_backend_cpu_reg(void);
 struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params);
 void ggml_threadpool_free(struct ggml_threadpool * threadpool);
 struct ggml_cplan ggml_graph_plan(const struct ggml_cgraph * cgraph, int n_threads,
@@ -173,6 +199,12 @@ FEATURES = ("sse3", "ssse3", "avx", "avx_vnni", "avx2", "bmi2", "f16c", "fma", "
 #: nodes one cached graph holds at most (a backend job is a few ops)
 GRAPH_SIZE = 16
 
+#: ggml's log levels (``enum ggml_log_level``) the log callback tells apart
+_LOG_DEBUG, _LOG_INFO, _LOG_CONT = 1, 2, 5
+
+#: the name of ggml-cpu's repack buffer type among the CPU device's extra buffer types
+REPACK_BUFT_NAME = b"CPU_REPACK"
+
 
 class Ggml:
     """The loaded libraries: ``ffi``, ``base`` (libggml-base), ``cpu`` (libggml-cpu)."""
@@ -188,7 +220,26 @@ class Ggml:
         self.base = self.ffi.dlopen(_lib(libdir, "libggml-base"), flags)
         self.cpu = self.ffi.dlopen(_lib(libdir, "libggml-cpu"), flags)
         self.cpu.ggml_cpu_init()
+        self._repack_buft: Any = False  # (not looked up yet)
+        self._log_level = _LOG_INFO
+        self._log_cb = self.ffi.callback("ggml_log_callback", self._log)  # (kept: ggml holds the pointer)
+        self.base.ggml_log_set(self._log_cb, self.ffi.NULL)
         _check_layout(self)
+
+    def _log(self, level: int, text: Any, _user: Any) -> None:
+        """ggml's log lines: debug ones (a line per repacked tensor, ...) to Python's logging at
+        debug level, the others to stderr as ggml's default logger writes them."""
+        try:
+            if level != _LOG_CONT:
+                self._log_level = level
+            msg = self.ffi.string(text).decode(errors="replace")
+            if self._log_level <= _LOG_DEBUG:
+                log.debug("ggml: %s", msg.rstrip())
+            else:
+                sys.stderr.write(msg)
+                sys.stderr.flush()
+        except Exception:  # never raise into ggml (a callback's exception cannot cross into C)
+            pass
 
     @property
     def version(self) -> str:
@@ -200,6 +251,29 @@ class Ggml:
 
     def features(self) -> dict[str, bool]:
         return {f: bool(getattr(self.cpu, f"ggml_cpu_has_{f}")()) for f in FEATURES}
+
+    def repack_buft(self) -> Any:
+        """ggml-cpu's repack buffer type (``CPU_REPACK``), or None where this build has none.
+
+        Found through the public route: the CPU backend's registry, its device 0 and the
+        ``ggml_backend_dev_get_extra_bufts`` proc address, which lists the extra buffer types
+        (NULL-terminated) whose tensors ggml-cpu's graph compute hands to their own kernels."""
+        if self._repack_buft is False:
+            found = None
+            reg = self.cpu.ggml_backend_cpu_reg()
+            dev = self.base.ggml_backend_reg_dev_get(reg, 0) if reg != self.ffi.NULL else self.ffi.NULL
+            fn = self.base.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts") \
+                if dev != self.ffi.NULL else self.ffi.NULL
+            if fn != self.ffi.NULL:
+                bufts = self.ffi.cast("ggml_backend_dev_get_extra_bufts_t", fn)(dev)
+                i = 0
+                while bufts != self.ffi.NULL and bufts[i] != self.ffi.NULL:
+                    if self.ffi.string(self.base.ggml_backend_buft_name(bufts[i])) == REPACK_BUFT_NAME:
+                        found = bufts[i]
+                        break
+                    i += 1
+            self._repack_buft = found
+        return self._repack_buft
 
 
 def _lib(libdir: str, name: str) -> str:
@@ -411,10 +485,73 @@ class Graph:
             self.gf = None
 
 
+class PackedWeight:
+    """A weight matrix of ``rows`` rows of ``K`` elements of ``type_id`` repacked by ggml-cpu into
+    its interleaved layout, in a buffer of the repack buffer type (memory of ggml's own, as
+    large as the stored bytes).
+
+    ggml-cpu runs its repacked gemv / gemm kernels for a ``mul_mat`` whose ``src[0]`` is
+    :attr:`tensor` itself: its ``buffer`` (the repack buffer type) and ``extra`` (the layout,
+    set by the buffer's ``init_tensor``) are what select them. A view or a copy of the header
+    carries neither: ggml's plain kernels would read the interleaved bytes as stored blocks and
+    compute garbage without a word, so the tensor is only ever used as it is.
+
+    :meth:`create` returns None where ggml has no layout for the type and shape on this CPU
+    (``extra`` left NULL by ``init_tensor``): the caller keeps reading the stored bytes."""
+
+    def __init__(self, g: Ggml, ctx: Any, buf: Any, tensor: Any, nbytes: int) -> None:
+        self.g, self.ctx, self.buf, self.tensor, self.nbytes = g, ctx, buf, tensor, nbytes
+
+    @classmethod
+    def create(cls, g: Ggml, type_id: int, K: int, rows: int, src: int) -> PackedWeight | None:
+        """Repack the ``rows`` x ``K`` stored blocks at address ``src`` (read, not kept)."""
+        buft = g.repack_buft()
+        if buft is None or rows < 2:  # (a one-row matrix is 1-d to ggml: the repacked kernels need 2-d)
+            return None
+        lib, ffi = g.base, g.ffi
+        ctx = lib.ggml_init(ffi.new("struct ggml_init_params *", (2 * lib.ggml_tensor_overhead(), ffi.NULL, True))[0])
+        if ctx == ffi.NULL:
+            raise EnvironmentProblem("ggml_init failed (out of memory?)")
+        buf = ffi.NULL
+        try:
+            t = lib.ggml_new_tensor_2d(ctx, type_id, K, rows)
+            nbytes = int(lib.ggml_nbytes(t))
+            size = int(lib.ggml_backend_buft_get_alloc_size(buft, t))
+            buf = lib.ggml_backend_buft_alloc_buffer(buft, size)
+            if buf == ffi.NULL:
+                raise EnvironmentProblem(f"ggml could not allocate {size} bytes for a repacked weight (out of memory?)")
+            lib.ggml_backend_buffer_set_usage(buf, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+            status = lib.ggml_backend_tensor_alloc(buf, t, lib.ggml_backend_buffer_get_base(buf))
+            if status != lib.GGML_STATUS_SUCCESS:
+                raise KernelError(f"ggml_backend_tensor_alloc of a repacked weight failed (status {status})")
+            if t.extra == ffi.NULL:  # no repacked layout for this type / row count on this CPU
+                lib.ggml_backend_buffer_free(buf)
+                lib.ggml_free(ctx)
+                return None
+            lib.ggml_backend_tensor_set(t, ffi.cast("void *", src), 0, nbytes)  # (repacks)
+        except BaseException:
+            if buf != ffi.NULL:
+                lib.ggml_backend_buffer_free(buf)
+            lib.ggml_free(ctx)
+            raise
+        return cls(g, ctx, buf, t, nbytes)
+
+    @property
+    def addr(self) -> int:
+        """Where the repacked bytes are (tests read them to show what a plain read would see)."""
+        return int(self.g.ffi.cast("uintptr_t", self.tensor.data))
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.g.base.ggml_backend_buffer_free(self.buf)
+            self.g.base.ggml_free(self.ctx)
+            self.ctx = self.buf = self.tensor = None
+
+
 def version() -> str:
     """``"<ggml version> (libggml-python <wheel version>, commit <commit>)"``."""
     g = load()
     return f"{g.version} ({PACKAGE} {g.package_version}, commit {g.commit})"
 
 
-__all__ = ["FEATURES", "Ggml", "Graph", "INSTALL_HINT", "PACKAGE", "ThreadPool", "load", "physical_cores", "version"]
+__all__ = ["FEATURES", "Ggml", "Graph", "INSTALL_HINT", "PACKAGE", "PackedWeight", "REPACK_BUFT_NAME", "ThreadPool", "load", "physical_cores", "version"]
