@@ -50,7 +50,7 @@ def chat_default(tokenizer: Any) -> bool:
 
 
 #: the split on a CPU hub (lavapipe) with the cpu backend attached: the cpu backend (ggml's CPU
-#: kernels, reading the weights in place) takes every matrix product, decode included
+#: kernels, reading the weights in place or repacked) takes every matrix product, decode included
 #: (docs/PERFORMANCE.md, "CPU machine", has the measurements behind it)
 CPU_HUB_SPLIT = "mode:cpu"
 #: the backends beside a CPU hub: the cpu backend also taking the rest of the step (``step=1``:
@@ -83,8 +83,8 @@ def split_for_machine(split: Any, backends: Any, is_cpu_hub: bool, model_path: s
     - backends given without a split: ``auto`` over what is attached (the planner decides; it
       measures what the device profile lacks on the first steps);
     - neither, on a CPU hub (no GPU: lavapipe): the cpu backend (:data:`CPU_HUB_BACKENDS`) with
-      :data:`CPU_HUB_SPLIT` (it reads the hub's weights in place: no memory of its own beyond a
-      scratch buffer);
+      :data:`CPU_HUB_SPLIT` (it reads the hub's weights in place, or a copy in ggml-cpu's repacked
+      layout whose stored pages the model gives back: about the file's memory in all);
     - neither, on a GPU: ``none`` (everything on the hub).
     """
     if split is not None:
