@@ -20,11 +20,13 @@ rows whose type and row count ggml-cpu has an interleaved layout for on this CPU
 (``ggml_repack_get_optimal_repack_type``: Q4_0, Q4_K, IQ4_NL with AVX2, more on ARM) are
 copied once into that layout (:class:`.ggml_cpu.PackedWeight`, a buffer of ggml's repack buffer
 type), and the job's graph multiplies by that copy, so ggml's repacked gemv / gemm kernels run
-(about twice the decode rate of the stored layout). The copy is the backend's own memory; the
-owner of the stored bytes may give their pages back (:meth:`SharedBuffer.discard
-<vkxsplit.attach.SharedBuffer.discard>`) when nothing else reads them (the model does for the
-default CPU split, :meth:`vkxsplit.model.LanguageModel`), and every job that would read
-discarded bytes as stored is refused here rather than computed from zeros.
+(docs/PERFORMANCE.md has the rates). The copy is the backend's own memory, made from the stored
+bytes the first time a job reads those rows: a weight's bytes must not change after that
+(:meth:`CpuBackend.unload` drops its copies). The owner of the stored bytes may give their pages
+back (:meth:`SharedBuffer.discard <vkxsplit.attach.SharedBuffer.discard>`) when nothing else
+reads them (the model does under the CPU default: ``Model._settle_weights`` in
+:mod:`vkxsplit.model`), and every job that would read discarded bytes as stored is refused here
+rather than computed from zeros.
 """
 
 from __future__ import annotations
@@ -548,6 +550,9 @@ class CpuBackend(Backend):
         self.check_job(job)
         self._check_ggml(job)
         with self._lock:
+            if self._released:
+                raise VkxError(f"backend {self.name} is closed: it repacks nothing more",
+                               "close the backend after the model that uses it")
             return self._packed_for(job) is not None
 
     def _emit_mul_mat(self, g: ggml_cpu.Graph, job: MatMulJob) -> Any:
