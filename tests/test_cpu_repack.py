@@ -20,7 +20,7 @@ from vkxsplit.attach import SharedArena, stats
 from vkxsplit.backend import MatMulJob, create_backend
 from vkxsplit.backends import ggml_cpu
 from vkxsplit.errors import KernelError
-from vkxsplit.ops.quant import TYPES, row_bytes
+from vkxsplit.ops.quant import TYPES
 
 #: types ggml-cpu has repacked layouts for on some CPU (repack.cpp's
 #: ggml_repack_get_optimal_repack_type); which of them repack here, ggml decides
@@ -29,14 +29,7 @@ CANDIDATES = ("q4_0", "q4_k", "iq4_nl", "q8_0", "q2_k", "q5_k", "q6_k")
 
 def repacks_here(wtype: str, rows: int = 8) -> bool:
     """Whether ggml repacks a ``rows``-row ``wtype`` matrix on this CPU (asked of ggml itself)."""
-    g = ggml_cpu.load()
-    K = TYPES[wtype].block_size
-    src = np.zeros(rows * row_bytes(wtype, K), np.uint8)  # (any bytes: only the layout is asked)
-    p = ggml_cpu.PackedWeight.create(g, TYPES[wtype].id, K, rows, src.ctypes.data)
-    if p is None:
-        return False
-    p.close()
-    return True
+    return ggml_cpu.load().repacks(TYPES[wtype].id, TYPES[wtype].block_size, rows)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +72,12 @@ def test_repack_buffer_type_found_and_q4_0_repacks():
         assert repacks_here("q4_0", 8) and repacks_here("q4_k", 8) and repacks_here("iq4_nl", 8)
     assert not repacks_here("q4_0", 12)  # (12 % 8: ggml's init_tensor leaves extra NULL)
     assert not repacks_here("f16", 8)
+    # vkxsplit info names them
+    from vkxsplit.info.backends import probe_backends
+
+    cpu = next(b for b in probe_backends() if b["name"] == "cpu")
+    got = cpu["ggml"]["repacked_types"]
+    assert got == [t for t in TYPES if t in CANDIDATES and repacks_here(t)] and "repacked weight layouts" in cpu["detail"]
 
 
 @pytest.mark.parametrize("wtype", CANDIDATES)

@@ -252,6 +252,16 @@ class Ggml:
     def features(self) -> dict[str, bool]:
         return {f: bool(getattr(self.cpu, f"ggml_cpu_has_{f}")()) for f in FEATURES}
 
+    def repacks(self, type_id: int, K: int, rows: int = 8) -> bool:
+        """Whether ggml-cpu has a repacked layout for a ``rows`` x ``K`` matrix of ``type_id`` on
+        this CPU (asked of ggml: a copy of zero blocks made and freed)."""
+        src = self.ffi.new("uint8_t[]", int(self.base.ggml_row_size(type_id, K)) * rows)
+        p = PackedWeight.create(self, type_id, K, rows, int(self.ffi.cast("uintptr_t", src)))
+        if p is None:
+            return False
+        p.close()
+        return True
+
     def repack_buft(self) -> Any:
         """ggml-cpu's repack buffer type (``CPU_REPACK``), or None where this build has none.
 

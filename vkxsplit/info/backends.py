@@ -119,14 +119,19 @@ def _probe_cpu() -> dict[str, Any]:
     except Exception as exc:  # a missing package is a reason to report
         out["detail"] = f"{exc}" + (f" ({exc.hint})" if getattr(exc, "hint", "") else "")
         return out
+    from ..ops.quant import TYPES
+
     cores = ggml_cpu.physical_cores()
     feats = g.features()
+    # the weight types ggml-cpu repacks here (CPU_REPACK), which the cpu backend then multiplies by
+    repacked = [n for n, t in TYPES.items() if t.quantized and g.repacks(t.id, 256)]
     out.update(available=True, ggml={"version": g.version, "commit": g.commit, "package": ggml_cpu.PACKAGE,
                                      "package_version": g.package_version, "features": feats,
-                                     "physical_cores": cores},
+                                     "physical_cores": cores, "repacked_types": repacked},
                detail=f"ggml {g.version} ({ggml_cpu.PACKAGE} {g.package_version}), {cores} physical cores "
                       f"({os.cpu_count() or 1} logical); ggml CPU features: "
-                      + (" ".join(f for f, on in feats.items() if on) or "none"))
+                      + (" ".join(f for f, on in feats.items() if on) or "none")
+                      + "; repacked weight layouts: " + (" ".join(repacked) or "none"))
     return out
 
 
