@@ -15,6 +15,7 @@ graph (the cpu backend raises :class:`~vkxsplit.errors.KernelError` first).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -224,6 +225,8 @@ class Ggml:
         self._log_level = _LOG_INFO
         self._log_cb = self.ffi.callback("ggml_log_callback", self._log)  # (kept: ggml holds the pointer)
         self.base.ggml_log_set(self._log_cb, self.ffi.NULL)
+        # ggml's own logger again before the interpreter (and the callback) goes away
+        atexit.register(self.base.ggml_log_set, self.ffi.NULL, self.ffi.NULL)
         _check_layout(self)
 
     def _log(self, level: int, text: Any, _user: Any) -> None:
