@@ -340,6 +340,47 @@ def test_x_rounding_model(rng, wtype):
     assert np.all(np.abs(ggml_x(x, wtype) - x) <= x_error(x.astype(np.float32), wtype) + 1e-12)
 
 
+def test_llama_build_taken_where_it_runs(monkeypatch, tmp_path):
+    """llama.cpp's ggml build (``ggml_cpu.LLAMA_PACKAGE``) is loaded where it is installed, not
+    switched off (``VKXSPLIT_DISABLE=ggml_llama``) and able to run on this CPU, asked of a child
+    process that computes with it (cached per build and CPU); a build that cannot run is passed
+    over with the reason (here: files that are not libraries); the libggml-python wheel's build
+    runs."""
+    import importlib.machinery
+    import importlib.util
+
+    monkeypatch.setenv("VKXSPLIT_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "pkg" / "bin"
+    bad.mkdir(parents=True)
+    for n in ("libggml-base.so", "libggml-cpu.so"):
+        (bad / n).write_bytes(b"not a library")
+    ok, why = ggml_cpu._runs_here(str(bad))
+    assert not ok and "exit status 1" in why
+    assert len(list((tmp_path / "cache").glob("ggml-build-*.json"))) == 1
+    assert ggml_cpu._runs_here(str(bad)) == (ok, why)  # (from the cache)
+    import libggml
+
+    wheel = os.path.join(os.path.dirname(libggml.__file__), "lib64")
+    assert ggml_cpu._runs_here(wheel) == (True, "runs here")
+    # the package found through its module: a build that cannot run is not taken
+    real = importlib.util.find_spec
+    installed = real(ggml_cpu._LLAMA_MODULE)
+    fake = importlib.machinery.ModuleSpec(ggml_cpu._LLAMA_MODULE, None, is_package=True)
+    fake.submodule_search_locations = [str(tmp_path / "pkg")]
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: fake if name == ggml_cpu._LLAMA_MODULE else real(name, *a))
+    assert ggml_cpu._llama_build() is None
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    if installed is None:
+        assert ggml_cpu._llama_build() is None
+        return
+    got = ggml_cpu._llama_build()
+    if got is not None:  # (installed and it runs here: what this process loaded)
+        assert ggml_cpu.load().package == ggml_cpu.LLAMA_PACKAGE and ggml_cpu.load().libdir == got[0]
+    monkeypatch.setenv("VKXSPLIT_DISABLE", "ggml_llama")
+    assert ggml_cpu._llama_build() is None
+
+
 def test_missing_package_is_a_clear_reason(monkeypatch):
     """Without libggml-python the cpu backend is unavailable with a reason naming the package
     (and `vkxsplit info` says so), never an ImportError traceback."""
@@ -349,6 +390,7 @@ def test_missing_package_is_a_clear_reason(monkeypatch):
     from vkxsplit.info import probe_backends
 
     monkeypatch.setitem(sys.modules, "libggml", None)  # import libggml -> ImportError
+    monkeypatch.setenv("VKXSPLIT_DISABLE", "ggml_llama")  # (nor llama.cpp's build in its place)
     ggml_cpu._load.cache_clear()
     try:
         a = cpu_mod.available()

@@ -1,5 +1,6 @@
-"""The cpu backend's repacked weights (ggml-cpu's repack buffer type, ``VKXSPLIT_DISABLE=cpu_repack``
-switches it off): each type ggml repacks on this CPU, decode (T=1) and prefill (T=8, 128) products
+"""The cpu backend's repacked weights (ggml-cpu's extra buffer types: AMX where the ggml build and
+the CPU have it, CPU_REPACK; ``VKXSPLIT_DISABLE=cpu_repack`` / ``cpu_amx`` switch them off): each
+type ggml repacks on this CPU, in each buffer type, decode (T=1) and prefill (T=8, 128) products
 against float64 numpy of gguf-py's dequantized weight; row ranges; the stored pages given back
 and the guard against reading them; a plain read of repacked bytes (the silent failure a view
 without ``extra`` would be) failing the same check; and the CPU default on a model: logits beside
@@ -27,15 +28,27 @@ from vkxsplit.ops.quant import TYPES
 CANDIDATES = ("q4_0", "q4_k", "iq4_nl", "q8_0", "q2_k", "q5_k", "q6_k")
 
 
-def repacks_here(wtype: str, rows: int = 8) -> bool:
-    """Whether ggml repacks a ``rows``-row ``wtype`` matrix on this CPU (asked of ggml itself)."""
-    return ggml_cpu.load().repacks(TYPES[wtype].id, TYPES[wtype].block_size, rows)
+def repacks_here(wtype: str, rows: int = 8, amx: bool = True) -> str | None:
+    """The buffer type ggml copies a ``rows``-row ``wtype`` matrix into on this CPU, None where
+    none (asked of ggml itself)."""
+    return ggml_cpu.load().repacks(TYPES[wtype].id, TYPES[wtype].block_size, rows, amx=amx)
+
+
+def has_amx() -> bool:
+    return ggml_cpu.load().extra_buft(ggml_cpu.AMX_BUFT_NAME) is not None
 
 
 @pytest.fixture(scope="module")
 def cpu(device):
     b = create_backend("cpu", device, timeout=WAIT_S)
-    assert b.repack  # (on by default)
+    assert b.repack and b.amx  # (on by default)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def cpu_noamx(device):
+    b = create_backend("cpu", device, timeout=WAIT_S, amx=0)
     yield b
     b.close()
 
@@ -48,8 +61,8 @@ def plain_cpu(device):
 
 
 @pytest.fixture
-def arena(device, cpu, plain_cpu):
-    a = SharedArena(device, [cpu, plain_cpu], name="repack-test", force="host_allocation")
+def arena(device, cpu, plain_cpu, cpu_noamx):
+    a = SharedArena(device, [cpu, plain_cpu, cpu_noamx], name="repack-test", force="host_allocation")
     yield a
     a.close()
 
@@ -69,28 +82,46 @@ def test_repack_buffer_type_found_and_q4_0_repacks():
     assert buft is not None
     assert g.ffi.string(g.base.ggml_backend_buft_name(buft)) == b"CPU_REPACK"
     if g.features()["avx2"]:
-        assert repacks_here("q4_0", 8) and repacks_here("q4_k", 8) and repacks_here("iq4_nl", 8)
-    assert not repacks_here("q4_0", 12)  # (12 % 8: ggml's init_tensor leaves extra NULL)
-    assert not repacks_here("f16", 8)
-    # vkxsplit info names them
+        assert all(repacks_here(t, 8, amx=False) == "CPU_REPACK" for t in ("q4_0", "q4_k", "iq4_nl"))
+    assert repacks_here("q4_0", 12) is None  # (12 % 8: ggml's init_tensor leaves extra NULL)
+    assert repacks_here("f16", 8) is None and repacks_here("f16", 32) is None
+    # AMX (where the build has it and the OS lets this process use the tiles): its types at a
+    # multiple of 32 rows, and only then; amx=False never
+    if has_amx():
+        for t in ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k"):
+            assert repacks_here(t, 32) == "AMX" and repacks_here(t, 64) == "AMX", t
+            assert repacks_here(t, 16) != "AMX" and repacks_here(t, 32, amx=False) != "AMX", t
+    else:
+        assert all(repacks_here(t, 32) != "AMX" for t in CANDIDATES)
+    # vkxsplit info names them, by buffer type (a 32-row weight of 256 columns)
     from vkxsplit.info.backends import probe_backends
 
     cpu = next(b for b in probe_backends() if b["name"] == "cpu")
     got = cpu["ggml"]["repacked_types"]
-    assert got == [t for t in TYPES if t in CANDIDATES and repacks_here(t)] and "repacked weight layouts" in cpu["detail"]
+    want: dict[str, list[str]] = {}
+    for t in TYPES:
+        k = ggml_cpu.load().repacks(TYPES[t].id, 256, 32) if TYPES[t].quantized else None
+        if k:
+            want.setdefault(k, []).append(t)
+    assert got == want and "repacked weight layouts" in cpu["detail"]
+    assert ("AMX" in got) is has_amx()
 
 
+@pytest.mark.parametrize("kind", ["CPU_REPACK", "AMX"])
 @pytest.mark.parametrize("wtype", CANDIDATES)
 @pytest.mark.parametrize("M", [1, 8, 128])
-def test_repacked_products_against_float64(cpu, arena, rng, wtype, M):
-    """Decode and prefill products of a repacked weight, y strided (and x for decode: ggml's
-    repacked gemm reads x rows K apart), against float64 numpy of the dequantized weight within
-    ggml's q8 rounding bound; graph and copy made once (a second run allocates nothing),
-    nothing staged."""
-    if not repacks_here(wtype):
-        pytest.skip(f"ggml-cpu does not repack {wtype} on this CPU")
+def test_repacked_products_against_float64(cpu, cpu_noamx, arena, rng, wtype, M, kind):
+    """Decode and prefill products of a weight copied into each buffer type (AMX: the backend's
+    default, CPU_REPACK: with amx=0), y strided (and x for decode: both read prefill x rows K
+    apart), against float64 numpy of the dequantized weight within ggml's q8 rounding bound;
+    graph and copy made once (a second run allocates nothing), nothing staged."""
     N, K = 32, 512
-    xs, ys = (K + 16 if M == 1 else K), N + 5
+    if repacks_here(wtype, N, amx=kind == "AMX") != kind:
+        pytest.skip(f"ggml-cpu does not copy {wtype} into {kind} on this CPU")
+    if kind == "CPU_REPACK":
+        cpu = cpu_noamx
+    # (AMX's prefill products take a contiguous result only: test_strided_results_and_amx)
+    xs, ys = (K + 16 if M == 1 else K), (N if kind == "AMX" and M > 1 else N + 5)
     wq, wd = make_weight(rng, wtype, N, K)
     x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 3, (M, 1))).astype(np.float32)
     xb = put(arena, np.pad(x, ((0, 0), (0, xs - K)), constant_values=np.nan))
@@ -100,7 +131,9 @@ def test_repacked_products_against_float64(cpu, arena, rng, wtype, M):
     job = MatMulJob(wb.view(), wtype, xb.view(), y.view(), M, N, K, x_stride=xs, y_stride=ys)
     packed0, built0, staged0 = cpu.packed_bytes, cpu.graphs_built, stats.staged_bytes
     run(cpu, job)
-    assert cpu.packed_bytes == packed0 + wq.nbytes  # the job ran on a repacked copy
+    grew = cpu.packed_bytes - packed0
+    assert grew >= wq.nbytes  # the job ran on a copy (AMX's layout may be larger than the stored one)
+    assert [p.kind for sb, p in cpu._packed.values() if sb is wb] == [kind]
     got = y.numpy(np.float32).reshape(M, ys)
     ref = x.astype(np.float64) @ wd.T
     bound = ggml_bound(x, wd, wtype)
@@ -110,19 +143,22 @@ def test_repacked_products_against_float64(cpu, arena, rng, wtype, M):
     y.numpy(np.float32)[:] = np.nan
     run(cpu, job)
     assert np.array_equal(y.numpy(np.float32).reshape(M, ys)[:, :N], got[:, :N])
-    assert cpu.graphs_built == built0 + 1 and cpu.packed_bytes == packed0 + wq.nbytes
+    assert cpu.graphs_built == built0 + 1 and cpu.packed_bytes == packed0 + grew
     assert stats.staged_bytes == staged0 == 0
     for b in (wb, xb, y):
         b.close()
     assert cpu.packed_bytes == packed0  # the copy went with the weight's buffer
 
 
-def test_strided_prefill_x_reads_the_stored_weight(cpu, arena, rng):
-    """Prefill x rows not K apart (ggml's repacked gemm would misread them): that job reads the
-    weight as stored, and is right."""
-    wtype, N, K, M = "q4_0", 16, 256, 8
-    if not repacks_here(wtype):
-        pytest.skip("ggml-cpu does not repack q4_0 on this CPU")
+@pytest.mark.parametrize("N, M", [(16, 8), (32, 2)])
+def test_strided_prefill_x_reads_the_stored_weight(cpu, arena, rng, N, M):
+    """Prefill x rows not K apart (ggml's repacked gemm reads 4 rows at a time K apart, the AMX
+    kernels every row at m K: both would misread them): that job reads the weight as stored, and
+    is right. A 16-row weight goes to CPU_REPACK (strided x refused from 4 rows), a 32-row one to
+    AMX where there is one (refused from 2 rows)."""
+    wtype, K = "q4_0", 256
+    if not repacks_here(wtype, N) or (N == 32 and not has_amx()):
+        pytest.skip(f"ggml-cpu does not repack a {N}-row q4_0 weight into the buffer type this case is for")
     wq, wd = make_weight(rng, wtype, N, K)
     x = rng.standard_normal((M, K)).astype(np.float32)
     xs = K + 32
@@ -131,6 +167,43 @@ def test_strided_prefill_x_reads_the_stored_weight(cpu, arena, rng):
     assert not cpu.pack(job)
     run(cpu, job)
     assert np.all(np.abs(y.numpy(np.float32).reshape(M, N) - x.astype(np.float64) @ wd.T) <= ggml_bound(x, wd, wtype))
+    for b in (xb, wb, y):
+        b.close()
+
+
+def test_strided_results_and_amx(cpu, arena, rng):
+    """A prefill product into a strided result (columns of a wider row) does not take the AMX
+    copy (it reads the weight as stored) and is right; the wrong variant, the AMX kernels given
+    that strided result through a graph of their own, loses the rows past its first 4 KiB."""
+    if not has_amx():
+        pytest.skip("this ggml build or CPU has no AMX buffer type")
+    wtype, N, K, M, ys = "q4_0", 32, 256, 64, 37
+    g = ggml_cpu.load()
+    wq, wd = make_weight(rng, wtype, N, K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    xb, wb, y = put(arena, x), put(arena, wq), arena.alloc(M * ys * 4)
+    ref, bound = x.astype(np.float64) @ wd.T, ggml_bound(x, wd, wtype)
+    job = MatMulJob(wb.view(), wtype, xb.view(), y.view(), M, N, K, y_stride=ys)
+    assert not cpu.pack(job)
+    y.numpy(np.float32)[:] = np.nan
+    run(cpu, job)
+    assert np.all(np.abs(y.numpy(np.float32).reshape(M, ys)[:, :N] - ref) <= bound)
+    assert cpu.pack(MatMulJob(wb.view(), wtype, xb.view(), y.view(), 1, N, K, y_stride=ys))  # decode does
+    # the wrong variant
+    p = ggml_cpu.PackedWeight.create(g, TYPES[wtype].id, K, N, int(g.ffi.cast("uintptr_t", g.ffi.from_buffer(wq))))
+    assert p is not None and p.kind == "AMX"
+    out = np.full((M, ys), np.nan, np.float32)
+    gr, pool = ggml_cpu.Graph(g), ggml_cpu.ThreadPool(g, 1)
+    try:
+        X = gr.strided(0, x.ctypes.data, K, M, K * 4)
+        gr.finish(gr.place(g.base.ggml_mul_mat(gr.ctx, p.tensor, X), out.ctypes.data, ys * 4), pool)
+        gr.compute(g.ffi.new("uint8_t[]", max(gr.work_size, 1)))
+    finally:
+        gr.close()
+        pool.close()
+        p.close()
+    ok = np.all(np.abs(out[:, :N] - ref) <= bound, axis=1)
+    assert ok[:16].all() and not ok.all()
     for b in (xb, wb, y):
         b.close()
 
@@ -209,15 +282,17 @@ def test_repack_switch(device, monkeypatch):
     from vkxsplit.errors import VkxError
     from vkxsplit.features import FEATURES
 
-    assert "cpu_repack" in FEATURES
-    monkeypatch.setattr(device, "disabled", device.disabled | {"cpu_repack"})
+    assert "cpu_repack" in FEATURES and "cpu_amx" in FEATURES
+    monkeypatch.setattr(device, "disabled", device.disabled | {"cpu_repack", "cpu_amx"})
     b = create_backend("cpu", device, timeout=WAIT_S)
     try:
-        assert not b.repack
+        assert not b.repack and not b.amx
     finally:
         b.close()
     with pytest.raises(VkxError, match="repack must be 0 or 1"):
         create_backend("cpu", device, timeout=WAIT_S, repack=2)
+    with pytest.raises(VkxError, match="amx must be 0 or 1"):
+        create_backend("cpu", device, timeout=WAIT_S, amx=2)
 
 
 # -- a model under the CPU default ---------------------------------------------------------------

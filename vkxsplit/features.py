@@ -16,6 +16,10 @@
   bf16 compression of the large ones: :mod:`vkxsplit.hubs`)
 - ``cpu_repack``: the cpu backend reads every weight as stored (no copy in ggml-cpu's repacked
   layout: :mod:`vkxsplit.backends.cpu`)
+- ``cpu_amx``: the cpu backend copies no weight into ggml's AMX buffer type (Intel AMX tiles, in
+  builds that have it); ``CPU_REPACK`` or the stored bytes instead
+- ``ggml_llama``: the cpu backend loads the ``libggml-python`` wheel's ggml even where llama.cpp's
+  own build (:data:`vkxsplit.backends.ggml_cpu.LLAMA_PACKAGE`) is installed and runs here
 
 and one per fusion pass of the hub (:mod:`vkxsplit.fusion`, :data:`PASSES`):
 
@@ -59,6 +63,8 @@ FEATURES: dict[str, str] = {
     "fusion": "the model graph without fused kernels (every fusion pass off)",
     "bf16_reduce": "the row split's all-reduce partials cross in f32 at every size (no bf16 compression)",
     "cpu_repack": "the cpu backend reads every weight as stored (no repacked copy in ggml-cpu's interleaved layout)",
+    "cpu_amx": "the cpu backend copies no weight into ggml's AMX buffer type (the interleaved layout or as stored instead)",
+    "ggml_llama": "the cpu backend loads the libggml-python wheel's ggml even where llama.cpp's build is installed and runs",
 }
 
 #: the fusion passes' switches (:mod:`vkxsplit.fusion`): name -> what switching it off does;

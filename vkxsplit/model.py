@@ -251,7 +251,7 @@ class Model(PlacedModel):
         from .plan.schedule import BackendIdOp, BackendNodeOp, BackendOp
 
         weights = self.shares[0].weights
-        stored: set[str] = set(weights) if self.split.kind == "auto" else set()
+        stored: set[str] = set()
         packed: dict[str, list[MatMulJob]] = {}
         for ex in self._execs.values():
             sch = ex.schedule
@@ -268,6 +268,13 @@ class Model(PlacedModel):
                     stored.add(op.weight.name)
                 elif isinstance(op, BackendNodeOp):
                     stored.update(t.name for t in op.node.inputs if t.weight)
+        # a weight some plan reads as stored (a tied embedding's get_rows, ...) keeps its stored
+        # pages: it is not copied too (the weights are held once), and its products read it as stored
+        for n in stored & packed.keys():
+            for j in packed.pop(n):
+                cpu.read_as_stored(j)
+        if self.split.kind == "auto":
+            stored = set(weights)
         self._restore_weights(stored)
         t0 = time.perf_counter()
         for name, jobs in packed.items():

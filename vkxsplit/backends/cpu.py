@@ -20,7 +20,10 @@ rows whose type and row count ggml-cpu has an interleaved layout for on this CPU
 (``ggml_repack_get_optimal_repack_type``: Q4_0, Q4_K, IQ4_NL with AVX2, more on ARM) are
 copied once into that layout (:class:`.ggml_cpu.PackedWeight`, a buffer of ggml's repack buffer
 type), and the job's graph multiplies by that copy, so ggml's repacked gemv / gemm kernels run
-(docs/PERFORMANCE.md has the rates). The copy is the backend's own memory, made from the stored
+(docs/PERFORMANCE.md has the rates). Where the ggml build has the AMX buffer type (llama.cpp's
+build on a CPU with AMX tiles) the weights of the types and row counts its kernels take (Q4_0,
+Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS; rows a multiple of 32) go there first, the same way
+(``VKXSPLIT_DISABLE=cpu_amx`` leaves them to the repack buffer type). The copy is the backend's own memory, made from the stored
 bytes the first time a job reads those rows: a weight's bytes must not change after that
 (:meth:`CpuBackend.unload` drops its copies). The owner of the stored bytes may give their pages
 back (:meth:`SharedBuffer.discard <vkxsplit.attach.SharedBuffer.discard>`) when nothing else
@@ -266,20 +269,25 @@ class CpuBackend(Backend):
                         event_handles=("host",))
 
     def __init__(self, hub: Device, *, threads: int | None = None, poll: int = 0, step: bool | int = False,
-                 repack: bool | int | None = None, timeout: float | None = None, counters: AttachStats | None = None,
+                 repack: bool | int | None = None, amx: bool | int | None = None, timeout: float | None = None, counters: AttachStats | None = None,
                  caps: Capabilities | None = None) -> None:
         """``step`` (``--backends cpu:step=1``): also take the rest of the step
         (:data:`~vkxsplit.backend.STEP_OPS`: embedding, RoPE, KV store, attention, argmax), so
         that beside a CPU hub a plan can run the whole step here (the CPU-hub default,
         :mod:`vkxsplit.defaults`). ``repack`` (``cpu:repack=0|1``; default: on unless
         ``VKXSPLIT_DISABLE=cpu_repack``): multiply by copies of the weights in ggml-cpu's
-        repacked layout where ggml has one (the module docstring)."""
+        repacked layout where ggml has one (the module docstring); ``amx`` (``cpu:amx=0|1``;
+        default: on unless ``VKXSPLIT_DISABLE=cpu_amx``): in the AMX buffer type first, where the
+        ggml build has one."""
         if step not in (True, False, 0, 1):
             raise VkxError(f"cpu backend: step must be 0 or 1, got {step!r}", "e.g. --backends cpu:step=1")
         if repack not in (True, False, 0, 1, None):
             raise VkxError(f"cpu backend: repack must be 0 or 1, got {repack!r}", "e.g. --backends cpu:repack=0")
+        if amx not in (True, False, 0, 1, None):
+            raise VkxError(f"cpu backend: amx must be 0 or 1, got {amx!r}", "e.g. --backends cpu:amx=0")
         self.step = bool(step)
         self.repack = not is_disabled(hub, "cpu_repack") if repack is None else bool(repack)
+        self.amx = not is_disabled(hub, "cpu_amx") if amx is None else bool(amx)
         if caps is None and self.step:
             caps = Capabilities(**{**{f: getattr(self.caps, f) for f in self.caps.__dataclass_fields__},
                                    "ops": self.caps.ops | STEP_OPS})
@@ -292,6 +300,8 @@ class CpuBackend(Backend):
             raise VkxError(f"cpu backend: poll must be an integer in [0, 100], got {poll!r}",
                            "ggml's polling level: 0 lets idle workers sleep (the default), e.g. cpu:poll=1")
         self.ggml = ggml_cpu.load()
+        #: the ggml build the products run on (part of the profile key of measured costs)
+        self.build = f"{self.ggml.package}-{self.ggml.package_version}"
         super().__init__(hub, timeout=timeout, counters=counters, caps=caps)
         self.threads = threads
         self.graphs: OrderedDict[tuple[Any, ...], _Cached] = OrderedDict()
@@ -518,14 +528,18 @@ class CpuBackend(Backend):
         ``self._lock``."""
         if not self.repack or not isinstance(job, MatMulJob) or not weight_type(job.w_type).quantized:
             return None
-        if job.M >= 4 and job.x_stride != job.K:
-            # ggml's repacked gemm quantizes x four rows at a time assuming rows K apart
-            # (ggml_quantize_mat_q8_*_4x*): strided x rows would be misread
+        tid = weight_type(job.w_type).id
+        amx = self.amx and self.ggml.amx_takes(tid, job.rows)
+        if job.M >= (2 if amx else 4) and job.x_stride != job.K:
+            # both kinds read x rows K apart: ggml's repacked gemm quantizes x four rows at a time
+            # (ggml_quantize_mat_q8_*_4x*), the AMX kernels each row at m * K: strided x rows would
+            # be misread
             return None
-        v = job.weight
-        rb = row_bytes(job.w_type, job.K)
-        first = (job.r0 - job.w_row0) * rb
-        key = (v.chunk.id, v.chunk_offset + first, job.w_type, job.K, job.rows)
+        if amx and job.M >= 2 and job.y_stride != job.rows:
+            # the AMX kernels' multi-row path loses rows of a strided result (those past its first
+            # 4 KiB: tests/test_cpu_repack.py shows it); one row (decode) is right
+            return None
+        v, key, first, rb = self._pack_key(job)
         got = self._packed.get(key)
         if got is not None:
             return got[1]
@@ -533,14 +547,32 @@ class CpuBackend(Backend):
         if v.chunk.kind != "dma_buf" and v.shared.kind != "staged":
             self._check_stored(v, first, job.rows * rb, job.name or "repacking a weight")
             t0 = time.perf_counter()
-            p = ggml_cpu.PackedWeight.create(self.ggml, weight_type(job.w_type).id, job.K, job.rows,
-                                             _addr(v, first + job.rows * rb) + first)
+            p = ggml_cpu.PackedWeight.create(self.ggml, tid, job.K, job.rows, _addr(v, first + job.rows * rb) + first,
+                                             amx=self.amx)
             self.pack_s += time.perf_counter() - t0
             if p is not None:
                 self.packed_bytes += p.nbytes
         self._packed[key] = (v.shared, p)
         self._hook((v.shared,))
         return p
+
+    @staticmethod
+    def _pack_key(job: MatMulJob) -> tuple[SharedView, tuple[Any, ...], int, int]:
+        """(weight view, the key of its rows' copy, their offset in the view, row bytes)."""
+        v = job.weight
+        rb = row_bytes(job.w_type, job.K)
+        first = (job.r0 - job.w_row0) * rb
+        return v, (v.chunk.id, v.chunk_offset + first, job.w_type, job.K, job.rows), first, rb
+
+    def read_as_stored(self, job: MatMulJob) -> None:
+        """Have ``job``'s weight rows read as stored, never copied (the model asks where a plan
+        reads the weight as stored anyway: the weights are then held once); a copy made before
+        stays (graphs built over it use it)."""
+        with self._lock:
+            v, key, _first, _rb = self._pack_key(job)
+            if key not in self._packed:
+                self._packed[key] = (v.shared, None)
+                self._hook((v.shared,))
 
     def pack(self, job: MatMulJob) -> bool:
         """Make the repacked copy of ``job``'s weight rows now (the first step would otherwise:

