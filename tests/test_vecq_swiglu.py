@@ -21,7 +21,7 @@ from __future__ import annotations
 import kernels as tk  # tools/kernels.py: the experiment variants
 import numpy as np
 import pytest
-from test_mul_mat import U, Bufs, abs_terms, make_weights
+from test_mul_mat import Bufs, U, abs_terms, make_weights
 
 from vkxsplit.errors import KernelError
 from vkxsplit.ops import mul_mat as mm
