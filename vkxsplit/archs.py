@@ -17,8 +17,8 @@ builders (``src/models/*.cpp``) define them:
 
 This is the plain graph, every op as llama.cpp's builders write it (mat-vecs read f32 x);
 :func:`build_graph` ends with the hub's fusion passes (:func:`vkxsplit.fusion.optimize`:
-residual add + RMSNorm, RoPE of K + KV store, the q8_1 x of decode mat-vecs), each with its
-kill switch.
+residual add + RMSNorm, RoPE of K + KV store, the q8_1 x of decode mat-vecs, decode's gate/up
+mat-vecs + SwiGLU), each with its kill switch.
 
 Architectures differ only by :class:`~vkxsplit.gguf_model.ArchInfo` flags and hyperparameters;
 phi3's fused ``attn_qkv`` and gate/up ``ffn_up`` are split into row ranges at upload
@@ -270,6 +270,11 @@ class Builder:
 def build_graph(m: Model, T: int, all_logits: bool, slot: int = 0) -> Graph:
     """The forward pass of ``m``'s architecture for ``T`` tokens (all rows' logits when
     ``all_logits``, else the last row's) in slot ``slot``'s rows of the per-step buffers: the
-    plain graph, then the hub's fusion passes (all q8_1 x of decode in the model's ``xq_buf``)."""
+    plain graph, then the hub's fusion passes (all q8_1 x of decode in the model's ``xq_buf``,
+    the one a ``mul_mat_swiglu`` writes from ``xq_glu_offset``; the hub-only passes where no
+    backend is attached)."""
     b = Builder(m, T, all_logits, slot)
-    return optimize(b.build(), m.device, lambda nbytes: b.V(m.xq_buf, 0, nbytes))
+    glu_at = getattr(m, "xq_glu_offset", None)
+    return optimize(b.build(), m.device, lambda nbytes: b.V(m.xq_buf, 0, nbytes),
+                    backends=bool(getattr(m, "backends", None)),
+                    glu_scratch=None if glu_at is None else lambda nbytes: b.V(m.xq_buf, glu_at, nbytes))

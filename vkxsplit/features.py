@@ -27,6 +27,8 @@ and one per fusion pass of the hub (:mod:`vkxsplit.fusion`, :data:`PASSES`):
 - ``fuse_rope``: the RoPE of K stays a ``rope`` node before the KV store
 - ``fuse_q8``: the q8_1 x of decode mat-vecs comes from ``quantize_q8_1`` nodes only (no norm,
   SwiGLU or attention writes it)
+- ``fuse_glu``: decode's gate and up mat-vecs and their SwiGLU stay three dispatches (no
+  ``mul_mat_swiglu``)
 
 A :class:`~vkxsplit.vk.device.Device` reads the variable once, when it is created
 (``device.disabled``); every kernel choice reads that set. An unknown name is an error naming
@@ -73,6 +75,7 @@ PASSES: dict[str, str] = {
     "fuse_norm": "residual add and the next RMSNorm as two dispatches (no add_rms_norm)",
     "fuse_rope": "the RoPE of K as its own node before the KV store",
     "fuse_q8": "decode's q8_1 x from quantize_q8_1 nodes only (not written by its producer)",
+    "fuse_glu": "decode's gate and up mat-vecs and their SwiGLU as three dispatches (no mul_mat_swiglu)",
 }
 
 #: a switch that switches others off too

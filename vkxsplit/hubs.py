@@ -431,7 +431,10 @@ class HubShare:
         # scratch reused by every quantize node: each one's readers come before the next)
         from .ops.mul_mat import vecq_scratch_bytes
 
-        self.xq_buf = self._alloc(vecq_scratch_bytes(1, max(sizes.values())), "device", "xq")
+        # (then, from xq_glu_offset, the q8_1 x of ffn_down that a mul_mat_swiglu writes while it
+        # reads the FFN norm's from byte 0: vkxsplit.fusion.fuse_mul_mat_swiglu)
+        self.xq_glu_offset = -(-vecq_scratch_bytes(1, max(sizes.values())) // 256) * 256
+        self.xq_buf = self._alloc(self.xq_glu_offset + vecq_scratch_bytes(1, F), "device", "xq")
         self.own16 = None
         if self.rank is not None and self.model.partials != "f32":  # this shard's partial as the other reads it
             self.own16 = self._alloc(T * hp.n_embd * 2, "device", "partial_16")

@@ -28,7 +28,13 @@ from .elementwise import record_add, record_geglu, record_scale, record_softcap,
 from .get_rows import record_get_rows
 from .link import record_link_sum
 from .moe import NODE_RECORDERS as MOE_RECORDERS
-from .mul_mat import record_mul_mat, record_mul_mat_vecq, record_quantize_q8_1, record_swiglu_q8_1
+from .mul_mat import (
+    record_mul_mat,
+    record_mul_mat_vecq,
+    record_mul_mat_vecq_swiglu,
+    record_quantize_q8_1,
+    record_swiglu_q8_1,
+)
 from .norm import record_add_rms_norm, record_rms_norm
 from .rope import YARN_DEFAULTS, record_rope
 
@@ -131,6 +137,19 @@ def _mul_mat(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None, y: Tens
         else:
             record_mul_mat(seq, wb, w.dtype, x.buffer, y.buffer, M=x.rows, N=b - a, K=w.shape[-1],
                            w_row_offset=a - base, y_col_offset=a, y_stride=N)
+
+
+@register("mul_mat_swiglu")
+def _mul_mat_swiglu(seq: Sequence, n: Node) -> None:
+    """The decode FFN's gate and up mat-vecs and their SwiGLU as one node (the fusion pass
+    ``fuse_glu``: :func:`vkxsplit.fusion.fuse_mul_mat_swiglu`): ``out = silu(x W_gate^T) * (x
+    W_up^T)`` with x read as q8_1 (``xq``), written as f32 and, with ``xq_out``, as the q8_1 x
+    of the down product; the kernel ``params["vecq"]`` (a ``mul_mat_vecq_swiglu_*`` variant)."""
+    wg, wu, _x = n.inputs
+    xq_out = n.params.get("xq_out")
+    record_mul_mat_vecq_swiglu(seq, wg.buffer, wu.buffer, wg.dtype, n.params["xq"].buffer, n.output.buffer,
+                               None if xq_out is None else xq_out.buffer, wg.shape[0], wg.shape[-1],
+                               variant=n.params["vecq"])
 
 
 @register("quantize_q8_1")
