@@ -455,6 +455,12 @@ def test_glu_pass_conditions(device, llama_path, monkeypatch):
         plain = m._build_graph(1, False)
         assert fusion.optimize(plain, device, lambda nb: m.xq_buf, backends=True) is plain
         assert "mul_mat_swiglu" not in plain.ops()
+    # with a backend attached: a split that keeps decode on the hub (mode with a batch threshold
+    # above 1) fuses it, one that may give it rows (mode:cpu, prefill of the mode split) does not
+    monkeypatch.setattr(device, "disabled", device.disabled - {"fuse_glu"})
+    for split, T, fused in (("mode:cpu>=4", 1, True), ("mode:cpu>=4", 4, False), ("mode:cpu", 1, False)):
+        with load_model(llama_path, device=device, n_ctx=32, ubatch=8, split=split, backends="cpu") as m:
+            assert ("mul_mat_swiglu" in m._build_graph(T, False).ops()) is fused, (split, T)
 
 
 def _wrong_glu(g, i, variants, max_range, out_scratch):

@@ -267,14 +267,21 @@ class Builder:
         return g
 
 
+def _hub_only(m: Model, T: int) -> bool:
+    """Whether the model's split runs a step of ``T`` tokens on the hubs only (then the hub-only
+    fusion passes apply though backends are attached: a mode split's decode)."""
+    split = getattr(getattr(m, "model", None), "split", None)
+    return split is not None and hasattr(split, "hub_only") and split.hub_only(T)
+
+
 def build_graph(m: Model, T: int, all_logits: bool, slot: int = 0) -> Graph:
     """The forward pass of ``m``'s architecture for ``T`` tokens (all rows' logits when
     ``all_logits``, else the last row's) in slot ``slot``'s rows of the per-step buffers: the
     plain graph, then the hub's fusion passes (all q8_1 x of decode in the model's ``xq_buf``,
     the one a ``mul_mat_swiglu`` writes from ``xq_glu_offset``; the hub-only passes where no
-    backend is attached)."""
+    backend is attached or the split keeps ``T``-token steps on the hubs)."""
     b = Builder(m, T, all_logits, slot)
     glu_at = getattr(m, "xq_glu_offset", None)
     return optimize(b.build(), m.device, lambda nbytes: b.V(m.xq_buf, 0, nbytes),
-                    backends=bool(getattr(m, "backends", None)),
+                    backends=bool(getattr(m, "backends", None)) and not _hub_only(m, T),
                     glu_scratch=None if glu_at is None else lambda nbytes: b.V(m.xq_buf, glu_at, nbytes))
