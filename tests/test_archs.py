@@ -575,3 +575,51 @@ def test_unfused_graph_matches_reference(device, tmp_path, monkeypatch, arch):
         ops = m._build_graph(1, False).ops()
     assert "add_rms_norm" not in ops and ops["rope"] == 2 * m.hp.n_layer
     assert check(got, want) is None, check(got, want)
+
+
+FOLD_CASES = {
+    # name: (arch, writer options, tokens): head_dim 64 with q8_0 weights (the tiled fold that
+    # also writes the output projection's q8_1 x where the device has integer dot products),
+    # head_dim 256 (attn_fold_f16_f32_h256) with a sliding window
+    "qwen3-q8_0-d64": ("qwen3", {"wtype": Q.Q8_0, "head_dim": 64, "n_embd": 128, "seed": 11}, 40),
+    "gemma3-h256": ("gemma3", {"n_layer": 3, "n_head": 2, "n_head_kv": 1, "head_dim": 256, "wtype": Q.F16,
+                               "tied": True, "sliding_window": 24, "seed": 12}, 40),
+}
+
+
+@pytest.mark.parametrize("case", list(FOLD_CASES))
+def test_decode_fold_matches_combine(device, tmp_path, monkeypatch, case):
+    """Decode token by token with the KV length split over 3 workgroups (forced: lavapipe's two
+    cores choose 1): the split merge folded into the attention (the default) and by the
+    combine dispatch (``VKXSPLIT_DISABLE=attn_fold``) give the same logits (the same merge
+    code: bit for bit here; within 1e-5 of the logit scale anywhere), and the folded ones match
+    the float64 reference; every layer and step shares the one counter buffer."""
+    from vkxsplit.gguf_model import load_model as load_gguf
+    from vkxsplit.ops import attention as at
+    from vkxsplit.ops.choose import kernels_for
+
+    arch, opts, n_tok = FOLD_CASES[case]
+    n_ctx = 64
+    path = write_arch(tmp_path / f"{case}.gguf", arch, **opts)
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, 64, n_tok)]
+    with load_gguf(path) as mf:
+        want = reference_forward_arch(mf, ids, n_ctx=n_ctx)
+    monkeypatch.setattr(at, "attention_splits", lambda *a, **k: 3)
+    folds: list[str] = []
+    name = at.attn_fold_name
+    monkeypatch.setattr(at, "attn_fold_name", lambda *a, **k: folds.append(name(*a, **k)) or folds[-1])
+    got = {}
+    for off in (frozenset(), frozenset({"attn_fold"})):
+        monkeypatch.setattr(device, "disabled", off)
+        monkeypatch.setenv("VKXSPLIT_DISABLE", ",".join(off))
+        folds.clear()
+        got[off] = run_logits(device, path, ids, n_ctx, 1)
+        assert bool(folds) == (not off), folds  # the fold was recorded, or not
+        if not off and opts["wtype"] == Q.Q8_0 and kernels_for(device).vecq_available:
+            assert set(folds) == {"attn_fold_q8_1_f16_f32_d64"}  # (with the q8_1 x)
+    fold, plain = got[frozenset()], got[frozenset({"attn_fold"})]
+    assert np.abs(fold - plain).max() <= 1e-5 * np.abs(plain).max()
+    if device.is_cpu:  # (lavapipe)
+        assert np.array_equal(fold, plain)
+    bound = REL_BOUND if opts["wtype"] == Q.F16 else 2.5e-2
+    assert check(fold, want, bound) is None, check(fold, want, bound)

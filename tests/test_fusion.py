@@ -13,7 +13,9 @@ expert products read the q8_1 x their producers write (the q8_1 pass over ``mul_
 params ``xq``/``vecq`` on the three products, ``xq``/``q8`` on the FFN norm and the MoE SwiGLU),
 where the hand-fusing builder left each product to quantize its own x inside its recorder;
 :func:`test_moe_decode_entry_differs_only_by_the_q8_x` checks that this is the entry's only
-difference from the graph the pass makes without it.
+difference from the graph the pass makes without it. And a second: decode attention nodes
+carry the hub's split-merge counters (param ``counters``, ``attn_counters``: the merge folded
+into the attention, docs/KERNELS.md), which the hand-fusing builder's graphs did not have.
 
 The fixture predates the SwiGLU pass (``fuse_glu``: gate/up mat-vecs + SwiGLU of decode ->
 ``mul_mat_swiglu``): its graphs are compared with that pass off, and

@@ -555,3 +555,154 @@ def test_attention_validation(seq, bufs):
     with pytest.raises(KernelError, match="K and V caches overlap"):
         record_kv_store(seq, A, A, P, K, K, 1, 1, 64, 4)
     assert seq.dispatches == 0
+
+
+# ------------------------------------------------------------------------------------------
+# the split merge folded into the attention (attention.comp with FOLD): the workgroup that
+# writes a (row block, kv head)'s last split merges it, counting the splits on a counter it
+# leaves at zero. The same merge code as attn_combine.comp (attn_combine.glsl): the same bits.
+
+FOLD_SHAPES = [  # n_tokens, n_heads, n_kv, head_dim, n_ctx, n_splits, cache offset
+    (1, 8, 2, 128, 512, 7, 0),      # attn_fold_f16_f32_d128, group 4
+    (1, 6, 2, 64, 640, 19, 0),      # _d64: the merge's loads 8 splits at a time (8, 8), then 3
+    (1, 4, 2, 64, 320, 150, 0),     # _d64, more splits than it keeps weights of (136): recomputed
+    (1, 6, 2, 64, 256, 5, 2),       # the generic kernel (offset not a multiple of 4)
+    (1, 4, 2, 96, 256, 3, 0),       # the generic kernel, head_dim 96 (a q8_1 row of 3 blocks)
+    (1, 4, 1, 256, 192, 3, 0),      # attn_fold_f16_f32_h256
+    (1, 32, 1, 64, 256, 4, 0),      # MQA: 32 rows, two row blocks of one kv head
+    (3, 8, 2, 128, 256, 5, 0),      # several tokens: rows of a block from different tokens
+]
+
+
+def _fold_case(device, bufs, rng, T, H, n_kv, D, n_ctx, S, off, positions, q8, fold_variant=None):
+    """Two sequences recorded once over the same inputs, the split merge folded and by the
+    combine dispatch, replayed at each of ``positions`` (new queries each time); returns per
+    replay (folded out, combined out, float64 reference, folded q8_1, combined q8_1, counters
+    after the replay)."""
+    from vkxsplit.ops.attention import attention_counter_bytes
+    from vkxsplit.ops.mul_mat import vecq_scratch_bytes
+
+    cache = Cache(bufs, rng, n_ctx, n_kv, D, n_ctx, off)
+    Q, P = bufs(T * H * D), bufs(1, np.int32)
+    nq = vecq_scratch_bytes(T, H * D)
+    runs = []
+    for fold in (True, False):
+        Out, Sc = bufs(T * H * D), bufs(attention_scratch_bytes(T, H, D, S) // 4)
+        C = bufs(attention_counter_bytes(T, H, n_kv) // 4, np.uint32)
+        C.numpy(np.uint32)[:] = 0
+        XQ = bufs(nq // 4 + 4) if q8 else None
+        s = Sequence(device, f"fold={fold}")
+        record_attention(s, Q, cache.K, cache.V, P, Out, T, H, n_kv, D, n_ctx, pos_offset=0, n_splits=S,
+                         scratch=Sc, k_cache_offset=off, v_cache_offset=off, xq=XQ, counters=C, fold=fold,
+                         fold_variant=fold_variant if fold else None)
+        s.end()
+        assert s.dispatches == (1 if fold else 2)
+        runs.append((s, Out, XQ, C))
+    got = []
+    try:
+        for pos0 in positions:
+            q = rng.standard_normal((T, H, D)).astype(np.float32)
+            put(Q, q)
+            put(P, np.array([pos0], np.int32))
+            outs = []
+            for s, Out, XQ, C in runs:
+                Out.numpy(np.float32)[:] = np.nan
+                if XQ is not None:
+                    XQ.numpy(np.uint8)[:] = 0xAB
+                s.run()
+                outs.append((get(Out, q.shape), None if XQ is None else XQ.numpy(np.uint8)[:nq].copy(),
+                             C.numpy(np.uint32).copy()))
+            ref = attention_ref(q, cache.k, cache.v, pos0, n_kv)
+            got.append((outs[0][0], outs[1][0], ref, outs[0][1], outs[1][1], outs[0][2]))
+    finally:
+        for s, *_ in runs:
+            s.wait()
+            s.close()
+    return got
+
+
+@pytest.mark.parametrize("shape", FOLD_SHAPES, ids=[f"T{s[0]}_H{s[1]}_{s[2]}_D{s[3]}_S{s[5]}_o{s[6]}"
+                                                    for s in FOLD_SHAPES])
+def test_attention_fold_matches_combine(device, bufs, rng, shape):
+    """The folded merge against the combine dispatch, each recorded once and replayed at three
+    positions (the counters must be back at zero after each replay for the next to be right):
+    the same bits, within the float64 reference's bound, every counter 0 afterwards; where the
+    output is also q8_1 (head_dim % 32 == 0), the fold's blocks are the combine's bytes, which
+    are the separate quantize kernel's (test_attention_q8_1_output)."""
+    T, H, n_kv, D, n_ctx, S, off = shape
+    q8 = D % 32 == 0
+    positions = [n_ctx - T - 1, n_ctx // 2 + 5, n_ctx // 3]
+    for i, (fo, co, ref, fq, cq, cnt) in enumerate(_fold_case(device, bufs, rng, T, H, n_kv, D, n_ctx, S, off,
+                                                             positions, q8)):
+        assert not np.isnan(fo).any(), f"replay {i}: the fold left outputs unwritten"
+        assert np.array_equal(fo.view(np.uint32), co.view(np.uint32)), (i, np.abs(fo - co).max())
+        check(fo, ref, 4.5, f"fold replay {i} pos0={positions[i]}")
+        assert (cnt == 0).all(), f"replay {i}: counters left at {cnt}"
+        if q8:
+            assert np.array_equal(fq, cq), f"replay {i}: the fold's q8_1 blocks differ from the combine's"
+
+
+def test_attention_fold_q8_1_is_quantize_of_the_output(seq, bufs, rng):
+    """The fold's q8_1 output is the bytes quantize_q8_1 makes of its f32 output."""
+    from vkxsplit.ops.attention import attention_counter_bytes
+    from vkxsplit.ops.mul_mat import record_quantize_q8_1, vecq_scratch_bytes
+
+    T, H, n_kv, D, n_ctx, S, pos0 = 1, 8, 2, 128, 384, 6, 300
+    cache = Cache(bufs, rng, n_ctx, n_kv, D, pos0 + T)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    Q, Out, P = bufs(q.size), bufs(q.size), bufs(1, np.int32)
+    put(Q, q)
+    put(P, np.array([pos0], np.int32))
+    C = bufs(attention_counter_bytes(T, H, n_kv) // 4, np.uint32)
+    C.numpy(np.uint32)[:] = 0
+    nq = vecq_scratch_bytes(T, H * D)
+    XQ, XQ2 = bufs(nq // 4 + 16), bufs(nq // 4 + 16)
+    XQ.numpy(np.uint8)[:] = 0xAB
+    record_attention(seq, Q, cache.K, cache.V, P, Out, T, H, n_kv, D, n_ctx, n_splits=S, xq=XQ, counters=C,
+                     scratch=bufs(attention_scratch_bytes(T, H, D, S) // 4))
+    record_quantize_q8_1(seq, Out, XQ2, T, H * D, H * D, 0)
+    assert seq.dispatches == 2
+    seq.run()
+    check(get(Out, q.shape), attention_ref(q, cache.k, cache.v, pos0, n_kv), 4.5, "fold q8_1")
+    got = XQ.numpy(np.uint8)
+    assert np.array_equal(got[:nq], XQ2.numpy(np.uint8)[:nq]), "fold and separate quantization differ"
+    assert (got[nq:] == 0xAB).all(), "wrote past the scratch"
+
+
+def test_attention_fold_without_reset_fails_the_next_replay(device, bufs, rng, tool_kernels):
+    """A fold that never resets its counters (tools/kernels.py ATTN_FOLD_NORESET) is right once,
+    then no workgroup of the next replay sees itself last: the outputs stay poisoned. The
+    replay check above tells a missing reset."""
+    from kernels import ATTN_FOLD_NORESET
+
+    tool_kernels(ATTN_FOLD_NORESET)
+    runs = _fold_case(device, bufs, rng, 1, 8, 2, 128, 256, 3, 0, [200, 201], False, fold_variant=ATTN_FOLD_NORESET)
+    (fo, co, ref, _, _, cnt), (fo2, co2, _, _, _, cnt2) = runs
+    assert np.array_equal(fo, co) and (cnt == 3).all()
+    assert np.isnan(fo2).all() and not np.isnan(co2).any() and (cnt2 == 6).all()
+
+
+def test_attention_fold_switch_and_checks(device, seq, bufs, monkeypatch):
+    """``VKXSPLIT_DISABLE=attn_fold`` (the device's disabled set) records the combine dispatch;
+    with counters and the switch on, one dispatch; counters that are too short or share bytes
+    with another operand are refused."""
+    from vkxsplit.ops.attention import attention_counter_bytes
+
+    T, H, n_kv, D, n_ctx, S = 1, 8, 2, 64, 256, 4
+    A, K, P, Out = bufs(H * D), bufs(n_ctx * n_kv * D, np.float16), bufs(1, np.int32), bufs(H * D)
+    Sc = bufs(attention_scratch_bytes(T, H, D, S) // 4 + 8)
+    C = bufs(attention_counter_bytes(T, H, n_kv) // 4, np.uint32)
+    args = (seq, A, K, K, P, Out, T, H, n_kv, D, n_ctx)
+    record_attention(*args, n_splits=S, scratch=Sc, counters=C)
+    assert seq.dispatches == 1
+    monkeypatch.setattr(device, "disabled", frozenset({"attn_fold"}))
+    record_attention(*args, n_splits=S, scratch=Sc, counters=C)
+    assert seq.dispatches == 3
+    monkeypatch.setattr(device, "disabled", frozenset())
+    record_attention(*args, n_splits=1, counters=C)  # (one split: nothing to merge)
+    assert seq.dispatches == 4
+    with pytest.raises(KernelError, match="counters .*needs"):
+        record_attention(*args, n_splits=S, scratch=Sc, counters=bufs(attention_counter_bytes(T, H, n_kv) // 4 - 1))
+    with pytest.raises(KernelError, match="counters overlap scratch"):
+        record_attention(*args, n_splits=S, scratch=Sc, counters=Sc)
+    assert seq.dispatches == 4

@@ -275,6 +275,11 @@ VECQ_GLU_EXTRA: dict[str, tuple[str, VecqConfig]] = {
 #: shared memory holds no emulated head_dim 128): name -> (head_dim, block)
 ATTN_CM_EMU: dict[str, tuple[int, int]] = {attn.attn_cm_name(64, bc, emulate=True): (64, bc) for bc in (16, 32)}
 
+#: the folded split merge of head_dim 128 that never resets its counters: a deliberately broken
+#: kernel (tests/test_ops_attention.py shows the replay check fails it)
+ATTN_FOLD_NORESET = "attn_fold_f16_f32_d128_noreset"
+_ATTN_FOLD_NORESET = attn.make_attn_variant("_d128", "attn_fold_", {"FOLD_KEEP_COUNT": "1"}, "_noreset")
+
 
 def all_declared() -> dict[str, Variant]:
     """Every variant of the tables above, probes and flag waits included (shipped ones too)."""
@@ -288,6 +293,7 @@ def all_declared() -> dict[str, Variant]:
           + [moe.make_vecq_id_variant(n, t, c) for n, (t, c) in VECQ_ID_SWEEP.items()]
           + [mm.make_vecq_glu_variant(n, t, c) for n, (t, c) in VECQ_GLU_EXTRA.items()]
           + [attn.make_attn_cm_variant(hd, bc, emulate=True) for hd, bc in ATTN_CM_EMU.values()]
+          + [_ATTN_FOLD_NORESET]
           + CM2_CHECK_VARIANTS + probes.VARIANTS + flags.VARIANTS)
     return {v.name: v for v in vs}
 
@@ -358,7 +364,7 @@ def ensure(select: str | Callable[[str], bool] | None = None, out: Path = OUT_DI
 
 
 __all__ = ["CM2_ALL_TILES", "CM2_CHECK_VARIANTS", "COOP_ID_EMU_EXTRA", "COOP_ID_SWEEP_TILES", "COOP_ID_SWEEP_TYPES",
-           "COOP_ID_VARIANTS", "VECQ_ID_SWEEP", "ATTN_CM_EMU", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
+           "COOP_ID_VARIANTS", "VECQ_ID_SWEEP", "ATTN_CM_EMU", "ATTN_FOLD_NORESET", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
            "COOP_ALL_TILES", "COOP_EMU_EXTRA", "COOP_EMU_TILE", "COOP_EMU_VARIANTS", "COOP_SWEEP_TILES",
            "COOP_SWEEP_TYPES", "COOP_VARIANTS", "OUT_DIR", "VECQ_GLU_EXTRA", "VECQ_SWEEP", "VEC_SWEEP", "VEC_WIDE", "WIDE_K",
            "WideConfig", "all_declared", "build", "compiler_available", "ensure", "load", "tool_variants"]

@@ -130,7 +130,8 @@ class Builder:
         self.split_kv: dict[str, Any] = {}
         if T == 1:
             self.split_kv = {"n_splits": m.decode_splits,
-                             "scratch": Tensor("attn_scratch", (1,), "f32", m.attn_scratch)}
+                             "scratch": Tensor("attn_scratch", (1,), "f32", m.attn_scratch),
+                             "counters": Tensor("attn_counters", (1,), "i32", m.attn_counters)}
         # RoPE frequency factors: llama 3.x's rope_freqs, else phi3's long factors when the
         # context exceeds the original one (rope.scaling.original_context_length, else
         # context_length), its short ones otherwise (llama.cpp's get_rope_factors)

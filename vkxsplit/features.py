@@ -11,6 +11,8 @@
 - ``splitk``: cooperative-matrix products never split K
 - ``attn_coopmat``: prefill-sized attention runs the f32 tiled kernel, not the
   cooperative-matrix one (``coopmat`` switches it off too)
+- ``attn_fold``: decode attention merges its KV splits in a separate ``attn_combine`` dispatch
+  (one more barrier level per layer), not in the attention's last split workgroup
 - ``fusion``: the model graph without fused kernels: every fusion pass below off
 - ``bf16_reduce``: the row split's all-reduce sends its partial sums in f32 at every size (no
   bf16 compression of the large ones: :mod:`vkxsplit.hubs`)
@@ -62,6 +64,7 @@ FEATURES: dict[str, str] = {
     "dq16": "quantized products never dequantize the weights to f16 rows first",
     "splitk": "cooperative-matrix products never split K",
     "attn_coopmat": "prefill attention on the f32 tiled kernel (no cooperative-matrix attention)",
+    "attn_fold": "decode attention's KV splits merged by a separate attn_combine dispatch (not folded in)",
     "fusion": "the model graph without fused kernels (every fusion pass off)",
     "bf16_reduce": "the row split's all-reduce partials cross in f32 at every size (no bf16 compression)",
     "cpu_repack": "the cpu backend reads every weight as stored (no repacked copy in ggml-cpu's interleaved layout)",

@@ -116,7 +116,7 @@ class DecodeQ8:
     once, before its first such reader, and shared by the rest (q/k/v, gate/up, the experts'
     gate/up with the router when it reads q8_1 too) until something rewrites x: by the node
     that made x where it can write q8_1 too (a norm with a weight, add_rms_norm, swiglu (also
-    the MoE's, over T * n_used rows), and attention, whose KV-split combine writes it: no extra
+    the MoE's, over T * n_used rows), and attention, whose KV-split merge writes it: no extra
     dispatch or barrier level; not with ``fuse`` off), else by a ``quantize_q8_1`` node. A
     reader's x is the x quantized when it covers the same bytes with the same rows and columns
     (the experts read the norm's (T, n_embd) output as (T, 1, n_embd)). All q8_1 data lives

@@ -416,7 +416,12 @@ class HubShare:
             sizes.update(moe_act_cols(hp.moe, E, T))
         act_shared = bool(self.backends)
         self.act = {k: self._alloc(T * c * f32, "device", k, shared=act_shared) for k, c in sizes.items()}
-        from .ops.attention import attention_scratch_bytes, attention_splits, decode_target_workgroups
+        from .ops.attention import (
+            attention_counter_bytes,
+            attention_scratch_bytes,
+            attention_splits,
+            decode_target_workgroups,
+        )
 
         # decode attention splits the KV length over workgroups (flash-decoding), as many as
         # fill the device
@@ -427,6 +432,16 @@ class HubShare:
             shared=st)
         if st:
             self.attn_scratch = self._view(self.attn_scratch)
+        # the split merge folded into decode attention counts each (row block, kv head)'s
+        # finished splits here: a buffer of its own (no other tensor or scratch may share these
+        # bytes), zeroed once now; every attention dispatch leaves it zeroed again, so all
+        # layers and every replay share it. Only hub kernels use it; shared as the scratch is
+        # (a backend that runs the attention node takes what the node writes)
+        cnt = self._alloc(attention_counter_bytes(1, hp.n_head, hp.n_head_kv), "device", "attn_counters", shared=st)
+        if not isinstance(cnt, DryBuffer):
+            hub_buf = getattr(cnt, "buffer", cnt)  # (a SharedBuffer: the buffer the hub binds)
+            hub_buf.write(np.zeros(hub_buf.size, np.uint8))
+        self.attn_counters = self._view(cnt) if st else cnt
         # decode: x quantized to q8_1 for the integer-dot-product mat-vecs (hub only; one
         # scratch reused by every quantize node: each one's readers come before the next)
         from .ops.mul_mat import vecq_scratch_bytes

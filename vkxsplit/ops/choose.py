@@ -275,6 +275,12 @@ class DeviceKernels:
         return self.coopmat and not ({"coopmat", "attn_coopmat"} & self.disabled)
 
     @property
+    def attn_fold_available(self) -> bool:
+        """Attention merges its KV splits in the workgroup of each block's last split (the
+        fold, ``attention.comp`` with FOLD), ``attn_fold`` not switched off."""
+        return "attn_fold" not in self.disabled
+
+    @property
     def coopmat2_available(self) -> bool:
         """mul_mat_cm2 (VK_NV_cooperative_matrix2 enabled with what the kernel needs, a
         flexible f16 shape for the default tiling), neither ``coopmat`` nor ``coopmat2`` off."""

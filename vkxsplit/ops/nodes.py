@@ -251,11 +251,12 @@ def _kv_store(seq: Sequence, n: Node) -> None:
 def _attention(seq: Sequence, n: Node) -> None:
     q, ck, cv, pos = n.inputs
     p = n.params
-    scratch = p.get("scratch")
+    scratch, counters = p.get("scratch"), p.get("counters")
     record_attention(seq, q.buffer, ck.buffer, cv.buffer, pos.buffer, n.output.buffer, q.rows, p["n_heads"],
                      p["n_kv_heads"], p["head_dim"], p["n_ctx"], n_splits=p.get("n_splits", 1),
                      scratch=scratch.buffer if scratch is not None else None, scale=p.get("scale"),
-                     window=p.get("window", 0), xq=p["xq"].buffer if p.get("xq") is not None else None)
+                     window=p.get("window", 0), xq=p["xq"].buffer if p.get("xq") is not None else None,
+                     counters=counters.buffer if counters is not None else None)
 
 
 @register("cpy")
