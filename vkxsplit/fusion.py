@@ -41,24 +41,30 @@ from .graph import Graph, Node, Tensor, overlap, span
 __all__ = ["DecodeQ8", "decode_q8_x", "fuse_add_rms_norm", "fuse_mul_mat_swiglu", "fuse_rope_kv_store", "optimize"]
 
 
-def _pairs(g: Graph, fuse: Callable[[Node, Node], Node | None]) -> int:
-    """Replace each adjacent pair (a, b) of ``g``'s nodes for which ``fuse(a, b)`` gives a node
-    by that node; returns how many. Only adjacent pairs: a fused node runs where the first of
-    its pair ran, so a node between them (reading or writing what they touch) would see the
-    work of both done early."""
+def _runs(g: Graph, width: int, fuse: Callable[[int], Node | None]) -> int:
+    """Replace each run of ``width`` adjacent nodes of ``g`` starting at index ``i`` for which
+    ``fuse(i)`` gives a node by that node; returns how many. Only adjacent nodes: a fused node
+    runs where the first of its run ran, so a node between them (reading or writing what they
+    touch) would see the work of all of them done early."""
     out: list[Node] = []
     nodes, i, n = g.nodes, 0, 0
     while i < len(nodes):
-        f = fuse(nodes[i], nodes[i + 1]) if i + 1 < len(nodes) else None
+        f = fuse(i) if i + width <= len(nodes) else None
         if f is None:
             out.append(nodes[i])
             i += 1
         else:
             out.append(f)
-            i += 2
+            i += width
             n += 1
     g.nodes = out
     return n
+
+
+def _pairs(g: Graph, fuse: Callable[[Node, Node], Node | None]) -> int:
+    """:func:`_runs` of pairs: ``fuse(a, b)`` for adjacent nodes a, b."""
+    nodes = g.nodes
+    return _runs(g, 2, lambda i: fuse(nodes[i], nodes[i + 1]))
 
 
 def _residual_norm(a: Node, b: Node) -> Node | None:
@@ -290,19 +296,7 @@ def fuse_mul_mat_swiglu(g: Graph, variants: dict[str, str], max_range: int = 1 <
     product's output is never written. Returns how many."""
     if not variants:
         return 0
-    out: list[Node] = []
-    nodes, i, n = g.nodes, 0, 0
-    while i < len(nodes):
-        f = _glu(g, i, variants, max_range, out_scratch) if i + 2 < len(nodes) else None
-        if f is None:
-            out.append(nodes[i])
-            i += 1
-        else:
-            out.append(f)
-            i += 3
-            n += 1
-    g.nodes = out
-    return n
+    return _runs(g, 3, lambda i: _glu(g, i, variants, max_range, out_scratch))
 
 
 def optimize(g: Graph, device: Any, xq_scratch: Callable[[int], Any], backends: bool = False,
