@@ -1,8 +1,7 @@
 #version 450
 // attn_f16_f32: causal attention of f32 queries over an f16 KV cache, grouped-query heads,
 // flash-attention style (online softmax over blocks of BC cache positions), optionally split
-// over the KV length (flash-decoding) with attn_combine_f32 merging the splits, or the
-// attention itself (FOLD, below).
+// over the KV length (flash-decoding) with attn_combine_f32 merging the splits.
 //
 //   q   f32 [n_tokens, n_heads, head_dim] (token stride q_stride, heads contiguous)
 //   K,V f16 [n_ctx, n_kv, head_dim] (the cache; contiguous)
@@ -31,49 +30,8 @@
 //     vec4 shared memory tiles, register-blocked scores (2 rows x 2 positions per invocation)
 //     and output (PRT rows x 4 dims per invocation), 8-byte cache loads (cache offsets
 //     multiple of 4) issued one step ahead, softmax reductions spread over all invocations.
-//
-// FOLD = 1 (attn_fold_*, n_splits > 1): the combine folded in. Each workgroup writes its
-// partial, then counts itself done on its (row block, kv head)'s counter (binding 6, one uint
-// per row block and kv head, z * row_blocks + y; zero before the dispatch); the workgroup that
-// sees n_splits - 1 there (the last of its splits) merges the block's rows as
-// attn_combine.comp does (attn_combine.glsl: the same bits) and sets the counter back to 0, so
-// every dispatch leaves the counters as it found them (the next one, or the next replay of the
-// command buffer, starts from zero). With Q8 it also writes the output as q8_1 blocks (binding
-// 7, as attn_combine_q8_1_f32; head_dim % 32 == 0, dst rows contiguous).
-//
-// Memory ordering of the fold (GL_KHR_memory_scope_semantics, in SPIR-V's GLSL450 memory
-// model, where `coherent` accesses are made available / visible at device scope):
-// - every invocation writes its share of the partial (coherent: to the device-coherent level,
-//   not a private cache), then the workgroup meets at a control barrier whose memory
-//   semantics are acquire-release on buffer memory at *device* scope: each invocation's
-//   partial writes happen before anything invocation 0 does after the barrier;
-// - invocation 0 increments the counter with an acquire-release atomic at device scope: its
-//   release orders the workgroup's partial writes (by the barrier, transitively) before the
-//   increment; the increments of one counter form a single read-modify-write chain, so the
-//   workgroup whose increment reads n_splits - 1 acquires every earlier increment, and with it
-//   every other split's partial writes;
-// - it broadcasts "last" through shared memory across a second such control barrier, which
-//   carries that acquire to every invocation of the workgroup before any reads the partials
-//   (coherent reads: they see the device-coherent values, not stale lines of an incoherent L1).
-// The workgroups that are not last return without reading anything. The counter's reset is a
-// plain store: every increment of this dispatch happened before it, and the next dispatch
-// that uses the counters comes after a pipeline barrier (the recorded sequences put one
-// between commands that touch the same bytes, and one at the start of every submit).
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_control_flow_attributes : enable
-
-#ifndef FOLD
-#define FOLD 0
-#endif
-#ifndef Q8
-#define Q8 0
-#endif
-#if FOLD
-#extension GL_KHR_memory_scope_semantics : require
-#define PART_ACCESS coherent
-#else
-#define PART_ACCESS writeonly
-#endif
 
 
 #ifndef TILED
@@ -99,7 +57,7 @@ layout(std430, binding = 1) readonly buffer KC { uvec2 kc[]; };  // 4 f16 per el
 layout(std430, binding = 2) readonly buffer VC { uvec2 vc[]; };
 layout(std430, binding = 3) readonly buffer Pos { int pos[]; };
 layout(std430, binding = 4) writeonly buffer O { float o[]; };
-layout(std430, binding = 5) PART_ACCESS buffer Part { float part[]; };
+layout(std430, binding = 5) writeonly buffer Part { float part[]; };
 
 layout(push_constant) uniform Push {
     uint n_tokens;
@@ -127,17 +85,6 @@ shared float red_s[BR * 16u];  // per-row partial sums
 shared float salpha[BR];
 shared float sl[BR];
 shared float sm[BR];
-
-#if FOLD
-// the fold's merge keeps its split weights in skv and stages its outputs in sq (both free
-// once the block loop is done)
-#define CB_WS ((BC * KS * 4u) / 16u)
-#define CB_WGET(i) skv[(i) >> 2u][(i) & 3u]
-#define CB_WSET(i, v) skv[(i) >> 2u][(i) & 3u] = (v)
-#define CB_YGET(i) sq[(i) >> 2u][(i) & 3u]
-#define CB_YSET(i, v) sq[(i) >> 2u][(i) & 3u] = (v)
-#include "attn_fold.glsl"
-#endif
 
 vec4 unpack4(uvec2 u) { return vec4(unpackHalf2x16(u.x), unpackHalf2x16(u.y)); }
 
@@ -338,11 +285,6 @@ void main() {
         part[mb] = sm[tid];
         part[mb + 1u] = sl[tid];
     }
-#if FOLD
-    if (p.n_splits != 1u) {
-        fold(tid, r0, g, grp, nr);
-    }
-#endif
 }
 
 #else
@@ -360,7 +302,7 @@ layout(std430, binding = 1) readonly buffer KC { float16_t kc[]; };
 layout(std430, binding = 2) readonly buffer VC { float16_t vc[]; };
 layout(std430, binding = 3) readonly buffer Pos { int pos[]; };
 layout(std430, binding = 4) writeonly buffer O { float o[]; };
-layout(std430, binding = 5) PART_ACCESS buffer Part { float part[]; };
+layout(std430, binding = 5) writeonly buffer Part { float part[]; };
 
 layout(push_constant) uniform Push {
     uint n_tokens;
@@ -388,17 +330,6 @@ shared float sl[BR];                 // running sum per row
 shared float salpha[BR];             // rescale of the accumulators for this block
 shared uint slim[BR];                // exclusive end of the positions row r may see
 shared uint slo[BR];                 // first position row r may see (sliding window; else 0)
-
-#if FOLD
-// the fold's merge keeps its split weights in skv and stages its outputs in sq (both free
-// once the block loop is done)
-#define CB_WS ((BC * (DMAX + 1u)) / BR)
-#define CB_WGET(i) skv[i]
-#define CB_WSET(i, v) skv[i] = (v)
-#define CB_YGET(i) sq[i]
-#define CB_YSET(i, v) sq[i] = (v)
-#include "attn_fold.glsl"
-#endif
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -535,11 +466,6 @@ void main() {
         part[mb] = sm[tid];
         part[mb + 1u] = sl[tid];
     }
-#if FOLD
-    if (p.n_splits != 1u) {
-        fold(tid, r0, g, grp, nr);
-    }
-#endif
 }
 
 #endif

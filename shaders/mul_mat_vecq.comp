@@ -53,23 +53,12 @@
 // PROBE_NOX 2 (probe_vecq_noc_*): the RPT > 1 shapes with their weight loads only: no x, each
 // block's quant words and scale xor-folded to a byte, y = the row's sum of those bytes.
 // Defines: WTYPE (Q4_0, Q4_1, Q8_0, Q4_K or Q6_K), BLK, IDP, IDP_SAT, RPT, SG, KSUB, PROBE_NOX,
-// WLOAD5, GLU (what changes the code). Specialization constants: WG (constant_id 0, also the
+// WLOAD5 (what changes the code). Specialization constants: WG (constant_id 0, also the
 // workgroup size), NR, UNR, MAXM (shapes of one code path share a module); the host checks
 // what the kernel needs of them (WG % NR == 0, NR RPT MAXM <= WG: ops/mul_mat_kernels.py
 // make_vecq_variant).
 // Push constants as mul_mat_vec.comp (M, N, K, y_stride, y_offset, w_row0, y_col0 used).
 // Workgroups: ceil(N / (NR RPT)) folded into (x, y) as x + y * gl_NumWorkGroups.x.
-//
-// Gate and up with the SwiGLU in the epilogue (GLU=1, mul_mat_vecq_swiglu_*: ops/mul_mat.py
-// record_mul_mat_vecq_swiglu): a thread works on its rows of two weight tensors, gate (binding
-// 0) and up (binding 3, the same row layout), each x block's loads serving both (RT = 2 RPT
-// rows per thread, the gate's first: the weight binding of each unrolled row is a constant);
-// the workgroup's NR RPT rows of each are summed over their teams in shared memory (a tree
-// over the L lanes, L a power of two), then y[n] = silu(g_n) u_n as swiglu_q8_1 computes it
-// and, with flags bit 0 (GLU_Q8), the same bits as q8_1 blocks into binding 4 (q8_1.glsl's
-// q8_1_store: bit-identical to quantize_q8_1 of y; the host keeps NR RPT a multiple of 32,
-// so a workgroup's rows are whole blocks, and N % 32 == 0 with GLU_Q8). M = 1 (MAXM 1), no
-// MUL_MAT_ID, SG 0. Workgroups as the plain mat-vec's (ceil(N / (NR RPT))).
 //
 // Routed expert product (MUL_MAT_ID=1, MAXM 1: mul_mat_id's decode path, vkxsplit/ops/moe.py):
 // workgroup (x, y) computes rows x NR RPT .. of pair y = t n_used + s (no folded grid) of
@@ -162,44 +151,6 @@ layout(constant_id = 3) const uint MAXM = 1;  // columns of x handled per pass
 #if (WTYPE == WT_Q4_1 || WTYPE == WT_Q4_K || WTYPE == WT_Q6_K) && BLK != 1
 #error "Q4_1, Q4_K, Q6_K: BLK 1 only"
 #endif
-#ifndef GLU
-#define GLU 0
-#endif
-#if GLU && (MUL_MAT_ID || PROBE_NOX || SG)
-#error "GLU: the plain mat-vec (no MUL_MAT_ID, PROBE_NOX) with the SG 0 reduction"
-#endif
-#if GLU
-#define NP 2u  // products: gate (s = 0, binding 0) and up (s = 1, binding 3)
-#else
-#define NP 1u
-#endif
-#define RT (NP * RPT)  // rows per thread: row i of product i / RPT, row row0 + r + (i % RPT) NR
-// FOR_PRODUCTS(s) { ... }: the block once per product s (one product: s = 0, no loop)
-// RPT > 1: row i (< RT) of a thread is row ROWI(i) (< RPT) of product PROD(i)
-#if GLU
-#define FOR_PRODUCTS(s) [[unroll]] for (uint s = 0u; s < NP; ++s)
-#define PROD(i) ((i) / RPT)
-#define ROWI(i) ((i) % RPT)
-#else
-#define FOR_PRODUCTS(s) const uint s = 0u;
-#define PROD(i) 0u
-#define ROWI(i) (i)
-#endif
-
-// The weight words of product s (0 or 1; a constant wherever a kernel names it: unrolled loops and
-// inlined calls, so each load reads one binding)
-#if GLU
-layout(std430, binding = 3) readonly buffer UHalves { uint16_t u_u16[]; };
-layout(std430, binding = 3) readonly buffer UWords { uint u_u32[]; };
-layout(std430, binding = 3) readonly buffer UQWords { uvec4 u_u128[]; };
-#define W16(s, i) ((s) == 0u ? w_u16[i] : u_u16[i])
-#define W32(s, i) ((s) == 0u ? w_u32[i] : u_u32[i])
-#define W128(s, i) ((s) == 0u ? w_u128[i] : u_u128[i])
-#else
-#define W16(s, i) w_u16[i]
-#define W32(s, i) w_u32[i]
-#define W128(s, i) w_u128[i]
-#endif
 
 #if IDP
 // OpSDot / OpSDotAccSat with PackedVectorFormat4x8Bit (0): capabilities DotProduct (6019),
@@ -255,19 +206,7 @@ layout(push_constant) uniform Push {
 #define VQ_Y(m, n) (p.y_offset + (m) * p.y_stride + p.y_col0 + n)   // (n unparenthesised: the sum as written before the macro)
 #endif
 
-#if GLU
-// each row's partials, summed in place over its team (the tree of the epilogue)
-shared float gred[RT][WG];
-layout(std430, binding = 4) writeonly buffer GXQ { uint glu_xq[]; };
-layout(std430, binding = 4) writeonly buffer GXQM { uvec2 glu_xqm[]; };
-#define GLU_Q8 1u  // flags: write y as q8_1 blocks too
-#define Q8_WG WG
-#define xq glu_xq
-#define xqm glu_xqm
-#include "q8_1.glsl"
-#undef xq
-#undef xqm
-#elif SG
+#if SG
 // one partial per (row, column) and subgroup: sized for the worst case of 1-wide subgroups
 shared float sgred[NR * RPT * MAXM][WG];
 #else
@@ -276,10 +215,10 @@ shared float red[MAXM][WG];
 
 uint xbk[MAXM];      // first x block of each column (columns >= M repeat M - 1)
 uint mbase;          // first meta uvec2 (4 * M * nb)
-float acc[NP][MAXM];  // (product, column)
+float acc[MAXM];
 
-// one weight block of product pr (scale dw, Q4_1's min mw, quant words q) at block index g of the row
-void block(uint pr, float dw, float mw, const uint q[QW], uint g) {
+// one weight block (scale dw, Q4_1's min mw, quant words q) at block index g of the row
+void block(float dw, float mw, const uint q[QW], uint g) {
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
         const uint xb = xbk[m] + g;
         const uvec4 x0 = xq4[2u * xb];
@@ -299,13 +238,13 @@ void block(uint pr, float dw, float mw, const uint q[QW], uint g) {
             s = dot4(q[j] & 0x0F0F0F0Fu, X[j], s);
             s = dot4((q[j] >> 4) & 0x0F0F0F0Fu, X[j + 4u], s);
         }
-        acc[pr][m] = fma(mw * uintBitsToFloat(meta.x), float(int(meta.y)), acc[pr][m]);
+        acc[m] = fma(mw * uintBitsToFloat(meta.x), float(int(meta.y)), acc[m]);
 #else
         [[unroll]] for (uint j = 0u; j < 8u; ++j) {
             s = dot4(q[j], X[j], s);
         }
 #endif
-        acc[pr][m] = fma(dw * uintBitsToFloat(meta.x), float(s), acc[pr][m]);
+        acc[m] = fma(dw * uintBitsToFloat(meta.x), float(s), acc[m]);
     }
 }
 
@@ -315,8 +254,8 @@ uint funnel16(uint lo, uint hi) {
 }
 
 #if BLK == 8
-// one group of 8 blocks of product pr (words from the group's first byte), first block index g0
-void group(uint pr, const uvec4 q4[GW], uint g0) {
+// one group of 8 blocks (words from the group's first byte), first block index g0
+void group(const uvec4 q4[GW], uint g0) {
     uint w[GQ];
     [[unroll]] for (uint i = 0u; i < GW; ++i) {
         w[4u * i] = q4[i].x;
@@ -334,41 +273,41 @@ void group(uint pr, const uvec4 q4[GW], uint g0) {
         [[unroll]] for (uint j = 0u; j < QW; ++j) {
             q[j] = odd ? w[w0 + 1u + j] : funnel16(w[w0 + j], w[w0 + j + 1u]);
         }
-        block(pr, odd ? dd.y : dd.x, 0.0, q, g0 + b);
+        block(odd ? dd.y : dd.x, 0.0, q, g0 + b);
     }
 }
 #else
-// the QW + 1 words of block G of product pr's weight tensor (G: global block index) from the
-// word holding its first byte; the last word from two halfwords (never past the block)
-void load_block(uint pr, uint G, out uint w[QW + 1u]) {
+// the QW + 1 words of block G of the weight tensor (G: global block index) from the word
+// holding its first byte; the last word from two halfwords (never past the block)
+void load_block(uint G, out uint w[QW + 1u]) {
 #if WTYPE == WT_Q4_1
     [[unroll]] for (uint i = 0u; i <= QW; ++i) {
-        w[i] = W32(pr, 5u * G + i);  // (d, m), then the quants
+        w[i] = w_u32[5u * G + i];  // (d, m), then the quants
     }
     return;
 #endif
     const uint hb = HB * G;  // halfword index of the block
     const uint wb = hb >> 1;
     [[unroll]] for (uint i = 0u; i < QW; ++i) {
-        w[i] = W32(pr, wb + i);
+        w[i] = w_u32[wb + i];
     }
 #if WLOAD5
     // the word after: whole inside the block for odd hb; for even hb its low half is the
     // block's last two bytes (all decode_block / unpack_block use of it), its high half the next
     // block's or, after the binding's last row, bytes the host checked the binding holds
-    w[QW] = W32(pr, wb + QW);
+    w[QW] = w_u32[wb + QW];
     return;
 #endif
-    const uint lo = uint(W16(pr, hb + HB - 2u));
-    const uint hi = uint(W16(pr, hb + HB - 1u));
+    const uint lo = uint(w_u16[hb + HB - 2u]);
+    const uint hi = uint(w_u16[hb + HB - 1u]);
     w[QW] = (hb & 1u) != 0u ? (lo | (hi << 16)) : hi;
 }
 
-void decode_block(uint pr, const uint w[QW + 1u], uint G, uint g) {
+void decode_block(const uint w[QW + 1u], uint G, uint g) {
 #if WTYPE == WT_Q4_1
     const vec2 dm = unpackHalf2x16(w[0]);
     const uint q1[QW] = uint[QW](w[1], w[2], w[3], w[4]);
-    block(pr, dm.x, dm.y, q1, g);
+    block(dm.x, dm.y, q1, g);
     return;
 #endif
     const bool odd = ((HB * G) & 1u) != 0u;  // block starts 2 bytes past a word boundary
@@ -377,18 +316,17 @@ void decode_block(uint pr, const uint w[QW + 1u], uint G, uint g) {
     [[unroll]] for (uint j = 0u; j < QW; ++j) {
         q[j] = odd ? w[j + 1u] : funnel16(w[j], w[j + 1u]);
     }
-    block(pr, odd ? dd.y : dd.x, 0.0, q, g);
+    block(odd ? dd.y : dd.x, 0.0, q, g);
 }
 #endif
 
 #if RPT > 1
-// RPT rows per thread (rows row0 + r + i NR, i < RPT; with GLU RT = 2 RPT, the up rows after
-// the gate rows): each x block's loads (two uvec4 and its meta) serve RT weight blocks instead
-// of one
-#if !SG && !GLU
+// RPT rows per thread (rows row0 + r + i NR, i < RPT): each x block's loads (two uvec4 and its
+// meta) serve RPT weight blocks instead of one
+#if !SG
 shared float red2[RPT][MAXM][WG];
 #endif
-float accr[RT][MAXM];
+float accr[RPT][MAXM];
 
 // scale and quant words of a BLK-1 block from its QW + 1 loaded words (as decode_block)
 void unpack_block(const uint w[QW + 1u], uint G, out float d, out uint q[QW]) {
@@ -400,12 +338,12 @@ void unpack_block(const uint w[QW + 1u], uint G, out float d, out uint q[QW]) {
     d = odd ? dd.y : dd.x;
 }
 
-// block index g of RT rows (scales d[i], quant words q[i]) against x block g of each column
-void block_rows(const float d[RT], const uint q[RT][QW], uint g) {
+// block index g of RPT rows (scales d[i], quant words q[i]) against x block g of each column
+void block_rows(const float d[RPT], const uint q[RPT][QW], uint g) {
 #if PROBE_NOX == 2
     // (probe_vecq_noc_*: the weights' loads alone; the xor of the block's quant bytes and of
     // the 4 bytes of its scale as f32, summed per row: exact in f32 below 2^24 / 255 blocks)
-    [[unroll]] for (uint i = 0u; i < RT; ++i) {
+    [[unroll]] for (uint i = 0u; i < RPT; ++i) {
         uint v = floatBitsToUint(d[i]);
         [[unroll]] for (uint j = 0u; j < QW; ++j) {
             v ^= q[i][j];
@@ -432,7 +370,7 @@ void block_rows(const float d[RT], const uint q[RT][QW], uint g) {
 #endif
         const uint X[8] = uint[8](x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w);
         const float dx = uintBitsToFloat(meta.x);
-        [[unroll]] for (uint i = 0u; i < RT; ++i) {
+        [[unroll]] for (uint i = 0u; i < RPT; ++i) {
             int s = 0;
 #if WTYPE == WT_Q4_0
             [[unroll]] for (uint j = 0u; j < 4u; ++j) {
@@ -462,7 +400,7 @@ uint scb(const uint sc[3], uint b) {
 // sub-blocks of 32 line up with 8 q8_1 blocks of x. Sub-block j: w = d sc_j n - dmin m_j, so
 // sum w x = d sc_j dx sum n q - dmin m_j dx sum q (the x block sum). Bytes 32c..32c+31 of the
 // nibbles hold sub-block 2c (low nibbles) and 2c + 1 (high nibbles).
-void kquarter(uint pr, const uvec4 hd, const uvec4 qa, const uvec4 qb, uint sb, uint c) {
+void kquarter(const uvec4 hd, const uvec4 qa, const uvec4 qb, uint sb, uint c) {
     // quarter c of super-block sb: header hd (d, dmin; scale bytes 0-3, 4-7, 8-11) and nibble
     // bytes 32c..32c+31 (qa, qb) = sub-blocks 2c (low nibbles) and 2c + 1 (high); ggml's
     // get_scale_min_k4 branch-free (sub-blocks 4-7: the nibbles of bytes 8-11 with the top
@@ -487,15 +425,15 @@ void kquarter(uint pr, const uvec4 hd, const uvec4 qa, const uvec4 qb, uint sb, 
                 s = dot4((W[k] >> (4u * h)) & 0x0F0F0F0Fu, X[k], s);
             }
             const float dx = uintBitsToFloat(meta.x);
-            acc[pr][m] = fma(dsc * dx, float(s), acc[pr][m]);
-            acc[pr][m] = fma(-dmn * dx, float(int(meta.y)), acc[pr][m]);
+            acc[m] = fma(dsc * dx, float(s), acc[m]);
+            acc[m] = fma(-dmn * dx, float(int(meta.y)), acc[m]);
         }
     }
 }
 
-void superblock(uint pr, const uvec4 v[9], uint sb) {
+void superblock(const uvec4 v[9], uint sb) {
     [[unroll]] for (uint c = 0u; c < 4u; ++c) {
-        kquarter(pr, v[0], v[1u + 2u * c], v[2u + 2u * c], sb, c);
+        kquarter(v[0], v[1u + 2u * c], v[2u + 2u * c], sb, c);
     }
 }
 #endif
@@ -514,25 +452,25 @@ uint bw6(const bool odd, const uint lo, const uint hi) {
 // byte 64h + 32(c & 1) + l and bits 2c.. of qh byte 32h + l, scale 8h + 2c for l < 16, + 1 after
 // (ggml's dequantize_row_q6_K). The code minus 32 fits a signed byte: four at a time as
 // ((q | 0x80) - 0x20) ^ 0x80 per byte (no borrow crosses a byte).
-void superblock6(uint pr, uint G, uint sb) {
+void superblock6(uint G, uint sb) {
     const uint hb = 105u * G;            // halfword index of the block
     const uint wb = hb >> 1;             // word holding its first byte
     const bool odd = (hb & 1u) != 0u;    // the block starts 2 bytes into that word
-    const float d = unpackHalf2x16(uint(W16(pr, hb + 104u))).x;
+    const float d = unpackHalf2x16(uint(w_u16[hb + 104u])).x;
     [[unroll]] for (uint h = 0u; h < 2u; ++h) {
         // raw words: ql bytes 64h.. (16 words + 1), qh bytes 128 + 32h.. (8 + 1), scales
         // 192 + 8h.. (2 + 1; the last only for an odd start: it holds d's bytes then, and
         // lies past the block for an even one)
         uint rq[17], rh[9], rs[3];
         [[unroll]] for (uint i = 0u; i < 17u; ++i) {
-            rq[i] = W32(pr, wb + 16u * h + i);
+            rq[i] = w_u32[wb + 16u * h + i];
         }
         [[unroll]] for (uint i = 0u; i < 9u; ++i) {
-            rh[i] = W32(pr, wb + 32u + 8u * h + i);
+            rh[i] = w_u32[wb + 32u + 8u * h + i];
         }
-        rs[0] = W32(pr, wb + 48u + 2u * h);
-        rs[1] = W32(pr, wb + 49u + 2u * h);
-        rs[2] = (odd || h == 0u) ? W32(pr, wb + 50u + 2u * h) : 0u;
+        rs[0] = w_u32[wb + 48u + 2u * h];
+        rs[1] = w_u32[wb + 49u + 2u * h];
+        rs[2] = (odd || h == 0u) ? w_u32[wb + 50u + 2u * h] : 0u;
         uint QL[16], QH[8];
         [[unroll]] for (uint i = 0u; i < 16u; ++i) {
             QL[i] = bw6(odd, rq[i], rq[i + 1u]);
@@ -562,7 +500,7 @@ void superblock6(uint pr, uint G, uint sb) {
                     s1 = dot4(R[k + 4u], X[k + 4u], s1);
                 }
                 // |sa s0 + sbb s1| <= 2 * 128 * 16 * 32 * 127 < 2^24: exact in f32
-                acc[pr][m] = fma(d * uintBitsToFloat(meta.x), float(sa * s0 + sbb * s1), acc[pr][m]);
+                acc[m] = fma(d * uintBitsToFloat(meta.x), float(sa * s0 + sbb * s1), acc[m]);
             }
         }
     }
@@ -603,45 +541,38 @@ void main() {
 #if MUL_MAT_ID
     mbase = 4u * p.T * p.n_xb * nb;
     xbk[0] = ((pair / p.n_used) * p.n_xb + (p.n_xb > 1u ? pair % p.n_used : 0u)) * nb;
-    acc[0][0] = 0.0;
+    acc[0] = 0.0;
 #else
     mbase = 4u * p.M * nb;
 
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
         xbk[m] = min(m, p.M - 1u) * nb;
-        FOR_PRODUCTS(s) {
-            acc[s][m] = 0.0;
-        }
+        acc[m] = 0.0;
     }
 #endif
 
 #if RPT > 1
-    uint G0[RPT];  // global index of the first block of each of this thread's rows (of each product)
+    uint G0[RPT];  // global index of the first block of each of this thread's rows
     [[unroll]] for (uint i = 0u; i < RPT; ++i) {
         G0[i] = (VQ_W0 + min(row0 + r + i * NR, p.N - 1u)) * nb;
         [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
             accr[i][m] = 0.0;
         }
     }
-#if GLU
-    [[unroll]] for (uint i = RPT; i < RT; ++i) {
-        accr[i][0] = 0.0;
-    }
-#endif
     for (uint g0 = lane; g0 < nb; g0 += UNR * L) {
-        uint w[UNR][RT][QW + 1u];
+        uint w[UNR][RPT][QW + 1u];
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
-            [[unroll]] for (uint i = 0u; i < RT; ++i) {
-                load_block(PROD(i), G0[ROWI(i)] + min(g0 + u * L, nb - 1u), w[u][i]);
+            [[unroll]] for (uint i = 0u; i < RPT; ++i) {
+                load_block(G0[i] + min(g0 + u * L, nb - 1u), w[u][i]);
             }
         }
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
             const uint g = g0 + u * L;
             if (u == 0u || g < nb) {
-                float d[RT];
-                uint q[RT][QW];
-                [[unroll]] for (uint i = 0u; i < RT; ++i) {
-                    unpack_block(w[u][i], G0[ROWI(i)] + g, d[i], q[i]);
+                float d[RPT];
+                uint q[RPT][QW];
+                [[unroll]] for (uint i = 0u; i < RPT; ++i) {
+                    unpack_block(w[u][i], G0[i] + g, d[i], q[i]);
                 }
                 block_rows(d, q, g);
             }
@@ -651,21 +582,17 @@ void main() {
     const uint ng = nb / 8u;          // groups per row
     const uint gb = row * (ng * GW);  // first uvec4 of the row
     for (uint g0 = lane; g0 < ng; g0 += UNR * L) {
-        uvec4 q[NP][UNR][GW];
+        uvec4 q[UNR][GW];
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
             const uint g = min(g0 + u * L, ng - 1u);  // past the row: a valid address, unused
-            FOR_PRODUCTS(s) {
-                [[unroll]] for (uint i = 0u; i < GW; ++i) {
-                    q[s][u][i] = W128(s, gb + g * GW + i);
-                }
+            [[unroll]] for (uint i = 0u; i < GW; ++i) {
+                q[u][i] = w_u128[gb + g * GW + i];
             }
         }
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
             const uint g = g0 + u * L;
             if (u == 0u || g < ng) {
-                FOR_PRODUCTS(s) {
-                    group(s, q[s][u], 8u * g);
-                }
+                group(q[u], 8u * g);
             }
         }
     }
@@ -676,22 +603,18 @@ void main() {
     const uint nu = 4u * nsb;
     const uint sbase = row * (nsb * 9u);
     for (uint g0 = lane; g0 < nu; g0 += UNR * L) {
-        uvec4 v[NP][UNR][3];
+        uvec4 v[UNR][3];
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
             const uint g = min(g0 + u * L, nu - 1u);
             const uint b = sbase + (g >> 2) * 9u;
-            FOR_PRODUCTS(s) {
-                v[s][u][0] = W128(s, b);
-                v[s][u][1] = W128(s, b + 1u + 2u * (g & 3u));
-                v[s][u][2] = W128(s, b + 2u + 2u * (g & 3u));
-            }
+            v[u][0] = w_u128[b];
+            v[u][1] = w_u128[b + 1u + 2u * (g & 3u)];
+            v[u][2] = w_u128[b + 2u + 2u * (g & 3u)];
         }
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
             const uint g = g0 + u * L;
             if (u == 0u || g < nu) {
-                FOR_PRODUCTS(s) {
-                    kquarter(s, v[s][u][0], v[s][u][1], v[s][u][2], g >> 2, g & 3u);
-                }
+                kquarter(v[u][0], v[u][1], v[u][2], g >> 2, g & 3u);
             }
         }
     }
@@ -699,21 +622,17 @@ void main() {
     const uint nsb = nb / 8u;          // super-blocks per row (K % 256 == 0)
     const uint sbase = row * (nsb * 9u);  // first uvec4 of the row
     for (uint g0 = lane; g0 < nsb; g0 += UNR * L) {
-        uvec4 v[NP][UNR][9];
+        uvec4 v[UNR][9];
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
             const uint g = min(g0 + u * L, nsb - 1u);
-            FOR_PRODUCTS(s) {
-                [[unroll]] for (uint i = 0u; i < 9u; ++i) {
-                    v[s][u][i] = W128(s, sbase + g * 9u + i);
-                }
+            [[unroll]] for (uint i = 0u; i < 9u; ++i) {
+                v[u][i] = w_u128[sbase + g * 9u + i];
             }
         }
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
             const uint g = g0 + u * L;
             if (u == 0u || g < nsb) {
-                FOR_PRODUCTS(s) {
-                    superblock(s, v[s][u], g);
-                }
+                superblock(v[u], g);
             }
         }
     }
@@ -724,79 +643,34 @@ void main() {
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
             const uint g = g0 + u * L;
             if (u == 0u || g < nsb) {
-                FOR_PRODUCTS(s) {
-                    superblock6(s, S0 + g, g);
-                }
+                superblock6(S0 + g, g);
             }
         }
     }
 #else
     const uint G0 = row * nb;  // global index of the row's first block
     for (uint g0 = lane; g0 < nb; g0 += UNR * L) {
-        uint w[NP][UNR][QW + 1u];
+        uint w[UNR][QW + 1u];
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
-            FOR_PRODUCTS(s) {
-                load_block(s, G0 + min(g0 + u * L, nb - 1u), w[s][u]);
-            }
+            load_block(G0 + min(g0 + u * L, nb - 1u), w[u]);
         }
         [[unroll]] for (uint u = 0u; u < UNR; ++u) {
             const uint g = g0 + u * L;
             if (u == 0u || g < nb) {
-                FOR_PRODUCTS(s) {
-                    decode_block(s, w[s][u], G0 + g, g);
-                }
+                decode_block(w[u], G0 + g, g);
             }
         }
     }
 #endif
 
-#if GLU
-    // row i of the thread's RT: its partial into gred[i][tid]; the tree adds lane + st's into
-    // lane's for st = L / 2 .. 1, so lane 0 of each team (tid = r) ends with the row's sum
-    [[unroll]] for (uint i = 0u; i < RT; ++i) {
-#if RPT > 1
-        gred[i][tid] = accr[i][0];
-#else
-        gred[i][tid] = acc[i][0];
-#endif
-    }
-    for (uint st = L / 2u; st > 0u; st >>= 1) {
-        barrier();
-        if (lane < st) {
-            [[unroll]] for (uint i = 0u; i < RT; ++i) {
-                gred[i][tid] += gred[i][tid + st * NR];
-            }
-        }
-    }
-    barrier();
-    // thread tid: rows v = 4 tid .. 4 tid + 3 of the workgroup's NR RPT (row v of a product is
-    // gred[v / NR + its RPT offset][v % NR]); elements 4 (tid % 8) .. of q8_1 block
-    // row0 / 32 + tid / 8
-    uint h4[4];
-    [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-        const uint v = 4u * tid + k;
-        const uint n = row0 + v;
-        float h = 0.0;
-        if (v < NR * RPT && n < p.N) {
-            const float g = gred[v / NR][v % NR];
-            const float u = gred[RPT + v / NR][v % NR];
-            h = g / (1.0 + exp(-g)) * u;  // (as swiglu_q8_1: its bits are the bits quantized)
-            y[VQ_Y(0u, n)] = h;
-        }
-        h4[k] = floatBitsToUint(h);
-    }
-    if ((p.flags & GLU_Q8) != 0u) {  // (uniform: every invocation reaches q8_1_store's barriers)
-        const uint j = row0 / 32u + (tid >> 3);
-        q8_1_store(tid, j, p.N / 32u, 4u * tid < NR * RPT && j < p.N / 32u, h4);
-    }
-#elif SG
+#if SG
     // value v = (m RPT + i) NR + rr: column m, row row0 + rr + i NR
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
         [[unroll]] for (uint i = 0u; i < RPT; ++i) {
 #if RPT > 1
             const float a = accr[i][m];
 #else
-            const float a = acc[0][m];
+            const float a = acc[m];
 #endif
             [[unroll]] for (uint rr = 0u; rr < NR; ++rr) {
                 const float s = subgroupAdd(r == rr ? a : 0.0);
@@ -844,7 +718,7 @@ void main() {
     return;
 #endif
     [[unroll]] for (uint m = 0u; m < MAXM; ++m) {
-        red[m][tid] = acc[0][m];
+        red[m][tid] = acc[m];
     }
     barrier();
     if (tid < NR * MAXM) {
@@ -858,5 +732,5 @@ void main() {
             y[VQ_Y(m, row0 + rr)] = s;
         }
     }
-#endif  // GLU, SG
+#endif  // SG
 }

@@ -13,14 +13,7 @@ expert products read the q8_1 x their producers write (the q8_1 pass over ``mul_
 params ``xq``/``vecq`` on the three products, ``xq``/``q8`` on the FFN norm and the MoE SwiGLU),
 where the hand-fusing builder left each product to quantize its own x inside its recorder;
 :func:`test_moe_decode_entry_differs_only_by_the_q8_x` checks that this is the entry's only
-difference from the graph the pass makes without it. And a second: decode attention nodes
-carry the hub's split-merge counters (param ``counters``, ``attn_counters``: the merge folded
-into the attention, docs/KERNELS.md), which the hand-fusing builder's graphs did not have.
-
-The fixture predates the SwiGLU pass (``fuse_glu``: gate/up mat-vecs + SwiGLU of decode ->
-``mul_mat_swiglu``): its graphs are compared with that pass off, and
-:func:`test_glu_pass_replaces_the_triples` checks that the pass's graph is the fixture's with
-each decode FFN's three nodes replaced by the one it makes.
+difference from the graph the pass makes without it.
 
 ``VKXSPLIT_WRITE_FUSION_FIXTURE=1`` rewrites the fixture from the current builder instead of
 comparing (only for a deliberate change of the graphs; review the diff).
@@ -134,15 +127,9 @@ def _dump_pipeline(tmp: Path) -> dict[str, Any]:
     return out
 
 
-#: switched off wherever the fixture's graphs are compared: the passes newer than the fixture
-NEWER = frozenset({"fuse_glu"})
-
-
-def _with_disabled(device: Any, monkeypatch: Any, names: set[str], newer: bool = False) -> None:
+def _with_disabled(device: Any, monkeypatch: Any, names: set[str]) -> None:
     """Exactly ``names`` switched off (whatever VKXSPLIT_DISABLE the run has: the fixture's
-    graphs are those of every other switch on but the NEWER passes, on with ``newer``), for
-    ``device`` and the devices models open."""
-    names = set(names) | (set() if newer else set(NEWER))
+    graphs are those of every other switch on), for ``device`` and the devices models open."""
     monkeypatch.setattr(device, "disabled", frozenset(names))
     monkeypatch.setenv("VKXSPLIT_DISABLE", ",".join(sorted(names)))
 
@@ -354,169 +341,3 @@ def test_fused_logits_match_unfused(device, llama_path, monkeypatch, switch):
     wrong = _logits(device, llama_path, ids)
     k = 0 if switch != "fuse_q8" else 1  # (the q8_1 pass acts on decode only)
     assert _far(wrong[k], plain[k]) > 10 * LOGIT_BOUND, (switch, _far(wrong[k], plain[k]))
-
-
-# -- the SwiGLU pass (fuse_glu): decode's gate/up mat-vecs + SwiGLU -> mul_mat_swiglu -----------
-
-def _glu_graphs(device, monkeypatch, path, T=1, off=()):
-    """(graph with the SwiGLU pass, graph without it) of the model at ``path``, hub only (the
-    other switches in ``off`` off for both). Each fused node's q8_1 output lies apart from the
-    q8_1 x it reads (its workgroups write blocks while others read)."""
-    from vkxsplit.graph import overlap, span
-    from vkxsplit.model import load_model
-
-    out = []
-    for glu in (True, False):
-        _with_disabled(device, monkeypatch, set(off) | (set() if glu else {"fuse_glu"}), newer=True)
-        with load_model(path, device=device, n_ctx=32, ubatch=8) as m:
-            g = m._build_graph(T, False)
-            for n in g.nodes:
-                if n.op == "mul_mat_swiglu" and "xq_out" in n.params:
-                    assert not overlap(span(n.params["xq_out"]), span(n.params["xq"]))
-            out.append(g)
-    return out
-
-
-def _glu_skip(device):
-    from vkxsplit.ops.choose import kernels_for
-
-    if kernels_for(device).vecq_glu("q8_0") is None:
-        pytest.skip(f"{device.name}: no SwiGLU decode kernel for Q8_0 (no integer dot products)")
-
-
-def test_glu_pass_replaces_the_triples(device, llama_path, monkeypatch):
-    """Decode: each layer's ffn_gate, ffn_up (q8_1 x) and ffn_swiglu become one
-    ``mul_mat_swiglu`` (named ffn_gate_up) with the gate and up weights and x as inputs, the
-    SwiGLU's output, the products' q8_1 x (``xq``) and the SwiGLU's q8_1 output (``xq_out``,
-    the down product's x, in a binding apart from ``xq``); every other node as it was. Prefill
-    graphs, ``fuse_q8`` off (the fused node writes f32 only, a quantize node follows) and the
-    pass's kill switch as expected."""
-    from vkxsplit.ops.choose import kernels_for
-
-    _glu_skip(device)
-    glu, plain = _glu_graphs(device, monkeypatch, llama_path)
-    n_layer = 3
-    assert glu.ops()["mul_mat_swiglu"] == n_layer and "swiglu" not in glu.ops()
-    assert plain.ops()["swiglu"] == n_layer and "mul_mat_swiglu" not in plain.ops()
-    it = iter(glu.nodes)
-    pn = plain.nodes
-    i = 0
-    while i < len(pn):
-        n = next(it)
-        if pn[i].op == "mul_mat" and pn[i].name.endswith("ffn_gate"):
-            gate, up, sw = pn[i:i + 3]
-            assert (n.op, n.name) == ("mul_mat_swiglu", gate.name + "_up")
-            # (the two graphs are of two loads: tensors compared by name, type and shape)
-            assert [_tensor(t) for t in n.inputs] == [_tensor(t) for t in (gate.inputs[0], up.inputs[0], gate.inputs[1])]
-            assert _tensor(n.output) == _tensor(sw.output) and _tensor(n.params["xq"]) == _tensor(gate.params["xq"])
-            assert n.params["vecq"] == kernels_for(device).vecq_glu(gate.inputs[0].dtype)
-            down = pn[i + 3]
-            assert down.name.endswith("ffn_down") and n.params["xq_out"].name == down.params["xq"].name
-            assert set(n.params) == {"xq", "vecq", "xq_out"}
-            i += 3
-            continue
-        assert dump_node(n) == dump_node(pn[i]), (i, n, pn[i])
-        i += 1
-    # prefill: nothing to fuse
-    g8, p8 = _glu_graphs(device, monkeypatch, llama_path, T=8)
-    assert dump(g8) == dump(p8) and "mul_mat_swiglu" not in g8.ops()
-    # fuse_q8 off: the fused node writes no q8_1; the down product's x from a quantize node
-    g, _ = _glu_graphs(device, monkeypatch, llama_path, off={"fuse_q8"})
-    for k, n in enumerate(g.nodes):
-        if n.op == "mul_mat_swiglu":
-            assert "xq_out" not in n.params and g.nodes[k + 1].op == "quantize_q8_1"
-            assert g.nodes[k + 1].inputs[0] is n.output
-
-
-def dump_node(n):
-    return dump(type("G", (), {"nodes": [n]})())
-
-
-def test_glu_pass_conditions(device, llama_path, monkeypatch):
-    """The pass leaves the three nodes alone where the fused kernel cannot take them: no SwiGLU
-    kernel for the type, weights over one binding, no place for the down product's q8_1 x; and
-    a backend attached (a plan may give gate and up rows to it) runs no hub-only pass."""
-    from vkxsplit.model import load_model
-
-    _glu_skip(device)
-    _with_disabled(device, monkeypatch, {"fuse_glu"}, newer=True)
-    with load_model(llama_path, device=device, n_ctx=32, ubatch=8) as m:
-        base = m._build_graph(1, False)
-        variants = {"q8_0": "mul_mat_vecq_swiglu_q8_0_q8_1_m1_b1_wg64_nr64"}
-
-        def fresh():
-            g = m._build_graph(1, False)
-            return g, len(g.nodes)
-
-        g, n0 = fresh()
-        assert fusion.fuse_mul_mat_swiglu(g, {"q4_0": "x"}, 1 << 30, lambda nb: m.xq_buf) == 0
-        assert fusion.fuse_mul_mat_swiglu(g, variants, 1024, lambda nb: m.xq_buf) == 0  # (a weight is 34 KiB)
-        assert fusion.fuse_mul_mat_swiglu(g, variants, 1 << 30, None) == 0
-        assert dump(g) == dump(base) and len(g.nodes) == n0
-        assert fusion.fuse_mul_mat_swiglu(g, variants, 1 << 30, lambda nb: m.xq_buf) == 3
-        plain = m._build_graph(1, False)
-        assert fusion.optimize(plain, device, lambda nb: m.xq_buf, backends=True) is plain
-        assert "mul_mat_swiglu" not in plain.ops()
-    # with a backend attached: a split that keeps decode on the hub (mode with a batch threshold
-    # above 1) fuses it, one that may give it rows (mode:cpu, prefill of the mode split) does not
-    monkeypatch.setattr(device, "disabled", device.disabled - {"fuse_glu"})
-    for split, T, fused in (("mode:cpu>=4", 1, True), ("mode:cpu>=4", 4, False), ("mode:cpu", 1, False)):
-        with load_model(llama_path, device=device, n_ctx=32, ubatch=8, split=split, backends="cpu") as m:
-            assert ("mul_mat_swiglu" in m._build_graph(T, False).ops()) is fused, (split, T)
-
-
-def _wrong_glu(g, i, variants, max_range, out_scratch):
-    """The fused node with gate and up swapped (silu applied to up): a wrong fused node."""
-    f = _RIGHT_GLU(g, i, variants, max_range, out_scratch)
-    if f is not None:
-        f.inputs[0], f.inputs[1] = f.inputs[1], f.inputs[0]
-    return f
-
-
-_RIGHT_GLU = fusion._glu
-
-
-@pytest.mark.parametrize("wtype", ["q8_0", "q4_0", "q4_k", "q6_k"])
-def test_glu_logits_match_unfused(device, tmp_path, monkeypatch, wtype):
-    """Decode logits with the SwiGLU pass against those without it, per weight type: within
-    LOGIT_BOUND of the logit scale, the same top-1; the pass fused a node per layer; a fused node
-    with gate and up swapped fails the same check (Q8_0)."""
-    from vkxsplit.ops.choose import kernels_for
-    from vkxsplit.synth import write_synthetic
-
-    if kernels_for(device).vecq_glu(wtype) is None:
-        pytest.skip(f"{device.name}: no SwiGLU decode kernel for {wtype}")
-    path = write_synthetic(tmp_path / f"{wtype}.gguf", "tiny", wtype, seed=11, n_layer=2)
-    ids = [int(i) for i in np.random.default_rng(5).integers(0, 512, 8)]
-    got = {}
-    for glu in (True, False):
-        _with_disabled(device, monkeypatch, set() if glu else {"fuse_glu"}, newer=True)
-        got[glu] = _logits(device, path, ids)[1]
-    f, p = got[True], got[False]
-    assert _far(f, p) <= LOGIT_BOUND, _far(f, p)
-    assert (f.argmax(1) == p.argmax(1)).all()
-    if wtype != "q8_0":
-        return
-    _with_disabled(device, monkeypatch, set(), newer=True)
-    monkeypatch.setattr(fusion, "_glu", _wrong_glu)
-    wrong = _logits(device, path, ids)[1]
-    assert _far(wrong, p) > 10 * LOGIT_BOUND, _far(wrong, p)
-
-
-def test_glu_phi3_fused_gate_up(device, tmp_path, monkeypatch):
-    """phi3's gate and up are the two row halves of one ffn_up tensor (two views of one
-    buffer): fused, its decode logits as unfused."""
-    from test_archs import write_arch
-
-    _glu_skip(device)
-    path = write_arch(tmp_path / "phi3.gguf", "phi3", head_dim=16, n_ff=96, wtype=Q.Q8_0, seed=5)
-    ids = [int(i) for i in np.random.default_rng(6).integers(0, 64, 6)]
-    got = {}
-    for glu in (True, False):
-        _with_disabled(device, monkeypatch, set() if glu else {"fuse_glu"}, newer=True)
-        from vkxsplit.model import load_model
-
-        with load_model(path, device=device, n_ctx=32, ubatch=8) as m:
-            assert ("mul_mat_swiglu" in m._build_graph(1, False).ops()) == glu
-        got[glu] = _logits(device, path, ids)[1]
-    assert _far(got[True], got[False]) <= LOGIT_BOUND

@@ -351,17 +351,14 @@ def test_decode_integer_dot_products(device, tmp_path, monkeypatch, qtype):
             q_nodes = [n for n in g.nodes if n.op == "quantize_q8_1"]
             norms = [n for n in g.nodes if "xq" in n.params and n.op != "mul_mat"]
             # one per x: the attention input, the ffn input and the ffn_down input (written by
-            # their norm / SwiGLU as q8_1 too; the SwiGLU fused with gate and up where the device
-            # has that kernel: vkxsplit.fusion.fuse_mul_mat_swiglu), the attention output (by the
-            # attention: its KV-split combine, or a quantize dispatch after it), the output
-            # norm's; no quantize node
-            glu = "mul_mat_swiglu" if "mul_mat_swiglu" in g.ops() else "swiglu"
-            assert {n.op for n in norms} == {"rms_norm", "add_rms_norm", glu, "attention"} and not q_nodes
+            # their norm / SwiGLU as q8_1 too), the attention output (by the attention: its
+            # KV-split combine, or a quantize dispatch after it), the output norm's; no quantize node
+            assert {n.op for n in norms} == {"rms_norm", "add_rms_norm", "swiglu", "attention"} and not q_nodes
             assert len(norms) == 4 * L + ("output" in quantized[off])
             assert len({n.name for n in q_nodes}) == len(q_nodes)
             for mm_node in (n for n in g.mul_mats() if "xq" in n.params):  # the q8_1 of its own x, made before
                 src = next(n for n in g.nodes if n.index < mm_node.index and n.op != "mul_mat"
-                           and mm_node.params["xq"] in (n.output, n.params.get("xq"), n.params.get("xq_out")))
+                           and mm_node.params["xq"] in (n.output, n.params.get("xq")))
                 assert mm_node.inputs[1] is (src.inputs[0] if src.op == "quantize_q8_1" else src.output)
             hp = m.hp
             gate = m.act["gate"].read()[:4 * hp.n_ff].view(np.float32)[None]

@@ -1233,9 +1233,7 @@ def test_vecq_tables(tool_kernels):
                for t in mm.VECQ_TYPES)
     # what ships: each device kind's decode shape per type, the GPUs' tall shapes, and the
     # halfword twin of each whole-word (w5u) shape (vecq_fits' fallback); nothing else
-    # (the SwiGLU ones, GLU: tests/test_vecq_swiglu.py)
-    shipped = {n for n, v in allv.items() if v.source == "mul_mat_vecq.comp" and "MUL_MAT_ID" not in v.defines
-               and "GLU" not in v.defines}
+    shipped = {n for n, v in allv.items() if v.source == "mul_mat_vecq.comp" and "MUL_MAT_ID" not in v.defines}
     want = set()
     for t in mm.VECQ_TYPES:
         cfgs = [mm.vecq_default_config(t, cpu=True)]

@@ -482,9 +482,8 @@ def test_kill_switches_are_one_list_read_at_device_creation(monkeypatch):
 
     assert features.parse_disabled(None) == features.parse_disabled("") == frozenset()
     assert features.parse_disabled(" CoopMat2, dq16 ,,") == {"coopmat2", "dq16"}
-    assert set(features.FEATURES) == {"coopmat", "coopmat2", "intdot", "dq16", "splitk", "attn_coopmat", "attn_fold",
-                                      "fusion", "bf16_reduce", "cpu_repack", "cpu_amx", "ggml_llama"}
-    assert set(features.PASSES) == {"fuse_norm", "fuse_rope", "fuse_q8", "fuse_glu"}
+    assert set(features.FEATURES) == {"coopmat", "coopmat2", "intdot", "dq16", "splitk", "attn_coopmat", "fusion",
+                                      "bf16_reduce", "cpu_repack", "cpu_amx", "ggml_llama"}
     with pytest.raises(VkxError, match="unknown feature name.*vecq") as exc:
         features.parse_disabled("coopmat,vecq")
     assert all(n in exc.value.hint for n in features.FEATURES)

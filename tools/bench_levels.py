@@ -25,7 +25,6 @@ from benchutil import spin_up, timed  # noqa: E402
 
 from vkxsplit.ops.argmax import record_argmax  # noqa: E402
 from vkxsplit.ops.attention import (  # noqa: E402
-    attention_counter_bytes,
     attention_scratch_bytes,
     attention_splits,
     decode_target_workgroups,
@@ -78,8 +77,6 @@ def main() -> int:
     pb.numpy(np.int32)[:] = a.pos
     S = attention_splits(1, H, HKV, a.ctx, decode_target_workgroups(dev))
     sc = buf(attention_scratch_bytes(1, H, D, S), "attn scratch", fill=False)
-    cnt = buf(attention_counter_bytes(1, H, HKV), "attn counters", fill=False)
-    cnt.write(np.zeros(cnt.size, np.uint8))  # (every folded dispatch leaves them zeroed)
     rl, rid, rw = buf(4 * ne, "router"), buf(4 * nu, "ids", fill=False), buf(4 * nu, "weights", fill=False)
     cases = [
         ("copy 16 B (the level floor)", lambda s, i: record_copy(s, src16, dst16, 16)),
@@ -93,11 +90,7 @@ def main() -> int:
         (f"swiglu_q8_1 1x{F}", lambda s, i: record_swiglu_q8_1(s, g, u, h, xq, 1, F)),
         (f"argmax 1x{V}", lambda s, i: record_argmax(s, lg, am, 1, V)),
         (f"attention {H}/{HKV}x{D} at {a.pos + 1} of {a.ctx}, {S} split(s)" + (" + combine" if S > 1 else ""),
-         lambda s, i: record_attention(s, qb, kc, vc, pb, ob, 1, H, HKV, D, a.ctx, n_splits=S, scratch=sc,
-                                       fold=False)),
-        *([(f"attention {H}/{HKV}x{D} at {a.pos + 1} of {a.ctx}, {S} splits, merge folded",
-             lambda s, i: record_attention(s, qb, kc, vc, pb, ob, 1, H, HKV, D, a.ctx, n_splits=S, scratch=sc,
-                                           counters=cnt))] if S > 1 else []),
+         lambda s, i: record_attention(s, qb, kc, vc, pb, ob, 1, H, HKV, D, a.ctx, n_splits=S, scratch=sc)),
         (f"moe_topk 1x{ne} top-{nu}", lambda s, i: record_moe_topk(s, rl, rid, rw, T=1, n_expert=ne, n_used=nu)),
         (f"moe_combine {nu}x{E}", lambda s, i: record_moe_combine(s, eo, rw, y, T=1, n_used=nu, N=E)),
     ]

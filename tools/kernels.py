@@ -257,28 +257,10 @@ VECQ_ID_SWEEP: dict[str, tuple[str, VecqConfig]] = {
     )}
 
 
-#: SwiGLU decode shapes (mul_mat_vecq.comp with GLU) of the code paths no default takes, for the
-#: tests (tests/test_vecq_swiglu.py) and sweeps: 8-block groups (BLK 8), Q4_K whole super-blocks,
-#: Q4_0 one row of each product per thread, Q6_K and the emulated dot products at a GPU width
-VECQ_GLU_EXTRA: dict[str, tuple[str, VecqConfig]] = {
-    mm.vecq_glu_name(t, c): (t, c) for t, c in (
-        ("q4_0", VecqConfig(256, 32, blk=8)),
-        ("q8_0", VecqConfig(512, 32, blk=8, unr=2)),
-        ("q4_0", VecqConfig(256, 32, blk=1, unr=2)),
-        ("q4_k", VecqConfig(256, 32, blk=1)),
-        ("q6_k", VecqConfig(256, 32, blk=1)),
-        ("q8_0", VecqConfig(256, 16, blk=1, rpt=2, idp=0)),
-    )}
-
 #: the cooperative-matrix attention emulated (COOPMAT_EMULATE=1), for the tests: head_dim 64
 #: with blocks of 16 and 32 positions (one and two fragments a block; lavapipe's 32 KiB of
 #: shared memory holds no emulated head_dim 128): name -> (head_dim, block)
 ATTN_CM_EMU: dict[str, tuple[int, int]] = {attn.attn_cm_name(64, bc, emulate=True): (64, bc) for bc in (16, 32)}
-
-#: the folded split merge of head_dim 128 that never resets its counters: a deliberately broken
-#: kernel (tests/test_ops_attention.py shows the replay check fails it)
-ATTN_FOLD_NORESET = "attn_fold_f16_f32_d128_noreset"
-_ATTN_FOLD_NORESET = attn.make_attn_variant("_d128", "attn_fold_", {"FOLD_KEEP_COUNT": "1"}, "_noreset")
 
 
 def all_declared() -> dict[str, Variant]:
@@ -291,9 +273,7 @@ def all_declared() -> dict[str, Variant]:
           + [mm.make_cm2_variant(t, tile) for t, tile in CM2_VARIANTS.values()]
           + [moe.make_coop_id_variant(n, t, tile, emu) for n, (t, tile, emu) in COOP_ID_VARIANTS.items()]
           + [moe.make_vecq_id_variant(n, t, c) for n, (t, c) in VECQ_ID_SWEEP.items()]
-          + [mm.make_vecq_glu_variant(n, t, c) for n, (t, c) in VECQ_GLU_EXTRA.items()]
           + [attn.make_attn_cm_variant(hd, bc, emulate=True) for hd, bc in ATTN_CM_EMU.values()]
-          + [_ATTN_FOLD_NORESET]
           + CM2_CHECK_VARIANTS + probes.VARIANTS + flags.VARIANTS)
     return {v.name: v for v in vs}
 
@@ -364,7 +344,7 @@ def ensure(select: str | Callable[[str], bool] | None = None, out: Path = OUT_DI
 
 
 __all__ = ["CM2_ALL_TILES", "CM2_CHECK_VARIANTS", "COOP_ID_EMU_EXTRA", "COOP_ID_SWEEP_TILES", "COOP_ID_SWEEP_TYPES",
-           "COOP_ID_VARIANTS", "VECQ_ID_SWEEP", "ATTN_CM_EMU", "ATTN_FOLD_NORESET", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
+           "COOP_ID_VARIANTS", "VECQ_ID_SWEEP", "ATTN_CM_EMU", "CM2_SWEEP_TILES", "CM2_SWEEP_TYPES", "CM2_VARIANTS",
            "COOP_ALL_TILES", "COOP_EMU_EXTRA", "COOP_EMU_TILE", "COOP_EMU_VARIANTS", "COOP_SWEEP_TILES",
-           "COOP_SWEEP_TYPES", "COOP_VARIANTS", "OUT_DIR", "VECQ_GLU_EXTRA", "VECQ_SWEEP", "VEC_SWEEP", "VEC_WIDE", "WIDE_K",
+           "COOP_SWEEP_TYPES", "COOP_VARIANTS", "OUT_DIR", "VECQ_SWEEP", "VEC_SWEEP", "VEC_WIDE", "WIDE_K",
            "WideConfig", "all_declared", "build", "compiler_available", "ensure", "load", "tool_variants"]

@@ -17,8 +17,8 @@ builders (``src/models/*.cpp``) define them:
 
 This is the plain graph, every op as llama.cpp's builders write it (mat-vecs read f32 x);
 :func:`build_graph` ends with the hub's fusion passes (:func:`vkxsplit.fusion.optimize`:
-residual add + RMSNorm, RoPE of K + KV store, the q8_1 x of decode mat-vecs, decode's gate/up
-mat-vecs + SwiGLU), each with its kill switch.
+residual add + RMSNorm, RoPE of K + KV store, the q8_1 x of decode mat-vecs), each with its
+kill switch.
 
 Architectures differ only by :class:`~vkxsplit.gguf_model.ArchInfo` flags and hyperparameters;
 phi3's fused ``attn_qkv`` and gate/up ``ffn_up`` are split into row ranges at upload
@@ -130,8 +130,7 @@ class Builder:
         self.split_kv: dict[str, Any] = {}
         if T == 1:
             self.split_kv = {"n_splits": m.decode_splits,
-                             "scratch": Tensor("attn_scratch", (1,), "f32", m.attn_scratch),
-                             "counters": Tensor("attn_counters", (1,), "i32", m.attn_counters)}
+                             "scratch": Tensor("attn_scratch", (1,), "f32", m.attn_scratch)}
         # RoPE frequency factors: llama 3.x's rope_freqs, else phi3's long factors when the
         # context exceeds the original one (rope.scaling.original_context_length, else
         # context_length), its short ones otherwise (llama.cpp's get_rope_factors)
@@ -268,21 +267,9 @@ class Builder:
         return g
 
 
-def _hub_only(m: Model, T: int) -> bool:
-    """Whether the model's split runs a step of ``T`` tokens on the hubs only (then the hub-only
-    fusion passes apply though backends are attached: a mode split's decode)."""
-    split = getattr(getattr(m, "model", None), "split", None)
-    return split is not None and hasattr(split, "hub_only") and split.hub_only(T)
-
-
 def build_graph(m: Model, T: int, all_logits: bool, slot: int = 0) -> Graph:
     """The forward pass of ``m``'s architecture for ``T`` tokens (all rows' logits when
     ``all_logits``, else the last row's) in slot ``slot``'s rows of the per-step buffers: the
-    plain graph, then the hub's fusion passes (all q8_1 x of decode in the model's ``xq_buf``,
-    the one a ``mul_mat_swiglu`` writes from ``xq_glu_offset``; the hub-only passes where no
-    backend is attached or the split keeps ``T``-token steps on the hubs)."""
+    plain graph, then the hub's fusion passes (all q8_1 x of decode in the model's ``xq_buf``)."""
     b = Builder(m, T, all_logits, slot)
-    glu_at = getattr(m, "xq_glu_offset", None)
-    return optimize(b.build(), m.device, lambda nbytes: b.V(m.xq_buf, 0, nbytes),
-                    backends=bool(getattr(m, "backends", None)) and not _hub_only(m, T),
-                    glu_scratch=None if glu_at is None else lambda nbytes: b.V(m.xq_buf, glu_at, nbytes))
+    return optimize(b.build(), m.device, lambda nbytes: b.V(m.xq_buf, 0, nbytes))

@@ -117,7 +117,7 @@ def _job(op: BackendOp | BackendIdOp | BackendNodeOp) -> MatMulJob | MatMulIdJob
             outs = (n.output.buffer, n.params["cache_v"].buffer)
         else:
             outs = (n.output.buffer,)
-        if n.op in STEP_OPS:  # the node's scalars (not its hub-only tensors: scratch, counters, xq)
+        if n.op in STEP_OPS:  # the node's scalars (not its hub-only tensors: scratch, xq)
             params = {k: v for k, v in n.params.items() if not isinstance(v, Tensor)}
             if n.op == "get_rows":
                 rows, cols = n.output.rows, ins[0].cols  # (ids: a 1-d tensor of T)

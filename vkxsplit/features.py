@@ -11,8 +11,6 @@
 - ``splitk``: cooperative-matrix products never split K
 - ``attn_coopmat``: prefill-sized attention runs the f32 tiled kernel, not the
   cooperative-matrix one (``coopmat`` switches it off too)
-- ``attn_fold``: decode attention merges its KV splits in a separate ``attn_combine`` dispatch
-  (one more barrier level per layer), not in the attention's last split workgroup
 - ``fusion``: the model graph without fused kernels: every fusion pass below off
 - ``bf16_reduce``: the row split's all-reduce sends its partial sums in f32 at every size (no
   bf16 compression of the large ones: :mod:`vkxsplit.hubs`)
@@ -29,8 +27,6 @@ and one per fusion pass of the hub (:mod:`vkxsplit.fusion`, :data:`PASSES`):
 - ``fuse_rope``: the RoPE of K stays a ``rope`` node before the KV store
 - ``fuse_q8``: the q8_1 x of decode mat-vecs comes from ``quantize_q8_1`` nodes only (no norm,
   SwiGLU or attention writes it)
-- ``fuse_glu``: decode's gate and up mat-vecs and their SwiGLU stay three dispatches (no
-  ``mul_mat_swiglu``)
 
 A :class:`~vkxsplit.vk.device.Device` reads the variable once, when it is created
 (``device.disabled``); every kernel choice reads that set. An unknown name is an error naming
@@ -64,7 +60,6 @@ FEATURES: dict[str, str] = {
     "dq16": "quantized products never dequantize the weights to f16 rows first",
     "splitk": "cooperative-matrix products never split K",
     "attn_coopmat": "prefill attention on the f32 tiled kernel (no cooperative-matrix attention)",
-    "attn_fold": "decode attention's KV splits merged by a separate attn_combine dispatch (not folded in)",
     "fusion": "the model graph without fused kernels (every fusion pass off)",
     "bf16_reduce": "the row split's all-reduce partials cross in f32 at every size (no bf16 compression)",
     "cpu_repack": "the cpu backend reads every weight as stored (no repacked copy in ggml-cpu's interleaved layout)",
@@ -78,7 +73,6 @@ PASSES: dict[str, str] = {
     "fuse_norm": "residual add and the next RMSNorm as two dispatches (no add_rms_norm)",
     "fuse_rope": "the RoPE of K as its own node before the KV store",
     "fuse_q8": "decode's q8_1 x from quantize_q8_1 nodes only (not written by its producer)",
-    "fuse_glu": "decode's gate and up mat-vecs and their SwiGLU as three dispatches (no mul_mat_swiglu)",
 }
 
 #: a switch that switches others off too

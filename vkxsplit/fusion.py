@@ -17,12 +17,7 @@ function per pass, each with its kill switch (:data:`vkxsplit.features.PASSES`;
    products (``mul_mat_id``: the experts' gate/up read the FFN norm's q8_1, down the MoE
    SwiGLU's). With ``fuse_q8`` off the mat-vecs still read q8_1 x (that is a kernel choice:
    ``VKXSPLIT_DISABLE=intdot`` turns it off), from ``quantize_q8_1`` nodes only, and each
-   routed product quantizes its own x (ops.moe.record_mul_mat_id);
-4. :func:`fuse_mul_mat_swiglu` (``fuse_glu``): in a decode graph whose hub runs every node (no
-   backend), the FFN's gate and up mat-vecs (q8_1 x, one weight type) and their SwiGLU ->
-   ``mul_mat_swiglu``: one kernel computes the same rows of both, then silu(gate) * up as f32
-   and, where the SwiGLU wrote the down product's q8_1 x, as those q8_1 blocks
-   (``mul_mat_vecq_swiglu_*``, ``shaders/mul_mat_vecq.comp`` with ``GLU``).
+   routed product quantizes its own x (ops.moe.record_mul_mat_id).
 
 Each fused node does what the nodes it replaces did, in one dispatch: the graphs differ only by
 the dependent dispatch levels (and the round trips through memory) they save. The passes
@@ -38,33 +33,27 @@ from typing import Any
 from .features import is_disabled
 from .graph import Graph, Node, Tensor, overlap, span
 
-__all__ = ["DecodeQ8", "decode_q8_x", "fuse_add_rms_norm", "fuse_mul_mat_swiglu", "fuse_rope_kv_store", "optimize"]
+__all__ = ["DecodeQ8", "decode_q8_x", "fuse_add_rms_norm", "fuse_rope_kv_store", "optimize"]
 
 
-def _runs(g: Graph, width: int, fuse: Callable[[int], Node | None]) -> int:
-    """Replace each run of ``width`` adjacent nodes of ``g`` starting at index ``i`` for which
-    ``fuse(i)`` gives a node by that node; returns how many. Only adjacent nodes: a fused node
-    runs where the first of its run ran, so a node between them (reading or writing what they
-    touch) would see the work of all of them done early."""
+def _pairs(g: Graph, fuse: Callable[[Node, Node], Node | None]) -> int:
+    """Replace each adjacent pair (a, b) of ``g``'s nodes for which ``fuse(a, b)`` gives a node
+    by that node; returns how many. Only adjacent pairs: a fused node runs where the first of
+    its pair ran, so a node between them (reading or writing what they touch) would see the
+    work of both done early."""
     out: list[Node] = []
     nodes, i, n = g.nodes, 0, 0
     while i < len(nodes):
-        f = fuse(i) if i + width <= len(nodes) else None
+        f = fuse(nodes[i], nodes[i + 1]) if i + 1 < len(nodes) else None
         if f is None:
             out.append(nodes[i])
             i += 1
         else:
             out.append(f)
-            i += width
+            i += 2
             n += 1
     g.nodes = out
     return n
-
-
-def _pairs(g: Graph, fuse: Callable[[Node, Node], Node | None]) -> int:
-    """:func:`_runs` of pairs: ``fuse(a, b)`` for adjacent nodes a, b."""
-    nodes = g.nodes
-    return _runs(g, 2, lambda i: fuse(nodes[i], nodes[i + 1]))
 
 
 def _residual_norm(a: Node, b: Node) -> Node | None:
@@ -122,7 +111,7 @@ class DecodeQ8:
     once, before its first such reader, and shared by the rest (q/k/v, gate/up, the experts'
     gate/up with the router when it reads q8_1 too) until something rewrites x: by the node
     that made x where it can write q8_1 too (a norm with a weight, add_rms_norm, swiglu (also
-    the MoE's, over T * n_used rows), and attention, whose KV-split merge writes it: no extra
+    the MoE's, over T * n_used rows), and attention, whose KV-split combine writes it: no extra
     dispatch or barrier level; not with ``fuse`` off), else by a ``quantize_q8_1`` node. A
     reader's x is the x quantized when it covers the same bytes with the same rows and columns
     (the experts read the norm's (T, n_embd) output as (T, 1, n_embd)). All q8_1 data lives
@@ -235,81 +224,13 @@ def decode_q8_x(g: Graph, variants: dict[str, str], scratch: Callable[[int], Any
     return sum("xq" in n.params for n in g.nodes if n.op in ("mul_mat", "mul_mat_id"))
 
 
-def _glu(g: Graph, i: int, variants: dict[str, str], max_range: int,
-         out_scratch: Callable[[int], Any] | None) -> Node | None:
-    """The ``mul_mat_swiglu`` node replacing nodes i, i + 1, i + 2 of ``g`` (gate ``mul_mat``, up
-    ``mul_mat``, ``swiglu``), or None where they are not that: both products read the same q8_1
-    x of one token (``xq``) with weights of one type and shape whose type has a SwiGLU kernel
-    in ``variants`` (each weight within ``max_range`` bytes: one binding), the SwiGLU reads
-    exactly their outputs and writes the gate's in place (and writes the down product's q8_1 x
-    only where its rows are whole blocks and ``out_scratch`` gives that q8_1 x a place apart
-    from the one it reads: its workgroups write blocks while others still read x's), and
-    nothing after reads the up product's output before it is written again (it is no longer
-    made)."""
-    from .ops.quant import row_bytes
-
-    a, b, c = g.nodes[i:i + 3]
-    if a.op != "mul_mat" or b.op != "mul_mat" or c.op != "swiglu" or len(a.inputs) != 2 or len(b.inputs) != 2:
-        return None
-    (wg, x), (wu, xb) = a.inputs, b.inputs
-    xq = a.params.get("xq")
-    if (xq is None or b.params.get("xq") is not xq or set(a.params) != {"xq", "vecq"} or set(b.params) != {"xq", "vecq"}
-            or not (wg.weight and wu.weight) or wg.dtype != wu.dtype or wg.shape != wu.shape or len(wg.shape) != 2
-            or wg.dtype not in variants or x is not xb or x.rows != 1 or x.cols != wg.shape[-1]):
-        return None
-    gate, up = a.output, b.output
-    N = wg.shape[0]
-    if (c.inputs != [gate, up] or c.output is not gate or gate.shape != (1, N) or up.shape != (1, N)
-            or gate.dtype != "f32" or up.dtype != "f32" or set(c.params) - {"xq", "q8"}):
-        return None
-    if any(row_bytes(w.dtype, w.shape[-1]) * N > max_range for w in (wg, wu)):
-        return None
-    xq_out = c.params.get("xq")
-    if xq_out is not None and (N % 32 or out_scratch is None):
-        return None
-    us = span(up)
-    for n in g.nodes[i + 3:]:
-        if any(overlap(us, span(t)) for t in n.reads()):
-            return None  # a later reader of up's output
-        if any(overlap(us, span(t)) for t in n.writes()):
-            break
-    name = a.name + "_up" if a.name.endswith("ffn_gate") else c.name
-    params: dict[str, Any] = {"xq": xq, "vecq": variants[wg.dtype]}
-    if xq_out is not None:
-        from .ops.mul_mat import vecq_scratch_bytes
-
-        xq_out.buffer = out_scratch(vecq_scratch_bytes(1, N))  # (the down product reads this tensor too)
-        params["xq_out"] = xq_out
-    return Node("mul_mat_swiglu", name, [wg, wu, x], gate, params, hub=c.hub)
-
-
-def fuse_mul_mat_swiglu(g: Graph, variants: dict[str, str], max_range: int = 1 << 32,
-                        out_scratch: Callable[[int], Any] | None = None) -> int:
-    """Pass 4 (after the q8_1 pass: it fuses products that read q8_1 x): each decode FFN's gate
-    ``mul_mat``, up ``mul_mat`` and ``swiglu`` (adjacent, as :func:`vkxsplit.archs.dense_ffn`
-    adds them) become one ``mul_mat_swiglu`` (named as the gate product plus ``_up``): inputs
-    the gate and up weights and x, output the SwiGLU's, params ``xq`` (the q8_1 x it reads),
-    ``vecq`` (the kernel, ``variants[weight type]``: :meth:`~vkxsplit.ops.choose.DeviceKernels.vecq_glu`)
-    and, where the SwiGLU wrote the down product's q8_1 x, ``xq_out`` (written; moved to
-    ``out_scratch(nbytes)``, a binding apart from every other q8_1 x: without it such a triple
-    stays as it is). One dispatch and one dependent level fewer per layer, and the up
-    product's output is never written. Returns how many."""
-    if not variants:
-        return 0
-    return _runs(g, 3, lambda i: _glu(g, i, variants, max_range, out_scratch))
-
-
-def optimize(g: Graph, device: Any, xq_scratch: Callable[[int], Any], backends: bool = False,
-             glu_scratch: Callable[[int], Any] | None = None) -> Graph:
+def optimize(g: Graph, device: Any, xq_scratch: Callable[[int], Any]) -> Graph:
     """The hub's passes over the plain graph ``g`` (rewritten in place and returned), in their
     fixed order, each unless its kill switch is set for ``device``: residual add + RMSNorm,
     then RoPE of K + KV store, then the q8_1 x of decode (T = 1) mat-vecs, whose variants come
     from ``kernels_for(device).vecq_decode()`` (``xq_scratch(nbytes)``: the binding all q8_1 x
-    share), then gate/up + SwiGLU of decode where no backend is attached (``backends``: a
-    ``mul_mat_swiglu`` runs on the hub only, and a plan may give gate and up rows to a backend;
-    ``glu_scratch(nbytes)``: where it writes the down product's q8_1 x).
-    The order matters: the q8_1 pass lets the ``add_rms_norm`` the first pass made write the
-    q8_1 x of the next layer's Q/K/V, and the SwiGLU pass fuses the products it made read q8_1 x."""
+    share). The order matters: the q8_1 pass lets the ``add_rms_norm`` the first pass made
+    write the q8_1 x of the next layer's Q/K/V."""
     from .ops.choose import kernels_for
 
     if not is_disabled(device, "fuse_norm"):
@@ -321,11 +242,6 @@ def optimize(g: Graph, device: Any, xq_scratch: Callable[[int], Any], backends: 
     variants = kernels_for(device).vecq_decode() if g.T == 1 else {}
     decode_q8_x(g, variants, xq_scratch, fuse=not is_disabled(device, "fuse_q8"),
                 id_variants=vecq_id_decode(device) if variants else None)
-    if variants and not backends and not is_disabled(device, "fuse_glu"):
-        kc = kernels_for(device)
-        glu = {t: v for t in variants if (v := kc.vecq_glu(t)) is not None}
-        limits = getattr(getattr(device, "physical", None), "limits", None) or {}
-        fuse_mul_mat_swiglu(g, glu, int(limits.get("maxStorageBufferRange", 1 << 32)), glu_scratch)
     for i, n in enumerate(g.nodes):
         n.index = i
     return g

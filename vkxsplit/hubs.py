@@ -416,12 +416,7 @@ class HubShare:
             sizes.update(moe_act_cols(hp.moe, E, T))
         act_shared = bool(self.backends)
         self.act = {k: self._alloc(T * c * f32, "device", k, shared=act_shared) for k, c in sizes.items()}
-        from .ops.attention import (
-            attention_counter_bytes,
-            attention_scratch_bytes,
-            attention_splits,
-            decode_target_workgroups,
-        )
+        from .ops.attention import attention_scratch_bytes, attention_splits, decode_target_workgroups
 
         # decode attention splits the KV length over workgroups (flash-decoding), as many as
         # fill the device
@@ -432,24 +427,11 @@ class HubShare:
             shared=st)
         if st:
             self.attn_scratch = self._view(self.attn_scratch)
-        # the split merge folded into decode attention counts each (row block, kv head)'s
-        # finished splits here: a buffer of its own (no other tensor or scratch may share these
-        # bytes), zeroed once now; every attention dispatch leaves it zeroed again, so all
-        # layers and every replay share it. Only hub kernels use it; shared as the scratch is
-        # (a backend that runs the attention node takes what the node writes)
-        cnt = self._alloc(attention_counter_bytes(1, hp.n_head, hp.n_head_kv), "device", "attn_counters", shared=st)
-        if not isinstance(cnt, DryBuffer):
-            hub_buf = getattr(cnt, "buffer", cnt)  # (a SharedBuffer: the buffer the hub binds)
-            hub_buf.write(np.zeros(hub_buf.size, np.uint8))
-        self.attn_counters = self._view(cnt) if st else cnt
         # decode: x quantized to q8_1 for the integer-dot-product mat-vecs (hub only; one
         # scratch reused by every quantize node: each one's readers come before the next)
         from .ops.mul_mat import vecq_scratch_bytes
 
-        # (then, from xq_glu_offset, the q8_1 x of ffn_down that a mul_mat_swiglu writes while it
-        # reads the FFN norm's from byte 0: vkxsplit.fusion.fuse_mul_mat_swiglu)
-        self.xq_glu_offset = -(-vecq_scratch_bytes(1, max(sizes.values())) // 256) * 256
-        self.xq_buf = self._alloc(self.xq_glu_offset + vecq_scratch_bytes(1, F), "device", "xq")
+        self.xq_buf = self._alloc(vecq_scratch_bytes(1, max(sizes.values())), "device", "xq")
         self.own16 = None
         if self.rank is not None and self.model.partials != "f32":  # this shard's partial as the other reads it
             self.own16 = self._alloc(T * hp.n_embd * 2, "device", "partial_16")

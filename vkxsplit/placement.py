@@ -319,7 +319,6 @@ class PlacedModel(LanguageModel):
     pos_buf = property(lambda self: self._share().pos_buf)
     xq_buf = property(lambda self: self._share().xq_buf)
     attn_scratch = property(lambda self: self._share().attn_scratch)
-    attn_counters = property(lambda self: self._share().attn_counters)
     decode_splits = property(lambda self: self._share().decode_splits)
     slot_rows = property(lambda self: self._share().slot_rows)
     logits_buf = property(lambda self: self._out().logits_buf)

@@ -16,12 +16,7 @@ kv head (GQA: head ``h`` uses kv head ``h // (n_heads // n_kv_heads)``), so ever
 read serves the whole group; online softmax over blocks of 32 positions, f32 accumulation.
 For decode (one token, long cache) split the KV length over ``n_splits`` workgroups
 (flash-decoding, :func:`attention_splits` picks a count); that needs a ``scratch`` buffer of
-:func:`attention_scratch_bytes` and a merge of the splits: with ``counters`` (a zeroed buffer of
-:func:`attention_counter_bytes`, never aliased, left zeroed by every dispatch) the workgroup
-that writes a block's last split merges it (the fold: ``attn_fold_*``, no extra dispatch or
-barrier level; ``VKXSPLIT_DISABLE=attn_fold`` switches it off), else a small combine dispatch
-(``attn_combine_f32``) does. Both merge with the same code (``shaders/attn_combine.glsl``) and
-give the same bits.
+:func:`attention_scratch_bytes` and adds a small combine dispatch.
 
 Kernels: head_dim 64 and 128 with cache offsets that are multiples of 4 elements take the
 tiled ``attn_f16_f32_d64``/``_d128`` (compile-time head_dim, vec4 tiles, register-blocked
@@ -74,47 +69,17 @@ _GENERIC_SPEC_IDS = {"BR": 0, "BC": 1, "DMAX": 2}
 
 
 def _attn_variant(name: str, module: str, defines: dict[str, str], spec: dict[str, int],
-                  spec_ids: dict[str, int], bindings: int = 6) -> Variant:
-    """An attention.comp variant: one module per path (``TILED``) and fold (``FOLD``, ``Q8``),
-    its sizes as spec values. The generic path gives each invocation BR DMAX / 128 = 16 output
-    entries (its OPT). A fold binds the counters (6) and, with Q8, the q8_1 output (7)."""
+                  spec_ids: dict[str, int]) -> Variant:
+    """An attention.comp variant: one module per path (``TILED``), its sizes as spec values.
+    The generic path gives each invocation BR DMAX / 128 = 16 output entries (its OPT)."""
     if "DMAX" in spec and spec["BR"] * spec["DMAX"] != 16 * 128:
         raise KernelError(f"{name}: BR x DMAX must be 16 x 128 invocations' output entries, got "
                           f"{spec['BR']} x {spec['DMAX']}")
     if "HD" in spec and spec["HD"] % 32:
         raise KernelError(f"{name}: the tiled attention's head_dim must be a multiple of 32, got {spec['HD']}")
     return Variant(name=name, source="attention.comp", defines=defines, module=module, spec=spec,
-                   spec_ids=spec_ids, bindings=bindings, writes=tuple(range(4, bindings)), push="IIIIIIIIIIIIIfI",
-                   local_size=(128, 1, 1), requires=("storageBuffer16BitAccess",))
-
-
-#: the paths of attention.comp: variant suffix -> (defines, spec values, spec ids)
-_PATHS: dict[str, tuple[dict[str, str], dict[str, int], dict[str, int]]] = {
-    "": ({}, {"BR": BR, "BC": 32, "DMAX": GENERIC_MAX_HEAD_DIM}, _GENERIC_SPEC_IDS),
-    "_h256": ({}, {"BR": BR_H256, "BC": 16, "DMAX": MAX_HEAD_DIM}, _GENERIC_SPEC_IDS),
-    **{f"_d{hd}": ({"TILED": "1"}, {"HD": hd}, {"HD": 0}) for hd in TILED_HEAD_DIMS},
-}
-#: the fold's name prefixes (plain, and writing the output as q8_1 too) and their defines
-_FOLDS = {"attn_fold_": {"FOLD": "1"}, "attn_fold_q8_1_": {"FOLD": "1", "Q8": "1"}}
-
-
-def make_attn_variant(path: str, fold: str = "", extra: dict[str, str] | None = None, tag: str = "") -> Variant:
-    """The attention.comp variant of ``path`` (a :data:`_PATHS` suffix: ``""``, ``"_h256"``,
-    ``"_d64"``, ``"_d128"``), unfolded or with ``fold`` (a :data:`_FOLDS` prefix); ``extra``
-    defines and a name ``tag`` make an experiment kernel (``tools/kernels.py``)."""
-    defines, spec, spec_ids = _PATHS[path]
-    defines = {**defines, **_FOLDS.get(fold, {}), **(extra or {})}
-    name = f"{fold or 'attn_'}f16_f32{path}{tag}"
-    tiled = "_tiled" if "TILED" in defines else ""
-    module = f"mod_{fold or 'attn_'}f16_f32{tiled}{tag}"
-    return _attn_variant(name, module, defines, spec, spec_ids,
-                         bindings=6 + bool(fold) + ("Q8" in defines))
-
-
-def attn_fold_name(name: str, q8: bool = False) -> str:
-    """The fold of the attention.comp kernel ``name`` (``attn_f16_f32_d128`` ->
-    ``attn_fold_f16_f32_d128``, ``attn_fold_q8_1_f16_f32_d128`` with ``q8``)."""
-    return ("attn_fold_q8_1_" if q8 else "attn_fold_") + name.removeprefix("attn_")
+                   spec_ids=spec_ids, bindings=6, writes=(4, 5), push="IIIIIIIIIIIIIfI", local_size=(128, 1, 1),
+                   requires=("storageBuffer16BitAccess",))
 
 
 def cm_shared_bytes(hd: int, bc: int, emulate: bool = False) -> int:
@@ -155,9 +120,11 @@ VARIANTS = [
               bindings=6, writes=(3, 4), push="IIIIIIIIIIIIffI" + ("ffff" if yarn else ""), local_size=(256, 1, 1),
               requires=("storageBuffer16BitAccess",))
       for yarn in (False, True) for neox in (False, True)],
-    *[make_attn_variant(path) for path in _PATHS],
-    # decode's split merge folded in (with, without the q8_1 output: intdot on or off)
-    *[make_attn_variant(path, fold) for fold in _FOLDS for path in _PATHS],
+    *[_attn_variant(name, "mod_attn_f16_f32", {}, {"BR": br, "BC": bc, "DMAX": dmax}, _GENERIC_SPEC_IDS)
+      for name, br, bc, dmax in (("attn_f16_f32", BR, 32, GENERIC_MAX_HEAD_DIM),
+                                 ("attn_f16_f32_h256", BR_H256, 16, MAX_HEAD_DIM))],
+    *[_attn_variant(f"attn_f16_f32_d{hd}", "mod_attn_f16_f32_tiled", {"TILED": "1"}, {"HD": hd}, {"HD": 0})
+      for hd in TILED_HEAD_DIMS],
     *[make_attn_cm_variant(hd) for hd in CM_HEAD_DIMS],
     Variant(name="attn_combine_f32", source="attn_combine.comp", bindings=2, writes=(1,),
             push="IIIIII", local_size=(COMBINE_WG, 1, 1)),
@@ -243,14 +210,6 @@ def attention_scratch_bytes(n_tokens: int, n_heads: int, head_dim: int, n_splits
     return 4 * n_splits * n_tokens * n_heads * (head_dim + 2) if n_splits > 1 else 0
 
 
-def attention_counter_bytes(n_tokens: int, n_heads: int, n_kv_heads: int) -> int:
-    """Bytes of the ``counters`` buffer :func:`record_attention` folds the merge of
-    ``n_splits`` > 1 with: one uint per (row block, kv head) of the kernel with the smallest
-    row blocks."""
-    grp = n_heads // max(1, n_kv_heads)
-    return 4 * n_kv_heads * -(-(n_tokens * grp) // BR_H256)
-
-
 def decode_target_workgroups(device: Any) -> int:
     """Workgroups a decode attention should spread over: two per compute unit of a GPU (264
     for an H100/H200's 132 SMs; a GPU that does not report its units counts as one of those),
@@ -312,8 +271,7 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
                      k_cache_offset: int = 0, v_cache_offset: int = 0, pos_offset: int = 0,
                      n_splits: int = 1, scratch: Bindable | None = None, dtype: str = "f32",
                      cache_dtype: str = "f16", window: int = 0, xq: Bindable | None = None,
-                     variant: str | None = None, counters: Bindable | None = None, fold: bool | None = None,
-                     fold_variant: str | None = None) -> None:
+                     variant: str | None = None) -> None:
     """``dst[t, h] = softmax(scale * q[t, h] . K[0..p, g]) V[0..p, g]`` with ``p = pos0 + t``,
     ``pos0 = pos[pos_offset]`` (int32, read on the device) and ``g = h // (n_heads //
     n_kv_heads)``.
@@ -325,19 +283,11 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     keeps ``pos0 + n_tokens <= n_ctx`` (positions past the cache are not read). ``window`` > 0:
     a sliding window, position ``p`` sees only ``p - window < j <= p`` (0: none). ``xq``: also
     write dst as q8_1 blocks there (the bits :func:`~vkxsplit.ops.mul_mat.record_quantize_q8_1`
-    makes of it; head_dim % 32 == 0, dst rows contiguous): in the merge's epilogue when the
+    makes of it; head_dim % 32 == 0, dst rows contiguous): in the combine's epilogue when the
     KV length is split, else by a quantize dispatch after the attention.
 
-    ``counters`` (with ``n_splits`` > 1): a buffer of :func:`attention_counter_bytes` that is
-    zero before the first dispatch and that nothing else writes; the attention then merges the
-    splits itself (the fold; every dispatch leaves the counters at zero again, so a recorded
-    sequence replays, and consecutive dispatches may share them). Without it, or with ``fold``
-    False (default: on unless ``VKXSPLIT_DISABLE=attn_fold``), a combine dispatch merges them:
-    the same bits.
-
     Kernel: :func:`attention_kernel` (``variant`` names another of the same family, e.g. an
-    emulated cooperative-matrix one in the tests; ``fold_variant`` the fold's kernel, e.g. an
-    experiment one)."""
+    emulated cooperative-matrix one in the tests)."""
     op = "attn"
     shape = (n_tokens, n_heads, head_dim)
     check_dtype(op, dtype, shape)
@@ -382,8 +332,7 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
                               f"(head_dim {head_dim}, dst stride {od.stride}; shape {list(shape)})")
         check_q8_1_scratch("attn_f16_f32 (q8_1 output)", xq, n_tokens, row,
                            (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("pos", pos), ("dst", dst))
-                           + ((("scratch", scratch),) if scratch is not None and n_splits > 1 else ())
-                           + ((("counters", counters),) if counters is not None and n_splits > 1 else ()))
+                           + ((("scratch", scratch),) if scratch is not None and n_splits > 1 else ()))
     part: Bindable = dst
     if n_splits > 1:
         if scratch is None:
@@ -399,18 +348,6 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
             if b1 == b2 and s1 < e2 and s2 < e1:
                 raise KernelError(f"attn_f16_f32: scratch overlaps {o.name} (shape {list(shape)})")
         part = scratch
-    folded = n_splits > 1 and counters is not None and (
-        kernels_for(seq.device).attn_fold_available if fold is None else bool(fold))
-    if folded:
-        assert counters is not None and scratch is not None
-        n = attention_counter_bytes(n_tokens, n_heads, n_kv_heads) // 4
-        ocn = Operand("counters", counters, 0, n, 1, n, itemsize=4)
-        check_operand("attn_f16_f32", ocn, shape)
-        for o in (oq, od, ok, ov, op_, osc):
-            b1, s1, e1 = ocn.span()
-            b2, s2, e2 = o.span()
-            if b1 == b2 and s1 < e2 and s2 < e1:
-                raise KernelError(f"attn_f16_f32: counters overlap {o.name} (shape {list(shape)})")
     if n_tokens == 0 or n_heads == 0:
         return
     grp = n_heads // n_kv_heads
@@ -422,18 +359,12 @@ def record_attention(seq: Sequence, q: Bindable, k_cache: Bindable, v_cache: Bin
     row_blocks = -(-(n_tokens * grp) // br)
     if row_blocks > MAX_GROUPS or n_kv_heads > MAX_GROUPS:
         raise KernelError(f"attn_f16_f32: too many rows for one dispatch (shape {list(shape)})")
-    binds = [q, k_cache, v_cache, pos, dst, part]
-    if folded:  # the merge in the last split's workgroup (attention.comp with FOLD)
-        name = fold_variant or attn_fold_name(name, q8=xq is not None)
-        binds += [counters] if xq is None else [counters, xq]
     kern = Kernel.get(seq.device, name)
-    seq.dispatch(kern, binds,  # type: ignore[arg-type]
+    seq.dispatch(kern, [q, k_cache, v_cache, pos, dst, part],
                  (n_tokens, n_heads, n_kv_heads, head_dim, n_ctx, q_offset, oq.stride,
                   k_cache_offset, v_cache_offset, pos_offset, dst_offset, od.stride, n_splits, scale,
                   window),
                  (n_splits, row_blocks, n_kv_heads))
-    if folded:
-        return
     if n_splits > 1:
         n_rows = n_tokens * n_heads
         bufs = [scratch, dst] if xq is None else [scratch, dst, xq]

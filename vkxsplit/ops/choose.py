@@ -56,8 +56,6 @@ from .mul_mat_kernels import (
     vec_kernel_name,
     vec_m1_name,
     vecq_default_config,
-    vecq_glu_config,
-    vecq_glu_name,
     vecq_name,
 )
 from .quant import TYPES
@@ -275,12 +273,6 @@ class DeviceKernels:
         return self.coopmat and not ({"coopmat", "attn_coopmat"} & self.disabled)
 
     @property
-    def attn_fold_available(self) -> bool:
-        """Attention merges its KV splits in the workgroup of each block's last split (the
-        fold, ``attention.comp`` with FOLD), ``attn_fold`` not switched off."""
-        return "attn_fold" not in self.disabled
-
-    @property
     def coopmat2_available(self) -> bool:
         """mul_mat_cm2 (VK_NV_cooperative_matrix2 enabled with what the kernel needs, a
         flexible f16 shape for the default tiling), neither ``coopmat`` nor ``coopmat2`` off."""
@@ -351,20 +343,6 @@ class DeviceKernels:
     def vecq_for_shape(self, variant: str, t: str, N: int, K: int) -> str:
         """:func:`vecq_for_shape` (the tall GPU shapes by N and K)."""
         return vecq_for_shape(variant, t, N, K)
-
-    def vecq_glu(self, t: str) -> str | None:
-        """The decode mat-vec of gate and up of ``t`` weights with the SwiGLU in its epilogue
-        (``mul_mat_vecq_swiglu_*``: the fusion pass ``fuse_glu``), or None: no q8_1-x decode of
-        ``t`` here (:meth:`vecq_decode`), no SwiGLU shape of it for this kind of device, or one
-        the workgroup limits do not take."""
-        if t not in self.vecq_decode():
-            return None
-        cfg = vecq_glu_config(t, self.is_cpu)
-        # shared memory: each thread's 2 rpt partials, and q8_1_store's two words per invocation
-        if (cfg is None or cfg.wg > min(self.max_invocations, self.max_workgroup_x)
-                or (2 * cfg.rpt + 2) * cfg.wg * 4 > self.shared_max):
-            return None
-        return vecq_glu_name(t, cfg)
 
     # -- cooperative matrices: tiling and split ---------------------------------------------
     def coop_cost(self, tile: CoopTile, M: int, N: int, K: int, splits: int) -> float | None:

@@ -78,8 +78,6 @@ from .mul_mat_kernels import (  # noqa: F401  (the kernel shapes, re-exported: t
     VEC_CPU_M1,
     VEC_MAXM,
     VECQ_BLOCK_BYTES,
-    VECQ_GLU_CPU,
-    VECQ_GLU_GPU,
     VECQ_GPU_M1_TALL,
     VECQ_GPU_TYPES,
     VECQ_QUANTIZE,
@@ -101,15 +99,12 @@ from .mul_mat_kernels import (  # noqa: F401  (the kernel shapes, re-exported: t
     make_cm2_variant,
     make_coop_variant,
     make_vec_variant,
-    make_vecq_glu_variant,
     make_vecq_variant,
     vec_config,
     vec_kernel_name,
     vec_m1_name,
     vec_variant_maxm,
     vecq_default_config,
-    vecq_glu_name,
-    vecq_glu_spec,
     vecq_name,
     vecq_spec,
 )
@@ -120,8 +115,6 @@ if TYPE_CHECKING:
     from ..vk.device import Device
 
 log = logging.getLogger("vkxsplit.mul_mat")
-
-GLU_Q8 = 1  # mul_mat_vecq_swiglu's flags: write y as q8_1 blocks too
 
 MAX_GROUPS = 65535      # per grid dimension (Vulkan's guaranteed minimum; lavapipe and NVIDIA)
 
@@ -143,18 +136,6 @@ def _vecq_shipped() -> dict[str, tuple[str, VecqConfig]]:
         for c in cfgs:
             for cc in (c, replace(c, w5u=0)):
                 out[vecq_name(t, cc)] = (t, cc)
-    return out
-
-
-def _vecq_glu_shipped() -> dict[str, tuple[str, VecqConfig]]:
-    """The SwiGLU decode shapes a default choice can name (:meth:`~vkxsplit.ops.choose.DeviceKernels.vecq_glu`):
-    the CPU shape of every q8_1-x type, the GPU shape of each GPU type, and each whole-word
-    (w5u) shape's halfword twin."""
-    out: dict[str, tuple[str, VecqConfig]] = {}
-    for t in VECQ_TYPES:
-        for c in (VECQ_GLU_CPU, *((VECQ_GLU_GPU[t],) if t in VECQ_GLU_GPU and t in VECQ_GPU_TYPES else ())):
-            for cc in (c, replace(c, w5u=0)):
-                out[vecq_glu_name(t, cc)] = (t, cc)
     return out
 
 
@@ -220,60 +201,6 @@ def record_mul_mat_vecq(seq: Sequence, w: Bindable, w_type: TypeLike | WeightTyp
         record_quantize_q8_1(seq, x, xq_scratch, M, K, x_stride, x_offset)
     seq.dispatch(kd, [w, xq_scratch, y], (M, N, K, x_stride, y_stride, x_offset, y_offset, w_row_offset, y_col, 0),
                  (gx, gy, 1))
-
-
-def record_mul_mat_vecq_swiglu(seq: Sequence, w_gate: Bindable, w_up: Bindable, w_type: TypeLike | WeightType,
-                               xq: Bindable, y: Bindable, y_q8: Bindable | None, N: int, K: int, *,
-                               variant: str, w_row_offset: int = 0) -> None:
-    """``y[n] = silu(g_n) * u_n`` with ``g = x @ W_gate^T`` and ``u = x @ W_up^T`` (N rows each,
-    from row ``w_row_offset`` of both bindings, one token) in one dispatch of ``variant`` (a
-    built ``mul_mat_vecq_swiglu_*`` variant of the weight type): x is read as q8_1 from ``xq``
-    (one row of K, as :func:`record_quantize_q8_1` or x's producer wrote it), y written as f32
-    and, with ``y_q8``, as q8_1 blocks there (the bits :func:`record_quantize_q8_1` makes of y;
-    N % 32 == 0): the gate and up mat-vecs, the SwiGLU and the quantization of the down
-    product's x, whose separate forms are :func:`record_mul_mat_vecq` twice and
-    :func:`record_swiglu_q8_1`. Raises KernelError for anything the kernel does not handle."""
-    wt = weight_type(w_type)
-    spec = vecq_glu_spec(variant)
-    name = f"mul_mat_vecq_swiglu[{wt.name.upper()}, N={N}, K={K}]"
-    if spec is None or spec[0] != wt.name:
-        raise KernelError(f"{name}: {variant!r} is not a SwiGLU q8_1-x mat-vec variant for {wt.name.upper()} weights")
-    cfg = spec[1]
-    check_mul_mat(wt, 1, N, K, path="vec")
-    if cfg.blk == 8 and K % WIDE_K:
-        raise KernelError(f"{name}: variant {variant!r} needs K % {WIDE_K} == 0")
-    if not isinstance(w_row_offset, int) or w_row_offset < 0:
-        raise KernelError(f"{name}: w_row_offset must be a non-negative integer, got {w_row_offset!r}")
-    rbytes = wt.row_bytes(K)
-    for what, w in (("gate", w_gate), ("up", w_up)):
-        _, w_off, w_size, _ = as_range(w)
-        if w_off % 16:
-            raise KernelError(f"{name}: the {what} weight binding starts at byte {w_off}, not 16-byte aligned")
-        if (w_row_offset + N) * rbytes > w_size:
-            raise KernelError(f"{name}: rows {w_row_offset}..{w_row_offset + N} of {rbytes} bytes do not fit the "
-                              f"{what} weight binding ({w_size} bytes)")
-    _, y_off, y_size, _ = as_range(y)
-    if y_off % 4 or y_size < 4 * N:
-        raise KernelError(f"{name}: y must be 4-byte aligned and hold {4 * N} bytes ({y_size} at byte {y_off})")
-    if bindings_overlap(y, w_gate) or bindings_overlap(y, w_up):
-        raise KernelError(f"{name}: y overlaps the weights")
-    check_q8_1_scratch(name, xq, 1, K, (("the gate weights", w_gate), ("the up weights", w_up), ("y", y)))
-    if y_q8 is not None:
-        if N % 32:
-            raise KernelError(f"{name}: y as q8_1 blocks needs N % 32 == 0")
-        check_q8_1_scratch(name, y_q8, 1, N, (("the gate weights", w_gate), ("the up weights", w_up), ("y", y),
-                                              ("x's q8_1 scratch", xq)))
-    if cfg.w5u and not (vecq_fits(w_gate, wt, w_row_offset + N, K) and vecq_fits(w_up, wt, w_row_offset + N, K)):
-        cfg = replace(cfg, w5u=0)  # a binding ends inside its last row's trailing word
-        variant = vecq_glu_name(wt.name, cfg)
-    gx, gy, _ = _grid("vec", wt, 1, N, variant)
-    if gy > MAX_GROUPS:
-        raise KernelError(f"{name}: too large for one dispatch")
-    if N == 0:
-        return
-    # (without y_q8 the kernel writes no blocks: binding 4 is y again, never written through it)
-    seq.dispatch(Kernel.get(seq.device, variant), [w_gate, xq, y, w_up, y if y_q8 is None else y_q8],
-                 (1, N, K, K, N, 0, 0, w_row_offset, 0, 0 if y_q8 is None else GLU_Q8), (gx, gy, 1))
 
 
 def vecq_fits(w: Bindable, wt: WeightType, rows: int, K: int) -> bool:
@@ -345,7 +272,6 @@ VARIANTS = (
     [make_vec_variant(vec_kernel_name(t, mm), t, VEC_CONFIG[t], mm) for t in TYPES for mm in VEC_MAXM]
     + [make_vec_variant(vec_m1_name(t, c), t, c, 1) for t, c in VEC_CPU_M1.items()]
     + [make_vecq_variant(name, t, cfg, 1) for name, (t, cfg) in _vecq_shipped().items()]
-    + [make_vecq_glu_variant(name, t, cfg) for name, (t, cfg) in _vecq_glu_shipped().items()]
     + [Variant(name=VECQ_QUANTIZE, source="quantize_q8_1.comp", defines={"WG": str(VECQ_QUANTIZE_WG)},
                bindings=2, writes=(1,), push=PUSH, local_size=(VECQ_QUANTIZE_WG, 1, 1)),
        Variant(name="swiglu_q8_1_f32", source="quantize_q8_1.comp",
@@ -657,5 +583,5 @@ def record_mul_mat(seq: Sequence, w: Bindable, w_type: TypeLike | WeightType, x:
 
 
 __all__ = ["MAX_GROUPS", "PATHS", "VARIANTS", "check_mul_mat", "check_q8_1_scratch", "q8_1_reference",
-           "record_mul_mat", "record_mul_mat_vecq", "record_mul_mat_vecq_swiglu", "record_quantize_q8_1", "record_swiglu_q8_1", "vecq_fits",
+           "record_mul_mat", "record_mul_mat_vecq", "record_quantize_q8_1", "record_swiglu_q8_1", "vecq_fits",
            "vecq_scratch_bytes"]

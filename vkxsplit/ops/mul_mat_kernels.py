@@ -293,7 +293,7 @@ def vecq_spec(name: str) -> tuple[str, VecqConfig, int] | None:
     """(weight type, shape, most columns of x) of a built integer-dot-product mat-vec variant
     (shipped or loaded), from its defines; None for any other name."""
     d = _defines(name, ("mul_mat_vecq.comp",))
-    if d is None or "PROBE_NOX" in d or "GLU" in d:
+    if d is None or "PROBE_NOX" in d:
         return None
     t = _type_of(d)
     return None if t is None else (t, VecqConfig.from_defines(d), int(d["MAXM"]))
@@ -324,64 +324,6 @@ def make_vecq_variant(name: str, t: str, cfg: VecqConfig, maxm: int) -> Variant:
                    module=vecq_module_name(t, cfg),
                    spec={"WG": cfg.wg, "NR": cfg.nr, "UNR": cfg.unr, "MAXM": maxm}, spec_ids=VECQ_SPEC_IDS,
                    local_size_spec="WG", bindings=3, writes=(2,), push=PUSH, local_size=(cfg.wg, 1, 1),
-                   requires=(*(_IDP_REQUIRES if cfg.idp else ()), *_STORAGE))
-
-
-# -- the gate/up decode mat-vec with the SwiGLU in its epilogue (mul_mat_vecq.comp with GLU) --
-
-#: rows of each product per workgroup are whole q8_1 blocks of the output
-GLU_BLOCK = 32
-#: GPU shapes per type (VECQ_GPU_TYPES): 32 rows of gate and of up per workgroup, each row's
-#: team as wide as the type's tall (or default) shape where the 1024-invocation workgroup allows
-#: it (Q4_0 / Q8_0: 64 lanes, 2 rows of each product per thread; Q4_1 / Q4_K: 32 lanes, one row
-#: of each), the SG 0 reduction (a tree over the team in shared memory)
-VECQ_GLU_GPU = {"q4_0": VecqConfig(1024, 16, blk=1, rpt=2, w5u=1),
-                "q8_0": VecqConfig(1024, 16, blk=1, rpt=2),
-                "q4_1": VecqConfig(1024, 32, blk=1),
-                "q4_k": VecqConfig(1024, 32, blk=1, unr=2, sub=4)}
-#: CPU devices: one row of each product per invocation, as their plain decode shape
-VECQ_GLU_CPU = VecqConfig(64, 64, blk=1)
-
-
-def vecq_glu_name(t: str, cfg: VecqConfig) -> str:
-    """mul_mat_vecq_swiglu_<type>_q8_1_m1_<shape tag>: gate and up of ``t`` weights times q8_1
-    x, silu(gate) * up out (f32, and q8_1 blocks)."""
-    return f"mul_mat_vecq_swiglu_{t}_q8_1_m1_{cfg.tag}"
-
-
-def vecq_glu_config(t: str, cpu: bool) -> VecqConfig | None:
-    """The SwiGLU decode shape of weight type ``t`` on a CPU or GPU device (None: none ships)."""
-    if cpu:
-        return VECQ_GLU_CPU if t in VECQ_TYPES else None
-    return VECQ_GLU_GPU.get(t)
-
-
-def vecq_glu_spec(name: str) -> tuple[str, VecqConfig] | None:
-    """(weight type, shape) of a built SwiGLU decode variant (mul_mat_vecq.comp with GLU), from
-    its defines; None for any other name."""
-    d = _defines(name, ("mul_mat_vecq.comp",))
-    if d is None or d.get("GLU") != "1":
-        return None
-    t = _type_of(d)
-    return None if t is None else (t, VecqConfig.from_defines(d))
-
-
-def make_vecq_glu_variant(name: str, t: str, cfg: VecqConfig) -> Variant:
-    """The Variant of the SwiGLU decode mat-vec of weight type ``t``, shape ``cfg`` (one column
-    of x): bindings gate weights, q8_1 x, y (f32), up weights, y's q8_1 blocks. Raises
-    KernelError for a shape the kernel cannot run: a workgroup's rows of each product
-    (``nr * rpt``) whole q8_1 blocks, a power-of-two team (``wg // nr``: the tree reduction), the
-    SG 0 reduction, at most 1024 invocations."""
-    lanes = cfg.wg // cfg.nr if cfg.nr > 0 else 0
-    if (min(cfg.wg, cfg.nr, cfg.unr, cfg.rpt) < 1 or cfg.wg % cfg.nr or cfg.rows % GLU_BLOCK or cfg.sg
-            or lanes & (lanes - 1) or cfg.wg > 1024):
-        raise KernelError(f"SwiGLU q8_1-x mat-vec shape {cfg.tag}: rows per workgroup (NR x RPT) must be a "
-                          f"multiple of {GLU_BLOCK}, WG a power-of-two multiple of NR, at most 1024, no sg")
-    defines = {k: v for k, v in cfg.defines().items() if k not in VECQ_SPEC_IDS}
-    return Variant(name=name, source="mul_mat_vecq.comp", defines={"WTYPE": str(TYPES[t].id), **defines, "GLU": "1"},
-                   module=f"mod_mul_mat_vecq_swiglu_{t}_{cfg.module_tag}",
-                   spec={"WG": cfg.wg, "NR": cfg.nr, "UNR": cfg.unr, "MAXM": 1}, spec_ids=VECQ_SPEC_IDS,
-                   local_size_spec="WG", bindings=5, writes=(2, 4), push=PUSH, local_size=(cfg.wg, 1, 1),
                    requires=(*(_IDP_REQUIRES if cfg.idp else ()), *_STORAGE))
 
 

@@ -28,13 +28,7 @@ from .elementwise import record_add, record_geglu, record_scale, record_softcap,
 from .get_rows import record_get_rows
 from .link import record_link_sum
 from .moe import NODE_RECORDERS as MOE_RECORDERS
-from .mul_mat import (
-    record_mul_mat,
-    record_mul_mat_vecq,
-    record_mul_mat_vecq_swiglu,
-    record_quantize_q8_1,
-    record_swiglu_q8_1,
-)
+from .mul_mat import record_mul_mat, record_mul_mat_vecq, record_quantize_q8_1, record_swiglu_q8_1
 from .norm import record_add_rms_norm, record_rms_norm
 from .rope import YARN_DEFAULTS, record_rope
 
@@ -139,19 +133,6 @@ def _mul_mat(seq: Sequence, n: Node, r0: int = 0, r1: int | None = None, y: Tens
                            w_row_offset=a - base, y_col_offset=a, y_stride=N)
 
 
-@register("mul_mat_swiglu")
-def _mul_mat_swiglu(seq: Sequence, n: Node) -> None:
-    """The decode FFN's gate and up mat-vecs and their SwiGLU as one node (the fusion pass
-    ``fuse_glu``: :func:`vkxsplit.fusion.fuse_mul_mat_swiglu`): ``out = silu(x W_gate^T) * (x
-    W_up^T)`` with x read as q8_1 (``xq``), written as f32 and, with ``xq_out``, as the q8_1 x
-    of the down product; the kernel ``params["vecq"]`` (a ``mul_mat_vecq_swiglu_*`` variant)."""
-    wg, wu, _x = n.inputs
-    xq_out = n.params.get("xq_out")
-    record_mul_mat_vecq_swiglu(seq, wg.buffer, wu.buffer, wg.dtype, n.params["xq"].buffer, n.output.buffer,
-                               None if xq_out is None else xq_out.buffer, wg.shape[0], wg.shape[-1],
-                               variant=n.params["vecq"])
-
-
 @register("quantize_q8_1")
 def _quantize_q8_1(seq: Sequence, n: Node) -> None:
     """x (f32 rows) -> the q8_1 scratch the following integer-dot-product mat-vecs read."""
@@ -251,12 +232,11 @@ def _kv_store(seq: Sequence, n: Node) -> None:
 def _attention(seq: Sequence, n: Node) -> None:
     q, ck, cv, pos = n.inputs
     p = n.params
-    scratch, counters = p.get("scratch"), p.get("counters")
+    scratch = p.get("scratch")
     record_attention(seq, q.buffer, ck.buffer, cv.buffer, pos.buffer, n.output.buffer, q.rows, p["n_heads"],
                      p["n_kv_heads"], p["head_dim"], p["n_ctx"], n_splits=p.get("n_splits", 1),
                      scratch=scratch.buffer if scratch is not None else None, scale=p.get("scale"),
-                     window=p.get("window", 0), xq=p["xq"].buffer if p.get("xq") is not None else None,
-                     counters=counters.buffer if counters is not None else None)
+                     window=p.get("window", 0), xq=p["xq"].buffer if p.get("xq") is not None else None)
 
 
 @register("cpy")

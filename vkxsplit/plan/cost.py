@@ -163,11 +163,6 @@ class CostModel:
             nbytes += w.shape[0] * row_bytes(w.dtype, w.shape[-1]) if w.dtype not in _ELEM else 0
             return 2.0 * x.rows * w.shape[0] * w.shape[-1] / (DEFAULTS["hub_gflops"] * 1e9) + \
                 nbytes / (DEFAULTS["hub_gbs"] * 1e9)
-        if node.op == "mul_mat_swiglu":  # gate and up (1 token): both weights read once
-            wg, wu, x = node.inputs
-            nbytes += 2 * wg.shape[0] * row_bytes(wg.dtype, wg.shape[-1])
-            return 4.0 * x.rows * wg.shape[0] * wg.shape[-1] / (DEFAULTS["hub_gflops"] * 1e9) + \
-                nbytes / (DEFAULTS["hub_gbs"] * 1e9)
         if node.op == "mul_mat_id":  # the experts the tokens can touch, each read once
             w, ids = node.inputs[0], node.inputs[2]
             E, N, K = w.shape

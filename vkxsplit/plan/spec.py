@@ -78,16 +78,6 @@ class SplitSpec:
     def __str__(self) -> str:
         return self.text
 
-    def hub_only(self, T: int) -> bool:
-        """Whether a step of ``T`` tokens runs wholly on the hubs under this spec, whatever is
-        attached: ``none``, or a mode split none of whose rules takes ``T`` tokens (each with an
-        explicit batch range that ``T`` is outside of) and no overrides."""
-        if self.kind == "none":
-            return True
-        if self.kind != "mode" or self.overrides or not self.rules:
-            return False
-        return all(r.explicit and not ((r.lo or 1) <= T <= (r.hi if r.hi is not None else T)) for r in self.rules)
-
     def names(self) -> list[str]:
         """Participant names the spec refers to."""
         out = [n for n, _ in self.ratios if n is not None]
