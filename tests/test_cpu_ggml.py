@@ -325,6 +325,27 @@ def test_threads_option(device):
     assert default_threads(device) == want
 
 
+def test_small_runs_on_one_thread_with_an_openmp_ggml(device, monkeypatch):
+    """An OpenMP build of ggml (llama.cpp's) meets its threads at an OpenMP barrier after every
+    node: a run of jobs averaging under OPENMP_RUN_JOB_FLOPS runs on one thread there; with
+    ggml's own pool (libggml-python) every run takes every thread. Whether the loaded build is
+    one is what its libggml-cpu links (libgomp mapped into this process)."""
+    from vkxsplit.backends.cpu import OPENMP_RUN_JOB_FLOPS
+
+    b = create_backend("cpu", device, timeout=WAIT_S, threads=2)
+    try:
+        g = b.ggml
+        with open("/proc/self/maps") as f:
+            assert g.openmp == ("libgomp" in f.read())
+        monkeypatch.setattr(g, "_openmp", True)
+        assert b._run_pool(3 * OPENMP_RUN_JOB_FLOPS - 1, 3) is b.pool1
+        assert b._run_pool(3 * OPENMP_RUN_JOB_FLOPS, 3) is b.pool is not b.pool1
+        monkeypatch.setattr(g, "_openmp", False)
+        assert b._run_pool(1, 3) is b.pool
+    finally:
+        b.close()
+
+
 def test_binding_reports_version_and_features():
     g = ggml_cpu.load()
     assert g.version.count(".") >= 1

@@ -62,9 +62,15 @@ Job = MatMulJob | MatMulIdJob | OpJob
 
 #: jobs of fewer flops run on the calling (bridge) thread alone: waking the pool's sleeping
 #: workers and meeting them at ggml's barriers costs more than such a job gains from them (a
-#: decode mat-vec of a small model); the crossover measured on the 2-core machine is in
-#: docs/PERFORMANCE.md (the cpu backend's thread table)
+#: decode mat-vec of a small model; an estimate from the 2-core machine, where such jobs ran
+#: faster alone)
 SMALL_JOB_FLOPS = 4_000_000
+#: with an OpenMP build of ggml (llama.cpp's), a graph's threads meet at an OpenMP barrier after
+#: every node, which sleeps and wakes them where cores are few: a run of jobs averaging fewer
+#: flops than this per job runs on the calling thread alone (a small model's decode step: 26 ->
+#: 72 tok/s for SmolLM2 on the 2-core machine, while llama1b's decode still gains from two
+#: threads; docs/PERFORMANCE.md, "CPU machine")
+OPENMP_RUN_JOB_FLOPS = 4_000_000
 
 #: graphs kept (least recently built first out): a graph is ~7 KB of ggml headers, and a model
 #: keeps a few plans of some hundred jobs each (one per token count it ran)
@@ -86,7 +92,7 @@ def default_threads(hub: Device | None = None, step: bool = False) -> int:
     cores). ggml's threads meet at spinning barriers inside each graph: when one of them loses
     its core, the others spin until it is back, so a pool as wide as the machine is fast only on
     an otherwise idle machine and several times slower as soon as anything else runs
-    (docs/PERFORMANCE.md: the cpu backend's thread table, 1 vs 2 threads on the 2-core machine).
+    (docs/PERFORMANCE.md, "CPU machine": 1 vs 2 threads on the 2-core machine).
     ``threads=N`` (``--backends cpu:threads=N``, ``-t N``) overrides it. With ``step`` (the
     backend takes the whole step: the hub has nothing left to run) every physical core that
     other processes do not keep busy when the backend starts (:func:`busy_cores`, rounded), at
@@ -505,6 +511,21 @@ class CpuBackend(Backend):
     def _pool_for(self, flops: int) -> ggml_cpu.ThreadPool:
         return self.pool if flops >= SMALL_JOB_FLOPS else self.pool1
 
+    def _run_pool(self, flops: int, jobs: int) -> ggml_cpu.ThreadPool:
+        """The pool of a graph of ``jobs`` consecutive jobs of ``flops`` in all: every thread,
+        but for an OpenMP build of ggml the calling thread alone where the jobs are small
+        (:data:`OPENMP_RUN_JOB_FLOPS`)."""
+        if self.ggml.openmp and flops < OPENMP_RUN_JOB_FLOPS * max(jobs, 1):
+            return self.pool1
+        return self.pool
+
+    @staticmethod
+    def _op_flops(job: OpJob) -> int:
+        """A rough count for the thread choice: a few flops per element; attention's over the cache."""
+        if job.op == "attention":
+            return 4 * job.rows * job.cols * job.params["n_ctx"]
+        return 8 * job.rows * job.cols
+
     # -- repacked weights ---------------------------------------------------------------------
 
     def _drop_packed(self, key: tuple[Any, ...]) -> None:
@@ -667,10 +688,7 @@ class CpuBackend(Backend):
         for out in self._emit_op(g, job, before, keep):
             g.expand(out)
         before = [fn for fn, _v in before]
-        flops = 8 * job.rows * job.cols  # a few flops per element
-        if job.op == "attention":
-            flops = 4 * job.rows * job.cols * job.params["n_ctx"]
-        g.finish(None, self._pool_for(flops))
+        g.finish(None, self._pool_for(self._op_flops(job)))
         return _Cached(g, bufs, before=before, keep=keep)
 
     def _build_run(self, jobs: list[Job]) -> _Run:
@@ -683,13 +701,14 @@ class CpuBackend(Backend):
         keep: list[Any] = []
         bufs: list[SharedBuffer] = []
         written: list[tuple[Any, int, int]] = []
+        flops, count = 0, 0
 
         def close() -> None:
-            nonlocal g, before, keep, bufs, written
+            nonlocal g, before, keep, bufs, written, flops, count
             if g is not None:
-                g.finish(None, self.pool)
+                g.finish(None, self._run_pool(flops, count))
                 pieces.append(_Cached(g, tuple(bufs), before=before, keep=keep))
-            g, before, keep, bufs, written = None, [], [], [], []
+            g, before, keep, bufs, written, flops, count = None, [], [], [], [], 0, 0
 
         for job in jobs:
             ins, outs = self._views(job)
@@ -714,6 +733,8 @@ class CpuBackend(Backend):
             before += [fn for fn, _v in mine]
             bufs += [v.shared for v in (*ins, *outs)]
             written += [_rng(v) for v in outs]
+            flops += self._op_flops(job) if isinstance(job, OpJob) else job.flops
+            count += 1
         close()
         return _Run(pieces)
 

@@ -256,6 +256,20 @@ class Ggml:
             pass
 
     @property
+    def openmp(self) -> bool:
+        """Whether this build runs its threads through OpenMP (llama.cpp's does; libggml-python's
+        uses ggml's own pool): then the threads of a graph meet at an OpenMP barrier after every
+        node. Asked of the loader: libgomp's entry point reachable from libggml-cpu."""
+        if not hasattr(self, "_openmp"):
+            import ctypes
+
+            try:
+                self._openmp = hasattr(ctypes.CDLL(_lib(self.libdir, "libggml-cpu")), "GOMP_parallel")
+            except OSError:
+                self._openmp = False
+        return self._openmp
+
+    @property
     def version(self) -> str:
         return self.ffi.string(self.base.ggml_version()).decode()
 
