@@ -329,14 +329,14 @@ def test_small_runs_on_one_thread_with_an_openmp_ggml(device, monkeypatch):
     """An OpenMP build of ggml (llama.cpp's) meets its threads at an OpenMP barrier after every
     node: a run of jobs averaging under OPENMP_RUN_JOB_FLOPS runs on one thread there; with
     ggml's own pool (libggml-python) every run takes every thread. Whether the loaded build is
-    one is what its libggml-cpu links (libgomp mapped into this process)."""
+    one is what its libggml-cpu links (libgomp among the names its dynamic section needs)."""
     from vkxsplit.backends.cpu import OPENMP_RUN_JOB_FLOPS
 
     b = create_backend("cpu", device, timeout=WAIT_S, threads=2)
     try:
         g = b.ggml
-        with open("/proc/self/maps") as f:
-            assert g.openmp == ("libgomp" in f.read())
+        with open(ggml_cpu._lib(g.libdir, "libggml-cpu"), "rb") as f:
+            assert g.openmp == (b"libgomp.so" in f.read())
         monkeypatch.setattr(g, "_openmp", True)
         assert b._run_pool(3 * OPENMP_RUN_JOB_FLOPS - 1, 3) is b.pool1
         assert b._run_pool(3 * OPENMP_RUN_JOB_FLOPS, 3) is b.pool is not b.pool1
@@ -377,11 +377,23 @@ def test_llama_build_taken_where_it_runs(monkeypatch, tmp_path):
         (bad / n).write_bytes(b"not a library")
     ok, why = ggml_cpu._runs_here(str(bad))
     assert not ok and "exit status 1" in why
-    assert len(list((tmp_path / "cache").glob("ggml-build-*.json"))) == 1
-    assert ggml_cpu._runs_here(str(bad)) == (ok, why)  # (from the cache)
+    # an exit status is not cached (it may be passing trouble); a success is, and a cached
+    # answer that is not a bool is asked again
+    assert not list((tmp_path / "cache").glob("ggml-build-*.json"))
+    assert ggml_cpu._runs_here(str(bad)) == (ok, why)
     import libggml
 
     wheel = os.path.join(os.path.dirname(libggml.__file__), "lib64")
+    assert ggml_cpu._runs_here(wheel) == (True, "runs here")
+    (cached,) = (tmp_path / "cache").glob("ggml-build-*.json")
+    assert ggml_cpu._runs_here(wheel) == (True, "runs here")
+    cached.write_text('{"ok": "false", "why": "?"}')
+    assert ggml_cpu._runs_here(wheel) == (True, "runs here")
+    # the child runs from the checkout, not the caller's directory (a module there named like
+    # one the probe imports is not taken)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cffi.py").write_text("raise SystemExit(7)\n")
+    cached.unlink()
     assert ggml_cpu._runs_here(wheel) == (True, "runs here")
     # the package found through its module: a build that cannot run is not taken
     real = importlib.util.find_spec
@@ -400,6 +412,23 @@ def test_llama_build_taken_where_it_runs(monkeypatch, tmp_path):
         assert ggml_cpu.load().package == ggml_cpu.LLAMA_PACKAGE and ggml_cpu.load().libdir == got[0]
     monkeypatch.setenv("VKXSPLIT_DISABLE", "ggml_llama")
     assert ggml_cpu._llama_build() is None
+
+
+def test_llama_build_that_does_not_load_is_a_clear_error(monkeypatch, tmp_path):
+    """llama.cpp's build passed its child self-test but does not load here: a clear error naming
+    the kill switch, never a silent fall back to libggml-python's build (its libggml-base would
+    mix with the one already loaded)."""
+    from vkxsplit.errors import EnvironmentProblem
+
+    monkeypatch.delenv(ggml_cpu.LIBDIR_ENV, raising=False)
+    monkeypatch.setattr(ggml_cpu, "_llama_build", lambda: (str(tmp_path), "0.0"))
+    ggml_cpu._load.cache_clear()
+    try:
+        with pytest.raises(EnvironmentProblem, match="does not load in this one") as e:
+            ggml_cpu.load()
+        assert "VKXSPLIT_DISABLE=ggml_llama" in str(e.value.hint)
+    finally:
+        ggml_cpu._load.cache_clear()
 
 
 def test_missing_package_is_a_clear_reason(monkeypatch):

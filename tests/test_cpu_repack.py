@@ -29,9 +29,9 @@ CANDIDATES = ("q4_0", "q4_k", "iq4_nl", "q8_0", "q2_k", "q5_k", "q6_k")
 
 
 def repacks_here(wtype: str, rows: int = 8, amx: bool = True) -> str | None:
-    """The buffer type ggml copies a ``rows``-row ``wtype`` matrix into on this CPU, None where
-    none (asked of ggml itself)."""
-    return ggml_cpu.load().repacks(TYPES[wtype].id, TYPES[wtype].block_size, rows, amx=amx)
+    """The buffer type ggml copies a ``rows``-row ``wtype`` matrix of two blocks per row into on
+    this CPU, None where none (asked of ggml itself)."""
+    return ggml_cpu.load().repacks(TYPES[wtype].id, 2 * TYPES[wtype].block_size, rows, amx=amx)
 
 
 def has_amx() -> bool:
@@ -208,6 +208,72 @@ def test_strided_results_and_amx(cpu, arena, rng):
         b.close()
 
 
+@pytest.mark.parametrize("wtype", ["q4_0", "q4_1", "q8_0"])
+def test_one_block_rows_not_amx(cpu, arena, rng, wtype):
+    """A weight of one 32-element block per row (K = 32) of Q4_0 / Q4_1 / Q8_0 does not go to AMX
+    (two blocks do) and its prefill product is right, into a result that held other values. The
+    wrong variant, the AMX copy of it through a graph of its own, adds the product to what the
+    result held: it fails the same check."""
+    if not has_amx():
+        pytest.skip("this ggml build or CPU has no AMX buffer type")
+    g, tid, N, M = ggml_cpu.load(), TYPES[wtype].id, 32, 32
+    assert not g.amx_takes(tid, N, 32) and g.amx_takes(tid, N, 64)
+    assert g.repacks(tid, 32, N) != "AMX" and g.repacks(tid, 64, N) == "AMX"
+    wq, wd = make_weight(rng, wtype, N, 32)
+    x = rng.standard_normal((M, 32)).astype(np.float32)
+    ref, bound = x.astype(np.float64) @ wd.T, ggml_bound(x, wd, wtype)
+    xb, wb, y = put(arena, x), put(arena, wq), arena.alloc(M * N * 4)
+    y.numpy(np.float32)[:] = 1.0
+    run(cpu, MatMulJob(wb.view(), wtype, xb.view(), y.view(), M, N, 32))
+    assert np.all(np.abs(y.numpy(np.float32).reshape(M, N) - ref) <= bound)
+    assert all(p is None or p.kind != "AMX" for sb, p in cpu._packed.values() if sb is wb)
+    # the wrong variant
+    p = ggml_cpu.PackedWeight._create_in(g, g.extra_buft(ggml_cpu.AMX_BUFT_NAME), "AMX", tid, 32, N,
+                                         int(g.ffi.cast("uintptr_t", g.ffi.from_buffer(wq))))
+    assert p is not None
+    out = np.ones((M, N), np.float32)
+    gr, pool = ggml_cpu.Graph(g), ggml_cpu.ThreadPool(g, 1)
+    try:
+        X = gr.strided(0, x.ctypes.data, 32, M, 32 * 4)
+        gr.finish(gr.place(g.base.ggml_mul_mat(gr.ctx, p.tensor, X), out.ctypes.data, N * 4), pool)
+        gr.compute(g.ffi.new("uint8_t[]", max(gr.work_size, 1)))
+    finally:
+        gr.close()
+        pool.close()
+        p.close()
+    assert not np.all(np.abs(out - ref) <= bound)
+    for b in (xb, wb, y):
+        b.close()
+
+
+def test_read_as_stored_and_keep_packed_free_copies(cpu, arena, rng):
+    """A copy no live plan multiplies by is freed: ``read_as_stored`` of a copied weight frees its
+    copy and the graphs over it (the next run reads the stored bytes, and is right);
+    ``keep_packed`` frees every copy but those of the jobs it is given."""
+    wtype, N, K, M = "q4_0", 32, 256, 4
+    if not repacks_here(wtype, N):
+        pytest.skip("ggml-cpu does not repack q4_0 on this CPU")
+    wq, wd = make_weight(rng, wtype, N, K)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    ref, bound = x.astype(np.float64) @ wd.T, ggml_bound(x, wd, wtype)
+    xb, wa, wb, y = put(arena, x), put(arena, wq), put(arena, wq), arena.alloc(M * N * 4)
+    ja, jb = (MatMulJob(w.view(), wtype, xb.view(), y.view(), M, N, K) for w in (wa, wb))
+    base = cpu.packed_bytes
+    assert cpu.pack(ja) and cpu.pack(jb)
+    one = (cpu.packed_bytes - base) // 2
+    run(cpu, ja)
+    assert cpu.graphs
+    cpu.read_as_stored(ja)
+    assert cpu.packed_bytes == base + one and not cpu.graphs and not cpu.pack(ja)
+    y.numpy(np.float32)[:] = np.nan
+    run(cpu, ja)
+    assert np.all(np.abs(y.numpy(np.float32).reshape(M, N) - ref) <= bound)
+    assert cpu.keep_packed([jb]) == 0 and cpu.packed_bytes == base + one
+    assert cpu.keep_packed([]) == one and cpu.packed_bytes == base
+    for b in (xb, wa, wb, y):
+        b.close()
+
+
 def test_row_ranges_repack_when_aligned(cpu, arena, rng):
     """A tensor split's row range: rows [8, 24) of a weight held from global row 4 get their own
     repacked copy; rows [6, 21) (not a multiple of 8) are read as stored. Both within the bound."""
@@ -354,6 +420,10 @@ def test_cpu_default_on_a_repacked_model(device, tmp_path, qtype):
         back = logits(m, IDS)
         assert not m.given_back and w.numpy(np.uint8)[4096:-4096].any()
         assert np.array_equal(back, hub)  # (the hub's kernels over the restored bytes)
+        assert cpu.packed_bytes == 0 and not cpu.graphs  # (the copies went: the weights are held once)
+        m.set_split("mode:cpu")  # copied again, pages given back again, the same logits
+        assert np.array_equal(logits(m, IDS), got)
+        assert set(m.given_back) == products and cpu.packed_bytes == packed
     scale = np.abs(hub).max()
     # the same q8 rounding of x: equal but for f32 summation order, except where the repacked
     # gemm's 4-row quantizer (ggml_quantize_mat_q8_K_4x8) rounds a value to the other

@@ -269,8 +269,11 @@ class Model(PlacedModel):
                 elif isinstance(op, BackendNodeOp):
                     stored.update(t.name for t in op.node.inputs if t.weight)
         # a weight some plan reads as stored (a tied embedding's get_rows, ...) keeps its stored
-        # pages: it is not copied too (the weights are held once), and its products read it as stored
-        for n in stored & packed.keys():
+        # pages: it is not copied too (the weights are held once), and its products read it as
+        # stored; copies no live plan multiplies by (a plan dropped for another split) are freed
+        both = stored & packed.keys()
+        cpu.keep_packed([j for n, jobs in packed.items() if n not in both for j in jobs])
+        for n in both:
             for j in packed.pop(n):
                 cpu.read_as_stored(j)
         if self.split.kind == "auto":

@@ -306,8 +306,12 @@ class CpuBackend(Backend):
             raise VkxError(f"cpu backend: poll must be an integer in [0, 100], got {poll!r}",
                            "ggml's polling level: 0 lets idle workers sleep (the default), e.g. cpu:poll=1")
         self.ggml = ggml_cpu.load()
-        #: the ggml build the products run on (part of the profile key of measured costs)
-        self.build = f"{self.ggml.package}-{self.ggml.package_version}"
+        #: the ggml build the products run on and the weight layouts taken off (part of the
+        #: profile key of measured costs: a profile measured on AMX tiles is not the stored
+        #: layout's)
+        self.build = f"{self.ggml.package}-{self.ggml.package_version}" + ("" if self.repack else "+repack=0") \
+            + ("+amx=0" if self.repack and not self.amx and self.ggml.extra_buft(ggml_cpu.AMX_BUFT_NAME) is not None
+               else "")
         super().__init__(hub, timeout=timeout, counters=counters, caps=caps)
         self.threads = threads
         self.graphs: OrderedDict[tuple[Any, ...], _Cached] = OrderedDict()
@@ -550,7 +554,7 @@ class CpuBackend(Backend):
         if not self.repack or not isinstance(job, MatMulJob) or not weight_type(job.w_type).quantized:
             return None
         tid = weight_type(job.w_type).id
-        amx = self.amx and self.ggml.amx_takes(tid, job.rows)
+        amx = self.amx and self.ggml.amx_takes(tid, job.rows, job.K)
         if job.M >= (2 if amx else 4) and job.x_stride != job.K:
             # both kinds read x rows K apart: ggml's repacked gemm quantizes x four rows at a time
             # (ggml_quantize_mat_q8_*_4x*), the AMX kernels each row at m * K: strided x rows would
@@ -569,7 +573,7 @@ class CpuBackend(Backend):
             self._check_stored(v, first, job.rows * rb, job.name or "repacking a weight")
             t0 = time.perf_counter()
             p = ggml_cpu.PackedWeight.create(self.ggml, tid, job.K, job.rows, _addr(v, first + job.rows * rb) + first,
-                                             amx=self.amx)
+                                             amx=amx)
             self.pack_s += time.perf_counter() - t0
             if p is not None:
                 self.packed_bytes += p.nbytes
@@ -587,13 +591,40 @@ class CpuBackend(Backend):
 
     def read_as_stored(self, job: MatMulJob) -> None:
         """Have ``job``'s weight rows read as stored, never copied (the model asks where a plan
-        reads the weight as stored anyway: the weights are then held once); a copy made before
-        stays (graphs built over it use it)."""
+        reads the weight as stored anyway: the weights are then held once). A copy made before
+        is freed with the graphs built over it (they are built again on the stored bytes)."""
         with self._lock:
             v, key, _first, _rb = self._pack_key(job)
+            got = self._packed.get(key)
+            if got is not None and got[1] is not None:
+                self._drop_packed(key)
+                self._drop_graphs()
             if key not in self._packed:
                 self._packed[key] = (v.shared, None)
                 self._hook((v.shared,))
+
+    def keep_packed(self, jobs: list[MatMulJob]) -> int:
+        """Free the repacked copies of weight rows that none of ``jobs`` (the products of the
+        live plans) multiplies by, and the graphs built over them: a plan dropped for another
+        split reads its weights as stored again, and they must not be held twice. Returns the
+        bytes freed."""
+        with self._lock:
+            live = {self._pack_key(j)[1] for j in jobs}
+            gone = [k for k, (_sb, p) in self._packed.items() if p is not None and k not in live]
+            freed = sum(self._packed[k][1].nbytes for k in gone)  # type: ignore[union-attr]
+            for k in gone:
+                self._drop_packed(k)
+            if gone:
+                self._drop_graphs()
+            return freed
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph (under ``self._lock``): some point at a freed copy; a job's next run
+        builds its graph again."""
+        for c in self.graphs.values():
+            c.close()
+        self.graphs.clear()
+        self._fast.clear()
 
     def pack(self, job: MatMulJob) -> bool:
         """Make the repacked copy of ``job``'s weight rows now (the first step would otherwise:

@@ -212,6 +212,8 @@ REPACK_BUFT_NAME = b"CPU_REPACK"
 #: the weight types ggml's AMX buffer converts (``qtype_has_amx_kernels``: Q4_0, Q4_1, Q8_0, Q4_K,
 #: Q5_K, Q6_K, IQ4_XS); its ``init_tensor`` accepts any tensor, so the type is checked here
 AMX_TYPES = frozenset({2, 3, 8, 12, 13, 14, 23})
+#: of those, the types of 32-element blocks (Q4_0, Q4_1, Q8_0), whose AMX gemm needs K >= 64
+AMX_TWO_BLOCKS = frozenset({2, 3, 8})
 #: the AMX kernels write the product's rows 32 at a time (``ne0 % (TILE_N * 2)`` of ggml's
 #: ``supports_op``): a weight copied there has a multiple of this many rows
 AMX_ROWS = 32
@@ -292,11 +294,16 @@ class Ggml:
         p.close()
         return kind
 
-    def amx_takes(self, type_id: int, rows: int) -> bool:
-        """Whether a weight of ``type_id`` with ``rows`` rows goes to the AMX buffer type (this
-        build has one and the OS let the process use the AMX tiles; the type and row count fit
-        its kernels)."""
-        return type_id in AMX_TYPES and rows % AMX_ROWS == 0 and self.extra_buft(AMX_BUFT_NAME) is not None
+    def amx_takes(self, type_id: int, rows: int, K: int) -> bool:
+        """Whether a ``rows`` x ``K`` weight of ``type_id`` goes to the AMX buffer type (this
+        build has one and the OS let the process use the AMX tiles; the type and shape fit its
+        kernels). The 32-element types (Q4_0, Q4_1, Q8_0) need two blocks per row at least: with
+        one, ggml's multi-row AMX kernel adds the product to what the result held."""
+        if type_id not in AMX_TYPES or rows % AMX_ROWS != 0:
+            return False
+        if type_id in AMX_TWO_BLOCKS and K < 2 * 32:
+            return False
+        return self.extra_buft(AMX_BUFT_NAME) is not None
 
     def repack_buft(self) -> Any:
         """ggml-cpu's repack buffer type (``CPU_REPACK``), or None where this build has none."""
@@ -448,19 +455,28 @@ def _runs_here(libdir: str) -> tuple[bool, str]:
     path = cache_dir() / f"ggml-build-{key}.json"
     try:
         got = json.loads(path.read_text())
-        return bool(got["ok"]), str(got["why"])
-    except (OSError, ValueError, KeyError, TypeError):
+        if isinstance(got, dict) and isinstance(got.get("ok"), bool) and isinstance(got.get("why"), str):
+            return got["ok"], got["why"]
+    except (OSError, ValueError):
         pass
+    # the child imports this checkout's vkxsplit (its directory first on the path, and the
+    # working directory, which -c would put first, set to it: nothing of the caller's directory
+    # is imported in its place)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         r = subprocess.run([sys.executable, "-c", _PROBE, libdir], capture_output=True, text=True, timeout=120,
-                           env=env)
-        ok = r.returncode == 0
-        why = "runs here" if ok else (f"killed by signal {-r.returncode}" if r.returncode < 0 else
-                                      f"exit status {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1]}")
+                           env=env, cwd=root)
     except subprocess.TimeoutExpired:
-        ok, why = False, "its self-test did not finish in 120 s"
+        return False, "its self-test did not finish in 120 s"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return False, f"its self-test could not start ({exc})"
+    ok = r.returncode == 0
+    if not ok and r.returncode > 0:  # (an exit status may be passing trouble: asked again next time)
+        return False, f"exit status {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1]}"
+    why = "runs here" if ok else f"killed by signal {-r.returncode}"
+    # cached: the build computed, or the CPU killed it (an instruction it lacks), which stays so
+    # for this build and CPU
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps({"ok": ok, "why": why, "libdir": libdir}))
@@ -508,10 +524,14 @@ def _load() -> Ggml:
                                      f"unset {LIBDIR_ENV} to use the {PACKAGE} wheel's ggml") from None
     fast = _llama_build()
     if fast is not None:
+        # no falling back to libggml-python's build here: this process may already hold the
+        # llama build's libggml-base (loaded globally), and two builds' symbols would mix
         try:
             return Ggml(fast[0], fast[1], LLAMA_PACKAGE)
         except (OSError, EnvironmentProblem) as exc:
-            log.info("%s: cannot use its ggml (%s): using %s", LLAMA_PACKAGE, exc, PACKAGE)
+            raise EnvironmentProblem(f"{LLAMA_PACKAGE} {fast[1]}: its ggml passed its self-test in a child process "
+                                     f"but does not load in this one ({exc})",
+                                     f"VKXSPLIT_DISABLE=ggml_llama uses {PACKAGE}'s ggml instead") from None
     try:
         import libggml
     except ImportError as exc:
@@ -692,7 +712,7 @@ class PackedWeight:
         first buffer type that takes them (``amx=False``: never AMX)."""
         if rows < 2:  # (a one-row matrix is 1-d to ggml: the converted kernels need 2-d)
             return None
-        names = ((AMX_BUFT_NAME,) if amx and g.amx_takes(type_id, rows) else ()) + (REPACK_BUFT_NAME,)
+        names = ((AMX_BUFT_NAME,) if amx and g.amx_takes(type_id, rows, K) else ()) + (REPACK_BUFT_NAME,)
         for name in names:
             buft = g.extra_buft(name)
             if buft is not None:
